@@ -1,0 +1,75 @@
+"""The ``hvdrun`` command line: parse, call, map :class:`HvdrunError` to exit codes. Nothing else.
+
+``hvdrun [OPTIONS] COMMAND...`` is short for ``hvdrun run [OPTIONS] COMMAND...``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import click
+
+from hvdrun import __version__
+from hvdrun.errors import HvdrunError
+
+
+class _HvdrunFailure(click.ClickException):
+    """An HvdrunError on its way out of click, keeping its exit code."""
+
+    def __init__(self, error: HvdrunError) -> None:
+        super().__init__(str(error))
+        self.exit_code = error.exit_code
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"hvdrun: error: {self.format_message()}", err=True)
+
+
+class _DefaultRunGroup(click.Group):
+    """A group whose default subcommand is ``run``; turns HvdrunError into exit codes."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except HvdrunError as e:
+            raise _HvdrunFailure(e) from e
+
+
+@click.group(cls=_DefaultRunGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hvdrun")
+def cli() -> None:
+    """Launch data-parallel PyTorch jobs on many hosts and GPUs (Horovod's horovodrun, rebuilt)."""
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@click.option("-np", "--num-proc", "num_proc", type=click.IntRange(min=1), help="Number of ranks (default: all slots).")
+@click.option("-H", "--hosts", help="Hosts and slots: 'a:4,b:4' (user@host:N, [ipv6]:N).")
+@click.option("--hostfile", type=click.Path(dir_okay=False), help="File with one 'host slots=N' per line.")
+@click.option("--cluster", help="A cluster from cluster_configs/ (localhost, polaris, ...).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A cluster YAML file.")
+@click.option("--gpus-per-node", type=click.IntRange(min=0), help="GPUs per host; pins CUDA_VISIBLE_DEVICES.")
+@click.option("--gpus-per-rank", type=click.IntRange(min=1), help="GPUs each rank gets (default 1).")
+@click.option("--launcher", type=click.Choice(["local", "ssh", "mpiexec"]), help="How to start workers.")
+@click.option("-x", "env_specs", multiple=True, metavar="VAR[=VALUE]", help="Forward or set a variable.")
+@click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank]<stream>:.")
+@click.option("--output-dir", "--output-filename", "output_dir", type=click.Path(file_okay=False),
+              help="Also write DIR/rank.N/stdout and stderr.")
+@click.option("--grace-period", "grace_s", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when stopping workers.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:
+    """Run COMMAND on every rank (a .py file runs under this Python)."""
+    from hvdrun.launch.job import RunOptions, plan_job, run_job
+
+    plan = plan_job(RunOptions(command=command, prefix_output=not no_prefix, **options), os.environ)
+    run_job(plan)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="hvdrun")

@@ -1,0 +1,208 @@
+"""Cluster YAML files -> frozen, validated :class:`ClusterConfig`.
+
+A cluster file describes one machine type::
+
+    name: polaris
+    launcher: mpiexec          # local | ssh | mpiexec
+    gpus_per_node: 4
+    gpu_order: [3, 2, 1, 0]    # CUDA_VISIBLE_DEVICES order; ints or MIG UUIDs
+    gpus_per_rank: 1
+    hosts: ["x3001c0s7b0n0:4"] # optional; usually the scheduler allocation is used
+    env: {NCCL_NET_GDR_LEVEL: PHB}
+    scheduler:
+      kind: pbs                # pbs | cobalt | slurm
+      queue: debug
+      account: MyProject
+      walltime: "01:00:00"
+      filesystems: [home, eagle]
+
+Unknown keys and wrong types raise :class:`ConfigError` naming the file, the key and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hvdrun.errors import ConfigError, HostSpecError
+from hvdrun.hosts import Host, merge_duplicates, parse_host_item
+from hvdrun.resources import data_dir
+
+LAUNCHERS = ("local", "ssh", "mpiexec")
+SCHEDULERS = ("pbs", "cobalt", "slurm")
+
+_TOP_KEYS = ("name", "description", "launcher", "gpus_per_node", "gpu_order", "gpus_per_rank", "hosts", "env",
+             "ssh_port", "scheduler")
+_SCHEDULER_KEYS = ("kind", "queue", "account", "walltime", "filesystems", "template", "extra_directives",
+                   "skip_directives", "max_nodes")
+
+
+@dataclass(frozen=True)
+class SchedulerDefaults:
+    """Defaults for job scripts of this cluster; ``hvdrun qsub`` flags override them."""
+
+    kind: str = "pbs"
+    queue: str | None = None
+    account: str | None = None
+    walltime: str | None = None
+    filesystems: tuple[str, ...] = ()
+    template: str | None = None
+    extra_directives: tuple[str, ...] = ()
+    skip_directives: tuple[str, ...] = ()
+    max_nodes: int | None = None
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """One machine type, as read from a cluster YAML file."""
+
+    name: str
+    source: str
+    launcher: str | None = None
+    gpus_per_node: int = 0
+    gpu_order: tuple[str, ...] | None = None
+    gpus_per_rank: int = 1
+    hosts: tuple[Host, ...] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    ssh_port: int | None = None
+    scheduler: SchedulerDefaults | None = None
+
+
+class _Section:
+    """Typed access to one mapping of a YAML file; errors name the file and the key."""
+
+    def __init__(self, data: Any, source: str, prefix: str, allowed: tuple[str, ...]) -> None:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: '{prefix or 'top level'}' must be a mapping, got {_kind(data)}")
+        unknown = [str(k) for k in data if k not in allowed]
+        if unknown:
+            raise ConfigError(f"{source}: unknown key '{prefix}{unknown[0]}'; allowed keys: {', '.join(allowed)}")
+        self.data, self.source, self.prefix = data, source, prefix
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+        value = self.data.get(key, default)
+        if value is None or value is default:
+            return value
+        if isinstance(value, bool) and kind is int or not isinstance(value, kind):
+            names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            raise ConfigError(f"{self.source}: '{self.prefix}{key}' must be {names}, got {_kind(value)} {value!r}")
+        return value
+
+    def positive_int(self, key: str, default: int | None) -> int | None:
+        value = self.get(key, int, default)
+        if value is not None and value < (0 if key == "gpus_per_node" else 1):
+            raise ConfigError(f"{self.source}: '{self.prefix}{key}' must be a positive integer, got {value}")
+        return value
+
+    def choice(self, key: str, choices: tuple[str, ...], default: str | None) -> str | None:
+        value = self.get(key, str, default)
+        if value is not None and value not in choices:
+            raise ConfigError(f"{self.source}: '{self.prefix}{key}' is '{value}'; expected one of {', '.join(choices)}")
+        return value
+
+    def str_list(self, key: str) -> tuple[str, ...]:
+        values = self.get(key, list, [])
+        for value in values:
+            if not isinstance(value, (str, int)) or isinstance(value, bool):
+                raise ConfigError(f"{self.source}: items of '{self.prefix}{key}' must be strings, got {value!r}")
+        return tuple(str(v) for v in values)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "nothing"}.get(type(value), type(value).__name__)
+
+
+def _parse_hosts(section: _Section) -> tuple[Host, ...] | None:
+    items = section.get("hosts", list)
+    if items is None:
+        return None
+    hosts = []
+    for index, item in enumerate(items):
+        where = f"{section.source}: hosts[{index}]"
+        if isinstance(item, dict):
+            entry = _Section(item, section.source, f"hosts[{index}].", ("name", "slots", "user"))
+            item = f"{entry.get('name', str, '')}:{entry.positive_int('slots', 1)}"
+            user = entry.get("user", str)
+            item = f"{user}@{item}" if user else item
+        if not isinstance(item, str):
+            raise ConfigError(f"{where} must be 'host:slots' or a mapping with name and slots, got {item!r}")
+        try:
+            hosts.append(parse_host_item(item, where))
+        except HostSpecError as e:
+            raise ConfigError(str(e)) from e
+    return merge_duplicates(hosts, f"{section.source}: hosts")
+
+
+def _parse_env(section: _Section) -> dict[str, str]:
+    env = section.get("env", dict, {})
+    for key, value in env.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ConfigError(f"{section.source}: env key {key!r} is not a valid variable name")
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{section.source}: env.{key} must be a string or number, got {value!r}")
+    return {key: str(value) for key, value in env.items()}
+
+
+def _parse_scheduler(top: _Section) -> SchedulerDefaults | None:
+    data = top.data.get("scheduler")
+    if data is None:
+        return None
+    s = _Section(data, top.source, "scheduler.", _SCHEDULER_KEYS)
+    return SchedulerDefaults(
+        kind=s.choice("kind", SCHEDULERS, "pbs") or "pbs",
+        queue=s.get("queue", str), account=s.get("account", str),
+        walltime=str(s.get("walltime", (str, int))) if s.data.get("walltime") is not None else None,
+        filesystems=s.str_list("filesystems"), template=s.get("template", str),
+        extra_directives=s.str_list("extra_directives"), skip_directives=s.str_list("skip_directives"),
+        max_nodes=s.positive_int("max_nodes", None),
+    )
+
+
+def parse_config(data: Any, source: str) -> ClusterConfig:
+    """Validate a decoded YAML document and return its :class:`ClusterConfig`."""
+    top = _Section(data, source, "", _TOP_KEYS)
+    gpus_per_node = top.positive_int("gpus_per_node", 0) or 0
+    gpu_order = top.str_list("gpu_order") or None
+    if gpu_order is not None and gpus_per_node and len(gpu_order) != gpus_per_node:
+        raise ConfigError(f"{source}: gpu_order lists {len(gpu_order)} GPUs but gpus_per_node is {gpus_per_node}")
+    return ClusterConfig(
+        name=top.get("name", str, Path(source).stem), source=source,
+        launcher=top.choice("launcher", LAUNCHERS, None),
+        gpus_per_node=gpus_per_node or (len(gpu_order) if gpu_order else 0), gpu_order=gpu_order,
+        gpus_per_rank=top.positive_int("gpus_per_rank", 1) or 1,
+        hosts=_parse_hosts(top), env=_parse_env(top),
+        ssh_port=top.positive_int("ssh_port", None), scheduler=_parse_scheduler(top),
+    )
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Read and validate the cluster YAML file at ``path``."""
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read cluster config '{path}': {e.strerror}") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    return parse_config(data, str(path))
+
+
+def available_clusters() -> list[str]:
+    """Names of the cluster files shipped in ``cluster_configs/``."""
+    return sorted(p.stem for p in data_dir("cluster_configs").glob("*.yaml"))
+
+
+def load_cluster(name: str) -> ClusterConfig:
+    """Load the shipped cluster file ``cluster_configs/<name>.yaml``."""
+    path = data_dir("cluster_configs") / f"{name}.yaml"
+    if "/" in name or not path.is_file():
+        raise ConfigError(f"unknown cluster '{name}'; available: {', '.join(available_clusters())} "
+                          "(or give a file with --config)")
+    return load_config(path)

@@ -1,0 +1,54 @@
+"""Typed exceptions, one per failure domain.
+
+Every error hvdrun raises on purpose derives from :class:`HvdrunError`. The CLI maps
+them to exit codes in one place (``hvdrun.cli.main``); nothing else prints errors.
+Messages say what was given, what was expected and, where it helps, an example.
+"""
+
+from __future__ import annotations
+
+USAGE_EXIT_CODE = 2
+
+
+class HvdrunError(Exception):
+    """Base of every error hvdrun raises deliberately."""
+
+    exit_code: int = 1
+
+
+class UsageError(HvdrunError):
+    """The command line asks for something impossible (exit code 2)."""
+
+    exit_code = USAGE_EXIT_CODE
+
+
+class HostSpecError(UsageError):
+    """A host list, hostfile or scheduler nodefile could not be parsed."""
+
+
+class ConfigError(UsageError):
+    """A cluster YAML file is missing, malformed or has an invalid key."""
+
+
+class LaunchError(HvdrunError):
+    """Workers could not be started."""
+
+
+class WorkerFailed(HvdrunError):
+    """A worker exited with a non-zero status; carries that status as the exit code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class JobInterrupted(HvdrunError):
+    """hvdrun received SIGINT or SIGTERM and stopped every worker."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class JobError(HvdrunError):
+    """A scheduler command (qsub, sbatch, qstat, ...) failed."""

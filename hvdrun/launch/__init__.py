@@ -1,0 +1,1 @@
+"""Launchers: start the workers of a job and supervise them (see ``base.py``)."""

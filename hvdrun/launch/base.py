@@ -1,0 +1,178 @@
+"""What every launcher shares: worker specs, the launcher interface and supervision.
+
+A :class:`Launcher` turns a :class:`WorkerSpec` into a running :class:`Worker`. A
+:class:`WorkerGroup` watches the workers of one job: when one fails, every other one gets
+SIGTERM and, after a grace period, SIGKILL of its whole process group; the first failure
+is reported as the root cause. SIGINT / SIGTERM to hvdrun tear the job down the same way.
+"""
+
+from __future__ import annotations
+
+import abc
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hvdrun.errors import JobInterrupted, WorkerFailed
+from hvdrun.launch.output import OutputRouter
+from hvdrun.ranks import Slot
+
+GUARD_SCRIPT = str(Path(__file__).with_name("guard.py"))
+_POLL_INTERVAL_S = 0.02
+_DRAIN_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything needed to start one rank.
+
+    Attributes:
+        slot: the rank's place in the job.
+        argv: the command, already resolved (a ``.py`` script runs under the Python).
+        env: the full environment of the worker.
+        cwd: working directory.
+    """
+
+    slot: Slot
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(repr=False)
+    cwd: str
+
+
+class Worker(abc.ABC):
+    """A started rank, seen from the launcher."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+
+    @abc.abstractmethod
+    def poll(self) -> int | None:
+        """The exit status (negative: killed by that signal) or None while running."""
+
+    @abc.abstractmethod
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the worker's whole process group; no error if it is gone."""
+
+
+class Launcher(abc.ABC):
+    """Starts workers; one subclass per way of starting them (local, ssh, mpiexec)."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+
+    @abc.abstractmethod
+    def start(self, spec: WorkerSpec, router: OutputRouter) -> Worker:
+        """Start one worker and attach its stdout/stderr to ``router``."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first worker that failed: the root cause of a job's failure."""
+
+    slot: Slot
+    status: int
+    seconds_after_start: float
+
+    @property
+    def exit_code(self) -> int:
+        """The worker's exit code; ``128 + N`` for death by signal N, like a shell."""
+        return self.status if self.status > 0 else 128 - self.status
+
+    def describe(self) -> str:
+        """``exited with code 3`` or ``was killed by signal 9 (SIGKILL)``."""
+        if self.status > 0:
+            return f"exited with code {self.status}"
+        return f"was killed by signal {-self.status} ({signal.Signals(-self.status).name})"
+
+
+class WorkerGroup:
+    """Supervises the workers of one job until all end, one fails, or hvdrun is interrupted."""
+
+    def __init__(self, launcher: Launcher, router: OutputRouter) -> None:
+        self.launcher, self.router = launcher, router
+        self.workers: list[Worker] = []
+        self._interrupt: int | None = None
+        self._wakeup = threading.Event()
+
+    def run(self, specs: Sequence[WorkerSpec]) -> None:
+        """Start every spec and supervise them.
+
+        Raises:
+            WorkerFailed: a worker exited non-zero; carries its exit code.
+            JobInterrupted: hvdrun got SIGINT or SIGTERM.
+        """
+        started = time.monotonic()
+        with self._stop_signals_handled():
+            try:
+                for spec in specs:
+                    self.workers.append(self.launcher.start(spec, self.router))
+                failure = self._supervise(started)
+            finally:
+                self._teardown()
+        self.router.drain(_DRAIN_TIMEOUT_S)
+        self._raise_for(failure)
+
+    def _supervise(self, started: float) -> Failure | None:
+        running = list(self.workers)
+        while running and self._interrupt is None:
+            for worker in list(running):
+                status = worker.poll()
+                if status is None:
+                    continue
+                running.remove(worker)
+                worker.signal_group(signal.SIGKILL)  # leftovers of a finished worker
+                if status != 0:
+                    return Failure(worker.slot, status, time.monotonic() - started)
+            self._wakeup.wait(_POLL_INTERVAL_S)
+        return None
+
+    def _teardown(self) -> None:
+        alive = [w for w in self.workers if w.poll() is None]
+        for worker in alive:
+            worker.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + self.launcher.grace_s
+        while any(w.poll() is None for w in alive) and time.monotonic() < deadline:
+            time.sleep(_POLL_INTERVAL_S)
+        for worker in self.workers:
+            worker.signal_group(signal.SIGKILL)
+        for worker in self.workers:
+            while worker.poll() is None:
+                time.sleep(_POLL_INTERVAL_S)
+
+    def _raise_for(self, failure: Failure | None) -> None:
+        if self._interrupt is not None:
+            name = signal.Signals(self._interrupt).name
+            raise JobInterrupted(f"received {name}; stopped all {len(self.workers)} workers",
+                                 128 + self._interrupt)
+        if failure is None:
+            return
+        others = len(self.workers) - 1
+        tail = self.router.stderr_tail(failure.slot.rank)
+        lines = [f"rank {failure.slot.rank} on host {failure.slot.hostname} {failure.describe()} "
+                 f"{failure.seconds_after_start:.1f} s after start (first failure); stopped the other "
+                 f"{others} rank{'s' if others != 1 else ''}"]
+        if tail:
+            lines.append(f"last lines of rank {failure.slot.rank} stderr:")
+            lines.extend(f"    {line}" for line in tail)
+        raise WorkerFailed("\n".join(lines), failure.exit_code)
+
+    @contextmanager
+    def _stop_signals_handled(self) -> Iterator[None]:
+        def on_signal(signum: int, _frame: object) -> None:
+            if self._interrupt is None:
+                self._interrupt = signum
+            self._wakeup.set()
+
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)

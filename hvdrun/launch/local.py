@@ -1,0 +1,58 @@
+"""Start workers on this machine, each under its own guard process (see ``guard.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from hvdrun.errors import LaunchError
+from hvdrun.launch.base import GUARD_SCRIPT, Launcher, Worker, WorkerSpec
+from hvdrun.launch.output import OutputRouter
+from hvdrun.ranks import Slot
+
+
+class LocalWorker(Worker):
+    """A worker started on this machine; its guard leads the worker's process group."""
+
+    def __init__(self, slot: Slot, process: subprocess.Popen[bytes]) -> None:
+        super().__init__(slot)
+        self.process = process
+
+    @property
+    def pid(self) -> int:
+        """Pid of the guard, which is also the id of the worker's process group."""
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class LocalLauncher(Launcher):
+    """Runs each worker as ``python guard.py GRACE -- argv`` in a new session.
+
+    The guard's stdin is a pipe that hvdrun never writes to and never closes: if hvdrun
+    dies, even by SIGKILL, the kernel closes it and the guard kills the worker's group.
+    """
+
+    def start(self, spec: WorkerSpec, router: OutputRouter) -> LocalWorker:
+        argv = [sys.executable, GUARD_SCRIPT, str(self.grace_s), "--", *spec.argv]
+        try:
+            process = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env=spec.env, cwd=spec.cwd, start_new_session=True,
+            )
+        except OSError as e:
+            raise LaunchError(f"cannot start rank {spec.slot.rank} on this machine: {e}") from e
+        assert process.stdout is not None and process.stderr is not None
+        router.attach(spec.slot.rank, "stdout", os.dup(process.stdout.fileno()))
+        router.attach(spec.slot.rank, "stderr", os.dup(process.stderr.fileno()))
+        process.stdout.close()
+        process.stderr.close()
+        return LocalWorker(spec.slot, process)

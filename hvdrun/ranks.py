@@ -1,0 +1,123 @@
+"""Rank assignment: hosts + number of processes -> one :class:`Slot` per rank. Pure, no I/O.
+
+Hosts are filled in the given order, all slots of a host before the next one (Horovod's
+rule). Example, ``-H a:2,b:4 -np 5``::
+
+    rank  host  local_rank  local_size  cross_rank  cross_size
+    0     a     0           2           0           2
+    1     a     1           2           0           2
+    2     b     0           3           1           2
+    3     b     1           3           1           2
+    4     b     2           3           0           1
+
+``cross_rank`` is the index of the host among the hosts that have a rank with the same
+local rank, ``cross_size`` the number of such hosts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hvdrun.errors import UsageError
+from hvdrun.hosts import Host
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """How GPUs are handed out on every host.
+
+    Attributes:
+        gpus_per_node: GPUs on each host (0: no pinning).
+        gpu_order: device ids in the machine's order (Polaris: 3,2,1,0); default 0..G-1.
+        gpus_per_rank: consecutive devices each rank gets.
+    """
+
+    gpus_per_node: int = 0
+    gpu_order: tuple[str, ...] | None = None
+    gpus_per_rank: int = 1
+
+    def devices_for(self, local_rank: int, host: str) -> tuple[str, ...]:
+        """The devices of ``local_rank`` on ``host``; raises UsageError when there are too few."""
+        if not self.gpus_per_node:
+            return ()
+        order = self.gpu_order or tuple(str(i) for i in range(self.gpus_per_node))
+        start = local_rank * self.gpus_per_rank
+        if start + self.gpus_per_rank > len(order):
+            raise UsageError(
+                f"host '{host}' has {len(order)} GPUs but local rank {local_rank} needs GPUs "
+                f"{start}..{start + self.gpus_per_rank - 1} ({self.gpus_per_rank} per rank); "
+                "lower -np or the slots of that host, or --gpus-per-rank"
+            )
+        return tuple(order[start:start + self.gpus_per_rank])
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one rank runs and its place in the job's topology."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    host: Host
+    host_index: int
+    devices: tuple[str, ...] = ()
+
+    @property
+    def hostname(self) -> str:
+        """The host's name as the user gave it."""
+        return self.host.name
+
+
+def total_slots(hosts: Sequence[Host]) -> int:
+    """Number of ranks the hosts can hold."""
+    return sum(host.slots for host in hosts)
+
+
+def _ranks_per_host(hosts: Sequence[Host], num_proc: int) -> list[int]:
+    counts, left = [], num_proc
+    for host in hosts:
+        take = min(host.slots, left)
+        counts.append(take)
+        left -= take
+    return counts
+
+
+def assign_slots(hosts: Sequence[Host], num_proc: int, gpus: GpuLayout | None = None) -> list[Slot]:
+    """Assign ``num_proc`` ranks to ``hosts`` in order.
+
+    Args:
+        hosts: the hosts, in the order ranks fill them.
+        num_proc: number of ranks; never more are started.
+        gpus: GPU layout for ``CUDA_VISIBLE_DEVICES`` pinning, or None.
+
+    Returns:
+        One slot per rank, sorted by rank. Hosts that get no rank are left out.
+
+    Raises:
+        UsageError: ``num_proc`` is below 1 or above the total slots, or GPUs run out.
+    """
+    available = total_slots(hosts)
+    if num_proc < 1:
+        raise UsageError(f"-np must be at least 1, got {num_proc}")
+    if num_proc > available:
+        listed = ",".join(f"{h.name}:{h.slots}" for h in hosts)
+        raise UsageError(f"-np {num_proc} is more than the {available} slots of the hosts ({listed}); "
+                         f"lower -np or add slots, e.g. -H {hosts[0].name}:{num_proc}")
+    layout = gpus or GpuLayout()
+    counts = _ranks_per_host(hosts, num_proc)
+    used = [(index, host, count) for index, (host, count) in enumerate(zip(hosts, counts)) if count]
+    slots, rank = [], 0
+    for host_index, (_, host, count) in enumerate(used):
+        for local_rank in range(count):
+            peers = [i for i, (_, _, c) in enumerate(used) if c > local_rank]
+            slots.append(Slot(
+                rank=rank, size=num_proc, local_rank=local_rank, local_size=count,
+                cross_rank=peers.index(host_index), cross_size=len(peers), host=host,
+                host_index=host_index, devices=layout.devices_for(local_rank, host.name),
+            ))
+            rank += 1
+    return slots
