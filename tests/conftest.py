@@ -1,0 +1,63 @@
+"""Shared fixtures: run hvdrun as a real process and find the processes a job left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TOKEN_VAR = "HVDRUN_TEST_TOKEN"
+
+
+def job_processes(token: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose environment carries ``token``."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(TOKEN_VAR) == token:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    """Poll ``condition`` until it holds or ``timeout_s`` passes; return its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.fixture
+def token() -> str:
+    """A unique marker put in the environment of hvdrun and so of every process of the job."""
+    return uuid.uuid4().hex
+
+
+@pytest.fixture
+def hvdrun_env(token: str) -> dict[str, str]:
+    """Environment for an hvdrun process whose job can be traced by ``token``."""
+    return {**os.environ, TOKEN_VAR: token, "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def run_hvdrun(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
+    """Run ``hvdrun ARGS`` to completion; afterwards assert no process of the job is left."""
+
+    def run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hvdrun", *args], env=hvdrun_env, cwd=kwargs.pop("cwd", tmp_path),
+                              capture_output=True, text=True, timeout=timeout, **kwargs)
+
+    yield run
+    assert wait_until(lambda: not job_processes(token)), f"left behind: {job_processes(token)}"

@@ -1,0 +1,98 @@
+"""Every usage error: exit code 2, one clear line naming what was wrong, no traceback, nothing started."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from hvdrun.cli import cli
+
+
+@pytest.fixture
+def invoke(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("PBS_NODEFILE", "COBALT_NODEFILE", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run(*args, env=None):
+        return CliRunner().invoke(cli, list(args), env=env)
+
+    return run
+
+
+def assert_usage_error(result, tmp_path, *fragments):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in result.output
+    assert not (tmp_path / "started").exists(), "a worker was started despite the error"
+
+
+START = ("touch", "started")
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (("-H", "node1:x"), ["-H 'node1:x': slots must be a positive integer, got 'x'"]),
+    (("-H", "node1"), ["'node1' is not host:slots", "-H node1:4,node2:4"]),
+    (("-H", "a;reboot:1"), ["invalid host name 'a;reboot'"]),
+    (("-np", "5", "-H", "localhost:2"), ["-np 5 is more than the 2 slots"]),
+    (("-np", "0"), ["Invalid value for '-np'"]),
+    (("--bogus",), ["No such option '--bogus'"]),
+    (("-H", "localhost:1", "--hostfile", "h"), ["either -H or --hostfile"]),
+    (("--cluster", "frontier"), ["unknown cluster 'frontier'"]),
+    (("--cluster", "localhost", "--config", "x.yaml"), ["either --cluster NAME or --config FILE"]),
+    (("-x", "HVDRUN_SURELY_UNSET"), ["-x HVDRUN_SURELY_UNSET: HVDRUN_SURELY_UNSET is not set"]),
+    (("-np", "2", "--gpus-per-node", "1"), ["host 'localhost' has 1 GPUs but local rank 1 needs"]),
+    (("-H", "elsewhere.invalid:2"), ["host 'elsewhere.invalid' is not this machine"]),
+    (("--launcher", "ssh"), ["launcher 'ssh' is not available"]),
+])
+def test_usage_errors(invoke, tmp_path, args, fragments):
+    assert_usage_error(invoke(*args, *START), tmp_path, *fragments)
+
+
+def test_hostfile_error_names_file_and_line(invoke, tmp_path):
+    (tmp_path / "hosts").write_text("localhost slots=2\nlocalhost2 slots=two\n")
+    assert_usage_error(invoke("--hostfile", "hosts", *START), tmp_path, "hostfile hosts, line 2: slots must be")
+
+
+def test_yaml_error_names_file_and_key(invoke, tmp_path):
+    (tmp_path / "c.yaml").write_text("gpus_per_node: 1\nlauncher: local\nslotz: 3\n")
+    assert_usage_error(invoke("--config", "c.yaml", *START), tmp_path, "c.yaml: unknown key 'slotz'; allowed keys")
+
+
+def test_missing_nodefile_of_the_allocation(invoke, tmp_path):
+    result = invoke(*START, env={"PBS_NODEFILE": str(tmp_path / "gone")})
+    assert_usage_error(result, tmp_path, "cannot read PBS nodefile", "gone")
+
+
+def test_bad_slurm_nodelist_of_the_allocation(invoke, tmp_path):
+    result = invoke(*START, env={"SLURM_JOB_NODELIST": "nid[3-1]"})
+    assert_usage_error(result, tmp_path, "SLURM_JOB_NODELIST: cannot expand 'nid[3-1]'")
+
+
+def test_missing_script_and_program(invoke, tmp_path):
+    assert_usage_error(invoke("train.py"), tmp_path, "script 'train.py' not found")
+    assert_usage_error(invoke("no-such-program-hvd"), tmp_path, "program 'no-such-program-hvd' not found")
+
+
+def test_no_command(invoke, tmp_path):
+    assert_usage_error(invoke("-np", "2"), tmp_path, "Missing argument 'COMMAND...'")
+
+
+def test_error_is_one_line(invoke, tmp_path):
+    result = invoke("-H", "node1:x", *START)
+    assert result.output.strip().count("\n") == 0
+    assert result.output.startswith("hvdrun: error: ")
+
+
+def test_allocation_hosts_are_used_when_none_given(invoke, tmp_path):
+    (tmp_path / "nodefile").write_text("localhost\nlocalhost\n")
+    result = invoke("--no-prefix", "python3", "-c", "import os; print('size', os.environ['HVDRUN_SIZE'])",
+                    env={"PBS_NODEFILE": str(tmp_path / "nodefile")})
+    assert result.exit_code == 0, result.output
+    assert result.output.count("size 2") == 2
+
+
+def test_version_and_help(invoke):
+    assert invoke("--version").output.startswith("hvdrun, version")
+    assert "COMMAND" in invoke("run", "--help").output

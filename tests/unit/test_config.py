@@ -1,0 +1,77 @@
+"""Cluster YAML validation and the shipped cluster files."""
+
+from __future__ import annotations
+
+import pytest
+
+from hvdrun.config import available_clusters, load_cluster, load_config
+from hvdrun.errors import ConfigError
+from hvdrun.hosts import Host
+
+
+def write(tmp_path, text):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_full_config(tmp_path):
+    config = load_config(write(tmp_path, """
+name: mini
+launcher: local
+gpus_per_node: 4
+gpu_order: [3, 2, 1, 0]
+gpus_per_rank: 2
+hosts: ["n1:2", {name: n2, slots: 2, user: bob}]
+env: {NCCL_DEBUG: INFO, OMP_NUM_THREADS: 4}
+scheduler: {kind: slurm, queue: debug, walltime: 90, filesystems: [home]}
+"""))
+    assert config.name == "mini" and config.launcher == "local"
+    assert config.gpu_order == ("3", "2", "1", "0") and config.gpus_per_rank == 2
+    assert config.hosts == (Host("n1", 2), Host("n2", 2, "bob"))
+    assert config.env == {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4"}
+    assert config.scheduler.kind == "slurm" and config.scheduler.walltime == "90"
+    assert config.scheduler.filesystems == ("home",)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("gpus_per_nodes: 4\n", "unknown key 'gpus_per_nodes'; allowed keys: name, "),
+    ("gpus_per_node: four\n", "'gpus_per_node' must be int, got a string 'four'"),
+    ("gpus_per_node: true\n", "'gpus_per_node' must be int, got a boolean"),
+    ("launcher: slurmrun\n", "'launcher' is 'slurmrun'; expected one of local, ssh, mpiexec"),
+    ("scheduler: {kind: lsf}\n", "'scheduler.kind' is 'lsf'; expected one of pbs, cobalt, slurm"),
+    ("scheduler: {queues: debug}\n", "unknown key 'scheduler.queues'"),
+    ("gpus_per_node: 4\ngpu_order: [0, 1]\n", "gpu_order lists 2 GPUs but gpus_per_node is 4"),
+    ("hosts: ['n1']\n", "hosts\\[0\\]: 'n1' is not host:slots"),
+    ("hosts: [{name: n1, slots: 0}]\n", "'hosts\\[0\\].slots' must be a positive integer"),
+    ("env: {1BAD: x}\n", "env key '1BAD' is not a valid variable name"),
+    ("- a\n- b\n", "'top level' must be a mapping, got a list"),
+    ("name: [unclosed\n", "not valid YAML"),
+])
+def test_errors_name_file_and_key(tmp_path, text, fragment):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=fragment) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read cluster config"):
+        load_config(tmp_path / "none.yaml")
+
+
+def test_every_shipped_cluster_loads():
+    names = available_clusters()
+    assert {"localhost", "polaris", "aurora", "sophia", "thetagpu-cobalt", "slurm"} <= set(names)
+    for name in names:
+        assert load_cluster(name).name == name
+
+
+def test_polaris_lists_gpus_reversed():
+    config = load_cluster("polaris")
+    assert config.gpu_order == ("3", "2", "1", "0") and config.scheduler.kind == "pbs"
+
+
+def test_unknown_cluster_lists_the_available_ones():
+    with pytest.raises(ConfigError, match="unknown cluster 'frontier'; available: aurora, localhost"):
+        load_cluster("frontier")

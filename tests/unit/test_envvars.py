@@ -1,0 +1,48 @@
+"""The launcher -> worker environment contract."""
+
+from __future__ import annotations
+
+import pytest
+
+from hvdrun import envvars
+from hvdrun.errors import UsageError
+from hvdrun.hosts import Host
+from hvdrun.ranks import GpuLayout, assign_slots
+
+RDV = envvars.Rendezvous(addr="10.0.0.1", port=1234, master_port=1235, secret="s3cr3t", job_id="ab12")
+
+
+def test_every_rank_gets_hvdrun_horovod_and_torchrun_names():
+    slots = assign_slots([Host("a", 2), Host("b", 2)], 4, GpuLayout(2, ("1", "0")))
+    env = envvars.worker_env(slots[3], RDV)
+    assert env["HVDRUN_RANK"] == env["HOROVOD_RANK"] == env["RANK"] == "3"
+    assert env["HVDRUN_SIZE"] == env["HOROVOD_SIZE"] == env["WORLD_SIZE"] == "4"
+    assert env["HVDRUN_LOCAL_RANK"] == env["HOROVOD_LOCAL_RANK"] == env["LOCAL_RANK"] == "1"
+    assert env["HVDRUN_LOCAL_SIZE"] == env["HOROVOD_LOCAL_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["HVDRUN_CROSS_RANK"] == env["HOROVOD_CROSS_RANK"] == "1"
+    assert env["HVDRUN_CROSS_SIZE"] == env["HOROVOD_CROSS_SIZE"] == "2"
+    assert env["GROUP_RANK"] == "1"
+    assert env["HVDRUN_HOSTNAME"] == env["HOROVOD_HOSTNAME"] == "b"
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "1235")
+    assert (env["HVDRUN_RENDEZVOUS_ADDR"], env["HVDRUN_RENDEZVOUS_PORT"]) == ("10.0.0.1", "1234")
+    assert env["HVDRUN_SECRET"] == "s3cr3t" and env["HVDRUN_JOB_ID"] == "ab12"
+    assert env["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_no_gpus_leaves_cuda_visible_devices_alone():
+    slot = assign_slots([Host("a", 1)], 1)[0]
+    assert "CUDA_VISIBLE_DEVICES" not in envvars.worker_env(slot, RDV)
+
+
+def test_forwarded_env():
+    assert envvars.forwarded_env(["A", "B=2", "C="], {"A": "1"}) == {"A": "1", "B": "2", "C": ""}
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("MISSING", "MISSING is not set in hvdrun's environment"),
+    ("1X=2", "'1X' is not a valid environment variable name"),
+    ("A B=1", "'A B' is not a valid"),
+])
+def test_forwarded_env_errors(spec, fragment):
+    with pytest.raises(UsageError, match=fragment):
+        envvars.forwarded_env([spec], {})
