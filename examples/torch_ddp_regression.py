@@ -48,6 +48,7 @@ def main() -> None:
     if rank == 0:
         coefficients = ", ".join(f"{c:.4f}" for c in model.weight.detach()[0].tolist())
         print(f"ranks={size} epochs={args.epochs} coefficients=[{coefficients}] mse={mse.item() / size:.6f}")
+    dist.barrier()  # no rank tears down gloo while a peer is still using it
     dist.destroy_process_group()
 
 

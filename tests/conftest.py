@@ -55,9 +55,11 @@ def hvdrun_env(token: str) -> dict[str, str]:
 def run_hvdrun(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
     """Run ``hvdrun ARGS`` to completion; afterwards assert no process of the job is left."""
 
-    def run(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "hvdrun", *args], env=hvdrun_env, cwd=kwargs.pop("cwd", tmp_path),
-                              capture_output=True, text=True, timeout=timeout, **kwargs)
+    def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([sys.executable, "-m", "hvdrun", *args], env=hvdrun_env, cwd=tmp_path,
+                              capture_output=True, timeout=timeout)
+        # decoded by hand: text mode would turn the workers' \r into \n
+        return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
 
     yield run
     assert wait_until(lambda: not job_processes(token)), f"left behind: {job_processes(token)}"

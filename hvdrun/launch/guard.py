@@ -49,7 +49,8 @@ def _exit_like(returncode: int) -> None:
     if returncode >= 0:
         sys.exit(returncode)
     signum = -returncode
-    signal.signal(signum, signal.SIG_DFL)
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):  # their handlers cannot be changed
+        signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     sys.exit(128 + signum)
 

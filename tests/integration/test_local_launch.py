@@ -1,0 +1,190 @@
+"""Local launch with real processes: env, output, failures, signals, and no process left behind."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from tests.conftest import REPO, job_processes, wait_until
+
+pytestmark = pytest.mark.integration
+
+ENV_DUMP = """
+import json, os
+keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+        "HVDRUN_RANK", "HVDRUN_SIZE", "HVDRUN_LOCAL_RANK", "HVDRUN_LOCAL_SIZE", "HVDRUN_CROSS_RANK",
+        "HVDRUN_CROSS_SIZE", "HVDRUN_HOSTNAME", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
+        "HVDRUN_RENDEZVOUS_ADDR", "HVDRUN_RENDEZVOUS_PORT", "HVDRUN_SECRET", "CUDA_VISIBLE_DEVICES",
+        "FORWARDED", "SET_HERE", "FROM_CONFIG"]
+print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}))
+"""
+
+# Every rank reports "ready", starts a grandchild in its process group, then sleeps; rank 1 may fail.
+SLEEPER = """
+import os, signal, subprocess, sys, time
+rank = int(os.environ["RANK"])
+mode = sys.argv[1]
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+if mode == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+if rank == 1 and mode in ("fail", "ignore-term"):
+    time.sleep(0.5)
+    print("rank 1 is about to fail", file=sys.stderr, flush=True)
+    sys.exit(3)
+if rank == 1 and mode == "sigkill":
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(300)
+"""
+
+
+def script(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def env_lines(stdout):
+    return [json.loads(line.split("ENV ", 1)[1]) for line in stdout.splitlines() if "ENV " in line]
+
+
+def test_every_rank_gets_its_environment(run_hvdrun, hvdrun_env, tmp_path):
+    path = script(tmp_path, "env.py", ENV_DUMP)
+    (tmp_path / "c.yaml").write_text("hosts: ['localhost:2', '127.0.0.1:2']\nenv: {FROM_CONFIG: from-yaml}\n"
+                                     "gpus_per_node: 2\ngpu_order: [1, 0]\n")
+    hvdrun_env["FORWARDED"] = "fwd"
+    result = run_hvdrun("--config", "c.yaml", "-x", "FORWARDED", "-x", "SET_HERE=1", path)
+    assert result.returncode == 0, result.stderr
+    envs = sorted(env_lines(result.stdout), key=lambda e: int(e["RANK"]))
+    assert [(e["RANK"], e["LOCAL_RANK"], e["HVDRUN_CROSS_RANK"], e["GROUP_RANK"], e["HVDRUN_HOSTNAME"],
+             e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [
+        ("0", "0", "0", "0", "localhost", "1"), ("1", "1", "0", "0", "localhost", "0"),
+        ("2", "0", "1", "1", "127.0.0.1", "1"), ("3", "1", "1", "1", "127.0.0.1", "0")]
+    for env in envs:
+        assert env["WORLD_SIZE"] == env["HVDRUN_SIZE"] == env["HOROVOD_SIZE"] == "4"
+        assert env["HVDRUN_RANK"] == env["HOROVOD_RANK"] == env["RANK"]
+        assert env["LOCAL_WORLD_SIZE"] == env["HVDRUN_LOCAL_SIZE"] == "2" and env["HVDRUN_CROSS_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == env["HVDRUN_RENDEZVOUS_ADDR"] == "127.0.0.1"
+        assert env["MASTER_PORT"] != env["HVDRUN_RENDEZVOUS_PORT"]
+        assert env["FORWARDED"] == "fwd" and env["SET_HERE"] == "1" and env["FROM_CONFIG"] == "from-yaml"
+    assert len({e["HVDRUN_SECRET"] for e in envs}) == 1 and len(envs[0]["HVDRUN_SECRET"]) == 64
+
+
+def test_each_job_gets_a_new_secret(run_hvdrun, tmp_path):
+    path = script(tmp_path, "env.py", ENV_DUMP)
+    secrets = {env_lines(run_hvdrun("-np", "1", path).stdout)[0]["HVDRUN_SECRET"] for _ in range(2)}
+    assert len(secrets) == 2
+
+
+def test_output_prefixes_and_log_files(run_hvdrun, tmp_path):
+    path = script(tmp_path, "out.py", """
+        import os, sys
+        rank = os.environ["RANK"]
+        print(f"hello {rank}")
+        sys.stdout.write("10%\\r50%\\r100%\\n")
+        sys.stderr.write(f"warning {rank}\\n")
+        sys.stdout.write(f"no newline {rank}")
+    """)
+    result = run_hvdrun("-np", "2", "--output-dir", "logs", path)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:hello {rank}\n" in result.stdout
+        assert f"[{rank}]<stdout>:10%\r[{rank}]<stdout>:50%\r[{rank}]<stdout>:100%\n" in result.stdout
+        assert f"[{rank}]<stdout>:no newline {rank}\n" in result.stdout
+        assert f"[{rank}]<stderr>:warning {rank}\n" in result.stderr
+        logs = tmp_path / "logs" / f"rank.{rank}"
+        assert (logs / "stdout").read_bytes().decode() == f"hello {rank}\n10%\r50%\r100%\nno newline {rank}"
+        assert (logs / "stderr").read_text() == f"warning {rank}\n"
+
+
+def test_no_prefix(run_hvdrun, tmp_path):
+    result = run_hvdrun("-np", "2", "--no-prefix", "echo", "plain")
+    assert result.stdout == "plain\nplain\n"
+
+
+def test_nothing_lost_when_workers_exit_right_after_writing(run_hvdrun, tmp_path):
+    path = script(tmp_path, "burst.py", """
+        import os, sys
+        out = sys.stdout
+        for i in range(20000):
+            out.write(f"line {i}\\n")
+        out.write("last")
+        os._exit(0)
+    """)
+    result = run_hvdrun("-np", "2", "--no-prefix", path)
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 * 20001 and lines.count("last") == 2 and lines.count("line 19999") == 2
+
+
+def test_failing_rank_tears_the_job_down(run_hvdrun, tmp_path):
+    path = script(tmp_path, "sleeper.py", SLEEPER)
+    result = run_hvdrun("-np", "4", path, "fail")
+    assert result.returncode == 3
+    message = result.stderr.split("hvdrun: error: ", 1)[1]
+    assert message.startswith("rank 1 on host localhost exited with code 3")
+    assert "(first failure); stopped the other 3 ranks" in message
+    assert "last lines of rank 1 stderr:\n    rank 1 is about to fail" in message
+    assert "Traceback" not in result.stderr
+
+
+def test_rank_that_ignores_sigterm_is_killed_after_the_grace_period(run_hvdrun, tmp_path):
+    path = script(tmp_path, "sleeper.py", SLEEPER)
+    result = run_hvdrun("-np", "3", "--grace-period", "0.5", path, "ignore-term")
+    assert result.returncode == 3
+    assert "rank 1 on host localhost exited with code 3" in result.stderr
+
+
+def test_rank_killed_by_a_signal(run_hvdrun, tmp_path):
+    path = script(tmp_path, "sleeper.py", SLEEPER)
+    result = run_hvdrun("-np", "2", path, "sigkill")
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "rank 1 on host localhost was killed by signal 9 (SIGKILL)" in result.stderr
+
+
+def start_and_wait_ready(hvdrun_env, tmp_path, ranks, *args):
+    """Start hvdrun in the background and return it once every rank printed 'ready'."""
+    path = script(tmp_path, "sleeper.py", SLEEPER)
+    proc = subprocess.Popen([sys.executable, "-m", "hvdrun", "-np", str(ranks), *args, path, "sleep"],
+                            env=hvdrun_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    ready = 0
+    while ready < ranks:
+        ready += "ready" in lines.get(timeout=30)
+    return proc
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_hvdrun_stops_every_worker(hvdrun_env, tmp_path, token, signum):
+    proc = start_and_wait_ready(hvdrun_env, tmp_path, 3)
+    assert len(job_processes(token)) >= 1 + 3 * 3  # hvdrun + (guard, worker, grandchild) per rank
+    proc.send_signal(signum)
+    assert proc.wait(timeout=30) == 128 + signum
+    assert f"received {signal.Signals(signum).name}; stopped all 3 workers" in proc.stderr.read()
+    assert wait_until(lambda: not job_processes(token)), job_processes(token)
+
+
+def test_sigkill_of_hvdrun_leaves_no_worker(hvdrun_env, tmp_path, token):
+    proc = start_and_wait_ready(hvdrun_env, tmp_path, 3, "--grace-period", "1")
+    proc.kill()
+    proc.wait(timeout=10)
+    assert wait_until(lambda: not job_processes(token)), job_processes(token)
+
+
+def test_torchrun_style_env_script_runs_unchanged(run_hvdrun):
+    example = str(REPO / "examples" / "torch_ddp_regression.py")
+    two = run_hvdrun("-np", "2", example, "--epochs", "100", timeout=120)
+    one = run_hvdrun("-np", "1", example, "--epochs", "100", timeout=120)
+    assert two.returncode == 0 and one.returncode == 0, two.stderr + one.stderr
+    lines = [r.stdout.split("coefficients=", 1)[1].split()[0] for r in (one, two)]
+    assert lines[0] == lines[1]
+    assert "[0]<stdout>:ranks=2 epochs=100" in two.stdout
