@@ -19,7 +19,7 @@ class _HvdrunFailure(click.ClickException):
 
     def __init__(self, error: HvdrunError) -> None:
         super().__init__(str(error))
-        self.exit_code = error.exit_code
+        self.exit_code = error.exit_code  # type: ignore[misc]  # click declares it on the class
 
     def show(self, file: Any = None) -> None:
         click.echo(f"hvdrun: error: {self.format_message()}", err=True)

@@ -100,10 +100,12 @@ def forwarded_env(specs: Sequence[str], environ: Mapping[str, str]) -> dict[str,
     for spec in specs:
         name, sep, value = spec.partition("=")
         if not _VAR_NAME_RE.match(name):
-            raise UsageError(f"-x {spec}: '{name}' is not a valid environment variable name; expected -x NAME or -x NAME=value")
+            raise UsageError(f"-x {spec}: '{name}' is not a valid environment variable name; "
+                             "expected -x NAME or -x NAME=value")
         if not sep:
             if name not in environ:
-                raise UsageError(f"-x {name}: {name} is not set in hvdrun's environment; set it or give -x {name}=value")
+                raise UsageError(f"-x {name}: {name} is not set in hvdrun's environment; "
+                                 f"set it or give -x {name}=value")
             value = environ[name]
         result[name] = value
     return result

@@ -97,7 +97,8 @@ def merge_duplicates(hosts: Iterable[Host], where: str) -> tuple[Host, ...]:
     for host in hosts:
         key = (host.user, host.name)
         if key in seen:
-            raise HostSpecError(f"{where}: host '{host.name}' is listed more than once; give it once with all its slots")
+            raise HostSpecError(f"{where}: host '{host.name}' is listed more than once; "
+                                "give it once with all its slots")
         seen.add(key)
     return hosts
 
@@ -192,7 +193,7 @@ def parse_slurm_allocation(nodelist: str, tasks_per_node: str | None) -> tuple[H
     names = expand_slurm_hostlist(nodelist)
     slots = parse_tasks_per_node(tasks_per_node, len(names)) if tasks_per_node else [1] * len(names)
     where = "SLURM_JOB_NODELIST"
-    return merge_duplicates([Host(validate_hostname(n, where), s) for n, s in zip(names, slots)], where)
+    return merge_duplicates([Host(validate_hostname(n, where), s) for n, s in zip(names, slots, strict=True)], where)
 
 
 def detect_allocation(environ: Mapping[str, str]) -> tuple[str, tuple[Host, ...]] | None:

@@ -109,11 +109,11 @@ def assign_slots(hosts: Sequence[Host], num_proc: int, gpus: GpuLayout | None = 
                          f"lower -np or add slots, e.g. -H {hosts[0].name}:{num_proc}")
     layout = gpus or GpuLayout()
     counts = _ranks_per_host(hosts, num_proc)
-    used = [(index, host, count) for index, (host, count) in enumerate(zip(hosts, counts)) if count]
+    used = [(host, count) for host, count in zip(hosts, counts, strict=True) if count]
     slots, rank = [], 0
-    for host_index, (_, host, count) in enumerate(used):
+    for host_index, (host, count) in enumerate(used):
         for local_rank in range(count):
-            peers = [i for i, (_, _, c) in enumerate(used) if c > local_rank]
+            peers = [i for i, (_, c) in enumerate(used) if c > local_rank]
             slots.append(Slot(
                 rank=rank, size=num_proc, local_rank=local_rank, local_size=count,
                 cross_rank=peers.index(host_index), cross_size=len(peers), host=host,

@@ -166,7 +166,7 @@ def start_and_wait_ready(hvdrun_env, tmp_path, ranks, *args):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupting_hvdrun_stops_every_worker(hvdrun_env, tmp_path, token, signum):
     proc = start_and_wait_ready(hvdrun_env, tmp_path, 3)
-    assert len(job_processes(token)) >= 1 + 3 * 3  # hvdrun + (guard, worker, grandchild) per rank
+    assert wait_until(lambda: len(job_processes(token)) >= 1 + 3 * 3)  # hvdrun + (guard, worker, grandchild) x 3
     proc.send_signal(signum)
     assert proc.wait(timeout=30) == 128 + signum
     assert f"received {signal.Signals(signum).name}; stopped all 3 workers" in proc.stderr.read()
