@@ -109,3 +109,118 @@ def forwarded_env(specs: Sequence[str], environ: Mapping[str, str]) -> dict[str,
             value = environ[name]
         result[name] = value
     return result
+
+
+# -- the worker side: who started us? -------------------------------------------------------
+
+START_TIMEOUT = "HVDRUN_START_TIMEOUT"
+TRANSPORT = "HVDRUN_TRANSPORT"
+FUSION_THRESHOLD = ("HVDRUN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD")
+STALL_WARNING_S = ("HVDRUN_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS")
+STALL_ERROR_S = ("HVDRUN_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+CYCLE_TIME_MS = ("HVDRUN_CYCLE_TIME", "HOROVOD_CYCLE_TIME")
+
+# (rank, size) variables of the launchers we recognise, in order of preference
+_MPI_RANKS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"), ("PALS_RANKID", "PMI_SIZE"))
+_SLURM_RANK = ("SLURM_PROCID", "SLURM_NTASKS")
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What a worker learns from its environment about the job it belongs to.
+
+    Attributes:
+        rank: global rank.
+        size: number of ranks.
+        launcher: "hvdrun", "mpi", "slurm" or "single" (no launcher: size 1).
+        hostname: this host's name as the launcher knows it.
+        rendezvous_addr: rank 0's control address (None for "mpi" and "single").
+        rendezvous_port: rank 0's control port.
+        secret: the job's secret, hex.
+        job_id: names the job in shared-memory segments.
+        master_addr: torch.distributed's store address (for gloo/nccl backends).
+        master_port: torch.distributed's store port.
+    """
+
+    rank: int
+    size: int
+    launcher: str
+    hostname: str
+    rendezvous_addr: str | None = None
+    rendezvous_port: int | None = None
+    secret: str | None = None
+    job_id: str = "single"
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def env_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    """An integer variable; raises UsageError naming the variable when it is not an integer."""
+    value = environ.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise UsageError(f"{name} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"{name}={value!r} is not an integer") from None
+
+
+def env_number(environ: Mapping[str, str], names: tuple[str, ...], default: float) -> float:
+    """The first of ``names`` that is set, as a number (hvdrun's name first, then Horovod's)."""
+    for name in names:
+        value = environ.get(name)
+        if value:
+            try:
+                return float(value)
+            except ValueError:
+                raise UsageError(f"{name}={value!r} is not a number") from None
+    return default
+
+
+def _hostname(environ: Mapping[str, str]) -> str:
+    import socket
+
+    return environ.get(HOSTNAME) or socket.gethostname()
+
+
+def _slurm_rendezvous_addr(environ: Mapping[str, str]) -> str | None:
+    if environ.get(TORCH_MASTER_ADDR):
+        return environ[TORCH_MASTER_ADDR]
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    from hvdrun.hosts import expand_slurm_hostlist
+
+    return expand_slurm_hostlist(nodelist)[0]
+
+
+def read_launch_info(environ: Mapping[str, str]) -> LaunchInfo:
+    """Find out who started this worker: hvdrun, an MPI launcher, srun, or nobody (size 1).
+
+    Raises:
+        UsageError: a variable is malformed, or a Slurm job lacks what the rendezvous needs.
+    """
+    master_port = env_int(environ, TORCH_MASTER_PORT, 0) or None
+    common = {"hostname": _hostname(environ), "master_addr": environ.get(TORCH_MASTER_ADDR),
+              "master_port": master_port}
+    if RANK in environ:
+        return LaunchInfo(rank=env_int(environ, RANK), size=env_int(environ, SIZE), launcher="hvdrun",
+                          rendezvous_addr=environ.get(RENDEZVOUS_ADDR, "127.0.0.1"),
+                          rendezvous_port=env_int(environ, RENDEZVOUS_PORT), secret=environ.get(SECRET),
+                          job_id=environ.get(JOB_ID, "job"), **common)
+    for rank_var, size_var in _MPI_RANKS:
+        if rank_var in environ and size_var in environ:
+            return LaunchInfo(rank=env_int(environ, rank_var), size=env_int(environ, size_var), launcher="mpi",
+                              **common)
+    if _SLURM_RANK[0] in environ and _SLURM_RANK[1] in environ:
+        job = environ.get("SLURM_JOB_ID", "0")
+        port = env_int(environ, RENDEZVOUS_PORT, 0) or 20000 + env_int(environ, "SLURM_JOB_ID", 0) % 20000
+        if not environ.get(SECRET):
+            raise UsageError(f"running under srun without {SECRET}: export a per-job secret in the job script, "
+                             f"e.g. export {SECRET}=$(python -c 'import secrets; print(secrets.token_hex(32))')")
+        return LaunchInfo(rank=env_int(environ, _SLURM_RANK[0]), size=env_int(environ, _SLURM_RANK[1]),
+                          launcher="slurm", rendezvous_addr=_slurm_rendezvous_addr(environ), rendezvous_port=port,
+                          secret=environ[SECRET], job_id=f"slurm{job}", **common)
+    return LaunchInfo(rank=0, size=1, launcher="single", **common)

@@ -52,3 +52,18 @@ class JobInterrupted(HvdrunError):
 
 class JobError(HvdrunError):
     """A scheduler command (qsub, sbatch, qstat, ...) failed."""
+
+
+class CollectiveError(HvdrunError, RuntimeError):
+    """A collective could not complete: peer failure, mismatch across ranks, stall, shutdown.
+
+    Exported by ``hvdrun.torch`` as ``HorovodInternalError``.
+    """
+
+
+class RendezvousError(CollectiveError):
+    """The ranks of a job could not find or authenticate each other."""
+
+
+class NotInitializedError(HvdrunError, ValueError):
+    """A runtime call was made before ``init()`` (or after ``shutdown()``)."""

@@ -1,0 +1,1 @@
+"""Backends execute negotiated collectives on contiguous buffers: ring (ours), mpi, gloo/nccl."""

@@ -1,0 +1,85 @@
+"""The interface every backend implements, and the world it runs in."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hvdrun.runtime.ring import ReduceFn
+
+
+@dataclass(frozen=True)
+class World:
+    """This rank's place in the job, as the runtime established it."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostnames: tuple[str, ...]
+
+
+def topology(rank: int, host_keys: Sequence[str], hostnames: Sequence[str]) -> World:
+    """Derive local and cross ranks from every rank's host (Horovod's rules, hosts in rank order)."""
+    hosts = list(dict.fromkeys(host_keys))
+    ranks_on = {host: [r for r, key in enumerate(host_keys) if key == host] for host in hosts}
+    mine = host_keys[rank]
+    local_rank = ranks_on[mine].index(rank)
+    peers = [host for host in hosts if len(ranks_on[host]) > local_rank]
+    return World(rank=rank, size=len(host_keys), local_rank=local_rank, local_size=len(ranks_on[mine]),
+                 cross_rank=peers.index(mine), cross_size=len(peers), hostnames=tuple(hostnames))
+
+
+class Backend(abc.ABC):
+    """Executes collectives on numpy buffers among all ranks of the world.
+
+    ``wakeable`` backends let an idle engine sleep until a peer starts a cycle; the others
+    make every rank run a negotiation cycle every few milliseconds.
+    """
+
+    name: str = "?"
+    wakeable: bool = False
+    world: World
+
+    @abc.abstractmethod
+    def allgather_messages(self, payload: bytes) -> list[bytes]:
+        """Every rank's payload, indexed by rank."""
+
+    @abc.abstractmethod
+    def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
+        """Reduce a contiguous array in place."""
+
+    @abc.abstractmethod
+    def reducescatter(self, array: np.ndarray, reduce: ReduceFn, bounds: list[tuple[int, int]]) -> None:
+        """Reduce in place; only this rank's chunk (element ``bounds[rank]``) must be valid afterwards."""
+
+    @abc.abstractmethod
+    def allgatherv(self, out: memoryview, sizes: Sequence[int]) -> None:
+        """``out`` holds this rank's block at its offset; fill in the other ranks' blocks (byte sizes)."""
+
+    @abc.abstractmethod
+    def broadcast(self, buffer: memoryview, root: int) -> None:
+        """Copy ``root``'s buffer to every rank."""
+
+    @abc.abstractmethod
+    def alltoallv(self, send: memoryview, send_sizes: Sequence[int], matrix: Sequence[Sequence[int]],
+                  out: memoryview) -> None:
+        """Send ``send_sizes[j]`` bytes to rank j; receive every block addressed to us into ``out`` in rank order."""
+
+    def wait_for_peer(self, extra_fds: Sequence[int], timeout_s: float) -> None:
+        """Sleep until a peer may have started a cycle, an fd in ``extra_fds`` is readable, or the timeout."""
+        import select
+
+        select.select(list(extra_fds), [], [], timeout_s)
+
+    def peer_waiting(self) -> bool:
+        """True when a peer has started a negotiation cycle we have not joined (wakeable backends)."""
+        return False
+
+    def close(self) -> None:
+        """Release connections and memory."""

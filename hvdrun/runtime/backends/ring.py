@@ -1,0 +1,176 @@
+"""The ring backend: hvdrun's own reduce-scatter/all-gather over shared memory and TCP.
+
+Set-up, once per ``init()``: every rank creates its shared-memory receive ring and a TCP
+data listener, joins the rendezvous, then connects to the next rank (shared memory when it
+is on the same host, authenticated TCP otherwise) and accepts the previous one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from hvdrun.errors import RendezvousError
+from hvdrun.runtime.backends.base import Backend, World, topology
+from hvdrun.runtime.rendezvous import Peer, Rendezvous
+from hvdrun.runtime.ring import ReduceFn, Ring
+from hvdrun.runtime.transport.base import DEFAULT_SPIN_S, AbortFlag, RxChannel, TxChannel, Waiter
+from hvdrun.runtime.transport.shm import ShmRx, ShmSegment, ShmTx, shm_supported
+from hvdrun.runtime.transport.tcp import TcpRx, TcpTx, tune
+from hvdrun.runtime.wire import AuthError, authenticate_client, authenticate_server, recv_frame, send_frame
+
+SHM_CAPACITY_BYTES = 4 << 20
+_CONNECT_TIMEOUT_S = 30.0
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown-boot"
+
+
+class RingBackend(Backend):
+    """Collectives on hvdrun's ring (see :mod:`hvdrun.runtime.ring`)."""
+
+    name = "ring"
+    wakeable = True
+
+    def __init__(self, world: World, ring: Ring, segments: Sequence[ShmSegment]) -> None:
+        self.world, self.ring, self._segments = world, ring, list(segments)
+
+    @classmethod
+    def connect(cls, rendezvous: Rendezvous, hostname: str, job_key: str, secret: bytes, abort: AbortFlag,
+                timeout_s: float, use_shm: bool = True) -> RingBackend:
+        """Join the rendezvous and build this rank's channels to its ring neighbours."""
+        rank, size = rendezvous.rank, rendezvous.size
+        deadline = time.monotonic() + timeout_s
+        use_shm = use_shm and shm_supported()
+        own = ShmSegment(job_key, rank, SHM_CAPACITY_BYTES, create=True) if use_shm and size > 1 else None
+        listener = socket.create_server(("", 0))
+        try:
+            me = Peer(rank, hostname, f"{hostname}/{_boot_id()}", os.getpid(),
+                      rendezvous.local_address(deadline), listener.getsockname()[1])
+            peers = rendezvous.exchange(me, max(deadline - time.monotonic(), 0.1))
+            world = topology(rank, [p.host_key for p in peers], [p.hostname for p in peers])
+            if size == 1:
+                return cls.single(hostname, abort)
+            spin = DEFAULT_SPIN_S if world.local_size <= (os.cpu_count() or 1) else 0.0
+            tx, rx, segments = _channels(me, peers, own, listener, job_key, secret)
+            ring = Ring(rank, size, tx, rx, Waiter(own.bell if own else None, abort, spin))
+            ring.allgather_messages(b"")  # every peer has opened our ring: names may go
+            return cls(world, ring, segments)
+        finally:
+            listener.close()
+            if own is not None:
+                own.unlink()
+
+    @classmethod
+    def single(cls, hostname: str, abort: AbortFlag) -> RingBackend:
+        """A world of one rank: every collective is local."""
+        return cls(topology(0, [hostname], [hostname]), Ring(0, 1, None, None, Waiter(None, abort)), [])
+
+    def allgather_messages(self, payload: bytes) -> list[bytes]:
+        return self.ring.allgather_messages(payload)
+
+    def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
+        self.ring.allreduce(array, reduce)
+
+    def reducescatter(self, array: np.ndarray, reduce: ReduceFn, bounds: list[tuple[int, int]]) -> None:
+        self.ring.reducescatter(array, reduce, bounds)
+
+    def allgatherv(self, out: memoryview, sizes: Sequence[int]) -> None:
+        self.ring.allgatherv(out, sizes)
+
+    def broadcast(self, buffer: memoryview, root: int) -> None:
+        self.ring.broadcast(buffer, root)
+
+    def alltoallv(self, send: memoryview, send_sizes: Sequence[int], matrix: Sequence[Sequence[int]],
+                  out: memoryview) -> None:
+        self.ring.alltoallv(send, send_sizes, matrix, out)
+
+    def peer_waiting(self) -> bool:
+        rx = self.ring.rx
+        return rx is not None and (rx.ready() or len(rx.peek(1)) > 0)
+
+    def wait_for_peer(self, extra_fds: Sequence[int], timeout_s: float) -> None:
+        if self.ring.rx is None:
+            super().wait_for_peer(extra_fds, timeout_s)
+            return
+        self.ring.waiter.sleep([self.ring.rx], extra_fds, timeout_s)
+
+    def close(self) -> None:
+        for channel in (self.ring.tx, self.ring.rx):
+            if channel is not None:
+                channel.close()
+        for segment in self._segments:
+            segment.close()
+
+
+def _channels(me: Peer, peers: Sequence[Peer], own: ShmSegment | None, listener: socket.socket, job_key: str,
+              secret: bytes) -> tuple[TxChannel, RxChannel, list[ShmSegment]]:
+    size = len(peers)
+    nxt, prev = peers[(me.rank + 1) % size], peers[(me.rank - 1) % size]
+    segments: list[ShmSegment] = [own] if own is not None else []
+    opened: dict[int, ShmSegment] = {}
+
+    def segment_of(peer: Peer) -> ShmSegment:
+        if peer.rank not in opened:
+            opened[peer.rank] = ShmSegment(job_key, peer.rank, SHM_CAPACITY_BYTES, create=False)
+            segments.append(opened[peer.rank])
+        return opened[peer.rank]
+
+    accepted: dict[str, object] = {}
+    acceptor = None
+    if prev.host_key != me.host_key or own is None:
+        acceptor = threading.Thread(target=_accept_prev, args=(listener, prev, secret, accepted), daemon=True)
+        acceptor.start()
+    if nxt.host_key == me.host_key and own is not None:
+        tx: TxChannel = ShmTx(segment_of(nxt), own.bell_fd)
+    else:
+        tx = TcpTx(_connect_next(me, nxt, secret), nxt.describe())
+    if acceptor is None:
+        assert own is not None
+        rx: RxChannel = ShmRx(own, segment_of(prev).bell)
+    else:
+        acceptor.join(_CONNECT_TIMEOUT_S + 1)
+        if "sock" not in accepted:
+            raise RendezvousError(f"{prev.describe()} did not connect to this rank's data port: {accepted.get('error')}")
+        rx = TcpRx(accepted["sock"], prev.describe())  # type: ignore[arg-type]
+    return tx, rx, segments
+
+
+def _connect_next(me: Peer, nxt: Peer, secret: bytes) -> socket.socket:
+    try:
+        sock = socket.create_connection((nxt.data_addr, nxt.data_port), timeout=_CONNECT_TIMEOUT_S)
+        authenticate_server(sock, secret, nxt.describe())
+        send_frame(sock, me.rank)
+    except OSError as e:
+        raise RendezvousError(f"cannot connect to {nxt.describe()} at {nxt.data_addr}:{nxt.data_port}: {e}") from e
+    tune(sock)
+    return sock
+
+
+def _accept_prev(listener: socket.socket, prev: Peer, secret: bytes, result: dict[str, object]) -> None:
+    listener.settimeout(_CONNECT_TIMEOUT_S)
+    deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            sock, _ = listener.accept()
+            sock.settimeout(_CONNECT_TIMEOUT_S)
+            authenticate_client(sock, secret)
+            if recv_frame(sock) != prev.rank:
+                sock.close()
+                continue
+        except (OSError, ConnectionError, ValueError, EOFError, AuthError) as e:
+            result["error"] = str(e)
+            continue
+        tune(sock)
+        result["sock"] = sock
+        return

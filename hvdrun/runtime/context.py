@@ -1,0 +1,143 @@
+"""The runtime of one process: ``init()`` builds rendezvous, backend and engine; ``shutdown()`` tears them down."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hvdrun import envvars
+from hvdrun.errors import NotInitializedError, UsageError
+from hvdrun.runtime.backends.base import Backend, World
+from hvdrun.runtime.engine import Engine
+from hvdrun.runtime.rendezvous import Rendezvous
+from hvdrun.runtime.transport.base import AbortFlag
+
+BACKENDS = ("ring", "mpi", "gloo")
+DEFAULT_FUSION_BYTES = 64 << 20
+DEFAULT_START_TIMEOUT_S = 60.0
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Runtime:
+    """Everything ``init()`` created in this process."""
+
+    launch: envvars.LaunchInfo
+    backend: Backend
+    engine: Engine
+    rendezvous: Rendezvous | None
+
+    @property
+    def world(self) -> World:
+        """This rank's topology."""
+        return self.backend.world
+
+
+_lock = threading.Lock()
+_runtime: Runtime | None = None
+_generation = 0
+_atexit_registered = False
+
+
+def _choose_backend(launch: envvars.LaunchInfo, environ: Mapping[str, str]) -> str:
+    name = environ.get(envvars.BACKEND, "").lower() or ("mpi" if launch.launcher == "mpi" else "ring")
+    if name not in BACKENDS:
+        raise UsageError(f"{envvars.BACKEND}={name!r}; expected one of {', '.join(BACKENDS)}")
+    if launch.launcher == "mpi" and name == "ring":
+        raise UsageError("started by an MPI launcher without hvdrun: use HVDRUN_BACKEND=mpi (the default there)")
+    return name
+
+
+def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: AbortFlag,
+             generation: int) -> tuple[Backend, Rendezvous | None]:
+    name = _choose_backend(launch, environ)
+    if name == "mpi":
+        from hvdrun.runtime.backends.mpi import MpiBackend
+
+        return MpiBackend.connect(), None
+    if launch.size == 1 and launch.launcher == "single":
+        from hvdrun.runtime.backends.ring import RingBackend
+
+        return RingBackend.single(launch.hostname, abort), None
+    if not launch.secret or launch.rendezvous_addr is None or launch.rendezvous_port is None:
+        raise UsageError(f"rank {launch.rank}: {envvars.SECRET} and the rendezvous address are required; "
+                         "start workers with hvdrun")
+    timeout_s = envvars.env_number(environ, (envvars.START_TIMEOUT,), DEFAULT_START_TIMEOUT_S)
+    rendezvous = Rendezvous(launch.rank, launch.size, launch.rendezvous_addr, launch.rendezvous_port,
+                            launch.secret.encode(), abort, generation)
+    try:
+        if name == "gloo":
+            from hvdrun.runtime.backends.torchdist import TorchBackend
+
+            return TorchBackend.connect(launch, rendezvous, timeout_s, generation), rendezvous
+        from hvdrun.runtime.backends.ring import RingBackend
+
+        use_shm = environ.get(envvars.TRANSPORT, "").lower() != "tcp"
+        return RingBackend.connect(rendezvous, launch.hostname, f"{launch.job_id}-{generation}",
+                                   launch.secret.encode(), abort, timeout_s, use_shm), rendezvous
+    except BaseException:
+        rendezvous.close()
+        raise
+
+
+def init(environ: Mapping[str, str] | None = None) -> Runtime:
+    """Join the job (idempotent): rendezvous, backend, engine thread.
+
+    Args:
+        environ: the environment to read the launch from (default ``os.environ``).
+
+    Raises:
+        UsageError: the environment is malformed.
+        RendezvousError: the ranks could not find or authenticate each other in time.
+    """
+    global _runtime, _generation, _atexit_registered
+    with _lock:
+        if _runtime is not None:
+            return _runtime
+        environ = os.environ if environ is None else environ
+        launch = envvars.read_launch_info(environ)
+        abort = AbortFlag()
+        backend, rendezvous = _connect(launch, environ, abort, _generation)
+        _generation += 1
+        engine = Engine(
+            backend,
+            fusion_threshold=int(envvars.env_number(environ, envvars.FUSION_THRESHOLD, DEFAULT_FUSION_BYTES)),
+            stall_warning_s=envvars.env_number(environ, envvars.STALL_WARNING_S, 60.0),
+            stall_error_s=envvars.env_number(environ, envvars.STALL_ERROR_S, 300.0),
+            report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),
+            cycle_time_s=envvars.env_number(environ, envvars.CYCLE_TIME_MS, 1.0) / 1000,
+        )
+        _runtime = Runtime(launch, backend, engine, rendezvous)
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+        return _runtime
+
+
+def shutdown() -> None:
+    """Leave the job: negotiate the end with the other ranks, then close everything. Idempotent."""
+    global _runtime
+    with _lock:
+        runtime, _runtime = _runtime, None
+    if runtime is None:
+        return
+    runtime.engine.stop(SHUTDOWN_TIMEOUT_S)
+    if runtime.rendezvous is not None:
+        runtime.rendezvous.close()
+    runtime.backend.close()
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return _runtime is not None
+
+
+def current() -> Runtime:
+    """The runtime, or NotInitializedError before ``init()``."""
+    runtime = _runtime
+    if runtime is None:
+        raise NotInitializedError("hvdrun has not been initialized; use hvd.init()")
+    return runtime

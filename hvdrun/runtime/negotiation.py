@@ -1,0 +1,162 @@
+"""Negotiation: which collectives are ready on every rank, in one order that all ranks agree on.
+
+Each engine cycle, every rank announces the requests submitted since its last cycle
+(:meth:`Request.wire`), and all announcements are all-gathered. Every rank feeds them, in
+rank order, into its own :class:`Table`; the tables are therefore identical, and so is the
+list of ready entries they yield, without a coordinator. A name is ready when all ranks
+requested it; its requests are then checked against each other (kind, dtype, shape, op,
+root, scale factors) and consecutive compatible allreduces are fused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Horovod's op codes
+AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5
+OP_NAMES = {AVERAGE: "Average", SUM: "Sum", ADASUM: "Adasum", MIN: "Min", MAX: "Max", PRODUCT: "Product"}
+REDUCE_FNS = {AVERAGE: np.add, SUM: np.add, MIN: np.minimum, MAX: np.maximum, PRODUCT: np.multiply}
+
+REDUCTION_DTYPES = ("int32", "int64", "float16", "float32", "float64")
+MOVEMENT_DTYPES = REDUCTION_DTYPES + ("uint8", "int8", "int16", "bool")
+KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "shutdown")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One rank's description of a collective; what the ranks compare."""
+
+    name: str
+    kind: str
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    op: int = SUM
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: tuple[int, ...] = ()
+    group: int = 0
+
+    def wire(self) -> tuple:
+        """A tuple of plain values for marshal."""
+        return (self.name, self.kind, self.dtype, self.shape, self.op, self.root, self.prescale, self.postscale,
+                self.splits, self.group)
+
+    @classmethod
+    def from_wire(cls, values: tuple) -> Request:
+        """Inverse of :meth:`wire`."""
+        return cls(*values)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor in bytes."""
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize if self.dtype else 0
+
+
+@dataclass
+class Entry:
+    """A name some ranks have requested, with each rank's request."""
+
+    name: str
+    requests: dict[int, Request] = field(default_factory=dict)
+    first_seen: float = field(default_factory=time.monotonic)
+    warned: bool = False
+    error: str | None = None
+
+    def missing(self, size: int) -> list[int]:
+        """Ranks that have not requested this name yet."""
+        return [rank for rank in range(size) if rank not in self.requests]
+
+
+def _differs(entry: Entry, what: str, value_of) -> str | None:
+    values: dict[object, list[int]] = {}
+    for rank, request in sorted(entry.requests.items()):
+        values.setdefault(value_of(request), []).append(rank)
+    if len(values) == 1:
+        return None
+    kind = entry.requests[min(entry.requests)].kind
+    parts = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {v}" for v, r in values.items())
+    return f"{kind} '{entry.name}': {what} differs across ranks ({parts})"
+
+
+def validate(entry: Entry, size: int) -> str | None:
+    """The mismatch error of a complete entry, or None when every rank asked for the same thing."""
+    checks = [("operation", lambda r: r.kind), ("dtype", lambda r: r.dtype)]
+    kind = entry.requests[0].kind
+    if kind in ("allreduce", "reducescatter", "broadcast"):
+        checks.append(("shape", lambda r: r.shape))
+    if kind in ("allgather", "alltoall"):
+        checks.append(("shape after the first dimension", lambda r: r.shape[1:]))
+    if kind in ("allreduce", "reducescatter"):
+        checks += [("reduction op", lambda r: OP_NAMES.get(r.op, r.op)),
+                   ("prescale/postscale factors", lambda r: (r.prescale, r.postscale))]
+    if kind == "broadcast":
+        checks.append(("root rank", lambda r: r.root))
+    for what, value_of in checks:
+        error = _differs(entry, what, value_of)
+        if error:
+            return error
+    if kind == "broadcast" and not 0 <= entry.requests[0].root < size:
+        return f"broadcast '{entry.name}': root rank {entry.requests[0].root} is not in 0..{size - 1}"
+    return None
+
+
+class Table:
+    """Every name requested and not yet executed; identical on all ranks."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: dict[str, Entry] = {}
+
+    def add(self, rank: int, request: Request) -> None:
+        """Record ``rank``'s request."""
+        self.entries.setdefault(request.name, Entry(request.name)).requests[rank] = request
+
+    def pop_ready(self) -> list[Entry]:
+        """Remove and return the entries every rank requested, in the order they were first seen."""
+        ready = [entry for entry in self.entries.values() if len(entry.requests) == self.size]
+        for entry in ready:
+            del self.entries[entry.name]
+            entry.error = validate(entry, self.size)
+        return ready
+
+    def stalled(self, older_than_s: float) -> list[Entry]:
+        """Incomplete entries waiting for longer than ``older_than_s``."""
+        now = time.monotonic()
+        return [entry for entry in self.entries.values() if now - entry.first_seen > older_than_s]
+
+
+def fusable(entry: Entry) -> tuple | None:
+    """The key shared by allreduces that may run as one fused buffer, or None."""
+    request = entry.requests[0]
+    if entry.error or request.kind != "allreduce":
+        return None
+    return (request.dtype, request.op, request.prescale, request.postscale)
+
+
+def plan(ready: list[Entry], threshold_bytes: int) -> Iterator[list[Entry]]:
+    """Group consecutive compatible allreduces up to ``threshold_bytes`` (grouped ops always together)."""
+    batch: list[Entry] = []
+    batch_bytes = 0
+    for entry in ready:
+        key = fusable(entry)
+        size = entry.requests[0].nbytes
+        same_group = bool(batch) and entry.requests[0].group != 0 and entry.requests[0].group == batch[-1].requests[
+            0].group
+        fits = batch_bytes + size <= threshold_bytes or same_group
+        if batch and key is not None and key == fusable(batch[0]) and fits:
+            batch.append(entry)
+            batch_bytes += size
+            continue
+        if batch:
+            yield batch
+        batch, batch_bytes = [entry], size
+        if key is None:
+            yield batch
+            batch, batch_bytes = [], 0
+    if batch:
+        yield batch

@@ -1,0 +1,276 @@
+"""Rendezvous: rank 0 serves an authenticated TCP control socket that every other rank joins.
+
+1. Every rank sends its :class:`Peer` record (host, pid, data endpoint); rank 0 answers with
+   the table of all of them, or with an error naming the ranks that never arrived.
+2. Afterwards the control connections are the job's failure detector: if one drops without
+   a goodbye, rank 0 tells every other rank which rank died; if rank 0 drops, every rank
+   notices by itself. Either way the :class:`AbortFlag` is set and every wait loop raises.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from dataclasses import astuple, dataclass
+
+from hvdrun.errors import RendezvousError
+from hvdrun.runtime.transport.base import AbortFlag
+from hvdrun.runtime.wire import AuthError, authenticate_client, authenticate_server, recv_frame, send_frame
+
+_HANDSHAKE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Peer:
+    """What every rank learns about every other rank."""
+
+    rank: int
+    hostname: str
+    host_key: str
+    pid: int
+    data_addr: str
+    data_port: int
+
+    def describe(self) -> str:
+        """``rank 3 (host n2, pid 1234)``."""
+        return f"rank {self.rank} (host {self.hostname}, pid {self.pid})"
+
+
+class _Server:
+    """Rank 0's side: accepts the other ranks, then watches their connections."""
+
+    def __init__(self, port: int, size: int, secret: bytes, abort: AbortFlag, generation: int) -> None:
+        self.size, self.secret, self.abort, self.generation = size, secret, abort, generation
+        self.listener = socket.create_server(("", port), reuse_port=False, backlog=max(size, 16))
+        self.clients: dict[int, tuple[socket.socket, Peer]] = {}
+        self._lock = threading.Lock()
+        self._closing = False
+        self._said_bye: set[int] = set()
+        self._monitor: threading.Thread | None = None
+
+    def gather(self, me: Peer, deadline: float) -> list[Peer]:
+        """Accept connections until every rank joined; send everyone the table."""
+        while len(self.clients) < self.size - 1:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail_missing(deadline)
+            if select.select([self.listener], [], [], min(remaining, 0.2))[0]:
+                sock, _ = self.listener.accept()
+                threading.Thread(target=self._admit, args=(sock,), daemon=True).start()
+        peers = sorted([me] + [peer for _, peer in self.clients.values()], key=lambda p: p.rank)
+        table = [astuple(p) for p in peers]
+        for sock, _ in self.clients.values():
+            send_frame(sock, ("table", table))
+        self._monitor = threading.Thread(target=self._watch, name="hvdrun-rendezvous", daemon=True)
+        self._monitor.start()
+        return peers
+
+    def _admit(self, sock: socket.socket) -> None:
+        sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+        try:
+            authenticate_client(sock, self.secret)
+            generation, row = recv_frame(sock)
+            if generation != self.generation:  # a rank already on its next init() reached our old server
+                send_frame(sock, ("retry", f"rank 0 is at init #{self.generation}, not #{generation}"))
+                sock.close()
+                return
+            peer = Peer(*row)
+            with self._lock:
+                if not 0 < peer.rank < self.size or peer.rank in self.clients or self._monitor is not None:
+                    send_frame(sock, ("error", f"rank {peer.rank} is not expected by this job (size {self.size})"))
+                    sock.close()
+                    return
+                sock.settimeout(None)
+                self.clients[peer.rank] = (sock, peer)
+        except (OSError, ValueError, TypeError, EOFError, AuthError):
+            sock.close()
+
+    def _fail_missing(self, deadline: float) -> None:
+        missing = sorted(set(range(1, self.size)) - set(self.clients))
+        message = (f"rendezvous timed out: ranks {', '.join(map(str, missing))} never joined rank 0 "
+                   f"(raise HVDRUN_START_TIMEOUT if they start slowly)")
+        for sock, _ in self.clients.values():
+            try:
+                send_frame(sock, ("error", message))
+            except OSError:
+                pass
+        self.close()
+        raise RendezvousError(message)
+
+    def _watch(self) -> None:
+        while not self._closing:
+            socks = {sock: peer for sock, peer in self.clients.values() if peer.rank not in self._said_bye}
+            try:
+                readable = select.select([self.listener, *socks], [], [], 0.5)[0]
+            except (OSError, ValueError):
+                return
+            for sock in readable:
+                if sock is self.listener:
+                    self._refuse_late()
+                else:
+                    self._read_client(sock, socks[sock])
+
+    def _refuse_late(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=self._admit, args=(sock,), daemon=True).start()
+
+    def _read_client(self, sock: socket.socket, peer: Peer) -> None:
+        try:
+            message = recv_frame(sock)
+        except (OSError, ConnectionError, EOFError, ValueError):
+            message = None
+        if message == ("bye",):
+            self._said_bye.add(peer.rank)
+            return
+        if self._closing:
+            return
+        if isinstance(message, tuple) and message[:1] == ("abort",):
+            self.broadcast_abort(str(message[1]))
+            return
+        self.broadcast_abort(f"{peer.describe()} disconnected without shutting down: it exited or crashed")
+
+    def broadcast_abort(self, reason: str) -> None:
+        """Set our abort flag and tell every other rank why."""
+        self.abort.set(reason)
+        for rank, (sock, _) in self.clients.items():
+            if rank not in self._said_bye:
+                try:
+                    send_frame(sock, ("abort", reason))
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        """Stop watching and close every socket."""
+        self._closing = True
+        self.listener.close()
+        for sock, _ in self.clients.values():
+            sock.close()
+
+
+class _Client:
+    """A non-zero rank's side: joins rank 0, then listens for aborts."""
+
+    def __init__(self, addr: str, port: int, secret: bytes, abort: AbortFlag, generation: int) -> None:
+        self.addr, self.port, self.secret, self.abort = addr, port, secret, abort
+        self.generation = generation
+        self.sock: socket.socket | None = None
+        self._closing = False
+
+    def connect(self, deadline: float) -> socket.socket:
+        """Connect to rank 0, retrying until ``deadline``, and authenticate."""
+        while True:
+            try:
+                sock = socket.create_connection((self.addr, self.port), timeout=_HANDSHAKE_TIMEOUT_S)
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise RendezvousError(f"cannot reach rank 0 at {self.addr}:{self.port}: {e.strerror or e}; "
+                                          "is rank 0 running and the address reachable?") from e
+                time.sleep(0.05)
+        authenticate_server(sock, self.secret, f"rank 0 at {self.addr}:{self.port}")
+        self.sock = sock
+        return sock
+
+    def join(self, me: Peer, deadline: float) -> list[Peer]:
+        """Send our record, wait for the table, then start listening for aborts."""
+        while True:
+            if self.sock is None:
+                self.connect(deadline)
+            assert self.sock is not None
+            send_frame(self.sock, (self.generation, astuple(me)))
+            self.sock.settimeout(max(deadline - time.monotonic(), 0.1) + _HANDSHAKE_TIMEOUT_S)
+            try:
+                kind, body = recv_frame(self.sock)
+            except (OSError, ConnectionError, EOFError, ValueError) as e:
+                raise RendezvousError(f"rank 0 at {self.addr}:{self.port} closed the rendezvous: {e}") from e
+            if kind != "retry" or time.monotonic() > deadline:
+                break
+            self.sock.close()
+            self.sock = None
+            time.sleep(0.02)
+        if kind != "table":
+            raise RendezvousError(str(body))
+        self.sock.settimeout(None)
+        threading.Thread(target=self._watch, name="hvdrun-rendezvous", daemon=True).start()
+        return [Peer(*row) for row in body]
+
+    def _watch(self) -> None:
+        assert self.sock is not None
+        try:
+            while True:
+                kind, body = recv_frame(self.sock)
+                if kind == "abort":
+                    self.abort.set(body)
+                    return
+        except (OSError, ConnectionError, EOFError, ValueError):
+            if not self._closing:
+                self.abort.set(f"lost the connection to rank 0 at {self.addr}: rank 0 exited or crashed")
+
+    def report_failure(self, reason: str) -> None:
+        """Ask rank 0 to abort every rank with ``reason``."""
+        if self.sock is not None:
+            send_frame(self.sock, ("abort", reason))
+
+    def close(self) -> None:
+        """Say goodbye so rank 0 does not report us as crashed."""
+        self._closing = True
+        if self.sock is not None:
+            try:
+                send_frame(self.sock, ("bye",))
+            except OSError:
+                pass
+            self.sock.close()
+
+
+class Rendezvous:
+    """One rank's membership in the job's control plane.
+
+    Args:
+        rank: this rank.
+        size: number of ranks.
+        addr: rank 0's advertised address.
+        port: rank 0's control port.
+        secret: the job's secret (bytes).
+        abort: the flag to set when a peer fails.
+        generation: how many times this process called init() before; all ranks agree on it.
+    """
+
+    def __init__(self, rank: int, size: int, addr: str, port: int, secret: bytes, abort: AbortFlag,
+                 generation: int = 0) -> None:
+        self.rank, self.size, self.addr, self.port = rank, size, addr, port
+        self.abort = abort
+        self._server = _Server(port, size, secret, abort, generation) if rank == 0 else None
+        self._client = _Client(addr, port, secret, abort, generation) if rank != 0 else None
+
+    def local_address(self, deadline: float) -> str:
+        """The address of this rank that the others can reach (the route to rank 0)."""
+        if self._client is None:
+            return self.addr
+        return str(self._client.connect(deadline).getsockname()[0])
+
+    def exchange(self, me: Peer, timeout_s: float) -> list[Peer]:
+        """Publish ``me`` and return every rank's record, in rank order."""
+        deadline = time.monotonic() + timeout_s
+        if self._server is not None:
+            return self._server.gather(me, deadline)
+        assert self._client is not None
+        return self._client.join(me, deadline)
+
+    def report_failure(self, reason: str) -> None:
+        """Tell the other ranks that this rank hit a fatal error (rank 0 relays it)."""
+        if self._server is not None:
+            self._server.broadcast_abort(reason)
+        elif self._client is not None:
+            self._client.report_failure(reason)
+
+    def close(self) -> None:
+        """Leave the job cleanly."""
+        if self._server is not None:
+            self._server.close()
+        if self._client is not None:
+            self._client.close()

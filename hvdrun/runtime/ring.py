@@ -1,0 +1,297 @@
+"""Ring collectives over a pair of channels: ``tx`` to the next rank, ``rx`` from the previous one.
+
+Allreduce is a reduce-scatter followed by an all-gather. The buffer is cut into N chunks
+(sizes differ by at most one element). Worked example with 4 ranks, chunks a b c d, and
+``x+`` meaning "partially reduced"::
+
+    reduce-scatter step s: rank r sends chunk (r - s), receives and reduces chunk (r - s - 1)
+      step 0: r0 sends a, r1 sends b, r2 sends c, r3 sends d
+      step 1: r0 sends d+ (got from r3), r1 sends a+, r2 sends b+, r3 sends c+
+      step 2: r0 sends c+, r1 sends d+, r2 sends a+, r3 sends b+
+      -> rank r owns the fully reduced chunk (r + 1): r0 b, r1 c, r2 d, r3 a
+    all-gather step s: rank r sends chunk (r + 1 - s), receives chunk (r - s)
+      -> after 3 steps every rank holds every reduced chunk.
+
+Each rank sends 2 (N - 1) chunks, i.e. 2 (N - 1) / N of the buffer, and in every step it
+sends and receives at the same time (one loop drives both directions, in segments, so the
+receive of one segment overlaps the send of the next and no rank can block its neighbour).
+Transfers are padded to a multiple of 8 bytes so elements never straddle a ring buffer's end.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from hvdrun.runtime.transport.base import RxChannel, TxChannel, Waiter
+
+SEGMENT_BYTES = 1 << 19
+_ZEROS = memoryview(bytes(8))
+_LENGTH = struct.Struct("<Q")
+
+ReduceFn = Callable[[np.ndarray, np.ndarray, np.ndarray], object]  # numpy ufunc: fn(a, b, out=a)
+
+
+def padded(length: int) -> int:
+    """``length`` rounded up to a multiple of 8."""
+    return (length + 7) & ~7
+
+
+def as_bytes(array: np.ndarray) -> memoryview:
+    """A byte view of a contiguous array (no copy)."""
+    return memoryview(array).cast("B") if array.size else memoryview(b"")
+
+
+def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``count`` elements into ``parts`` ranges; the first ``count % parts`` get one more."""
+    base, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for index in range(parts):
+        stop = start + base + (1 if index < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class Sink:
+    """Consumes a received transfer of known padded length."""
+
+    def __init__(self, length: int) -> None:
+        self.length, self.total, self.received = length, padded(length), 0
+
+    @property
+    def done(self) -> bool:
+        """True when the whole transfer, padding included, was consumed."""
+        return self.received >= self.total
+
+    def accept(self, view: memoryview) -> int:
+        """Use some of ``view``; return how many bytes were consumed."""
+        if self.received >= self.length:  # padding
+            count = min(len(view), self.total - self.received)
+        else:
+            count = self._take(view[:self.length - self.received])
+        self.received += count
+        return count
+
+    def _take(self, view: memoryview) -> int:
+        raise NotImplementedError
+
+
+class CopySink(Sink):
+    """Copies the payload into ``dst``."""
+
+    def __init__(self, dst: memoryview) -> None:
+        super().__init__(len(dst))
+        self.dst = dst
+
+    def _take(self, view: memoryview) -> int:
+        self.dst[self.received:self.received + len(view)] = view
+        return len(view)
+
+
+class ReduceSink(Sink):
+    """Reduces the payload element-wise into ``dst`` with ``reduce(dst, incoming, out=dst)``."""
+
+    def __init__(self, dst: np.ndarray, reduce: ReduceFn) -> None:
+        super().__init__(dst.nbytes)
+        self.dst, self.reduce, self.itemsize = dst, reduce, dst.itemsize
+
+    def _take(self, view: memoryview) -> int:
+        count = len(view) - len(view) % self.itemsize
+        if count:
+            first = self.received // self.itemsize
+            target = self.dst[first:first + count // self.itemsize]
+            self.reduce(target, np.frombuffer(view[:count], dtype=self.dst.dtype), target)
+        return count
+
+
+class MessageSink(Sink):
+    """Receives ``length (8 bytes) + payload`` whose size is learnt from the header."""
+
+    def __init__(self) -> None:
+        super().__init__(_LENGTH.size)
+        self.payload: bytearray | None = None
+
+    def _take(self, view: memoryview) -> int:
+        if self.payload is None:
+            if len(view) < _LENGTH.size:
+                return 0
+            (size,) = _LENGTH.unpack(view[:_LENGTH.size])
+            self.payload = bytearray(size)
+            self.length, self.total = _LENGTH.size + size, padded(_LENGTH.size + size)
+            return _LENGTH.size
+        offset = self.received - _LENGTH.size
+        self.payload[offset:offset + len(view)] = view
+        return len(view)
+
+
+def message_parts(payload: bytes | memoryview) -> list[memoryview]:
+    """The parts that send ``payload`` as a message (header, payload, padding)."""
+    return [memoryview(_LENGTH.pack(len(payload))), memoryview(payload)]
+
+
+class Ring:
+    """Collectives among ``size`` ranks connected in a ring.
+
+    Args:
+        rank: this rank's position.
+        size: number of ranks.
+        tx: channel to rank ``(rank + 1) % size``.
+        rx: channel from rank ``(rank - 1) % size``.
+        waiter: parks the thread when neither channel can move.
+    """
+
+    def __init__(self, rank: int, size: int, tx: TxChannel | None, rx: RxChannel | None, waiter: Waiter) -> None:
+        self.rank, self.size, self.tx, self.rx, self.waiter = rank, size, tx, rx, waiter
+
+    # -- the progress loop ---------------------------------------------------------------
+    def transfer(self, parts: Sequence[memoryview], sink: Sink | None) -> None:
+        """Send ``parts`` (padded to 8 bytes) to the next rank while ``sink`` takes what the previous sends."""
+        tx, rx, waiter = self.tx, self.rx, self.waiter
+        assert tx is not None and rx is not None
+        pad = padded(sum(len(p) for p in parts)) - sum(len(p) for p in parts)
+        queue = [p for p in parts if len(p)] + ([_ZEROS[:pad]] if pad else [])
+        index, offset, channels = 0, 0, (tx, rx)
+        while index < len(queue) or (sink is not None and not sink.done):
+            moved = False
+            if index < len(queue):
+                part = queue[index]
+                sent = tx.send_some(part[offset:offset + SEGMENT_BYTES])
+                if sent:
+                    moved, offset = True, offset + sent
+                    if offset == len(part):
+                        index, offset = index + 1, 0
+            if sink is not None and not sink.done:
+                view = rx.peek(SEGMENT_BYTES)
+                if len(view):
+                    used = sink.accept(view)
+                    if used:
+                        rx.consume(used)
+                        moved = True
+            if moved:
+                waiter.progressed()
+            else:
+                waiter.idle(channels)
+
+    def _chunk(self, flat: np.ndarray, bounds: list[tuple[int, int]], index: int) -> np.ndarray:
+        start, stop = bounds[index % self.size]
+        return flat[start:stop]
+
+    # -- collectives -----------------------------------------------------------------------
+    def reduce_scatter(self, flat: np.ndarray, reduce: ReduceFn, bounds: list[tuple[int, int]], shift: int) -> None:
+        """Ring reduce-scatter; afterwards rank r owns the reduced chunk ``r + 1 - shift``."""
+        r = self.rank
+        for step in range(self.size - 1):
+            send = self._chunk(flat, bounds, r - step - shift)
+            recv = self._chunk(flat, bounds, r - step - 1 - shift)
+            self.transfer([as_bytes(send)], ReduceSink(recv, reduce))
+
+    def all_gather_chunks(self, flat: np.ndarray, bounds: list[tuple[int, int]]) -> None:
+        """Ring all-gather where rank r starts with chunk ``r + 1`` (the state after reduce_scatter)."""
+        r = self.rank
+        for step in range(self.size - 1):
+            send = self._chunk(flat, bounds, r + 1 - step)
+            recv = self._chunk(flat, bounds, r - step)
+            self.transfer([as_bytes(send)], CopySink(as_bytes(recv)))
+
+    def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
+        """Reduce ``array`` (contiguous) in place across all ranks."""
+        if self.size == 1 or array.size == 0:
+            return
+        flat = array.reshape(-1)
+        bounds = chunk_bounds(flat.size, self.size)
+        self.reduce_scatter(flat, reduce, bounds, shift=0)
+        self.all_gather_chunks(flat, bounds)
+
+    def reducescatter(self, array: np.ndarray, reduce: ReduceFn, bounds: list[tuple[int, int]]) -> None:
+        """Reduce in place; afterwards only chunk ``rank`` (element ``bounds``) is valid on this rank."""
+        if self.size > 1 and array.size:
+            self.reduce_scatter(array.reshape(-1), reduce, bounds, shift=1)
+
+    def allgatherv(self, out: memoryview, sizes: Sequence[int]) -> None:
+        """``out`` holds this rank's block at its offset; fill in every other rank's block (byte sizes)."""
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
+
+        def block(index: int) -> memoryview:
+            index %= self.size
+            return out[offsets[index]:offsets[index + 1]]
+
+        for step in range(self.size - 1):
+            self.transfer([block(self.rank - step)], CopySink(block(self.rank - step - 1)))
+
+    def broadcast(self, buffer: memoryview, root: int) -> None:
+        """Copy ``buffer`` of rank ``root`` to every rank, relayed around the ring in segments."""
+        if self.size == 1 or not len(buffer):
+            return
+        last = (root - 1) % self.size  # the rank that does not forward
+        if self.rank == root:
+            self.transfer([buffer], None)
+            return
+        sink = CopySink(buffer)
+        if self.rank == last:
+            self.transfer([], sink)
+            return
+        self._relay(buffer, sink)
+
+    def _relay(self, buffer: memoryview, sink: CopySink) -> None:
+        """Receive into ``buffer`` and forward every byte already received, at the same time."""
+        tx, rx, waiter = self.tx, self.rx, self.waiter
+        assert tx is not None and rx is not None
+        forwarded, total = 0, sink.total
+        while forwarded < total:
+            moved = False
+            if not sink.done:
+                view = rx.peek(SEGMENT_BYTES)
+                if len(view) and (used := sink.accept(view)):
+                    rx.consume(used)
+                    moved = True
+            available = min(sink.received, len(buffer))
+            if forwarded < available:
+                sent = tx.send_some(buffer[forwarded:min(available, forwarded + SEGMENT_BYTES)])
+            elif forwarded < sink.received:  # padding
+                sent = tx.send_some(_ZEROS[:sink.received - forwarded])
+            else:
+                sent = 0
+            forwarded += sent
+            if moved or sent:
+                waiter.progressed()
+            else:
+                waiter.idle((tx, rx))
+
+    def alltoallv(self, send: memoryview, send_sizes: Sequence[int], matrix: Sequence[Sequence[int]],
+                  out: memoryview) -> None:
+        """Every rank sends ``send_sizes[j]`` bytes to rank j; ``matrix[i][j]`` are all ranks' sizes.
+
+        Blocks are relayed: in step s, rank r passes on the blocks that rank ``r - s + 1``
+        sent to ranks ``r + 1 .. r - s``, keeping the first one (its own) as it arrives.
+        ``out`` receives every block addressed to this rank, in source-rank order.
+        """
+        n, r = self.size, self.rank
+        out_offsets = np.concatenate([[0], np.cumsum([matrix[i][r] for i in range(n)])]).astype(int).tolist()
+        send_offsets = np.concatenate([[0], np.cumsum(send_sizes)]).astype(int).tolist()
+        out[out_offsets[r]:out_offsets[r + 1]] = send[send_offsets[r]:send_offsets[r + 1]]
+        carried = [send[send_offsets[(r + k) % n]:send_offsets[(r + k) % n + 1]] for k in range(1, n)]
+        for step in range(1, n):
+            origin = (r - step) % n  # the blocks arriving now were sent by this rank
+            sizes = [matrix[origin][(r + k) % n] for k in range(n - step)]
+            incoming = bytearray(sum(sizes))
+            self.transfer(carried, CopySink(memoryview(incoming)))
+            view = memoryview(incoming)
+            out[out_offsets[origin]:out_offsets[origin + 1]] = view[:sizes[0]]
+            carried, start = [], sizes[0]
+            for size in sizes[1:]:
+                carried.append(view[start:start + size])
+                start += size
+
+    def allgather_messages(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload``, indexed by rank."""
+        messages: list[bytes] = [b""] * self.size
+        messages[self.rank] = payload
+        for step in range(self.size - 1):
+            sink = MessageSink()
+            self.transfer(message_parts(messages[(self.rank - step) % self.size]), sink)
+            assert sink.payload is not None
+            messages[(self.rank - step - 1) % self.size] = bytes(sink.payload)
+        return messages

@@ -1,0 +1,163 @@
+"""Channel interfaces and the waiter that parks a rank when no channel can move."""
+
+from __future__ import annotations
+
+import abc
+import os
+import select
+import threading
+import time
+from collections.abc import Sequence
+
+from hvdrun.errors import CollectiveError
+
+# Spin (yielding the CPU) this long before sleeping in select(); 0 when ranks outnumber cores.
+DEFAULT_SPIN_S = 50e-6
+# Longest sleep between checks of abort flags (and the bound on a lost doorbell).
+MAX_SLEEP_S = 0.05
+_FENCE = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier: a lock's atomic read-modify-write orders earlier stores before later loads."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+class AbortFlag:
+    """Set once, from any thread, when the job must stop; every wait loop checks it."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def set(self, reason: str) -> None:
+        """Record the first reason; later ones are ignored."""
+        if self.reason is None:
+            self.reason = reason
+
+    def check(self) -> None:
+        """Raise CollectiveError if the flag is set."""
+        if self.reason is not None:
+            raise CollectiveError(self.reason)
+
+
+class TxChannel(abc.ABC):
+    """Sends a byte stream to one peer."""
+
+    bytes_sent: int = 0
+
+    @abc.abstractmethod
+    def send_some(self, data: memoryview) -> int:
+        """Queue as much of ``data`` as fits now; return the number of bytes taken."""
+
+    @abc.abstractmethod
+    def wait_fds(self) -> tuple[list[int], list[int]]:
+        """File descriptors to select() on (readable, writable) until sending can progress."""
+
+    def ready(self) -> bool:
+        """True when :meth:`send_some` would take bytes now (for channels select() cannot watch)."""
+        return False
+
+    def close(self) -> None:
+        """Release the channel."""
+
+
+class RxChannel(abc.ABC):
+    """Receives a byte stream from one peer."""
+
+    @abc.abstractmethod
+    def peek(self, limit: int) -> memoryview:
+        """Up to ``limit`` received bytes, without copying; empty when none arrived yet."""
+
+    @abc.abstractmethod
+    def consume(self, count: int) -> None:
+        """Drop the first ``count`` bytes returned by :meth:`peek`."""
+
+    @abc.abstractmethod
+    def wait_fds(self) -> tuple[list[int], list[int]]:
+        """File descriptors to select() on (readable, writable) until data may have arrived."""
+
+    def ready(self) -> bool:
+        """True when :meth:`peek` would return bytes now (for channels select() cannot watch)."""
+        return False
+
+    def close(self) -> None:
+        """Release the channel."""
+
+
+class Doorbell:
+    """Wakes a sleeping rank: a FIFO it select()s on, and a 'sleeping' word its peers read.
+
+    ``sleeping`` is a one-element array in shared memory (or a plain list for a rank with
+    no shared-memory peers).
+    """
+
+    def __init__(self, fd: int, sleeping: list[int] | object) -> None:
+        self.fd = fd
+        self.sleeping = sleeping
+
+    def ring(self) -> None:
+        """Wake the owner if it sleeps; call after publishing what the owner waits for."""
+        fence()
+        if self.sleeping[0]:  # type: ignore[index]
+            try:
+                os.write(self.fd, b"\0")
+            except (BlockingIOError, BrokenPipeError):
+                pass
+
+    def drain(self) -> None:
+        """Empty the FIFO after waking up."""
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+
+class Waiter:
+    """Parks the calling thread until a channel may progress, the abort flag is set, or a timeout.
+
+    Args:
+        own_bell: this rank's doorbell (its FIFO and its sleeping word), or None.
+        abort: the job's abort flag.
+        spin_s: how long to spin with sched_yield before sleeping.
+    """
+
+    def __init__(self, own_bell: Doorbell | None, abort: AbortFlag, spin_s: float = DEFAULT_SPIN_S) -> None:
+        self.own_bell, self.abort, self.spin_s = own_bell, abort, spin_s
+        self._idle_since: float | None = None
+
+    def progressed(self) -> None:
+        """Tell the waiter that the caller made progress (resets the spin phase)."""
+        self._idle_since = None
+
+    def idle(self, channels: Sequence[TxChannel | RxChannel], max_sleep_s: float = MAX_SLEEP_S) -> None:
+        """Called when nothing moved: spin a little, then sleep until a channel is ready or woken."""
+        self.abort.check()
+        now = time.perf_counter()
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since < self.spin_s:
+            os.sched_yield()
+            return
+        self.sleep(channels, (), max_sleep_s)
+
+    def sleep(self, channels: Sequence[TxChannel | RxChannel], extra_read_fds: Sequence[int], timeout_s: float) -> None:
+        """Sleep until a channel is ready, an fd in ``extra_read_fds`` is readable, we are woken, or timeout."""
+        read_fds, write_fds = list(extra_read_fds), []
+        for channel in channels:
+            r, w = channel.wait_fds()
+            read_fds += r
+            write_fds += w
+        bell = self.own_bell
+        if bell is not None:
+            bell.sleeping[0] = 1  # type: ignore[index]
+            fence()
+        try:
+            if not any(channel.ready() for channel in channels):
+                select.select(read_fds, write_fds, [], timeout_s)
+        finally:
+            if bell is not None:
+                bell.sleeping[0] = 0  # type: ignore[index]
+                bell.drain()
+        self.abort.check()

@@ -1,0 +1,84 @@
+"""TCP channels between ranks on different hosts (non-blocking sockets)."""
+
+from __future__ import annotations
+
+import socket
+
+from hvdrun.errors import CollectiveError
+from hvdrun.runtime.transport.base import RxChannel, TxChannel
+
+STAGING_BYTES = 4 << 20
+SOCKET_BUFFER_BYTES = 4 << 20
+
+
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay, large buffers, non-blocking."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+    sock.setblocking(False)
+
+
+class TcpTx(TxChannel):
+    """Sends to the next rank over a connected socket."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock, self.peer = sock, peer
+        self.bytes_sent = 0
+
+    def send_some(self, data: memoryview) -> int:
+        try:
+            count = self.sock.send(data)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            raise CollectiveError(f"lost the connection to {self.peer}: {e.strerror}") from e
+        self.bytes_sent += count
+        return count
+
+    def wait_fds(self) -> tuple[list[int], list[int]]:
+        return [], [self.sock.fileno()]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class TcpRx(RxChannel):
+    """Receives from the previous rank into a staging buffer that :meth:`peek` exposes."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock, self.peer = sock, peer
+        self._buffer = bytearray(STAGING_BYTES)
+        self._view = memoryview(self._buffer)
+        self._start = self._end = 0
+
+    def peek(self, limit: int) -> memoryview:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buffer):  # keep a partial element together with what follows
+            pending = self._end - self._start
+            self._view[:pending] = self._view[self._start:self._end]
+            self._start, self._end = 0, pending
+        if self._end - self._start < limit:
+            self._fill()
+        return self._view[self._start:min(self._end, self._start + limit)]
+
+    def consume(self, count: int) -> None:
+        self._start += count
+
+    def _fill(self) -> None:
+        try:
+            count = self.sock.recv_into(self._view[self._end:])
+        except BlockingIOError:
+            return
+        except OSError as e:
+            raise CollectiveError(f"lost the connection to {self.peer}: {e.strerror}") from e
+        if count == 0:
+            raise CollectiveError(f"{self.peer} closed its connection (did it exit or crash?)")
+        self._end += count
+
+    def wait_fds(self) -> tuple[list[int], list[int]]:
+        return [self.sock.fileno()], []
+
+    def close(self) -> None:
+        self.sock.close()
