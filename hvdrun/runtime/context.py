@@ -17,6 +17,7 @@ from hvdrun.runtime.transport.base import AbortFlag
 
 BACKENDS = ("ring", "mpi", "gloo")
 DEFAULT_FUSION_BYTES = 64 << 20
+DEFAULT_EAGER_BYTES = 32 << 10
 DEFAULT_START_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -109,6 +110,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
             stall_error_s=envvars.env_number(environ, envvars.STALL_ERROR_S, 300.0),
             report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),
             cycle_time_s=envvars.env_number(environ, envvars.CYCLE_TIME_MS, 1.0) / 1000,
+            eager_bytes=int(envvars.env_number(environ, envvars.EAGER_BYTES, DEFAULT_EAGER_BYTES)),
         )
         _runtime = Runtime(launch, backend, engine, rendezvous)
         if not _atexit_registered:

@@ -1,17 +1,22 @@
-"""The engine: one background thread that owns all communication of a rank.
+"""The engine: a background thread and a progress lock that own all communication of a rank.
 
 Callers :meth:`Engine.submit` a :class:`Request` with its numpy buffer and get a
-:class:`Handle`. The thread runs *cycles*: all-gather of new requests, the ready entries of
-the (identical) negotiation table, execution batch by batch (fusing small allreduces). An
-idle engine sleeps until it has a new request or a peer starts a cycle. Any error that makes
-further communication unsafe (dead peer, hard stall) fails every pending and future op and
-is relayed to the other ranks through the rendezvous.
+:class:`Handle`. Communication happens in *cycles*: all-gather of new requests, the ready
+entries of the (identical) negotiation table, execution batch by batch (fusing small
+allreduces). Only the holder of the progress lock runs cycles. The background thread runs
+them for asynchronous work (gradient hooks during backward); a caller blocked in
+:meth:`Handle.wait` runs them itself instead of sleeping, as MPI progress works, because a
+hand-off to another thread and back costs tens of microseconds. An idle engine sleeps until it
+has a new request or a peer starts a cycle. Any error that makes further communication unsafe
+(dead peer, hard stall) fails every pending and future op and is relayed to the other ranks
+through the rendezvous.
 """
 
 from __future__ import annotations
 
 import marshal
 import os
+import select
 import sys
 import threading
 import time
@@ -28,16 +33,18 @@ from hvdrun.runtime.negotiation import AVERAGE, REDUCE_FNS, Entry, Request, Tabl
 from hvdrun.runtime.ring import as_bytes, chunk_bounds
 
 _IDLE_TIMEOUT_S = 0.5
-_HANDLE_SPIN_S = 200e-6
-_ENGINE_SPIN_S = 200e-6
+# After a caller stopped driving, the background thread waits this long before taking over,
+# so a loop of blocking collectives keeps the progress on its own thread.
+_TAKEOVER_GRACE_S = 0.002
 
 
 class Handle:
     """The future of one submitted collective."""
 
-    __slots__ = ("_event", "_result", "_error")
+    __slots__ = ("_event", "_result", "_error", "_engine")
 
-    def __init__(self) -> None:
+    def __init__(self, engine: Engine | None = None) -> None:
+        self._engine = engine
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
@@ -52,11 +59,10 @@ class Handle:
         return self._event.is_set()
 
     def wait(self, timeout_s: float | None = None) -> Any:
-        """Block until finished; return the result or raise the collective's error."""
-        event, deadline = self._event, time.perf_counter() + _HANDLE_SPIN_S
-        while not event.is_set() and time.perf_counter() < deadline:
-            os.sched_yield()
-        if not event.wait(timeout_s):
+        """Block until finished (driving communication meanwhile); return the result or raise its error."""
+        if self._engine is not None and not self._event.is_set():
+            self._engine.drive_until(self, timeout_s)
+        if not self._event.wait(timeout_s):
             raise TimeoutError("collective did not finish in time")
         if self._error is not None:
             raise CollectiveError(str(self._error)) from self._error
@@ -70,6 +76,7 @@ class LocalOp:
     request: Request
     array: np.ndarray | None
     handle: Handle
+    payload: bytes | None = None
 
 
 def scale(buffer: np.ndarray, factor: float) -> None:
@@ -94,12 +101,14 @@ class Engine:
         stall_error_s: fail every rank after this long (0 disables).
         report_failure: tells the other ranks about a fatal error of this rank.
         cycle_time_s: cycle period for backends that cannot wake an idle peer.
+        eager_bytes: allreduces up to this size travel inside the negotiation message.
     """
 
     def __init__(self, backend: Backend, fusion_threshold: int, stall_warning_s: float, stall_error_s: float,
-                 report_failure: Callable[[str], None], cycle_time_s: float = 0.001) -> None:
+                 report_failure: Callable[[str], None], cycle_time_s: float = 0.001,
+                 eager_bytes: int = 0) -> None:
         self.backend, self.world = backend, backend.world
-        self.fusion_threshold, self.cycle_time_s = fusion_threshold, cycle_time_s
+        self.fusion_threshold, self.cycle_time_s, self.eager_bytes = fusion_threshold, cycle_time_s, eager_bytes
         self.stall_warning_s, self.stall_error_s = stall_warning_s, stall_error_s
         self._report_failure = report_failure
         self.table = Table(self.world.size)
@@ -110,9 +119,14 @@ class Engine:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._sleeping = False
+        self._progress = threading.Lock()
+        self._waiters = 0  # threads inside drive_until: the background thread stands down
+        self._last_driven = 0.0
+        self._async_new = False
         self._failure: str | None = None
         self._stopped = False
         self._fusion: dict[str, np.ndarray] = {}
+        self._last_cycle = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="hvdrun-engine", daemon=True)
         self._thread.start()
 
@@ -123,9 +137,15 @@ class Engine:
             self._counters[kind] += 1
             return f"{kind}.noname.{self._counters[kind]}"
 
-    def submit(self, request: Request, array: np.ndarray | None = None) -> Handle:
-        """Queue a collective; raises ValueError for a name already in flight."""
-        op = LocalOp(request, array, Handle())
+    def submit(self, request: Request, array: np.ndarray | None = None, wake: bool = True) -> Handle:
+        """Queue a collective; raises ValueError for a name already in flight.
+
+        Args:
+            request: what to run.
+            array: its buffer.
+            wake: wake the background thread; False when the caller waits on the handle at once.
+        """
+        op = LocalOp(request, array, Handle(self), self._eager_payload(request, array))
         with self._lock:
             if self._failure is not None:
                 raise CollectiveError(self._failure)
@@ -136,10 +156,25 @@ class Engine:
                                  "names must be unique among collectives in flight")
             self._inflight[request.name] = op
             self._new.append(op)
-            wake = self._sleeping
+            self._async_new = self._async_new or wake
+            wake = wake and self._sleeping
         if wake:
             os.write(self._wake_write, b"\0")
         return op.handle
+
+    def _eager_payload(self, request: Request, array: np.ndarray | None) -> bytes | None:
+        """The prescaled data of a small allreduce, sent with its announcement."""
+        if request.kind != "allreduce" or array is None or array.nbytes > self.eager_bytes or self.world.size == 1:
+            return None
+        if request.prescale == 1.0:
+            return array.tobytes()
+        copy = array.reshape(-1).copy()
+        scale(copy, request.prescale)
+        return copy.tobytes()
+
+    def run(self, request: Request, array: np.ndarray | None = None) -> Any:
+        """Submit and wait on the calling thread: the blocking collectives."""
+        return self.submit(request, array, wake=False).wait()
 
     def stop(self, timeout_s: float) -> None:
         """Negotiate a shutdown with every rank (bounded by ``timeout_s``), then stop the thread."""
@@ -154,31 +189,91 @@ class Engine:
         os.close(self._wake_read)
         os.close(self._wake_write)
 
-    # -- engine thread ----------------------------------------------------------------------
+    # -- progress: whoever holds self._progress runs cycles ----------------------------------
+    def _has_work(self) -> bool:
+        return bool(self._new) or self.backend.peer_waiting() or (
+            not self.backend.wakeable and time.monotonic() - self._last_cycle >= self.cycle_time_s)
+
+    def _cycle_once(self) -> None:
+        with self._lock:
+            new, self._new, self._async_new = self._new, [], False
+        self._cycle(new)
+        self._last_cycle = time.monotonic()
+
+    def drive_until(self, handle: Handle, timeout_s: float | None) -> None:
+        """Run cycles on the caller's thread until ``handle`` is done; the background thread stands down."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            self._waiters += 1
+        try:
+            while not handle.done() and (deadline is None or time.monotonic() < deadline):
+                if not self._progress.acquire(timeout=0.001):
+                    continue  # the background thread is finishing a cycle
+                try:
+                    self._drive_locked(handle, deadline)
+                finally:
+                    self._progress.release()
+        finally:
+            with self._lock:
+                self._waiters -= 1
+                self._last_driven = time.monotonic()
+
+    def _drive_locked(self, handle: Handle, deadline: float | None) -> None:
+        try:
+            while not handle.done() and not self._stopped and (deadline is None or time.monotonic() < deadline):
+                if self._has_work():
+                    self._cycle_once()
+                    self.backend.progressed()
+                else:
+                    self.backend.idle_wait([self._wake_read])
+        except CollectiveError as e:
+            self._fail(str(e))
+
     def _run(self) -> None:
         try:
-            last_cycle = time.monotonic()
             while not self._stopped:
-                with self._lock:
-                    new, self._new = self._new, []
-                due = not self.backend.wakeable and time.monotonic() - last_cycle >= self.cycle_time_s
-                if new or due or self.backend.peer_waiting():
-                    self._cycle(new)
-                    last_cycle = time.monotonic()
+                grace = self._last_driven + _TAKEOVER_GRACE_S - time.monotonic()
+                if (self._waiters or grace > 0) and not self._async_new:
+                    self._sleep_on_wake_pipe(max(grace, _TAKEOVER_GRACE_S))  # a caller drives
+                    continue
+                if self._has_work():
+                    if self._progress.acquire(timeout=_TAKEOVER_GRACE_S):
+                        try:
+                            if self._has_work():
+                                self._cycle_once()
+                        finally:
+                            self._progress.release()
                 else:
                     self._idle()
-                self._check_stalls()
+                if self._progress.acquire(blocking=False):
+                    try:
+                        self._check_stalls()
+                    finally:
+                        self._progress.release()
         except CollectiveError as e:
             self._fail(str(e))
         except Exception as e:  # a bug: still fail every rank cleanly rather than hang them
             self._fail(f"hvdrun engine crashed on rank {self.world.rank}: {e!r}")
 
-    def _idle(self) -> None:
-        deadline = time.perf_counter() + _ENGINE_SPIN_S
-        while time.perf_counter() < deadline:
-            if self._new or self.backend.peer_waiting():
+    def _sleep_on_wake_pipe(self, timeout_s: float) -> None:
+        with self._lock:
+            if self._async_new or self._stopped:
                 return
-            os.sched_yield()
+            self._sleeping = True
+        try:
+            select.select([self._wake_read], [], [], timeout_s)
+        finally:
+            self._sleeping = False
+            self._drain_wake_pipe()
+
+    def _drain_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _idle(self) -> None:
         with self._lock:
             if self._new or self._stopped:
                 return
@@ -188,17 +283,13 @@ class Engine:
             self.backend.wait_for_peer([self._wake_read], timeout)
         finally:
             self._sleeping = False
-            try:
-                while os.read(self._wake_read, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+            self._drain_wake_pipe()
 
     def _cycle(self, new: list[LocalOp]) -> None:
-        messages = self.backend.allgather_messages(marshal.dumps([op.request.wire() for op in new]))
+        messages = self.backend.allgather_messages(marshal.dumps([(op.request.wire(), op.payload) for op in new]))
         for rank, message in enumerate(messages):
-            for values in marshal.loads(message):
-                self.table.add(rank, Request.from_wire(values))
+            for values, payload in marshal.loads(message):
+                self.table.add(rank, Request.from_wire(values), payload)
         self._fail_entries_of_departed_ranks()
         for batch in plan(self.table.pop_ready(), self.fusion_threshold):
             self._execute(batch)
@@ -272,7 +363,20 @@ def _describe_stall(entries: list[Entry], size: int, seconds: float) -> str:
 
 # -- executors: (engine, batch, ops) -> one result per op ---------------------------------------
 
+def _eager_allreduce(engine: Engine, entry: Entry, array: np.ndarray) -> np.ndarray:
+    """Reduce every rank's contribution locally, in rank order, so all ranks get identical bits."""
+    request, reduce = entry.requests[0], REDUCE_FNS[entry.requests[0].op]
+    flat = array.reshape(-1)
+    flat[...] = np.frombuffer(entry.payloads[0], dtype=array.dtype)
+    for rank in range(1, engine.world.size):
+        reduce(flat, np.frombuffer(entry.payloads[rank], dtype=array.dtype), flat)
+    scale(flat, request.postscale / engine.world.size if request.op == AVERAGE else request.postscale)
+    return array
+
+
 def _allreduce(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+    if batch[0].payloads:
+        return [_eager_allreduce(engine, batch[0], ops[0].array)]
     request = batch[0].requests[0]
     arrays = [op.array for op in ops]
     if len(arrays) == 1:

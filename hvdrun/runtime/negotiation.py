@@ -63,6 +63,7 @@ class Entry:
 
     name: str
     requests: dict[int, Request] = field(default_factory=dict)
+    payloads: dict[int, bytes] = field(default_factory=dict)
     first_seen: float = field(default_factory=time.monotonic)
     warned: bool = False
     error: str | None = None
@@ -112,9 +113,12 @@ class Table:
         self.size = size
         self.entries: dict[str, Entry] = {}
 
-    def add(self, rank: int, request: Request) -> None:
-        """Record ``rank``'s request."""
-        self.entries.setdefault(request.name, Entry(request.name)).requests[rank] = request
+    def add(self, rank: int, request: Request, payload: bytes | None = None) -> None:
+        """Record ``rank``'s request and, for eager ops, its data."""
+        entry = self.entries.setdefault(request.name, Entry(request.name))
+        entry.requests[rank] = request
+        if payload is not None:
+            entry.payloads[rank] = payload
 
     def pop_ready(self) -> list[Entry]:
         """Remove and return the entries every rank requested, in the order they were first seen."""
@@ -122,6 +126,8 @@ class Table:
         for entry in ready:
             del self.entries[entry.name]
             entry.error = validate(entry, self.size)
+            if not entry.error and 0 < len(entry.payloads) < self.size:
+                entry.error = f"'{entry.name}': ranks disagree on sending its data eagerly (HVDRUN_EAGER_BYTES differs)"
         return ready
 
     def stalled(self, older_than_s: float) -> list[Entry]:
@@ -133,7 +139,7 @@ class Table:
 def fusable(entry: Entry) -> tuple | None:
     """The key shared by allreduces that may run as one fused buffer, or None."""
     request = entry.requests[0]
-    if entry.error or request.kind != "allreduce":
+    if entry.error or request.kind != "allreduce" or entry.payloads:
         return None
     return (request.dtype, request.op, request.prescale, request.postscale)
 

@@ -77,6 +77,13 @@ class Backend(abc.ABC):
 
         select.select(list(extra_fds), [], [], timeout_s)
 
+    def idle_wait(self, extra_fds: Sequence[int]) -> None:
+        """A short wait for a peer while a caller drives progress (spin first where that pays)."""
+        self.wait_for_peer(extra_fds, 0.001)
+
+    def progressed(self) -> None:
+        """Tell the backend the caller made progress (restarts its spin phase)."""
+
     def peer_waiting(self) -> bool:
         """True when a peer has started a negotiation cycle we have not joined (wakeable backends)."""
         return False

@@ -99,6 +99,14 @@ class RingBackend(Backend):
         rx = self.ring.rx
         return rx is not None and (rx.ready() or len(rx.peek(1)) > 0)
 
+    def idle_wait(self, extra_fds: Sequence[int]) -> None:
+        if self.ring.rx is None:
+            return
+        self.ring.waiter.idle([self.ring.rx], extra_read_fds=extra_fds)
+
+    def progressed(self) -> None:
+        self.ring.waiter.progressed()
+
     def wait_for_peer(self, extra_fds: Sequence[int], timeout_s: float) -> None:
         if self.ring.rx is None:
             super().wait_for_peer(extra_fds, timeout_s)

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from hvdrun.errors import CollectiveError
 
 # Spin (yielding the CPU) this long before sleeping in select(); 0 when ranks outnumber cores.
-DEFAULT_SPIN_S = 50e-6
+# Waking a sleeping thread costs up to ~100 us on virtual machines, so spinning pays up to about 1 ms.
+DEFAULT_SPIN_S = 1e-3
 # Longest sleep between checks of abort flags (and the bound on a lost doorbell).
 MAX_SLEEP_S = 0.05
 _FENCE = threading.Lock()
@@ -131,7 +132,8 @@ class Waiter:
         """Tell the waiter that the caller made progress (resets the spin phase)."""
         self._idle_since = None
 
-    def idle(self, channels: Sequence[TxChannel | RxChannel], max_sleep_s: float = MAX_SLEEP_S) -> None:
+    def idle(self, channels: Sequence[TxChannel | RxChannel], max_sleep_s: float = MAX_SLEEP_S,
+             extra_read_fds: Sequence[int] = ()) -> None:
         """Called when nothing moved: spin a little, then sleep until a channel is ready or woken."""
         self.abort.check()
         now = time.perf_counter()
@@ -140,7 +142,7 @@ class Waiter:
         if now - self._idle_since < self.spin_s:
             os.sched_yield()
             return
-        self.sleep(channels, (), max_sleep_s)
+        self.sleep(channels, extra_read_fds, max_sleep_s)
 
     def sleep(self, channels: Sequence[TxChannel | RxChannel], extra_read_fds: Sequence[int], timeout_s: float) -> None:
         """Sleep until a channel is ready, an fd in ``extra_read_fds`` is readable, we are woken, or timeout."""
@@ -150,14 +152,14 @@ class Waiter:
             read_fds += r
             write_fds += w
         bell = self.own_bell
-        if bell is not None:
-            bell.sleeping[0] = 1  # type: ignore[index]
+        if bell is not None:  # a count: two threads of this rank may sleep at once
+            bell.sleeping[0] += 1  # type: ignore[index]
             fence()
         try:
             if not any(channel.ready() for channel in channels):
                 select.select(read_fds, write_fds, [], timeout_s)
         finally:
             if bell is not None:
-                bell.sleeping[0] = 0  # type: ignore[index]
+                bell.sleeping[0] -= 1  # type: ignore[index]
                 bell.drain()
         self.abort.check()
