@@ -10,9 +10,11 @@ root, scale factors) and consecutive compatible allreduces are fused.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,8 +28,7 @@ MOVEMENT_DTYPES = REDUCTION_DTYPES + ("uint8", "int8", "int16", "bool")
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "shutdown")
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """One rank's description of a collective; what the ranks compare."""
 
     name: str
@@ -42,19 +43,18 @@ class Request:
     group: int = 0
 
     def wire(self) -> tuple:
-        """A tuple of plain values for marshal."""
-        return (self.name, self.kind, self.dtype, self.shape, self.op, self.root, self.prescale, self.postscale,
-                self.splits, self.group)
+        """A plain tuple for marshal."""
+        return tuple(self)
 
     @classmethod
     def from_wire(cls, values: tuple) -> Request:
         """Inverse of :meth:`wire`."""
-        return cls(*values)
+        return cls._make(values)
 
     @property
     def nbytes(self) -> int:
         """Size of the tensor in bytes."""
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize if self.dtype else 0
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype else 0
 
 
 @dataclass
@@ -86,6 +86,9 @@ def _differs(entry: Entry, what: str, value_of) -> str | None:
 
 def validate(entry: Entry, size: int) -> str | None:
     """The mismatch error of a complete entry, or None when every rank asked for the same thing."""
+    first = entry.requests[0]
+    if first.kind != "broadcast" and all(request == first for request in entry.requests.values()):
+        return None
     checks = [("operation", lambda r: r.kind), ("dtype", lambda r: r.dtype)]
     kind = entry.requests[0].kind
     if kind in ("allreduce", "reducescatter", "broadcast"):
@@ -122,7 +125,8 @@ class Table:
 
     def pop_ready(self) -> list[Entry]:
         """Remove and return the entries every rank requested, in the order they were first seen."""
-        ready = [entry for entry in self.entries.values() if len(entry.requests) == self.size]
+        size = self.size
+        ready = [entry for entry in self.entries.values() if len(entry.requests) == size]
         for entry in ready:
             del self.entries[entry.name]
             entry.error = validate(entry, self.size)
@@ -148,6 +152,9 @@ def plan(ready: list[Entry], threshold_bytes: int) -> Iterator[list[Entry]]:
     """Group consecutive compatible allreduces up to ``threshold_bytes`` (grouped ops always together)."""
     batch: list[Entry] = []
     batch_bytes = 0
+    if len(ready) == 1:
+        yield ready
+        return
     for entry in ready:
         key = fusable(entry)
         size = entry.requests[0].nbytes

@@ -128,8 +128,11 @@ class MessageSink(Sink):
 
 
 def message_parts(payload: bytes | memoryview) -> list[memoryview]:
-    """The parts that send ``payload`` as a message (header, payload, padding)."""
-    return [memoryview(_LENGTH.pack(len(payload))), memoryview(payload)]
+    """The parts that send ``payload`` as a message: its length, then the payload (small ones as one part)."""
+    header = _LENGTH.pack(len(payload))
+    if len(payload) <= SEGMENT_BYTES // 8:
+        return [memoryview(header + bytes(payload))]
+    return [memoryview(header), memoryview(payload)]
 
 
 class Ring:
