@@ -1,0 +1,97 @@
+"""``import hvdrun.torch as hvd``: Horovod's PyTorch API on hvdrun's runtime.
+
+A Horovod script runs with only its import line changed::
+
+    import hvdrun.torch as hvd
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum)
+"""
+
+from __future__ import annotations
+
+from hvdrun.errors import CollectiveError as HorovodInternalError
+from hvdrun.runtime import context
+from hvdrun.torch.ops import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    synchronize,
+)
+
+
+def init(comm: object = None, process_sets: object = None) -> None:
+    """Join the job: rendezvous with the other ranks and start the engine."""
+    context.init()
+
+
+def shutdown() -> None:
+    """Leave the job; ``init()`` may be called again afterwards."""
+    context.shutdown()
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return context.is_initialized()
+
+
+def size() -> int:
+    """Number of ranks."""
+    return context.current().world.size
+
+
+def rank() -> int:
+    """This process's rank, 0..size-1."""
+    return context.current().world.rank
+
+
+def local_size() -> int:
+    """Number of ranks on this host."""
+    return context.current().world.local_size
+
+
+def local_rank() -> int:
+    """Rank within this host (use it to pick a GPU)."""
+    return context.current().world.local_rank
+
+
+def cross_size() -> int:
+    """Number of hosts that have a rank with this rank's local rank."""
+    return context.current().world.cross_size
+
+
+def cross_rank() -> int:
+    """Index of this host among those."""
+    return context.current().world.cross_rank
+
+
+__all__ = [
+    "Adasum", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum", "allgather", "allgather_async",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "cross_rank", "cross_size", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init", "is_initialized",
+    "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async", "shutdown", "size",
+    "synchronize",
+]

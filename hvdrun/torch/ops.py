@@ -1,0 +1,286 @@
+"""Horovod's collectives on torch tensors: blocking, in-place (``_``) and asynchronous forms.
+
+Tensors are viewed as numpy arrays (no copy for CPU tensors) and handed to the engine of
+:mod:`hvdrun.runtime`. Asynchronous calls return an integer handle for :func:`poll` and
+:func:`synchronize`, as in Horovod.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from hvdrun.runtime import context
+from hvdrun.runtime.engine import Handle
+from hvdrun.runtime.negotiation import (
+    ADASUM,
+    AVERAGE,
+    MAX,
+    MIN,
+    MOVEMENT_DTYPES,
+    PRODUCT,
+    REDUCTION_DTYPES,
+    SUM,
+    Request,
+)
+
+Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
+
+_handles: dict[int, tuple[Handle, Callable[[Any], Any]]] = {}
+_handle_ids = itertools.count(1)
+_handles_lock = threading.Lock()
+_groups = itertools.count(1)
+
+
+def _engine():  # noqa: ANN202 - internal
+    return context.current().engine
+
+
+def _check(tensor: torch.Tensor, kinds: tuple[str, ...]) -> np.ndarray:
+    """A numpy view of a contiguous CPU tensor of a supported dtype."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor on {tensor.device}: hvdrun's collectives take CPU tensors in this version")
+    array = tensor.detach().numpy()
+    if array.dtype.name not in kinds:
+        raise ValueError(f"Tensor type {tensor.dtype} is not supported; supported: {', '.join(kinds)}")
+    return array
+
+
+def _resolve_op(op: int | None, average: bool | None, default: int = AVERAGE) -> int:
+    if op is not None and average is not None:
+        raise ValueError("op and average cannot both be given")
+    if average is not None:
+        warnings.warn("the average argument is deprecated; use op=hvd.Average or op=hvd.Sum",
+                      DeprecationWarning, stacklevel=3)
+        return AVERAGE if average else SUM
+    op = default if op is None else op
+    if op == ADASUM:
+        raise ValueError("Adasum is not supported by hvdrun; use Average or Sum")
+    if op not in (AVERAGE, SUM, MIN, MAX, PRODUCT):
+        raise ValueError(f"unknown reduction op {op}; expected hvd.Average, Sum, Min, Max or Product")
+    return op
+
+
+def _request(kind: str, array: np.ndarray, name: str | None, **fields: Any) -> Request:
+    name = name if name is not None else _engine().auto_name(kind)
+    return Request(name, kind, array.dtype.name, tuple(array.shape), **fields)
+
+
+def _start(request: Request, array: np.ndarray | None, finish: Callable[[Any], Any]) -> int:
+    handle = _engine().submit(request, array)
+    with _handles_lock:
+        handle_id = next(_handle_ids)
+        _handles[handle_id] = (handle, finish)
+    return handle_id
+
+
+def poll(handle: int) -> bool:
+    """True when the asynchronous op behind ``handle`` finished."""
+    with _handles_lock:
+        if handle not in _handles:
+            raise ValueError(f"unknown handle {handle}")
+        return _handles[handle][0].done()
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for ``handle``, release it and return its output (None for an unknown handle)."""
+    with _handles_lock:
+        entry = _handles.get(handle)
+    if entry is None:
+        return None
+    try:
+        return entry[1](entry[0].wait())
+    finally:
+        with _handles_lock:
+            _handles.pop(handle, None)
+
+
+def _reduce_request(tensor_array: np.ndarray, name: str | None, op: int, prescale: float, postscale: float,
+                    group: int = 0) -> Request:
+    return _request("allreduce", tensor_array, name, op=op, prescale=float(prescale), postscale=float(postscale),
+                    group=group)
+
+
+# -- allreduce ------------------------------------------------------------------------------------
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: Any = None) -> int:
+    """Start an in-place allreduce of ``tensor``; returns a handle."""
+    array = _check(tensor, REDUCTION_DTYPES)
+    request = _reduce_request(array, name, _resolve_op(op, average), prescale_factor, postscale_factor)
+    return _start(request, array, lambda _: tensor)
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: Any = None) -> int:
+    """Start an allreduce into a new tensor; returns a handle."""
+    output = tensor.detach().clone(memory_format=torch.contiguous_format)
+    return allreduce_async_(output, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
+    """Allreduce ``tensor`` in place (default op Average) and return it."""
+    array = _check(tensor, REDUCTION_DTYPES)
+    request = _reduce_request(array, name, _resolve_op(op, average), prescale_factor, postscale_factor)
+    _engine().run(request, array)
+    return tensor
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, compression: Any = None,
+              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: Any = None) -> torch.Tensor:
+    """A new tensor: ``tensor`` reduced across ranks (default op Average); the input is untouched."""
+    output = tensor.detach().clone(memory_format=torch.contiguous_format)
+    return allreduce_(output, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: Any = None) -> int:
+    """Start an in-place allreduce of a list of tensors, reduced as one fused group."""
+    op = _resolve_op(op, average)
+    arrays = [_check(t, REDUCTION_DTYPES) for t in tensors]
+    base = name if name is not None else _engine().auto_name("grouped_allreduce")
+    group = next(_groups)
+    handles = [_engine().submit(_reduce_request(a, f"{base}.{i}", op, prescale_factor, postscale_factor, group), a)
+               for i, a in enumerate(arrays)]
+    with _handles_lock:
+        handle_id = next(_handle_ids)
+        _handles[handle_id] = (_GroupHandle(handles), lambda _: list(tensors))
+    return handle_id
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: Any = None) -> int:
+    """Start a grouped allreduce into new tensors."""
+    outputs = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+    return grouped_allreduce_async_(outputs, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: Any = None) -> list[torch.Tensor]:
+    """Allreduce a list of tensors in place as one fused group."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression: Any = None, op: int | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = None) -> list[torch.Tensor]:
+    """New tensors: every tensor of the list reduced across ranks, as one fused group."""
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor))
+
+
+class _GroupHandle:
+    """Several engine handles that finish together."""
+
+    def __init__(self, handles: list[Handle]) -> None:
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self) -> list[Any]:
+        return [h.wait() for h in self.handles]
+
+
+# -- allgather, broadcast, alltoall, reducescatter, barrier -----------------------------------------
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
+    """Start an allgather: every rank's tensor concatenated along dim 0, in rank order."""
+    array = _check(tensor, MOVEMENT_DTYPES)
+    if array.ndim == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension")
+    return _start(_request("allgather", array, name), array, torch.from_numpy)
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
+    """Every rank's tensor concatenated along dim 0 (first dimensions may differ)."""
+    return synchronize(allgather_async(tensor, name, process_set))
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
+    """Start an in-place broadcast from ``root_rank``."""
+    array = _check(tensor, MOVEMENT_DTYPES)
+    return _start(_request("broadcast", array, name, root=int(root_rank)), array, lambda _: tensor)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
+    """Start a broadcast into a new tensor."""
+    return broadcast_async_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
+    """Overwrite ``tensor`` with ``root_rank``'s value; returns it."""
+    array = _check(tensor, MOVEMENT_DTYPES)
+    _engine().run(_request("broadcast", array, name, root=int(root_rank)), array)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
+    """A new tensor equal to ``root_rank``'s ``tensor``."""
+    return broadcast_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name)
+
+
+def _splits(array: np.ndarray, splits: Any, size: int) -> tuple[int, ...]:
+    if splits is None:
+        if array.shape[0] % size:
+            raise ValueError(f"alltoall without splits needs dim 0 ({array.shape[0]}) divisible by size ({size})")
+        return ()
+    values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
+    if isinstance(splits, torch.Tensor) and splits.dtype != torch.int32:
+        raise ValueError("splits must be an int32 tensor or a list of ints")
+    if len(values) != size or any(v < 0 for v in values) or sum(values) > array.shape[0]:
+        raise ValueError(f"splits {values} must have {size} non-negative entries summing to at most {array.shape[0]}")
+    return tuple(int(v) for v in values)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> int:
+    """Start an alltoall; the result is ``(output, received_splits)``."""
+    array = _check(tensor, MOVEMENT_DTYPES)
+    if array.ndim == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    request = _request("alltoall", array, name, splits=_splits(array, splits, context.current().world.size))
+    return _start(request, array, lambda result: (torch.from_numpy(result[0]), torch.from_numpy(result[1])))
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> Any:
+    """Send slice j of dim 0 to rank j, gather what others sent; with ``splits`` also return received splits."""
+    output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+    return output if splits is None else (output, received)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int | None = None,
+                        process_set: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start a reducescatter (default op Average)."""
+    array = _check(tensor, REDUCTION_DTYPES)
+    if array.ndim == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    request = _request("reducescatter", array, name, op=_resolve_op(op, None), prescale=float(prescale_factor),
+                       postscale=float(postscale_factor))
+    return _start(request, array, torch.from_numpy)
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None, op: int | None = None,
+                  process_set: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce across ranks; rank r keeps block r of dim 0 (the first ``dim0 % size`` ranks get one more row)."""
+    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+
+
+def barrier(process_set: Any = None) -> None:
+    """Block until every rank reached the barrier."""
+    _engine().run(Request(_engine().auto_name("barrier"), "barrier"))
