@@ -172,7 +172,11 @@ class _Client:
                     raise RendezvousError(f"cannot reach rank 0 at {self.addr}:{self.port}: {e.strerror or e}; "
                                           "is rank 0 running and the address reachable?") from e
                 time.sleep(0.05)
-        authenticate_server(sock, self.secret, f"rank 0 at {self.addr}:{self.port}")
+        try:
+            authenticate_server(sock, self.secret, f"rank 0 at {self.addr}:{self.port}")
+        except (OSError, ConnectionError) as e:
+            sock.close()
+            raise RendezvousError(f"rank 0 at {self.addr}:{self.port} did not complete the handshake: {e}") from e
         self.sock = sock
         return sock
 
