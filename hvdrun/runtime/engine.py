@@ -14,6 +14,7 @@ through the rendezvous.
 
 from __future__ import annotations
 
+import contextlib
 import marshal
 import os
 import select
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,6 +183,15 @@ class Engine:
         copy = array.reshape(-1).copy()
         scale(copy, request.prescale)
         return copy.tobytes()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[Backend]:
+        """Hold the progress lock and yield the backend, for direct calls (byte counts, benchmarks).
+
+        Every rank must make the same direct calls while paused, as with any collective.
+        """
+        with self._progress:
+            yield self.backend
 
     def run(self, request: Request, array: np.ndarray | None = None) -> Any:
         """Submit and wait on the calling thread: the blocking collectives."""
@@ -347,7 +357,13 @@ class Engine:
                 op.handle.finish(error=CollectiveError(batch[0].error))
             return
         kind = batch[0].requests[0].kind
-        results = _EXECUTORS[kind](self, batch, ops)
+        try:
+            results = _EXECUTORS[kind](self, batch, ops)
+        except BaseException as e:  # the ops left _inflight: finish them here, then fail the engine
+            error = e if isinstance(e, CollectiveError) else CollectiveError(f"{kind} '{batch[0].name}' failed: {e!r}")
+            for op in ops:
+                op.handle.finish(error=error)
+            raise error from e
         for op, result in zip(ops, results, strict=True):
             op.handle.finish(result)
         if kind == "shutdown":

@@ -8,6 +8,7 @@ is on the same host, authenticated TCP otherwise) and accepts the previous one.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 import time
@@ -101,6 +102,7 @@ class RingBackend(Backend):
 
     def idle_wait(self, extra_fds: Sequence[int]) -> None:
         if self.ring.rx is None:
+            select.select(list(extra_fds), [], [], 0.001)
             return
         self.ring.waiter.idle([self.ring.rx], extra_read_fds=extra_fds)
 
