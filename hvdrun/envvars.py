@@ -46,6 +46,7 @@ TORCH_MASTER_ADDR = "MASTER_ADDR"
 TORCH_MASTER_PORT = "MASTER_PORT"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
 _VAR_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -88,6 +89,16 @@ def worker_env(slot: Slot, rendezvous: Rendezvous) -> dict[str, str]:
     if slot.devices:
         env[CUDA_VISIBLE_DEVICES] = ",".join(slot.devices)
     return env
+
+
+def thread_env(slot: Slot, cpus: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` = cpus / ranks on the host, unless the user set it (torchrun does the same).
+
+    Without it, every rank's OpenMP pool spins on all cores and starves the others' communication.
+    """
+    if OMP_NUM_THREADS in environ:
+        return {}
+    return {OMP_NUM_THREADS: str(max(1, cpus // slot.local_size))}
 
 
 def forwarded_env(specs: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:

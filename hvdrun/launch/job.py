@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hvdrun.config import ClusterConfig, load_cluster, load_config
-from hvdrun.envvars import Rendezvous, forwarded_env, worker_env
+from hvdrun.envvars import Rendezvous, forwarded_env, thread_env, worker_env
 from hvdrun.errors import UsageError
 from hvdrun.hosts import Host, detect_allocation, parse_host_string, parse_hostfile
 from hvdrun.launch.base import WorkerGroup, WorkerSpec
@@ -159,8 +159,10 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     argv = resolve_command(options.command)
     base_env = {**environ, **(config.env if config else {}), **forwarded_env(options.env_specs, environ)}
     rendezvous = _new_rendezvous()
-    specs = tuple(WorkerSpec(slot=slot, argv=argv, env={**base_env, **worker_env(slot, rendezvous)},
-                             cwd=os.getcwd()) for slot in slots)
+    cpus = os.cpu_count() or 1
+    specs = tuple(WorkerSpec(slot=slot, argv=argv, cwd=os.getcwd(),
+                             env={**base_env, **thread_env(slot, cpus, base_env), **worker_env(slot, rendezvous)})
+                  for slot in slots)
     return JobPlan(specs=specs, launcher=launcher, options=options)
 
 

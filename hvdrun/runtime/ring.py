@@ -156,7 +156,7 @@ class Ring:
         assert tx is not None and rx is not None
         pad = padded(sum(len(p) for p in parts)) - sum(len(p) for p in parts)
         queue = [p for p in parts if len(p)] + ([_ZEROS[:pad]] if pad else [])
-        index, offset, channels = 0, 0, (tx, rx)
+        index, offset = 0, 0
         while index < len(queue) or (sink is not None and not sink.done):
             moved = False
             if index < len(queue):
@@ -175,8 +175,9 @@ class Ring:
                         moved = True
             if moved:
                 waiter.progressed()
-            else:
-                waiter.idle(channels)
+            else:  # wait only on the directions still in use
+                sending, receiving = index < len(queue), sink is not None and not sink.done
+                waiter.idle((tx, rx) if sending and receiving else (tx,) if sending else (rx,))
 
     def _chunk(self, flat: np.ndarray, bounds: list[tuple[int, int]], index: int) -> np.ndarray:
         start, stop = bounds[index % self.size]
@@ -261,7 +262,7 @@ class Ring:
             if moved or sent:
                 waiter.progressed()
             else:
-                waiter.idle((tx, rx))
+                waiter.idle((rx,) if forwarded >= sink.received and not sink.done else (tx, rx))
 
     def alltoallv(self, send: memoryview, send_sizes: Sequence[int], matrix: Sequence[Sequence[int]],
                   out: memoryview) -> None:

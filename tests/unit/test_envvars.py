@@ -46,3 +46,10 @@ def test_forwarded_env():
 def test_forwarded_env_errors(spec, fragment):
     with pytest.raises(UsageError, match=fragment):
         envvars.forwarded_env([spec], {})
+
+
+def test_omp_threads_split_between_local_ranks_unless_set():
+    slots = assign_slots([Host("a", 4)], 4)
+    assert envvars.thread_env(slots[0], 8, {}) == {"OMP_NUM_THREADS": "2"}
+    assert envvars.thread_env(slots[0], 2, {}) == {"OMP_NUM_THREADS": "1"}
+    assert envvars.thread_env(slots[0], 8, {"OMP_NUM_THREADS": "3"}) == {}

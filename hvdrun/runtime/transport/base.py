@@ -127,6 +127,7 @@ class Waiter:
     def __init__(self, own_bell: Doorbell | None, abort: AbortFlag, spin_s: float = DEFAULT_SPIN_S) -> None:
         self.own_bell, self.abort, self.spin_s = own_bell, abort, spin_s
         self._idle_since: float | None = None
+        self._count_lock = threading.Lock()  # two threads of a rank may sleep at once
 
     def progressed(self) -> None:
         """Tell the waiter that the caller made progress (resets the spin phase)."""
@@ -152,14 +153,15 @@ class Waiter:
             read_fds += r
             write_fds += w
         bell = self.own_bell
-        if bell is not None:  # a count: two threads of this rank may sleep at once
-            bell.sleeping[0] += 1  # type: ignore[index]
-            fence()
+        if bell is not None:
+            with self._count_lock:  # a count, and the lock's atomic operation is the fence
+                bell.sleeping[0] += 1  # type: ignore[index]
         try:
             if not any(channel.ready() for channel in channels):
                 select.select(read_fds, write_fds, [], timeout_s)
         finally:
             if bell is not None:
-                bell.sleeping[0] -= 1  # type: ignore[index]
+                with self._count_lock:
+                    bell.sleeping[0] -= 1  # type: ignore[index]
                 bell.drain()
         self.abort.check()
