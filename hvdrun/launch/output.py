@@ -130,8 +130,11 @@ class OutputRouter:
         text = "".join(tag + line if line.endswith(("\n", "\r")) else tag + line + "\n" for line in lines)
         console = self._console[stream]
         with self._lock:
-            console.write(text)
-            console.flush()
+            try:
+                console.write(text)
+                console.flush()
+            except (BrokenPipeError, ValueError):  # console closed (e.g. piped into head): keep the logs
+                pass
 
 
 def _read(fd: int) -> bytes:

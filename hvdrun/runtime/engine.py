@@ -133,6 +133,7 @@ class Engine:
         self._sleeping = False
         self._progress = threading.Lock()
         self._waiters = 0  # threads inside drive_until: the background thread stands down
+        self._holds = 0  # paused() sections: the background thread starts no cycle
         self._last_driven = 0.0
         self._async_new = False
         self._failure: str | None = None
@@ -186,12 +187,20 @@ class Engine:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[Backend]:
-        """Hold the progress lock and yield the backend, for direct calls (byte counts, benchmarks).
+        """A collective: yield the backend for direct calls (byte counts, benchmarks) on every rank.
 
-        Every rank must make the same direct calls while paused, as with any collective.
+        The background thread stops starting cycles before the barrier, so once any rank is
+        past it, no rank can mistake direct traffic for negotiation.
         """
-        with self._progress:
-            yield self.backend
+        with self._lock:
+            self._holds += 1
+        try:
+            self.run(Request(self.auto_name("pause"), "barrier"))
+            with self._progress:
+                yield self.backend
+        finally:
+            with self._lock:
+                self._holds -= 1
 
     def run(self, request: Request, array: np.ndarray | None = None) -> Any:
         """Submit and wait on the calling thread: the blocking collectives."""
@@ -254,7 +263,7 @@ class Engine:
         try:
             while not self._stopped:
                 grace = self._last_driven + _TAKEOVER_GRACE_S - time.monotonic()
-                if (self._waiters or grace > 0) and not self._async_new:
+                if self._holds or ((self._waiters or grace > 0) and not self._async_new):
                     self._sleep_on_wake_pipe(max(grace, _TAKEOVER_GRACE_S))  # a caller drives
                     continue
                 if self._has_work():

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import threading
@@ -20,6 +21,16 @@ from hvdrun.runtime.transport.base import AbortFlag
 from hvdrun.runtime.wire import AuthError, authenticate_client, authenticate_server, recv_frame, send_frame
 
 _HANDSHAKE_TIMEOUT_S = 10.0
+# Rank 0 keeps its listening socket for the life of the process: between a shutdown() and the
+# next init() the kernel could otherwise hand the port to another socket (an ephemeral port).
+_listeners: dict[int, socket.socket] = {}
+
+
+def _listener(port: int, backlog: int) -> socket.socket:
+    sock = _listeners.get(port)
+    if sock is None or sock.fileno() < 0:
+        sock = _listeners[port] = socket.create_server(("", port), backlog=backlog)
+    return sock
 
 
 @dataclass(frozen=True)
@@ -43,12 +54,13 @@ class _Server:
 
     def __init__(self, port: int, size: int, secret: bytes, abort: AbortFlag, generation: int) -> None:
         self.size, self.secret, self.abort, self.generation = size, secret, abort, generation
-        self.listener = socket.create_server(("", port), reuse_port=False, backlog=max(size, 16))
+        self.listener = _listener(port, max(size, 16))
         self.clients: dict[int, tuple[socket.socket, Peer]] = {}
         self._lock = threading.Lock()
         self._closing = False
         self._said_bye: set[int] = set()
         self._monitor: threading.Thread | None = None
+        self._wake_read, self._wake_write = os.pipe()
 
     def gather(self, me: Peer, deadline: float) -> list[Peer]:
         """Accept connections until every rank joined; send everyone the table."""
@@ -56,7 +68,7 @@ class _Server:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._fail_missing(deadline)
-            if select.select([self.listener], [], [], min(remaining, 0.2))[0]:
+            if select.select([self.listener], [], [], min(remaining, 0.005))[0]:
                 sock, _ = self.listener.accept()
                 threading.Thread(target=self._admit, args=(sock,), daemon=True).start()
         peers = sorted([me] + [peer for _, peer in self.clients.values()], key=lambda p: p.rank)
@@ -103,10 +115,12 @@ class _Server:
         while not self._closing:
             socks = {sock: peer for sock, peer in self.clients.values() if peer.rank not in self._said_bye}
             try:
-                readable = select.select([self.listener, *socks], [], [], 0.5)[0]
+                readable = select.select([self.listener, self._wake_read, *socks], [], [], 0.5)[0]
             except (OSError, ValueError):
                 return
             for sock in readable:
+                if sock is self._wake_read:
+                    return
                 if sock is self.listener:
                     self._refuse_late()
                 else:
@@ -145,9 +159,13 @@ class _Server:
                     pass
 
     def close(self) -> None:
-        """Stop watching and close every socket."""
+        """Stop watching and close every client socket (the listener stays for the next init)."""
         self._closing = True
-        self.listener.close()
+        os.write(self._wake_write, b"\0")
+        if self._monitor is not None:
+            self._monitor.join(2.0)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         for sock, _ in self.clients.values():
             sock.close()
 

@@ -69,12 +69,15 @@ class ShmSegment:
             path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Unmap and close."""
-        self.words.release()
-        self.data.release()
-        self.bell.sleeping.release()  # type: ignore[attr-defined]
+        """Close the doorbell and unmap (left to the garbage collector while views remain)."""
         os.close(self.bell_fd)
-        self.map.close()
+        try:
+            self.words.release()
+            self.data.release()
+            self.bell.sleeping.release()  # type: ignore[attr-defined]
+            self.map.close()
+        except BufferError:
+            pass
 
 
 class ShmRx(RxChannel):
