@@ -63,3 +63,39 @@ def run_hvdrun(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
 
     yield run
     assert wait_until(lambda: not job_processes(token)), f"left behind: {job_processes(token)}"
+
+
+@pytest.fixture
+def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
+    """Start ranks of one job directly (hvdrun's env contract, no supervising launcher).
+
+    Returns ``start(script, size, ranks=None, env=None) -> {rank: Popen}``; afterwards every
+    process is killed and the test fails if any was left running.
+    """
+    from hvdrun.envvars import Rendezvous, worker_env
+    from hvdrun.hosts import Host
+    from hvdrun.launch.job import _free_port
+    from hvdrun.ranks import assign_slots
+
+    started: list[subprocess.Popen[str]] = []
+
+    def start(script: str, size: int, ranks: list[int] | None = None, env: dict[str, str] | None = None,
+              args: tuple[str, ...] = (), rendezvous: Rendezvous | None = None) -> dict[int, subprocess.Popen[str]]:
+        rendezvous = rendezvous or Rendezvous("127.0.0.1", _free_port(), _free_port(), uuid.uuid4().hex, "t" + token[:6])
+        procs = {}
+        for slot in assign_slots([Host("localhost", size)], size):
+            if ranks is not None and slot.rank not in ranks:
+                continue
+            full_env = {**hvdrun_env, **worker_env(slot, rendezvous), "OMP_NUM_THREADS": "1", **(env or {})}
+            procs[slot.rank] = subprocess.Popen([sys.executable, script, *args], env=full_env, cwd=tmp_path,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            started.append(procs[slot.rank])
+        start.rendezvous = rendezvous  # type: ignore[attr-defined]
+        return procs
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+    assert wait_until(lambda: not job_processes(token)), f"left behind: {job_processes(token)}"

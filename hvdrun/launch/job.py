@@ -53,6 +53,7 @@ class JobPlan:
     specs: tuple[WorkerSpec, ...]
     launcher: str
     options: RunOptions
+    rendezvous: Rendezvous
 
     @property
     def slots(self) -> list[Slot]:
@@ -163,7 +164,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     specs = tuple(WorkerSpec(slot=slot, argv=argv, cwd=os.getcwd(),
                              env={**base_env, **thread_env(slot, cpus, base_env), **worker_env(slot, rendezvous)})
                   for slot in slots)
-    return JobPlan(specs=specs, launcher=launcher, options=options)
+    return JobPlan(specs=specs, launcher=launcher, options=options, rendezvous=rendezvous)
 
 
 def run_job(plan: JobPlan) -> None:
@@ -173,6 +174,11 @@ def run_job(plan: JobPlan) -> None:
         WorkerFailed: a rank failed (exit code = that rank's).
         JobInterrupted: hvdrun was interrupted.
     """
+    from hvdrun.runtime.transport.shm import remove_job_segments
+
     options = plan.options
     router = OutputRouter(len(plan.specs), prefix=options.prefix_output, output_dir=options.output_dir)
-    WorkerGroup(LocalLauncher(grace_s=options.grace_s), router).run(plan.specs)
+    try:
+        WorkerGroup(LocalLauncher(grace_s=options.grace_s), router).run(plan.specs)
+    finally:
+        remove_job_segments(plan.rendezvous.job_id)  # left by ranks killed during init()

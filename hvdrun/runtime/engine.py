@@ -34,6 +34,7 @@ from hvdrun.runtime.negotiation import AVERAGE, REDUCE_FNS, Entry, Request, Tabl
 from hvdrun.runtime.ring import as_bytes, chunk_bounds
 
 _IDLE_TIMEOUT_S = 0.5
+_STALL_CHECK_PERIOD_S = 0.25
 # After a caller stopped driving, the background thread waits this long before taking over,
 # so a loop of blocking collectives keeps the progress on its own thread.
 _TAKEOVER_GRACE_S = 0.002
@@ -140,6 +141,7 @@ class Engine:
         self._stopped = False
         self._fusion: dict[str, np.ndarray] = {}
         self._last_cycle = time.monotonic()
+        self._last_stall_check = 0.0
         self._thread = threading.Thread(target=self._run, name="hvdrun-engine", daemon=True)
         self._thread.start()
 
@@ -256,6 +258,7 @@ class Engine:
                     self.backend.progressed()
                 else:
                     self.backend.idle_wait([self._wake_read])
+                    self._check_stalls()
         except CollectiveError as e:
             self._fail(str(e))
 
@@ -385,6 +388,10 @@ class Engine:
             op.handle.finish(error=error)
 
     def _check_stalls(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stall_check < _STALL_CHECK_PERIOD_S:
+            return
+        self._last_stall_check = now
         if self.stall_error_s and (dead := self.table.stalled(self.stall_error_s)):
             raise CollectiveError("stalled: " + _describe_stall(dead, self.world.size, self.stall_error_s))
         fresh = [entry for entry in self.table.stalled(self.stall_warning_s) if not entry.warned]

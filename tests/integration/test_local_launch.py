@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -188,3 +189,22 @@ def test_torchrun_style_env_script_runs_unchanged(run_hvdrun):
     lines = [r.stdout.split("coefficients=", 1)[1].split()[0] for r in (one, two)]
     assert lines[0] == lines[1]
     assert "[0]<stdout>:ranks=2 epochs=100" in two.stdout
+
+
+def test_shared_memory_of_ranks_killed_during_init_is_removed(run_hvdrun, tmp_path):
+    path = script(tmp_path, "die_in_init.py", """
+        import os, signal
+        import hvdrun.runtime.backends.ring as ring
+        original = ring._channels
+        def die_after_creating_the_segment(*args, **kwargs):
+            if os.environ["RANK"] == "1":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+        ring._channels = die_after_creating_the_segment
+        from hvdrun.runtime import context
+        context.init()
+    """)
+    result = run_hvdrun("-np", "2", path)
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "rank 1 on host localhost was killed by signal 9" in result.stderr
+    assert not list(Path("/dev/shm").glob("hvdrun-*")), list(Path("/dev/shm").glob("hvdrun-*"))

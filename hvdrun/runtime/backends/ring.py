@@ -97,8 +97,7 @@ class RingBackend(Backend):
         self.ring.alltoallv(send, send_sizes, matrix, out)
 
     def peer_waiting(self) -> bool:
-        rx = self.ring.rx
-        return rx is not None and (rx.ready() or len(rx.peek(1)) > 0)
+        return self.ring.rx is not None and self.ring.rx.ready()
 
     def idle_wait(self, extra_fds: Sequence[int]) -> None:
         if self.ring.rx is None:

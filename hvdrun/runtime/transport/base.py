@@ -79,7 +79,7 @@ class RxChannel(abc.ABC):
         """File descriptors to select() on (readable, writable) until data may have arrived."""
 
     def ready(self) -> bool:
-        """True when :meth:`peek` would return bytes now (for channels select() cannot watch)."""
+        """True when :meth:`peek` would return bytes now. Must not change the channel: any thread may ask."""
         return False
 
     def close(self) -> None:

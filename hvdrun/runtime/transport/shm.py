@@ -35,6 +35,15 @@ def shm_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and SHM_DIR.is_dir()
 
 
+def remove_job_segments(job_id: str) -> int:
+    """Delete every segment and doorbell a job left in /dev/shm (ranks killed during init); returns the count."""
+    removed = 0
+    for path in SHM_DIR.glob(f"hvdrun-{job_id}-*"):
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
 def _paths(job_id: str, rank: int) -> tuple[Path, Path]:
     base = SHM_DIR / f"hvdrun-{job_id}-{rank}"
     return base.with_suffix(".ring"), base.with_suffix(".bell")

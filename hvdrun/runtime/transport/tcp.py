@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import socket
 
 from hvdrun.errors import CollectiveError
@@ -79,6 +80,10 @@ class TcpRx(RxChannel):
 
     def wait_fds(self) -> tuple[list[int], list[int]]:
         return [self.sock.fileno()], []
+
+    def ready(self) -> bool:
+        """Bytes are staged or waiting in the socket; never touches the stream (other threads may call it)."""
+        return self._end > self._start or bool(select.select([self.sock], [], [], 0)[0])
 
     def close(self) -> None:
         self.sock.close()

@@ -1,0 +1,163 @@
+"""The runtime with real processes: collectives against NumPy, faults, security, lifecycle, backends."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hvdrun.runtime.wire import AuthError, authenticate_server
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+WORKERS = Path(__file__).parent / "workers"
+
+
+def worker(name: str) -> str:
+    return str(WORKERS / name)
+
+
+def ranks_reporting(stdout: str, pattern: str) -> set[int]:
+    return {int(m.group(1)) for m in re.finditer(r"^\[(\d+)\]<stdout>:" + pattern, stdout, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("size", range(1, 9))
+def test_every_collective_dtype_and_op_against_numpy(run_hvdrun, size):
+    result = run_hvdrun("-np", str(size), worker("collectives.py"), timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ranks_reporting(result.stdout, r"rank \d+: \d+ checks passed") == set(range(size))
+
+
+@pytest.mark.parametrize("env", [{"HVDRUN_TRANSPORT": "tcp"}, {"HVDRUN_BACKEND": "gloo"}], ids=["tcp", "gloo"])
+def test_collectives_over_tcp_and_gloo(run_hvdrun, hvdrun_env, env):
+    hvdrun_env.update(env)
+    result = run_hvdrun("-np", "3", worker("collectives.py"), timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ranks_reporting(result.stdout, r"rank \d+: \d+ checks passed") == {0, 1, 2}
+
+
+def test_shared_memory_within_hosts_and_tcp_between(run_hvdrun):
+    result = run_hvdrun("-H", "localhost:2,127.0.0.1:2", worker("collectives.py"), timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ranks_reporting(result.stdout, r"rank \d+: \d+ checks passed") == {0, 1, 2, 3}
+
+
+def test_async_ops_in_different_orders(run_hvdrun):
+    result = run_hvdrun("-np", "4", worker("order.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ranks_reporting(result.stdout, r"rank \d+: order ok") == {0, 1, 2, 3}
+
+
+def test_mismatches_raise_on_every_rank_naming_op_and_ranks(run_hvdrun):
+    result = run_hvdrun("-np", "3", worker("mismatch.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = {
+        "shape": "allreduce 'shape': shape differs across ranks (rank 0: (3,); ranks 1, 2: (4,))",
+        "dtype": "allreduce 'dtype': dtype differs across ranks (rank 0: float32; ranks 1, 2: float64)",
+        "op": "allreduce 'op': reduction op differs across ranks (rank 0: Sum; ranks 1, 2: Max)",
+        "root": "broadcast 'root': root rank differs across ranks (rank 0: 0; rank 1: 1; rank 2: 2)",
+        "kind": "allreduce 'kind': operation differs across ranks (rank 0: allreduce; ranks 1, 2: allgather)",
+    }
+    for case, message in expected.items():
+        for rank in range(3):
+            assert f"[{rank}]<stdout>:rank {rank} {case}: {message}" in result.stdout
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_each_rank_sends_2_n_minus_1_over_n_of_the_buffer(run_hvdrun, hvdrun_env, size, transport):
+    hvdrun_env["HVDRUN_TRANSPORT"] = transport
+    result = run_hvdrun("-np", str(size), worker("bytes_sent.py"), "3000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    total = 3000 * size * 2 * 4
+    sent = 2 * (size - 1) * total // size
+    channel = "TcpTx" if transport == "tcp" else "ShmTx"
+    assert ranks_reporting(result.stdout, rf"rank \d+: sent {sent} bytes for S={total} N={size} over {channel}") \
+        == set(range(size))
+
+
+def test_init_shutdown_a_hundred_times_and_calls_before_init(run_hvdrun):
+    result = run_hvdrun("-np", "2", worker("lifecycle.py"), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("lifecycle ok: 100 cycles") == 2
+
+
+def test_size_one_without_any_launcher(tmp_path):
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("HVDRUN_", "OMPI_", "PMI_", "SLURM"))}
+    result = subprocess.run([sys.executable, worker("lifecycle.py")], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "lifecycle ok" in result.stdout
+
+
+def test_stalled_rank_is_named_then_every_rank_raises(run_hvdrun, hvdrun_env):
+    hvdrun_env.update(HVDRUN_STALL_CHECK_TIME_SECONDS="1", HVDRUN_STALL_SHUTDOWN_TIME_SECONDS="3")
+    result = run_hvdrun("-np", "3", worker("stall.py"))
+    assert "hvdrun: warning: 1 collective(s) waited more than 1 s for some ranks: 'late' missing rank 1" in \
+        result.stderr
+    assert ranks_reporting(result.stdout, r"rank \d+ raised: stalled: .*'late' missing rank 1") == {0, 1, 2}
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank-1-dies", "rank-0-dies"])
+def test_killed_peer_makes_every_other_rank_raise(spawn_ranks, victim):
+    procs = spawn_ranks(worker("killed_peer.py"), 4, args=(str(victim),))
+    outputs = {}
+    for rank, proc in procs.items():
+        outputs[rank] = proc.communicate(timeout=60)
+    assert procs[victim].returncode == -9
+    survivors = [r for r in procs if r != victim]
+    for rank in survivors:
+        stdout, stderr = outputs[rank]
+        assert procs[rank].returncode == 0, stderr[-2000:]
+        seconds = float(re.search(r"raised after ([\d.]+) s", stdout).group(1))
+        assert seconds < 30, stdout  # a bound against hanging, not a timing claim
+        assert f"rank {victim}" in stdout or "rank 0" in stdout, stdout
+
+
+def test_connection_without_the_secret_is_refused(spawn_ranks):
+    procs = spawn_ranks(worker("order.py"), 2, ranks=[0])
+    rendezvous = spawn_ranks.rendezvous
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            sock = socket.create_connection(("127.0.0.1", rendezvous.port), timeout=5)
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "rank 0 never listened"
+            time.sleep(0.05)
+    with sock, pytest.raises(AuthError, match="refused our secret"):
+        authenticate_server(sock, b"not-the-job-secret", "rank 0")
+    with socket.create_connection(("127.0.0.1", rendezvous.port), timeout=5) as raw:
+        raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(64))
+        raw.settimeout(10)
+        assert raw.recv(4) == b"HVD1"  # the greeting, then the connection is dropped for the bad answer
+    procs.update(spawn_ranks(worker("order.py"), 2, ranks=[1], rendezvous=rendezvous))
+    for rank, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and f"rank {rank}: order ok" in stdout, stderr[-2000:]
+
+
+def test_rendezvous_timeout_names_the_missing_ranks(spawn_ranks):
+    procs = spawn_ranks(worker("order.py"), 3, ranks=[0], env={"HVDRUN_START_TIMEOUT": "2"})
+    stdout, stderr = procs[0].communicate(timeout=60)
+    assert procs[0].returncode != 0
+    assert "rendezvous timed out: ranks 1, 2 never joined rank 0" in stderr
+
+
+MPIEXEC = Path(sys.executable).with_name("mpiexec")
+
+
+@pytest.mark.skipif(not MPIEXEC.exists() and not shutil.which("mpiexec"), reason="mpich wheel not installed")
+def test_mpi_backend_under_mpiexec(tmp_path, hvdrun_env):
+    env = {k: v for k, v in hvdrun_env.items() if not k.startswith("HVDRUN_") or k == "HVDRUN_TEST_TOKEN"}
+    result = subprocess.run([str(MPIEXEC if MPIEXEC.exists() else "mpiexec"), "-n", "2", sys.executable,
+                             worker("collectives.py")], env={**env, "OMP_NUM_THREADS": "1"}, cwd=REPO,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(re.findall(r"rank \d: \d+ checks passed", result.stdout)) == 2
