@@ -239,7 +239,7 @@ class Engine:
             self._waiters += 1
         try:
             while not handle.done() and (deadline is None or time.monotonic() < deadline):
-                if not self._progress.acquire(timeout=0.001):
+                if not (self._progress.acquire(blocking=False) or self._progress.acquire(timeout=0.001)):
                     continue  # the background thread is finishing a cycle
                 try:
                     self._drive_locked(handle, deadline)
@@ -344,9 +344,7 @@ class Engine:
         op = new[0]
         with self._lock:
             del self._inflight[op.request.name]
-        entry = Entry(op.request.name, payloads={rank: items[0][1] for rank, items in enumerate(decoded)})
-        entry.requests[0] = op.request
-        op.handle.finish(_eager_allreduce(self, entry, op.array))
+        op.handle.finish(_reduce_contributions(self, op.request, [items[0][1] for items in decoded], op.array))
         return True
 
     def _fail_entries_of_departed_ranks(self) -> None:
@@ -429,8 +427,14 @@ def _describe_stall(entries: list[Entry], size: int, seconds: float) -> str:
 # -- executors: (engine, batch, ops) -> one result per op ---------------------------------------
 
 def _eager_allreduce(engine: Engine, entry: Entry, array: np.ndarray) -> np.ndarray:
+    """An allreduce whose data every rank sent with its announcement."""
+    return _reduce_contributions(engine, entry.requests[0], [entry.payloads[r] for r in range(engine.world.size)],
+                                 array)
+
+
+def _reduce_contributions(engine: Engine, request: Request, payloads: list[bytes], array: np.ndarray) -> np.ndarray:
     """Reduce every rank's contribution locally, in rank order, so all ranks get identical bits."""
-    request, reduce, payloads, dtype = entry.requests[0], REDUCE_FNS[entry.requests[0].op], entry.payloads, array.dtype
+    reduce, dtype = REDUCE_FNS[request.op], array.dtype
     flat = array.reshape(-1)
     reduce(np.frombuffer(payloads[0], dtype), np.frombuffer(payloads[1], dtype), flat)
     for rank in range(2, engine.world.size):

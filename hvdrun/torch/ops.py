@@ -36,6 +36,7 @@ _handles: dict[int, tuple[Handle, Callable[[Any], Any]]] = {}
 _handle_ids = itertools.count(1)
 _handles_lock = threading.Lock()
 _groups = itertools.count(1)
+_DTYPE_NAMES = {np.dtype(name): name for name in MOVEMENT_DTYPES}  # np.dtype.name is slow on hot paths
 
 
 def _engine():  # noqa: ANN202 - internal
@@ -48,10 +49,10 @@ def _check(tensor: torch.Tensor, kinds: tuple[str, ...]) -> np.ndarray:
         raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise ValueError(f"tensor on {tensor.device}: hvdrun's collectives take CPU tensors in this version")
-    array = tensor.detach().numpy()
-    if array.dtype.name not in kinds:
+    array = tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
+    if _DTYPE_NAMES.get(array.dtype) not in kinds:
         raise ValueError(f"Tensor type {tensor.dtype} is not supported; supported: {', '.join(kinds)}")
     return array
 
@@ -73,7 +74,7 @@ def _resolve_op(op: int | None, average: bool | None, default: int = AVERAGE) ->
 
 def _request(kind: str, array: np.ndarray, name: str | None, **fields: Any) -> Request:
     name = name if name is not None else _engine().auto_name(kind)
-    return Request(name, kind, array.dtype.name, tuple(array.shape), **fields)
+    return Request(name, kind, _DTYPE_NAMES[array.dtype], array.shape, **fields)
 
 
 def _start(request: Request, array: np.ndarray | None, finish: Callable[[Any], Any]) -> int:
