@@ -4,9 +4,10 @@
     python benchmarks/allreduce.py --ranks 2 --sizes 4K,64M --json out.json
 
 Each library runs as its own job on this machine (hvdrun and gloo started by ``hvdrun``, MPI by
-the mpich wheel's ``mpiexec``), in-place float32 sum, rank 0 timing. A size's time is the
-median over repeats of (batch time / batch length); bus bandwidth is
-``bytes / time * 2 (N - 1) / N``, the traffic each rank's link carries in a ring.
+the mpich wheel's ``mpiexec``), in-place float32 sum of zeros, rank 0 timing. A size's time is
+the median over repeats of (batch time / batch length), batches of back-to-back ops (1000 for
+small sizes; 100 for gloo, 25x slower there); bus bandwidth is ``bytes / time * 2 (N - 1) / N``,
+the traffic each rank's link carries in a ring.
 """
 
 from __future__ import annotations
@@ -25,17 +26,17 @@ SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 
 LIBRARIES = ("hvdrun", "gloo", "mpi")
 
 
-def plan(nbytes: int) -> tuple[int, int]:
-    """(repeats, batch length): many short batches for small sizes, a few ops for large ones."""
+def plan(nbytes: int, library: str) -> tuple[int, int]:
+    """(repeats, batch length): long batches of back-to-back ops for latency, a few ops for bandwidth."""
     if nbytes <= 64 << 10:
-        return 15, 50
+        return 7, (100 if library == "gloo" else 1000)
     if nbytes <= 1 << 20:
-        return 10, 10
+        return 7, 20
     return (7, 2) if nbytes <= 64 << 20 else (3, 1)
 
 
-def measure(allreduce, barrier, nbytes: int) -> float:  # noqa: ANN001 - callables of the three libraries
-    repeats, batch = plan(nbytes)
+def measure(allreduce, barrier, nbytes: int, library: str) -> float:  # noqa: ANN001 - the libraries' callables
+    repeats, batch = plan(nbytes, library)
     for _ in range(2):
         allreduce()
     times = []
@@ -58,7 +59,7 @@ def worker(library: str, sizes: list[int]) -> None:
         comm = MPI.COMM_WORLD
         rank, size = comm.rank, comm.size
         barrier = comm.Barrier
-        make = lambda n: (lambda a=np.ones(n // 4, np.float32): comm.Allreduce(MPI.IN_PLACE, a))  # noqa: E731
+        make = lambda n: (lambda a=np.zeros(n // 4, np.float32): comm.Allreduce(MPI.IN_PLACE, a))  # noqa: E731
     else:
         import torch
 
@@ -68,19 +69,24 @@ def worker(library: str, sizes: list[int]) -> None:
             dist.init_process_group("gloo", init_method="env://")
             rank, size = dist.get_rank(), dist.get_world_size()
             barrier = dist.barrier
-            make = lambda n: (lambda t=torch.ones(n // 4): dist.all_reduce(t))  # noqa: E731
+            make = lambda n: (lambda t=torch.zeros(n // 4): dist.all_reduce(t))  # noqa: E731
         else:
             import hvdrun.torch as hvd
 
             hvd.init()
             rank, size = hvd.rank(), hvd.size()
             barrier = hvd.barrier
-            make = lambda n: (lambda t=torch.ones(n // 4): hvd.allreduce_(t, op=hvd.Sum, name=f"b{n}"))  # noqa
+            make = lambda n: (lambda t=torch.zeros(n // 4): hvd.allreduce_(t, op=hvd.Sum, name=f"b{n}"))  # noqa
     for nbytes in sizes:
-        seconds = measure(make(nbytes), barrier, nbytes)
+        seconds = measure(make(nbytes), barrier, nbytes, library)
         if rank == 0:
             print("RESULT " + json.dumps({"library": library, "ranks": size, "bytes": nbytes, "seconds": seconds}),
                   flush=True)
+    barrier()
+    if library == "gloo":
+        dist.destroy_process_group()  # gloo aborts at exit without it
+    elif library == "hvdrun":
+        hvd.shutdown()
 
 
 def run_job(library: str, ranks: int, sizes: list[int]) -> list[dict]:
