@@ -28,5 +28,8 @@ lint: venv
 	$(VENV)/bin/ruff check hvdrun tests examples
 	$(VENV)/bin/mypy hvdrun
 
+bench: venv
+	$(PY) benchmarks/allreduce.py
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

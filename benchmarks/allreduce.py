@@ -59,7 +59,7 @@ def worker(library: str, sizes: list[int]) -> None:
         comm = MPI.COMM_WORLD
         rank, size = comm.rank, comm.size
         barrier = comm.Barrier
-        make = lambda n: (lambda a=np.zeros(n // 4, np.float32): comm.Allreduce(MPI.IN_PLACE, a))  # noqa: E731
+        make = lambda n: (lambda a=np.zeros(n // 4, np.float32): comm.Allreduce(MPI.IN_PLACE, a))  # noqa: E731, B008
     else:
         import torch
 
@@ -69,7 +69,7 @@ def worker(library: str, sizes: list[int]) -> None:
             dist.init_process_group("gloo", init_method="env://")
             rank, size = dist.get_rank(), dist.get_world_size()
             barrier = dist.barrier
-            make = lambda n: (lambda t=torch.zeros(n // 4): dist.all_reduce(t))  # noqa: E731
+            make = lambda n: (lambda t=torch.zeros(n // 4): dist.all_reduce(t))  # noqa: E731, B008
         else:
             import hvdrun.torch as hvd
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hvdrun.errors import UsageError
 from hvdrun.ranks import Slot
@@ -215,8 +216,8 @@ def read_launch_info(environ: Mapping[str, str]) -> LaunchInfo:
         UsageError: a variable is malformed, or a Slurm job lacks what the rendezvous needs.
     """
     master_port = env_int(environ, TORCH_MASTER_PORT, 0) or None
-    common = {"hostname": _hostname(environ), "master_addr": environ.get(TORCH_MASTER_ADDR),
-              "master_port": master_port}
+    common: dict[str, Any] = {"hostname": _hostname(environ), "master_addr": environ.get(TORCH_MASTER_ADDR),
+                              "master_port": master_port}
     if RANK in environ:
         return LaunchInfo(rank=env_int(environ, RANK), size=env_int(environ, SIZE), launcher="hvdrun",
                           rendezvous_addr=environ.get(RENDEZVOUS_ADDR, "127.0.0.1"),

@@ -81,7 +81,8 @@ def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
 
     def start(script: str, size: int, ranks: list[int] | None = None, env: dict[str, str] | None = None,
               args: tuple[str, ...] = (), rendezvous: Rendezvous | None = None) -> dict[int, subprocess.Popen[str]]:
-        rendezvous = rendezvous or Rendezvous("127.0.0.1", _free_port(), _free_port(), uuid.uuid4().hex, "t" + token[:6])
+        rendezvous = rendezvous or Rendezvous("127.0.0.1", _free_port(), _free_port(), uuid.uuid4().hex,
+                                              "t" + token[:6])
         procs = {}
         for slot in assign_slots([Host("localhost", size)], size):
             if ranks is not None and slot.rank not in ranks:

@@ -35,6 +35,7 @@ from hvdrun.runtime.ring import as_bytes, chunk_bounds
 
 _IDLE_TIMEOUT_S = 0.5
 _STALL_CHECK_PERIOD_S = 0.25
+_NO_DATA = np.empty(0, np.uint8)
 # After a caller stopped driving, the background thread waits this long before taking over,
 # so a loop of blocking collectives keeps the progress on its own thread.
 _TAKEOVER_GRACE_S = 0.002
@@ -87,7 +88,7 @@ class LocalOp:
     """A request of this rank and the buffer it works on."""
 
     request: Request
-    array: np.ndarray | None
+    array: np.ndarray  # empty for barriers
     handle: Handle
     payload: bytes | None = None
 
@@ -160,6 +161,7 @@ class Engine:
             array: its buffer.
             wake: wake the background thread; False when the caller waits on the handle at once.
         """
+        array = _NO_DATA if array is None else array
         op = LocalOp(request, array, Handle(self), self._eager_payload(request, array))
         with self._lock:
             if self._failure is not None:
@@ -177,9 +179,9 @@ class Engine:
             os.write(self._wake_write, b"\0")
         return op.handle
 
-    def _eager_payload(self, request: Request, array: np.ndarray | None) -> bytes | None:
+    def _eager_payload(self, request: Request, array: np.ndarray) -> bytes | None:
         """The prescaled data of a small allreduce, sent with its announcement."""
-        if request.kind != "allreduce" or array is None or array.nbytes > self.eager_bytes or self.world.size == 1:
+        if request.kind != "allreduce" or array.nbytes > self.eager_bytes or self.world.size == 1:
             return None
         if request.prescale == 1.0:
             return array.tobytes()
@@ -451,7 +453,7 @@ def _allreduce(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[A
     if len(arrays) == 1:
         buffer = arrays[0].reshape(-1)
     else:
-        buffer = engine.fusion_buffer(arrays[0].dtype, sum(a.size for a in arrays))
+        buffer = engine.fusion_buffer(arrays[0].dtype, sum(int(a.size) for a in arrays))
         offset = 0
         for array in arrays:
             buffer[offset:offset + array.size] = array.reshape(-1)

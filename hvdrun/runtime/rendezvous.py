@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from dataclasses import astuple, dataclass
+from typing import Any
 
 from hvdrun.errors import RendezvousError
 from hvdrun.runtime.transport.base import AbortFlag
@@ -114,8 +115,9 @@ class _Server:
     def _watch(self) -> None:
         while not self._closing:
             socks = {sock: peer for sock, peer in self.clients.values() if peer.rank not in self._said_bye}
+            watched: list[Any] = [self.listener, self._wake_read, *socks]
             try:
-                readable = select.select([self.listener, self._wake_read, *socks], [], [], 0.5)[0]
+                readable = select.select(watched, [], [], 0.5)[0]
             except (OSError, ValueError):
                 return
             for sock in readable:

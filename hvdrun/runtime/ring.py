@@ -42,7 +42,7 @@ def padded(length: int) -> int:
 
 def as_bytes(array: np.ndarray) -> memoryview:
     """A byte view of a contiguous array (no copy)."""
-    return memoryview(array).cast("B") if array.size else memoryview(bytearray())
+    return array.data.cast("B") if array.size else memoryview(bytearray())
 
 
 def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:

@@ -32,7 +32,7 @@ from hvdrun.runtime.negotiation import (
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
 
-_handles: dict[int, tuple[Handle, Callable[[Any], Any]]] = {}
+_handles: dict[int, tuple[Handle | _GroupHandle, Callable[[Any], Any]]] = {}
 _handle_ids = itertools.count(1)
 _handles_lock = threading.Lock()
 _groups = itertools.count(1)

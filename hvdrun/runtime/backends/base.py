@@ -81,12 +81,12 @@ class Backend(abc.ABC):
         """A short wait for a peer while a caller drives progress (spin first where that pays)."""
         self.wait_for_peer(extra_fds, 0.001)
 
-    def progressed(self) -> None:
+    def progressed(self) -> None:  # noqa: B027 - optional hook
         """Tell the backend the caller made progress (restarts its spin phase)."""
 
     def peer_waiting(self) -> bool:
         """True when a peer has started a negotiation cycle we have not joined (wakeable backends)."""
         return False
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and memory."""

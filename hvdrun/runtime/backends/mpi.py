@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +29,7 @@ class MpiBackend(Backend):
     def __init__(self, comm: object, world: World) -> None:
         self.comm, self.world = comm, world
         MPI = _mpi()
-        self._ops = {np.add: MPI.SUM, np.minimum: MPI.MIN, np.maximum: MPI.MAX, np.multiply: MPI.PROD}
+        self._ops: dict[Any, Any] = {np.add: MPI.SUM, np.minimum: MPI.MIN, np.maximum: MPI.MAX, np.multiply: MPI.PROD}
 
     @classmethod
     def connect(cls) -> MpiBackend:

@@ -150,7 +150,8 @@ def _channels(me: Peer, peers: Sequence[Peer], own: ShmSegment | None, listener:
     else:
         acceptor.join(_CONNECT_TIMEOUT_S + 1)
         if "sock" not in accepted:
-            raise RendezvousError(f"{prev.describe()} did not connect to this rank's data port: {accepted.get('error')}")
+            raise RendezvousError(f"{prev.describe()} did not connect to this rank's data port: "
+                                  f"{accepted.get('error')}")
         rx = TcpRx(accepted["sock"], prev.describe())  # type: ignore[arg-type]
     return tx, rx, segments
 

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,8 +31,8 @@ class TorchBackend(Backend):
         import torch.distributed as dist
 
         self.world, self.group, self.dist = world, group, dist
-        self._ops = {np.add: dist.ReduceOp.SUM, np.minimum: dist.ReduceOp.MIN, np.maximum: dist.ReduceOp.MAX,
-                     np.multiply: dist.ReduceOp.PRODUCT}
+        self._ops: dict[Any, Any] = {np.add: dist.ReduceOp.SUM, np.minimum: dist.ReduceOp.MIN,
+                                     np.maximum: dist.ReduceOp.MAX, np.multiply: dist.ReduceOp.PRODUCT}
 
     @classmethod
     def connect(cls, launch: LaunchInfo, rendezvous: Rendezvous, timeout_s: float, generation: int) -> TorchBackend:
@@ -39,7 +40,7 @@ class TorchBackend(Backend):
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore("0.0.0.0", 0, launch.size, True, timeout=timeout,
+        store: Any = dist.TCPStore("0.0.0.0", 0, launch.size, True, timeout=timeout,
                                                     wait_for_workers=False) if launch.rank == 0 else None
         address = rendezvous.local_address(time.monotonic() + timeout_s)
         me = Peer(launch.rank, launch.hostname, f"{launch.hostname}/{socket.gethostname()}", os.getpid(),
@@ -69,7 +70,7 @@ class TorchBackend(Backend):
         out = np.zeros(int(sizes.sum()), np.uint8)
         start = int(sizes[:self.world.rank].sum())
         out[start:start + len(payload)] = np.frombuffer(payload, np.uint8)
-        self.allgatherv(memoryview(out), sizes.tolist())
+        self.allgatherv(out.data.cast("B"), sizes.tolist())
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         return [out[offsets[i]:offsets[i + 1]].tobytes() for i in range(self.world.size)]
 

@@ -59,7 +59,7 @@ class TxChannel(abc.ABC):
         """True when :meth:`send_some` would take bytes now (for channels select() cannot watch)."""
         return False
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Release the channel."""
 
 
@@ -82,7 +82,7 @@ class RxChannel(abc.ABC):
         """True when :meth:`peek` would return bytes now. Must not change the channel: any thread may ask."""
         return False
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Release the channel."""
 
 

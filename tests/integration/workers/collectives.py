@@ -89,7 +89,7 @@ check("alltoall", got.numpy(), want, "int64")
 check("alltoall splits", received.numpy(), np.array([splits[i][RANK] for i in range(SIZE)], np.int32), "int32")
 
 tensors = [torch.full((n,), float(RANK)) for n in (1, 100, 3)]
-for got, n in zip(hvd.grouped_allreduce(tensors, op=hvd.Sum), (1, 100, 3)):
+for got, n in zip(hvd.grouped_allreduce(tensors, op=hvd.Sum), (1, 100, 3), strict=True):
     check("grouped_allreduce", got.numpy(), np.full(n, sum(range(SIZE)), np.float32), "float32")
 hvd.barrier()
 print(f"rank {RANK}: {checks} checks passed")
