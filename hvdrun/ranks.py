@@ -16,7 +16,7 @@ local rank, ``cross_size`` the number of such hosts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from hvdrun.errors import UsageError
@@ -53,8 +53,8 @@ class GpuLayout:
 
 
 @dataclass(frozen=True)
-class Slot:
-    """Where one rank runs and its place in the job's topology."""
+class Topology:
+    """A rank's place in the job: global, on its host, and across hosts."""
 
     rank: int
     size: int
@@ -62,6 +62,29 @@ class Slot:
     local_size: int
     cross_rank: int
     cross_size: int
+
+
+def topologies(host_of_rank: Sequence[Hashable]) -> list[Topology]:
+    """Every rank's topology from the host each rank runs on (Horovod's rules, hosts ordered by first rank).
+
+    ``cross_rank`` is the index of the rank's host among the hosts that have a rank with the
+    same local rank; ``cross_size`` is the number of such hosts.
+    """
+    hosts = list(dict.fromkeys(host_of_rank))
+    ranks_on = {host: [r for r, h in enumerate(host_of_rank) if h == host] for host in hosts}
+    result = []
+    for rank, host in enumerate(host_of_rank):
+        local_rank = ranks_on[host].index(rank)
+        peers = [h for h in hosts if len(ranks_on[h]) > local_rank]
+        result.append(Topology(rank, len(host_of_rank), local_rank, len(ranks_on[host]), peers.index(host),
+                               len(peers)))
+    return result
+
+
+@dataclass(frozen=True)
+class Slot(Topology):
+    """Where one rank runs: its topology, its host and its GPUs."""
+
     host: Host
     host_index: int
     devices: tuple[str, ...] = ()
@@ -109,15 +132,8 @@ def assign_slots(hosts: Sequence[Host], num_proc: int, gpus: GpuLayout | None = 
                          f"lower -np or add slots, e.g. -H {hosts[0].name}:{num_proc}")
     layout = gpus or GpuLayout()
     counts = _ranks_per_host(hosts, num_proc)
-    used = [(host, count) for host, count in zip(hosts, counts, strict=True) if count]
-    slots, rank = [], 0
-    for host_index, (host, count) in enumerate(used):
-        for local_rank in range(count):
-            peers = [i for i, (_, c) in enumerate(used) if c > local_rank]
-            slots.append(Slot(
-                rank=rank, size=num_proc, local_rank=local_rank, local_size=count,
-                cross_rank=peers.index(host_index), cross_size=len(peers), host=host,
-                host_index=host_index, devices=layout.devices_for(local_rank, host.name),
-            ))
-            rank += 1
-    return slots
+    used = [host for host, count in zip(hosts, counts, strict=True) for _ in range(count)]
+    host_index = {host: index for index, host in enumerate(dict.fromkeys(used))}
+    return [Slot(**vars(topology), host=host, host_index=host_index[host],
+                 devices=layout.devices_for(topology.local_rank, host.name))
+            for topology, host in zip(topologies(used), used, strict=True)]

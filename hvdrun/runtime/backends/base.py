@@ -8,31 +8,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hvdrun.ranks import Topology, topologies
 from hvdrun.runtime.ring import ReduceFn
 
 
 @dataclass(frozen=True)
-class World:
-    """This rank's place in the job, as the runtime established it."""
+class World(Topology):
+    """This rank's place in the job, as the runtime established it, and every rank's host name."""
 
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    hostnames: tuple[str, ...]
+    hostnames: tuple[str, ...] = ()
 
 
 def topology(rank: int, host_keys: Sequence[str], hostnames: Sequence[str]) -> World:
-    """Derive local and cross ranks from every rank's host (Horovod's rules, hosts in rank order)."""
-    hosts = list(dict.fromkeys(host_keys))
-    ranks_on = {host: [r for r, key in enumerate(host_keys) if key == host] for host in hosts}
-    mine = host_keys[rank]
-    local_rank = ranks_on[mine].index(rank)
-    peers = [host for host in hosts if len(ranks_on[host]) > local_rank]
-    return World(rank=rank, size=len(host_keys), local_rank=local_rank, local_size=len(ranks_on[mine]),
-                 cross_rank=peers.index(mine), cross_size=len(peers), hostnames=tuple(hostnames))
+    """This rank's world, from the host every rank runs on."""
+    return World(**vars(topologies(host_keys)[rank]), hostnames=tuple(hostnames))
 
 
 class Backend(abc.ABC):
