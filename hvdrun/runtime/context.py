@@ -7,10 +7,13 @@ import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from hvdrun import envvars
 from hvdrun.errors import NotInitializedError, UsageError
 from hvdrun.runtime.backends.base import Backend, World
+from hvdrun.runtime.backends.torchdist import open_store
+from hvdrun.runtime.device import DeviceCollectives, device_backend_name
 from hvdrun.runtime.engine import Engine
 from hvdrun.runtime.rendezvous import Rendezvous
 from hvdrun.runtime.transport.base import AbortFlag
@@ -30,6 +33,7 @@ class Runtime:
     backend: Backend
     engine: Engine
     rendezvous: Rendezvous | None
+    device: DeviceCollectives | None = None
 
     @property
     def world(self) -> World:
@@ -53,7 +57,7 @@ def _choose_backend(launch: envvars.LaunchInfo, environ: Mapping[str, str]) -> s
 
 
 def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: AbortFlag,
-             generation: int) -> tuple[Backend, Rendezvous | None]:
+             generation: int, store_port: int) -> tuple[Backend, Rendezvous | None]:
     name = _choose_backend(launch, environ)
     if name == "mpi":
         from hvdrun.runtime.backends.mpi import MpiBackend
@@ -73,15 +77,26 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
         if name == "gloo":
             from hvdrun.runtime.backends.torchdist import TorchBackend
 
-            return TorchBackend.connect(launch, rendezvous, timeout_s, generation), rendezvous
+            return TorchBackend.connect(launch, rendezvous, timeout_s, generation, store_port), rendezvous
         from hvdrun.runtime.backends.ring import RingBackend
 
         use_shm = environ.get(envvars.TRANSPORT, "").lower() != "tcp"
         return RingBackend.connect(rendezvous, launch.hostname, f"{launch.job_id}-{generation}",
-                                   launch.secret.encode(), abort, timeout_s, use_shm), rendezvous
+                                   launch.secret.encode(), abort, timeout_s, use_shm, store_port), rendezvous
     except BaseException:
         rendezvous.close()
         raise
+
+
+def _device_collectives(name: str | None, store: Any, backend: Backend, launch: envvars.LaunchInfo,
+                        timeout_s: float, generation: int) -> DeviceCollectives | None:
+    """The device path, joined to rank 0's store announced in the rendezvous table."""
+    peers = getattr(backend, "peers", None)
+    if name is None or not peers:
+        return None
+    if store is None:
+        store = open_store(launch.rank, launch.size, timeout_s, peers[0].data_addr, peers[0].store_port)
+    return DeviceCollectives(name, store, f"hvdrun-device{generation}", launch.rank, launch.size, timeout_s)
 
 
 def init(environ: Mapping[str, str] | None = None) -> Runtime:
@@ -101,7 +116,11 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         environ = os.environ if environ is None else environ
         launch = envvars.read_launch_info(environ)
         abort = AbortFlag()
-        backend, rendezvous = _connect(launch, environ, abort, _generation)
+        device_backend = device_backend_name(environ) if launch.size > 1 else None
+        timeout_s = envvars.env_number(environ, (envvars.START_TIMEOUT,), DEFAULT_START_TIMEOUT_S)
+        store = open_store(0, launch.size, timeout_s) if device_backend and launch.rank == 0 else None
+        backend, rendezvous = _connect(launch, environ, abort, _generation, store.port if store else 0)
+        device = _device_collectives(device_backend, store, backend, launch, timeout_s, _generation)
         _generation += 1
         engine = Engine(
             backend,
@@ -111,8 +130,9 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
             report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),
             cycle_time_s=envvars.env_number(environ, envvars.CYCLE_TIME_MS, 1.0) / 1000,
             eager_bytes=int(envvars.env_number(environ, envvars.EAGER_BYTES, DEFAULT_EAGER_BYTES)),
+            device=device,
         )
-        _runtime = Runtime(launch, backend, engine, rendezvous)
+        _runtime = Runtime(launch, backend, engine, rendezvous, device)
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True

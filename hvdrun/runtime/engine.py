@@ -30,6 +30,7 @@ import numpy as np
 
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime.backends.base import Backend
+from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.negotiation import AVERAGE, REDUCE_FNS, Entry, Request, Table, plan
 from hvdrun.runtime.ring import as_bytes, chunk_bounds
 
@@ -88,7 +89,7 @@ class LocalOp:
     """A request of this rank and the buffer it works on."""
 
     request: Request
-    array: np.ndarray  # empty for barriers
+    array: Any  # a numpy array (empty for barriers), or a torch tensor for device ops
     handle: Handle
     payload: bytes | None = None
 
@@ -116,12 +117,13 @@ class Engine:
         report_failure: tells the other ranks about a fatal error of this rank.
         cycle_time_s: cycle period for backends that cannot wake an idle peer.
         eager_bytes: allreduces up to this size travel inside the negotiation message.
+        device: executes ops on device tensors (None: no device path).
     """
 
     def __init__(self, backend: Backend, fusion_threshold: int, stall_warning_s: float, stall_error_s: float,
                  report_failure: Callable[[str], None], cycle_time_s: float = 0.001,
-                 eager_bytes: int = 0) -> None:
-        self.backend, self.world = backend, backend.world
+                 eager_bytes: int = 0, device: DeviceCollectives | None = None) -> None:
+        self.backend, self.world, self.device = backend, backend.world, device
         self.fusion_threshold, self.cycle_time_s, self.eager_bytes = fusion_threshold, cycle_time_s, eager_bytes
         self.stall_warning_s, self.stall_error_s = stall_warning_s, stall_error_s
         self._report_failure = report_failure
@@ -181,7 +183,8 @@ class Engine:
 
     def _eager_payload(self, request: Request, array: np.ndarray) -> bytes | None:
         """The prescaled data of a small allreduce, sent with its announcement."""
-        if request.kind != "allreduce" or array.nbytes > self.eager_bytes or self.world.size == 1:
+        if (request.kind != "allreduce" or request.device != "cpu" or array.nbytes > self.eager_bytes
+                or self.world.size == 1):
             return None
         if request.prescale == 1.0:
             return array.tobytes()
@@ -370,7 +373,7 @@ class Engine:
             return
         kind = batch[0].requests[0].kind
         try:
-            results = _EXECUTORS[kind](self, batch, ops)
+            results = self._run_executor(kind, batch, ops)
         except BaseException as e:  # the ops left _inflight: finish them here, then fail the engine
             error = e if isinstance(e, CollectiveError) else CollectiveError(f"{kind} '{batch[0].name}' failed: {e!r}")
             for op in ops:
@@ -380,6 +383,14 @@ class Engine:
             op.handle.finish(result)
         if kind == "shutdown":
             self._stopped = True
+
+    def _run_executor(self, kind: str, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+        if batch[0].requests[0].device == "cpu":
+            return _EXECUTORS[kind](self, batch, ops)
+        if self.device is None:
+            raise CollectiveError(f"'{batch[0].name}' is on {batch[0].requests[0].device} but this job has no "
+                                  "device backend (torch.distributed nccl)")
+        return self.device.execute(kind, batch, [op.array for op in ops])
 
     def _finish_local(self, name: str, error: BaseException) -> None:
         with self._lock:

@@ -41,6 +41,7 @@ class Request(NamedTuple):
     postscale: float = 1.0
     splits: tuple[int, ...] = ()
     group: int = 0
+    device: str = "cpu"  # "cpu": numpy buffers on hvdrun's backends; "torch:cuda" etc.: the device path
 
     def wire(self) -> tuple:
         """A plain tuple for marshal."""
@@ -89,7 +90,7 @@ def validate(entry: Entry, size: int) -> str | None:
     first = entry.requests[0]
     if first.kind != "broadcast" and all(request == first for request in entry.requests.values()):
         return None
-    checks = [("operation", lambda r: r.kind), ("dtype", lambda r: r.dtype)]
+    checks = [("operation", lambda r: r.kind), ("dtype", lambda r: r.dtype), ("device", lambda r: r.device)]
     kind = entry.requests[0].kind
     if kind in ("allreduce", "reducescatter", "broadcast"):
         checks.append(("shape", lambda r: r.shape))
@@ -143,7 +144,7 @@ class Table:
 def fusable(entry: Entry) -> tuple | None:
     """The key shared by allreduces that may run as one fused buffer, or None."""
     request = entry.requests[0]
-    if entry.error or request.kind != "allreduce" or entry.payloads:
+    if entry.error or request.kind != "allreduce" or entry.payloads or request.device != "cpu":
         return None
     return (request.dtype, request.op, request.prescale, request.postscale)
 

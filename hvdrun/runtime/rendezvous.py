@@ -44,6 +44,7 @@ class Peer:
     pid: int
     data_addr: str
     data_port: int
+    store_port: int = 0  # rank 0: the TCPStore of the device process group (0: none)
 
     def describe(self) -> str:
         """``rank 3 (host n2, pid 1234)``."""

@@ -8,6 +8,7 @@ Tensors are viewed as numpy arrays (no copy for CPU tensors) and handed to the e
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from hvdrun.runtime import context
+from hvdrun.runtime.device import CPU_VIA_DEVICE
 from hvdrun.runtime.engine import Handle
 from hvdrun.runtime.negotiation import (
     ADASUM,
@@ -43,18 +45,29 @@ def _engine():  # noqa: ANN202 - internal
     return context.current().engine
 
 
-def _check(tensor: torch.Tensor, kinds: tuple[str, ...]) -> np.ndarray:
-    """A numpy view of a contiguous CPU tensor of a supported dtype."""
+def _via_device(tensor: torch.Tensor) -> bool:
+    """Device tensors go to the device path (torch.distributed); CPU tensors too when so configured."""
+    return not tensor.is_cpu or os.environ.get(CPU_VIA_DEVICE) == "1"
+
+
+def _check(tensor: torch.Tensor, kinds: tuple[str, ...]) -> Any:
+    """A numpy view of a contiguous CPU tensor, or the tensor itself for the device path."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
-    if not tensor.is_cpu:
-        raise ValueError(f"tensor on {tensor.device}: hvdrun's collectives take CPU tensors in this version")
+    if _via_device(tensor):
+        if str(tensor.dtype).removeprefix("torch.") not in kinds:
+            raise ValueError(f"Tensor type {tensor.dtype} is not supported; supported: {', '.join(kinds)}")
+        return tensor.detach()
     array = tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
     if _DTYPE_NAMES.get(array.dtype) not in kinds:
         raise ValueError(f"Tensor type {tensor.dtype} is not supported; supported: {', '.join(kinds)}")
     return array
+
+
+def _as_tensor(result: Any) -> torch.Tensor:
+    return result if isinstance(result, torch.Tensor) else torch.from_numpy(result)
 
 
 def _resolve_op(op: int | None, average: bool | None, default: int = AVERAGE) -> int:
@@ -72,8 +85,11 @@ def _resolve_op(op: int | None, average: bool | None, default: int = AVERAGE) ->
     return op
 
 
-def _request(kind: str, array: np.ndarray, name: str | None, **fields: Any) -> Request:
+def _request(kind: str, array: Any, name: str | None, **fields: Any) -> Request:
     name = name if name is not None else _engine().auto_name(kind)
+    if isinstance(array, torch.Tensor):
+        return Request(name, kind, str(array.dtype).removeprefix("torch."), tuple(array.shape),
+                       device=f"torch:{array.device.type}", **fields)
     return Request(name, kind, _DTYPE_NAMES[array.dtype], array.shape, **fields)
 
 
@@ -206,7 +222,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     array = _check(tensor, MOVEMENT_DTYPES)
     if array.ndim == 0:
         raise ValueError("allgather needs a tensor with at least one dimension")
-    return _start(_request("allgather", array, name), array, torch.from_numpy)
+    return _start(_request("allgather", array, name), array, _as_tensor)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
@@ -256,7 +272,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     if array.ndim == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
     request = _request("alltoall", array, name, splits=_splits(array, splits, context.current().world.size))
-    return _start(request, array, lambda result: (torch.from_numpy(result[0]), torch.from_numpy(result[1])))
+    return _start(request, array, lambda result: (_as_tensor(result[0]), _as_tensor(result[1])))
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> Any:
@@ -273,7 +289,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int |
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     request = _request("reducescatter", array, name, op=_resolve_op(op, None), prescale=float(prescale_factor),
                        postscale=float(postscale_factor))
-    return _start(request, array, torch.from_numpy)
+    return _start(request, array, _as_tensor)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None, op: int | None = None,

@@ -34,8 +34,12 @@ def test_every_collective_dtype_and_op_against_numpy(run_hvdrun, size):
     assert ranks_reporting(result.stdout, r"rank \d+: \d+ checks passed") == set(range(size))
 
 
-@pytest.mark.parametrize("env", [{"HVDRUN_TRANSPORT": "tcp"}, {"HVDRUN_BACKEND": "gloo"}], ids=["tcp", "gloo"])
-def test_collectives_over_tcp_and_gloo(run_hvdrun, hvdrun_env, env):
+DEVICE_PATH_ON_CPU = {"HVDRUN_DEVICE_BACKEND": "gloo", "HVDRUN_CPU_VIA_DEVICE_BACKEND": "1"}
+
+
+@pytest.mark.parametrize("env", [{"HVDRUN_TRANSPORT": "tcp"}, {"HVDRUN_BACKEND": "gloo"}, DEVICE_PATH_ON_CPU],
+                         ids=["tcp", "gloo", "device-path"])
+def test_collectives_over_tcp_gloo_and_the_device_path(run_hvdrun, hvdrun_env, env):
     hvdrun_env.update(env)
     result = run_hvdrun("-np", "3", worker("collectives.py"), timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -43,13 +43,16 @@ class RingBackend(Backend):
     name = "ring"
     wakeable = True
 
-    def __init__(self, world: World, ring: Ring, segments: Sequence[ShmSegment]) -> None:
-        self.world, self.ring, self._segments = world, ring, list(segments)
+    def __init__(self, world: World, ring: Ring, segments: Sequence[ShmSegment], peers: Sequence[Peer] = ()) -> None:
+        self.world, self.ring, self._segments, self.peers = world, ring, list(segments), list(peers)
 
     @classmethod
     def connect(cls, rendezvous: Rendezvous, hostname: str, job_key: str, secret: bytes, abort: AbortFlag,
-                timeout_s: float, use_shm: bool = True) -> RingBackend:
-        """Join the rendezvous and build this rank's channels to its ring neighbours."""
+                timeout_s: float, use_shm: bool = True, store_port: int = 0) -> RingBackend:
+        """Join the rendezvous and build this rank's channels to its ring neighbours.
+
+        ``store_port`` (rank 0) announces the device process group's store in the table.
+        """
         rank, size = rendezvous.rank, rendezvous.size
         deadline = time.monotonic() + timeout_s
         use_shm = use_shm and shm_supported()
@@ -57,16 +60,16 @@ class RingBackend(Backend):
         listener = socket.create_server(("", 0))
         try:
             me = Peer(rank, hostname, f"{hostname}/{_boot_id()}", os.getpid(),
-                      rendezvous.local_address(deadline), listener.getsockname()[1])
+                      rendezvous.local_address(deadline), listener.getsockname()[1], store_port)
             peers = rendezvous.exchange(me, max(deadline - time.monotonic(), 0.1))
             world = topology(rank, [p.host_key for p in peers], [p.hostname for p in peers])
             if size == 1:
-                return cls.single(hostname, abort)
+                return cls(world, Ring(0, 1, None, None, Waiter(None, abort)), [], peers)
             spin = DEFAULT_SPIN_S if world.local_size <= (os.cpu_count() or 1) else 0.0
             tx, rx, segments = _channels(me, peers, own, listener, job_key, secret)
             ring = Ring(rank, size, tx, rx, Waiter(own.bell if own else None, abort, spin))
             ring.allgather_messages(b"")  # every peer has opened our ring: names may go
-            return cls(world, ring, segments)
+            return cls(world, ring, segments, peers)
         finally:
             listener.close()
             if own is not None:

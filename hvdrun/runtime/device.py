@@ -1,0 +1,177 @@
+"""Collectives on device tensors (CUDA) through a torch.distributed process group (nccl).
+
+Device tensors are negotiated by the engine like any other op (names, mismatch checks,
+ordering); only the execution differs: it runs on the tensors themselves, in place, on a
+process group built from a TCPStore that rank 0 opened at ``init()`` and announced in the
+authenticated rendezvous table. The group is created lazily by the first device op, which every
+rank executes at the same point of the negotiated order.
+
+``HVDRUN_DEVICE_BACKEND`` picks the group's backend (``nccl`` by default when CUDA is available);
+``HVDRUN_CPU_VIA_DEVICE_BACKEND=1`` also sends CPU tensors this way, which lets CPU-only machines
+test this path with ``gloo``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from hvdrun.errors import UsageError
+from hvdrun.runtime.negotiation import AVERAGE, MAX, MIN, PRODUCT, SUM, Entry, Request
+from hvdrun.runtime.ring import chunk_bounds
+
+DEVICE_BACKEND = "HVDRUN_DEVICE_BACKEND"
+CPU_VIA_DEVICE = "HVDRUN_CPU_VIA_DEVICE_BACKEND"
+
+
+def device_backend_name(environ: Mapping[str, str]) -> str | None:
+    """The torch.distributed backend for device tensors, or None when there is no device path."""
+    name = environ.get(DEVICE_BACKEND, "").lower()
+    if name and name not in ("nccl", "gloo"):
+        raise UsageError(f"{DEVICE_BACKEND}={name!r}; expected nccl or gloo")
+    torch = sys.modules.get("torch")  # never import torch for numpy-only users
+    if name:
+        return name
+    if torch is not None and torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        return "nccl"
+    return None
+
+
+class TorchGroup:
+    """Tensor collectives on one torch.distributed process group (blocking)."""
+
+    def __init__(self, group: Any, rank: int, size: int) -> None:
+        import torch.distributed as dist
+
+        self.group, self.rank, self.size, self.dist = group, rank, size, dist
+        self.ops: dict[int, Any] = {SUM: dist.ReduceOp.SUM, AVERAGE: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN,
+                    MAX: dist.ReduceOp.MAX, PRODUCT: dist.ReduceOp.PRODUCT}
+
+    @classmethod
+    def create(cls, backend: str, store: Any, prefix: str, rank: int, size: int, timeout_s: float) -> TorchGroup:
+        """A new process group of ``backend`` on ``store`` (keys under ``prefix``)."""
+        import torch.distributed as dist
+
+        prefixed = dist.PrefixStore(prefix, store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            return cls(dist.ProcessGroupNCCL(prefixed, rank, size, options), rank, size)
+        return cls(dist.ProcessGroupGloo(prefixed, rank, size, timeout), rank, size)
+
+    def allreduce(self, tensor: Any, op: int) -> None:
+        options = self.dist.AllreduceOptions()
+        options.reduceOp = self.ops[op]
+        self.group.allreduce([tensor], options).wait()
+
+    def broadcast(self, tensor: Any, root: int) -> None:
+        options = self.dist.BroadcastOptions()
+        options.rootRank = root
+        self.group.broadcast([tensor], options).wait()
+
+    def allgather(self, tensor: Any, rows: list[int]) -> Any:
+        """Concatenate every rank's tensor along dim 0 (rows may differ: padded to the largest)."""
+        import torch
+
+        width = max(rows)
+        padded = torch.zeros((width,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        padded[:tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in rows]
+        self.group.allgather([gathered], [padded]).wait()
+        return torch.cat([part[:count] for part, count in zip(gathered, rows, strict=True)])
+
+    def alltoall(self, output: Any, tensor: Any, out_splits: list[int], in_splits: list[int]) -> None:
+        self.group.alltoall_base(output, tensor, out_splits, in_splits, self.dist.AllToAllOptions()).wait()
+
+
+def as_rows_of_bytes(tensor: Any) -> Any:
+    """A ``(rows, bytes_per_row)`` uint8 view: moving data needs no dtype (NCCL and gloo lack int16)."""
+    import torch
+
+    rows = tensor.shape[0] if tensor.ndim else 1
+    per_row = math.prod(tensor.shape[1:]) if tensor.ndim else 1
+    if not tensor.numel():  # empty tensors have no usable strides; there is nothing to write into them
+        return torch.empty((rows, per_row * tensor.element_size()), dtype=torch.uint8, device=tensor.device)
+    return tensor.reshape(rows, per_row).view(torch.uint8)
+
+
+def scale_tensor(tensor: Any, factor: float) -> None:
+    """Multiply in place with Horovod's rules: integers through float64, float16 through float32."""
+    import torch
+
+    if factor == 1.0:
+        return
+    if tensor.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        tensor.mul_(factor)
+    elif tensor.dtype == torch.float16:
+        tensor.copy_((tensor.float() * factor).half())
+    else:
+        tensor.copy_((tensor.double() * factor).to(tensor.dtype))
+
+
+class DeviceCollectives:
+    """Executes negotiated ops whose tensors live on a device (or CPU, when routed here for tests)."""
+
+    def __init__(self, backend: str, store: Any, prefix: str, rank: int, size: int, timeout_s: float) -> None:
+        self.backend, self._store, self.prefix = backend, store, prefix
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self._group: TorchGroup | None = None
+
+    @property
+    def group(self) -> TorchGroup:
+        """The process group, created by the first device op (all ranks reach it in the same order)."""
+        if self._group is None:
+            self._group = TorchGroup.create(self.backend, self._store, self.prefix, self.rank, self.size,
+                                            self.timeout_s)
+        return self._group
+
+    def execute(self, kind: str, batch: list[Entry], tensors: list[Any]) -> list[Any]:
+        """One result per tensor of ``batch`` (device ops are never fused)."""
+        return [getattr(self, f"_{kind}")(entry, tensor) for entry, tensor in zip(batch, tensors, strict=True)]
+
+    def _allreduce(self, entry: Entry, tensor: Any) -> Any:
+        request = entry.requests[0]
+        scale_tensor(tensor, request.prescale)
+        self.group.allreduce(tensor, request.op)
+        scale_tensor(tensor, request.postscale / self.size if request.op == AVERAGE else request.postscale)
+        return tensor
+
+    def _broadcast(self, entry: Entry, tensor: Any) -> Any:
+        if tensor.numel():
+            self.group.broadcast(as_rows_of_bytes(tensor), entry.requests[0].root)
+        return tensor
+
+    def _allgather(self, entry: Entry, tensor: Any) -> Any:
+        rows = [entry.requests[r].shape[0] for r in range(self.size)]
+        if not math.prod(tensor.shape[1:]) or not max(rows):
+            return tensor.new_empty((sum(rows),) + tuple(tensor.shape[1:]))
+        gathered = self.group.allgather(as_rows_of_bytes(tensor), rows)
+        return gathered.view(tensor.dtype).reshape((sum(rows),) + tuple(tensor.shape[1:]))
+
+    def _alltoall(self, entry: Entry, tensor: Any) -> Any:
+        import torch
+
+        splits = [_splits(entry.requests[r], self.size) for r in range(self.size)]
+        received = [splits[r][self.rank] for r in range(self.size)]
+        output = torch.empty((sum(received),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        if output.numel() or tensor.numel():
+            self.group.alltoall(as_rows_of_bytes(output), as_rows_of_bytes(tensor[:sum(splits[self.rank])]),
+                                received, splits[self.rank])
+        return output, torch.tensor(received, dtype=torch.int32)
+
+    def _reducescatter(self, entry: Entry, tensor: Any) -> Any:
+        request, work = entry.requests[0], tensor.clone()
+        scale_tensor(work, request.prescale)
+        self.group.allreduce(work, request.op)
+        first, last = chunk_bounds(tensor.shape[0], self.size)[self.rank]
+        out = work[first:last].clone()
+        scale_tensor(out, request.postscale / self.size if request.op == AVERAGE else request.postscale)
+        return out
+
+
+def _splits(request: Request, size: int) -> list[int]:
+    return list(request.splits) if request.splits else [request.shape[0] // size] * size
