@@ -91,6 +91,8 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
 def _device_collectives(name: str | None, store: Any, backend: Backend, launch: envvars.LaunchInfo,
                         timeout_s: float, generation: int) -> DeviceCollectives | None:
     """The device path, joined to rank 0's store announced in the rendezvous table."""
+    if launch.size == 1:
+        return DeviceCollectives("local", None, "", 0, 1, timeout_s)
     peers = getattr(backend, "peers", None)
     if name is None or not peers:
         return None

@@ -88,6 +88,25 @@ class TorchGroup:
         self.group.alltoall_base(output, tensor, out_splits, in_splits, self.dist.AllToAllOptions()).wait()
 
 
+class LocalGroup(TorchGroup):
+    """The group of a one-rank job: every collective is a local copy."""
+
+    def __init__(self) -> None:  # noqa: D107 - no process group to hold
+        self.rank, self.size = 0, 1
+
+    def allreduce(self, tensor: Any, op: int) -> None:
+        return None
+
+    def broadcast(self, tensor: Any, root: int) -> None:
+        return None
+
+    def allgather(self, tensor: Any, rows: list[int]) -> Any:
+        return tensor.clone()
+
+    def alltoall(self, output: Any, tensor: Any, out_splits: list[int], in_splits: list[int]) -> None:
+        output.copy_(tensor)
+
+
 def as_rows_of_bytes(tensor: Any) -> Any:
     """A ``(rows, bytes_per_row)`` uint8 view: moving data needs no dtype (NCCL and gloo lack int16)."""
     import torch
@@ -124,6 +143,8 @@ class DeviceCollectives:
     @property
     def group(self) -> TorchGroup:
         """The process group, created by the first device op (all ranks reach it in the same order)."""
+        if self._group is None and self.size == 1:
+            self._group = LocalGroup()
         if self._group is None:
             self._group = TorchGroup.create(self.backend, self._store, self.prefix, self.rank, self.size,
                                             self.timeout_s)

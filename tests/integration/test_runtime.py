@@ -46,6 +46,14 @@ def test_collectives_over_tcp_gloo_and_the_device_path(run_hvdrun, hvdrun_env, e
     assert ranks_reporting(result.stdout, r"rank \d+: \d+ checks passed") == {0, 1, 2}
 
 
+def test_device_path_with_a_single_rank(tmp_path):
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("HVDRUN_", "OMPI_", "PMI_", "SLURM"))}
+    result = subprocess.run([sys.executable, worker("collectives.py")], env={**env, "HVDRUN_CPU_VIA_DEVICE_BACKEND": "1"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0: 225 checks passed" in result.stdout
+
+
 def test_shared_memory_within_hosts_and_tcp_between(run_hvdrun):
     result = run_hvdrun("-H", "localhost:2,127.0.0.1:2", worker("collectives.py"), timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
