@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -46,9 +47,14 @@ def test_collectives_over_tcp_gloo_and_the_device_path(run_hvdrun, hvdrun_env, e
     assert ranks_reporting(result.stdout, r"rank \d+: \d+ checks passed") == {0, 1, 2}
 
 
+def launcher_free_env() -> dict[str, str]:
+    """This process's environment without any launcher's variables: a job of one rank."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("HVDRUN_", "OMPI_", "PMI_", "SLURM"))}
+
+
 def test_device_path_with_a_single_rank(tmp_path):
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("HVDRUN_", "OMPI_", "PMI_", "SLURM"))}
-    result = subprocess.run([sys.executable, worker("collectives.py")], env={**env, "HVDRUN_CPU_VIA_DEVICE_BACKEND": "1"},
+    result = subprocess.run([sys.executable, worker("collectives.py")],
+                            env={**launcher_free_env(), "HVDRUN_CPU_VIA_DEVICE_BACKEND": "1"},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0: 225 checks passed" in result.stdout
@@ -101,9 +107,8 @@ def test_init_shutdown_a_hundred_times_and_calls_before_init(run_hvdrun):
 
 
 def test_size_one_without_any_launcher(tmp_path):
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("HVDRUN_", "OMPI_", "PMI_", "SLURM"))}
-    result = subprocess.run([sys.executable, worker("lifecycle.py")], env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, worker("lifecycle.py")], env=launcher_free_env(), capture_output=True,
+                            text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "lifecycle ok" in result.stdout
 
