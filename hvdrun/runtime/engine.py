@@ -276,8 +276,8 @@ class Engine:
                     continue
                 if self._has_work():
                     if self._progress.acquire(timeout=_TAKEOVER_GRACE_S):
-                        try:
-                            if self._has_work():
+                        try:  # re-check: a paused() section may have begun while we waited for the lock
+                            if not self._holds and self._has_work():
                                 self._cycle_once()
                         finally:
                             self._progress.release()
