@@ -23,7 +23,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,8 +30,8 @@ import numpy as np
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
-from hvdrun.runtime.negotiation import AVERAGE, REDUCE_FNS, Entry, Request, Table, plan
-from hvdrun.runtime.ring import as_bytes, chunk_bounds
+from hvdrun.runtime.executors import EXECUTORS, Handle, LocalOp, reduce_contributions, scale
+from hvdrun.runtime.negotiation import Entry, Request, Table, plan
 
 _IDLE_TIMEOUT_S = 0.5
 _STALL_CHECK_PERIOD_S = 0.25
@@ -40,70 +39,6 @@ _NO_DATA = np.empty(0, np.uint8)
 # After a caller stopped driving, the background thread waits this long before taking over,
 # so a loop of blocking collectives keeps the progress on its own thread.
 _TAKEOVER_GRACE_S = 0.002
-
-
-class Handle:
-    """The future of one submitted collective."""
-
-    __slots__ = ("_done", "_gate", "_result", "_error", "_engine")
-
-    def __init__(self, engine: Engine | None = None) -> None:
-        self._engine = engine
-        self._done = False
-        self._gate = threading.Lock()  # held until finish(): waiters block on it
-        self._gate.acquire()
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
-        """Record the outcome and wake waiters (engine side)."""
-        if self._done:
-            return
-        self._result, self._error, self._done = result, error, True
-        self._gate.release()
-
-    def done(self) -> bool:
-        """True once the collective finished (successfully or not)."""
-        return self._done
-
-    def block(self, timeout_s: float) -> None:
-        """Sleep until finished or ``timeout_s`` passed, without driving communication."""
-        if not self._done and self._gate.acquire(timeout=timeout_s):
-            self._gate.release()
-
-    def wait(self, timeout_s: float | None = None) -> Any:
-        """Block until finished (driving communication meanwhile); return the result or raise its error."""
-        if not self._done and self._engine is not None:
-            self._engine.drive_until(self, timeout_s)
-        if not self._done:
-            self.block(-1 if timeout_s is None else timeout_s)
-        if not self._done:
-            raise TimeoutError("collective did not finish in time")
-        if self._error is not None:
-            raise CollectiveError(str(self._error)) from self._error
-        return self._result
-
-
-@dataclass
-class LocalOp:
-    """A request of this rank and the buffer it works on."""
-
-    request: Request
-    array: Any  # a numpy array (empty for barriers), or a torch tensor for device ops
-    handle: Handle
-    payload: bytes | None = None
-
-
-def scale(buffer: np.ndarray, factor: float) -> None:
-    """Multiply in place: integers through float64, float16 through float32 (Horovod's rules)."""
-    if factor == 1.0 or buffer.size == 0:
-        return
-    if buffer.dtype in (np.float32, np.float64):
-        np.multiply(buffer, factor, out=buffer)
-    elif buffer.dtype == np.float16:
-        buffer[...] = (buffer.astype(np.float32) * factor).astype(np.float16)
-    else:
-        buffer[...] = (buffer.astype(np.float64) * factor).astype(buffer.dtype)
 
 
 class Engine:
@@ -349,7 +284,7 @@ class Engine:
         op = new[0]
         with self._lock:
             del self._inflight[op.request.name]
-        op.handle.finish(_reduce_contributions(self, op.request, [items[0][1] for items in decoded], op.array))
+        op.handle.finish(reduce_contributions(self, op.request, [items[0][1] for items in decoded], op.array))
         return True
 
     def _fail_entries_of_departed_ranks(self) -> None:
@@ -386,7 +321,7 @@ class Engine:
 
     def _run_executor(self, kind: str, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
         if batch[0].requests[0].device == "cpu":
-            return _EXECUTORS[kind](self, batch, ops)
+            return EXECUTORS[kind](self, batch, ops)
         if self.device is None:
             raise CollectiveError(f"'{batch[0].name}' is on {batch[0].requests[0].device} but this job has no "
                                   "device backend (torch.distributed nccl)")
@@ -435,99 +370,3 @@ def _describe_stall(entries: list[Entry], size: int, seconds: float) -> str:
     parts = [f"'{e.name}' missing rank{'s' if len(e.missing(size)) > 1 else ''} "
              f"{', '.join(map(str, e.missing(size)))}" for e in entries]
     return f"{len(entries)} collective(s) waited more than {seconds:g} s for some ranks: {'; '.join(parts)}"
-
-
-# -- executors: (engine, batch, ops) -> one result per op ---------------------------------------
-
-def _eager_allreduce(engine: Engine, entry: Entry, array: np.ndarray) -> np.ndarray:
-    """An allreduce whose data every rank sent with its announcement."""
-    return _reduce_contributions(engine, entry.requests[0], [entry.payloads[r] for r in range(engine.world.size)],
-                                 array)
-
-
-def _reduce_contributions(engine: Engine, request: Request, payloads: list[bytes], array: np.ndarray) -> np.ndarray:
-    """Reduce every rank's contribution locally, in rank order, so all ranks get identical bits."""
-    reduce, dtype = REDUCE_FNS[request.op], array.dtype
-    flat = array.reshape(-1)
-    reduce(np.frombuffer(payloads[0], dtype), np.frombuffer(payloads[1], dtype), flat)
-    for rank in range(2, engine.world.size):
-        reduce(flat, np.frombuffer(payloads[rank], dtype), flat)
-    scale(flat, request.postscale / engine.world.size if request.op == AVERAGE else request.postscale)
-    return array
-
-
-def _allreduce(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
-    if batch[0].payloads:
-        return [_eager_allreduce(engine, batch[0], ops[0].array)]
-    request = batch[0].requests[0]
-    arrays = [op.array for op in ops]
-    if len(arrays) == 1:
-        buffer = arrays[0].reshape(-1)
-    else:
-        buffer = engine.fusion_buffer(arrays[0].dtype, sum(int(a.size) for a in arrays))
-        offset = 0
-        for array in arrays:
-            buffer[offset:offset + array.size] = array.reshape(-1)
-            offset += array.size
-    scale(buffer, request.prescale)
-    engine.backend.allreduce(buffer, REDUCE_FNS[request.op])
-    scale(buffer, request.postscale / engine.world.size if request.op == AVERAGE else request.postscale)
-    if len(arrays) > 1:
-        offset = 0
-        for array in arrays:
-            array.reshape(-1)[...] = buffer[offset:offset + array.size]
-            offset += array.size
-    return arrays
-
-
-def _allgather(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
-    requests, mine = batch[0].requests, ops[0].array
-    row_bytes = int(np.prod(mine.shape[1:], dtype=np.int64)) * mine.itemsize
-    rows = [requests[rank].shape[0] for rank in range(engine.world.size)]
-    out = np.empty((sum(rows),) + mine.shape[1:], mine.dtype)
-    start = sum(rows[:engine.world.rank])
-    out[start:start + rows[engine.world.rank]] = mine
-    engine.backend.allgatherv(as_bytes(out), [r * row_bytes for r in rows])
-    return [out]
-
-
-def _broadcast(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
-    engine.backend.broadcast(as_bytes(ops[0].array), batch[0].requests[0].root)
-    return [ops[0].array]
-
-
-def _alltoall(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
-    size, rank, mine = engine.world.size, engine.world.rank, ops[0].array
-    row_bytes = int(np.prod(mine.shape[1:], dtype=np.int64)) * mine.itemsize
-    splits = [batch[0].requests[r].splits or (batch[0].requests[r].shape[0] // size,) * size for r in range(size)]
-    matrix = [[rows * row_bytes for rows in splits[r]] for r in range(size)]
-    received = [splits[r][rank] for r in range(size)]
-    out = np.empty((sum(received),) + mine.shape[1:], mine.dtype)
-    send = as_bytes(mine)[:sum(matrix[rank])]
-    engine.backend.alltoallv(send, matrix[rank], matrix, as_bytes(out))
-    return [(out, np.array(received, dtype=np.int32))]
-
-
-def _reducescatter(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
-    request, size, rank = batch[0].requests[0], engine.world.size, engine.world.rank
-    mine = ops[0].array
-    buffer = mine.reshape(-1).copy()
-    row_elements = int(np.prod(mine.shape[1:], dtype=np.int64))
-    row_bounds = chunk_bounds(mine.shape[0], size)
-    scale(buffer, request.prescale)
-    engine.backend.reducescatter(buffer, REDUCE_FNS[request.op], [(a * row_elements, b * row_elements)
-                                                                  for a, b in row_bounds])
-    first, last = row_bounds[rank]
-    out = buffer[first * row_elements:last * row_elements].reshape((last - first,) + mine.shape[1:]).copy()
-    scale(out, request.postscale / size if request.op == AVERAGE else request.postscale)
-    return [out]
-
-
-def _nothing(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
-    return [None] * len(ops)
-
-
-_EXECUTORS: dict[str, Callable[[Engine, list[Entry], list[LocalOp]], list[Any]]] = {
-    "allreduce": _allreduce, "allgather": _allgather, "broadcast": _broadcast, "alltoall": _alltoall,
-    "reducescatter": _reducescatter, "barrier": _nothing, "shutdown": _nothing,
-}

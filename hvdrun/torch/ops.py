@@ -19,7 +19,7 @@ import torch
 
 from hvdrun.runtime import context
 from hvdrun.runtime.device import CPU_VIA_DEVICE
-from hvdrun.runtime.engine import Handle
+from hvdrun.runtime.executors import Handle
 from hvdrun.runtime.negotiation import (
     ADASUM,
     AVERAGE,

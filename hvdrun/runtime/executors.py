@@ -1,0 +1,183 @@
+"""Execution of negotiated collectives on numpy buffers, one function per kind.
+
+Each executor takes the engine (its world, backend and fusion buffers), the batch of ready
+entries and this rank's ops, and returns one result per op. Also home of the handle and op
+records the engine hands out, and of Horovod's scaling rules.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hvdrun.errors import CollectiveError
+from hvdrun.runtime.negotiation import AVERAGE, REDUCE_FNS, Entry, Request
+from hvdrun.runtime.ring import as_bytes, chunk_bounds
+
+if TYPE_CHECKING:
+    from hvdrun.runtime.engine import Engine
+
+
+class Handle:
+    """The future of one submitted collective."""
+
+    __slots__ = ("_done", "_gate", "_result", "_error", "_engine")
+
+    def __init__(self, engine: Engine | None = None) -> None:
+        self._engine = engine
+        self._done = False
+        self._gate = threading.Lock()  # held until finish(): waiters block on it
+        self._gate.acquire()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Record the outcome and wake waiters (engine side)."""
+        if self._done:
+            return
+        self._result, self._error, self._done = result, error, True
+        self._gate.release()
+
+    def done(self) -> bool:
+        """True once the collective finished (successfully or not)."""
+        return self._done
+
+    def block(self, timeout_s: float) -> None:
+        """Sleep until finished or ``timeout_s`` passed, without driving communication."""
+        if not self._done and self._gate.acquire(timeout=timeout_s):
+            self._gate.release()
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        """Block until finished (driving communication meanwhile); return the result or raise its error."""
+        if not self._done and self._engine is not None:
+            self._engine.drive_until(self, timeout_s)
+        if not self._done:
+            self.block(-1 if timeout_s is None else timeout_s)
+        if not self._done:
+            raise TimeoutError("collective did not finish in time")
+        if self._error is not None:
+            raise CollectiveError(str(self._error)) from self._error
+        return self._result
+
+
+@dataclass
+class LocalOp:
+    """A request of this rank and the buffer it works on."""
+
+    request: Request
+    array: Any  # a numpy array (empty for barriers), or a torch tensor for device ops
+    handle: Handle
+    payload: bytes | None = None
+
+
+def scale(buffer: np.ndarray, factor: float) -> None:
+    """Multiply in place: integers through float64, float16 through float32 (Horovod's rules)."""
+    if factor == 1.0 or buffer.size == 0:
+        return
+    if buffer.dtype in (np.float32, np.float64):
+        np.multiply(buffer, factor, out=buffer)
+    elif buffer.dtype == np.float16:
+        buffer[...] = (buffer.astype(np.float32) * factor).astype(np.float16)
+    else:
+        buffer[...] = (buffer.astype(np.float64) * factor).astype(buffer.dtype)
+
+
+# -- executors: (engine, batch, ops) -> one result per op ---------------------------------------
+
+
+def _eager_allreduce(engine: Engine, entry: Entry, array: np.ndarray) -> np.ndarray:
+    """An allreduce whose data every rank sent with its announcement."""
+    return reduce_contributions(engine, entry.requests[0], [entry.payloads[r] for r in range(engine.world.size)],
+                                 array)
+
+
+def reduce_contributions(engine: Engine, request: Request, payloads: list[bytes], array: np.ndarray) -> np.ndarray:
+    """Reduce every rank's contribution locally, in rank order, so all ranks get identical bits."""
+    reduce, dtype = REDUCE_FNS[request.op], array.dtype
+    flat = array.reshape(-1)
+    reduce(np.frombuffer(payloads[0], dtype), np.frombuffer(payloads[1], dtype), flat)
+    for rank in range(2, engine.world.size):
+        reduce(flat, np.frombuffer(payloads[rank], dtype), flat)
+    scale(flat, request.postscale / engine.world.size if request.op == AVERAGE else request.postscale)
+    return array
+
+
+def _allreduce(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+    if batch[0].payloads:
+        return [_eager_allreduce(engine, batch[0], ops[0].array)]
+    request = batch[0].requests[0]
+    arrays = [op.array for op in ops]
+    if len(arrays) == 1:
+        buffer = arrays[0].reshape(-1)
+    else:
+        buffer = engine.fusion_buffer(arrays[0].dtype, sum(int(a.size) for a in arrays))
+        offset = 0
+        for array in arrays:
+            buffer[offset:offset + array.size] = array.reshape(-1)
+            offset += array.size
+    scale(buffer, request.prescale)
+    engine.backend.allreduce(buffer, REDUCE_FNS[request.op])
+    scale(buffer, request.postscale / engine.world.size if request.op == AVERAGE else request.postscale)
+    if len(arrays) > 1:
+        offset = 0
+        for array in arrays:
+            array.reshape(-1)[...] = buffer[offset:offset + array.size]
+            offset += array.size
+    return arrays
+
+
+def _allgather(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+    requests, mine = batch[0].requests, ops[0].array
+    row_bytes = int(np.prod(mine.shape[1:], dtype=np.int64)) * mine.itemsize
+    rows = [requests[rank].shape[0] for rank in range(engine.world.size)]
+    out = np.empty((sum(rows),) + mine.shape[1:], mine.dtype)
+    start = sum(rows[:engine.world.rank])
+    out[start:start + rows[engine.world.rank]] = mine
+    engine.backend.allgatherv(as_bytes(out), [r * row_bytes for r in rows])
+    return [out]
+
+
+def _broadcast(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+    engine.backend.broadcast(as_bytes(ops[0].array), batch[0].requests[0].root)
+    return [ops[0].array]
+
+
+def _alltoall(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+    size, rank, mine = engine.world.size, engine.world.rank, ops[0].array
+    row_bytes = int(np.prod(mine.shape[1:], dtype=np.int64)) * mine.itemsize
+    splits = [batch[0].requests[r].splits or (batch[0].requests[r].shape[0] // size,) * size for r in range(size)]
+    matrix = [[rows * row_bytes for rows in splits[r]] for r in range(size)]
+    received = [splits[r][rank] for r in range(size)]
+    out = np.empty((sum(received),) + mine.shape[1:], mine.dtype)
+    send = as_bytes(mine)[:sum(matrix[rank])]
+    engine.backend.alltoallv(send, matrix[rank], matrix, as_bytes(out))
+    return [(out, np.array(received, dtype=np.int32))]
+
+
+def _reducescatter(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+    request, size, rank = batch[0].requests[0], engine.world.size, engine.world.rank
+    mine = ops[0].array
+    buffer = mine.reshape(-1).copy()
+    row_elements = int(np.prod(mine.shape[1:], dtype=np.int64))
+    row_bounds = chunk_bounds(mine.shape[0], size)
+    scale(buffer, request.prescale)
+    engine.backend.reducescatter(buffer, REDUCE_FNS[request.op], [(a * row_elements, b * row_elements)
+                                                                  for a, b in row_bounds])
+    first, last = row_bounds[rank]
+    out = buffer[first * row_elements:last * row_elements].reshape((last - first,) + mine.shape[1:]).copy()
+    scale(out, request.postscale / size if request.op == AVERAGE else request.postscale)
+    return [out]
+
+
+def _nothing(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+    return [None] * len(ops)
+
+
+EXECUTORS: dict[str, Callable[[Engine, list[Entry], list[LocalOp]], list[Any]]] = {
+    "allreduce": _allreduce, "allgather": _allgather, "broadcast": _broadcast, "alltoall": _alltoall,
+    "reducescatter": _reducescatter, "barrier": _nothing, "shutdown": _nothing,
+}
