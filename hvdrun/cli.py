@@ -59,14 +59,19 @@ def cli() -> None:
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank]<stream>:.")
 @click.option("--output-dir", "--output-filename", "output_dir", type=click.Path(file_okay=False),
               help="Also write DIR/rank.N/stdout and stderr.")
+@click.option("--start-timeout", "start_timeout_s", type=click.FloatRange(min=0, min_open=True),
+              help="Seconds the ranks wait for each other at init() (default 60).")
+@click.option("--verbose", is_flag=True, help="Print the rank plan before starting.")
 @click.option("--grace-period", "grace_s", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping workers.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:
     """Run COMMAND on every rank (a .py file runs under this Python)."""
-    from hvdrun.launch.job import RunOptions, plan_job, run_job
+    from hvdrun.launch.job import RunOptions, describe_plan, plan_job, run_job
 
     plan = plan_job(RunOptions(command=command, prefix_output=not no_prefix, **options), os.environ)
+    if options["verbose"]:
+        click.echo(describe_plan(plan), err=True)
     run_job(plan)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hvdrun.config import ClusterConfig, load_cluster, load_config
-from hvdrun.envvars import Rendezvous, forwarded_env, thread_env, worker_env
+from hvdrun.envvars import START_TIMEOUT, Rendezvous, forwarded_env, thread_env, worker_env
 from hvdrun.errors import UsageError
 from hvdrun.hosts import Host, detect_allocation, parse_host_string, parse_hostfile
 from hvdrun.launch.base import WorkerGroup, WorkerSpec
@@ -44,6 +44,8 @@ class RunOptions:
     prefix_output: bool = True
     output_dir: str | None = None
     grace_s: float = 5.0
+    start_timeout_s: float | None = None
+    verbose: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,12 +161,24 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     launcher = _choose_launcher(options, config, hosts)
     argv = resolve_command(options.command)
     base_env = {**environ, **(config.env if config else {}), **forwarded_env(options.env_specs, environ)}
+    if options.start_timeout_s is not None:
+        base_env[START_TIMEOUT] = str(options.start_timeout_s)
     rendezvous = _new_rendezvous()
     cpus = os.cpu_count() or 1
     specs = tuple(WorkerSpec(slot=slot, argv=argv, cwd=os.getcwd(),
                              env={**base_env, **thread_env(slot, cpus, base_env), **worker_env(slot, rendezvous)})
                   for slot in slots)
     return JobPlan(specs=specs, launcher=launcher, options=options, rendezvous=rendezvous)
+
+
+def describe_plan(plan: JobPlan) -> str:
+    """A table of the ranks: host, local and cross rank, GPUs, and the command."""
+    lines = [f"hvdrun: {len(plan.specs)} ranks, launcher {plan.launcher}: {' '.join(plan.specs[0].argv)}",
+             "  rank  host                  local  cross  gpus"]
+    for slot in plan.slots:
+        lines.append(f"  {slot.rank:<5} {slot.hostname:<21} {slot.local_rank}/{slot.local_size:<4} "
+                     f"{slot.cross_rank}/{slot.cross_size:<4} {','.join(slot.devices) or '-'}")
+    return "\n".join(lines)
 
 
 def run_job(plan: JobPlan) -> None:

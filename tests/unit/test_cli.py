@@ -96,3 +96,12 @@ def test_allocation_hosts_are_used_when_none_given(invoke, tmp_path):
 def test_version_and_help(invoke):
     assert invoke("--version").output.startswith("hvdrun, version")
     assert "COMMAND" in invoke("run", "--help").output
+
+
+def test_verbose_prints_the_rank_plan_and_start_timeout_reaches_the_ranks(invoke):
+    result = invoke("-np", "2", "--verbose", "--start-timeout", "7", "--no-prefix", "python3", "-c",
+                    "import os; print('timeout', os.environ['HVDRUN_START_TIMEOUT'])")
+    assert result.exit_code == 0, result.output
+    assert "hvdrun: 2 ranks, launcher local" in result.output
+    assert "  1     localhost             1/2    0/1    -" in result.output
+    assert result.output.count("timeout 7.0") == 2
