@@ -11,6 +11,14 @@ from __future__ import annotations
 
 from hvdrun.errors import CollectiveError as HorovodInternalError
 from hvdrun.runtime import context
+from hvdrun.torch.compression import Compression, Compressor
+from hvdrun.torch.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    save_checkpoint,
+)
 from hvdrun.torch.ops import (
     Adasum,
     Average,
@@ -40,6 +48,7 @@ from hvdrun.torch.ops import (
     reducescatter_async,
     synchronize,
 )
+from hvdrun.torch.optimizer import DistributedOptimizer
 
 
 def init(comm: object = None, process_sets: object = None) -> None:
@@ -88,6 +97,8 @@ def cross_rank() -> int:
 
 
 __all__ = [
+    "Compression", "Compressor", "DistributedOptimizer", "allgather_object", "broadcast_object",
+    "broadcast_optimizer_state", "broadcast_parameters", "save_checkpoint",
     "Adasum", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum", "allgather", "allgather_async",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "cross_rank", "cross_size", "grouped_allreduce",

@@ -1,0 +1,235 @@
+"""DistributedOptimizer: averages gradients across ranks while backward still runs.
+
+``DistributedOptimizer(opt, ...)`` returns an instance of a subclass of ``opt``'s class built from
+its parameter groups, so ``isinstance(hvd_opt, torch.optim.SGD)`` holds. Every parameter gets a
+hook that fires when its gradient has been accumulated; after ``backward_passes_per_step`` such
+firings the gradient's allreduce starts asynchronously, overlapping the rest of backward.
+``step()`` waits for all of them (``synchronize()``) and then runs the wrapped optimizer's step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
+
+import torch
+
+from hvdrun.runtime import context
+from hvdrun.torch.compression import Compression
+from hvdrun.torch.ops import (
+    Average,
+    allgather,
+    allreduce_async_,
+    grouped_allreduce_async_,
+    synchronize,
+)
+
+
+def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.Tensor, str]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"noname.{g}.{i}" for g, group in enumerate(optimizer.param_groups)
+                for i, p in enumerate(group["params"])}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"parameter names in named_parameters must be unique; duplicated: {duplicates}")
+    by_param = {p: name for name, p in named}
+    unnamed = [i for i, p in enumerate(params) if p not in by_param]
+    if unnamed:
+        raise ValueError(f"named_parameters was given but {len(unnamed)} optimizer parameter(s) are not in it "
+                         f"(positions {unnamed[:5]}); pass model.named_parameters() of the optimized model")
+    return by_param
+
+
+def _split_groups(params: list[torch.Tensor], groups: Any) -> list[list[torch.Tensor]]:
+    if not groups:
+        return []
+    if isinstance(groups, int):
+        size = -(-len(params) // groups)
+        return [params[i:i + size] for i in range(0, len(params), size)]
+    return [list(group) for group in groups]
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """The methods mixed into the dynamic subclass (see :func:`DistributedOptimizer`)."""
+
+    def __init__(self, params: Any, named_parameters: Any, compression: Any, backward_passes_per_step: int,
+                 op: int, gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool) -> None:
+        super(self.__class__, self).__init__(params)  # type: ignore[call-arg]  # the wrapped class takes params
+        self._parameter_names = _names(self, named_parameters)
+        self._compression, self.op, self.sparse_as_dense = compression, op, sparse_as_dense
+        self.backward_passes_per_step = backward_passes_per_step
+        self._predivide = gradient_predivide_factor
+        all_params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._groups = _split_groups(all_params, groups)
+        self._group_of = {p: index for index, group in enumerate(self._groups) for p in group}
+        self._requires_update = set(all_params)
+        self._delay = {p: backward_passes_per_step for p in all_params}
+        self._handles: dict[torch.Tensor, tuple[int | None, Any]] = {}
+        self._group_handles: dict[int, tuple[int, list[Any]]] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        if context.current().world.size > 1:
+            for param in all_params:
+                param.register_post_accumulate_grad_hook(self._make_hook())
+
+    # -- hooks and submission ------------------------------------------------------------------
+    def _make_hook(self) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            if param in self._handles and self._delay[param] <= 0:
+                raise AssertionError("Gradients were computed more than backward_passes_per_step times before "
+                                     "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                                     "locally.")
+            self._delay[param] -= 1
+            self._handles[param] = (None, None)
+            if self._delay[param] == 0:
+                self._submit(param)
+        return hook
+
+    def _scales(self) -> tuple[float, float]:
+        if self.op == Average:
+            return 1.0 / self._predivide, self._predivide
+        return 1.0, 1.0
+
+    def _submit(self, param: torch.Tensor) -> None:
+        if param in self._group_of:
+            self._submit_group_if_complete(self._group_of[param])
+            return
+        if param.grad is not None and param.grad.is_sparse and not self.sparse_as_dense:
+            self._handles[param] = (None, "sparse")
+            return
+        grad = self._dense_grad(param)
+        compressed, ctx = self._compression.compress(grad)
+        prescale, postscale = self._scales()
+        handle = allreduce_async_(compressed, name=f"allreduce.{self._parameter_names[param]}", op=self.op,
+                                  prescale_factor=prescale, postscale_factor=postscale)
+        self._handles[param] = (handle, (compressed, ctx))
+
+    def _submit_group_if_complete(self, index: int, force: bool = False) -> None:
+        group = self._groups[index]
+        if index in self._group_handles or not (force or all(self._delay[p] <= 0 for p in group)):
+            return
+        compressed = [self._compression.compress(self._dense_grad(p)) for p in group]
+        prescale, postscale = self._scales()
+        handle = grouped_allreduce_async_([c for c, _ in compressed], name=f"allreduce.group.{index}",
+                                          op=self.op, prescale_factor=prescale, postscale_factor=postscale)
+        self._group_handles[index] = (handle, compressed)
+
+    @staticmethod
+    def _dense_grad(param: torch.Tensor) -> torch.Tensor:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        if param.grad.is_sparse:
+            param.grad = param.grad.to_dense()
+        return param.grad
+
+    # -- synchronization -----------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Start the allreduces that have not started (zero gradients where none), wait for all."""
+        if context.current().world.size == 1:
+            self._synchronized = True
+            return
+        for param in sorted(self._requires_update - set(self._group_of), key=lambda p: self._parameter_names[p]):
+            handle, ctx = self._handles.get(param, (None, None))
+            if handle is None and ctx is None:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                self._submit(param)
+        for index in range(len(self._groups)):
+            self._submit_group_if_complete(index, force=True)
+        for param, (handle, ctx) in list(self._handles.items()):
+            if ctx == "sparse":
+                param.grad = self._sparse_allreduce(param)
+            elif handle is not None:
+                output = synchronize(handle)
+                compressed, compression_ctx = ctx
+                if output is not param.grad:
+                    self._dense_grad(param).copy_(self._compression.decompress(output, compression_ctx))
+        for index, (handle, compressed) in self._group_handles.items():
+            for param, output, (_, ctx) in zip(self._groups[index], synchronize(handle), compressed, strict=True):
+                if output is not param.grad:
+                    self._dense_grad(param).copy_(self._compression.decompress(output, ctx))
+        self._handles.clear()
+        self._group_handles.clear()
+        self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
+        self._synchronized = True
+
+    def _sparse_allreduce(self, param: torch.Tensor) -> torch.Tensor:
+        grad = cast(torch.Tensor, param.grad).coalesce()
+        name = self._parameter_names[param]
+        indices = allgather(grad.indices().t().contiguous(), name=f"sparse.{name}.indices").t()
+        values = allgather(grad.values().contiguous(), name=f"sparse.{name}.values")
+        if self.op == Average:
+            values = values / context.current().world.size
+        return torch.sparse_coo_tensor(indices, values, grad.shape).coalesce()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside, ``step()`` does not synchronize again (after an explicit ``synchronize()``)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        """Synchronize (unless skipped), then the wrapped optimizer's step."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(); this can cause training slowdown", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return self._base_step(closure)
+
+    def _base_step(self, closure: Any = None) -> Any:
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's zero_grad; refused while allreduces are pending."""
+        if any(handle is not None for handle, _ in self._handles.values()) or self._group_handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                                 "cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes accumulate before each allreduce."""
+        self.backward_passes_per_step = passes
+        self._delay = dict.fromkeys(self._delay, passes)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802 - Horovod
+                         compression: Any = Compression.none, backward_passes_per_step: int = 1, op: int = Average,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: int | Sequence[Sequence[torch.Tensor]] | None = None, sparse_as_dense: bool = False,
+                         process_set: Any = None) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged (or ``op``-reduced) across ranks.
+
+    Args:
+        optimizer: any torch optimizer; the result is an instance of a subclass of its class.
+        named_parameters: ``model.named_parameters()``; names match the allreduces across ranks.
+        compression: ``Compression.none`` or ``Compression.fp16``.
+        backward_passes_per_step: backward passes accumulated locally before each allreduce.
+        op: ``Average`` (default), ``Sum``, ...
+        gradient_predivide_factor: with Average, divide by this before the sum and multiply after.
+        num_groups: deprecated spelling of an integer ``groups``.
+        groups: N (fuse parameters into N groups) or lists of parameters fused together.
+        sparse_as_dense: densify sparse gradients instead of allgathering them.
+        process_set: not supported yet (global set only).
+    """
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=Average")
+    if backward_passes_per_step <= 0:
+        raise ValueError(f"backward_passes_per_step must be positive, got {backward_passes_per_step}")
+    if process_set is not None:
+        raise ValueError("process_set is not supported by hvdrun's DistributedOptimizer yet")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, groups or num_groups, sparse_as_dense)
