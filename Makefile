@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: venv
-	$(HVDRUN) -np 2 examples/torch_ddp_regression.py
+	$(HVDRUN) -np 2 examples/linear_regression.py --check
 
 test: venv
 	$(PY) -m pytest -q

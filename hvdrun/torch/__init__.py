@@ -11,6 +11,18 @@ from __future__ import annotations
 
 from hvdrun.errors import CollectiveError as HorovodInternalError
 from hvdrun.runtime import context
+from hvdrun.torch.build import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
 from hvdrun.torch.compression import Compression, Compressor
 from hvdrun.torch.functions import (
     allgather_object,
@@ -98,7 +110,9 @@ def cross_rank() -> int:
 
 __all__ = [
     "Compression", "Compressor", "DistributedOptimizer", "allgather_object", "broadcast_object",
-    "broadcast_optimizer_state", "broadcast_parameters", "save_checkpoint",
+    "broadcast_optimizer_state", "broadcast_parameters", "save_checkpoint", "ccl_built", "cuda_built",
+    "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
+    "rocm_built",
     "Adasum", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum", "allgather", "allgather_async",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "cross_rank", "cross_size", "grouped_allreduce",

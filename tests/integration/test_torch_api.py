@@ -19,3 +19,16 @@ def test_distributed_optimizer_equals_full_batch_training(run_hvdrun, tmp_path, 
     for label in ("sgd plain", "adam accumulate x3", "sgd groups=2", "adam predivide 2"):
         differences = [float(d) for d in re.findall(rf"{label}: max \|diff\| (\S+)", result.stdout)]
         assert len(differences) == size and max(differences) < 1e-9, (label, differences)
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_linear_regression_example_matches_single_process_descent(run_hvdrun):
+    result = run_hvdrun("-np", "2", str(EXAMPLES / "linear_regression.py"), "--check", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    coefficients = re.findall(r"coefficients=\[([^\]]+)\]", result.stdout)
+    assert len(coefficients) == 2 and coefficients[0] == coefficients[1]
+    assert [round(float(c)) for c in coefficients[0].split(",")] == [5, 3, 2, 1]
+    differences = [float(d) for d in re.findall(r"single process\| = (\S+)", result.stdout)]
+    assert len(differences) == 2 and max(differences) < 1e-12
