@@ -35,7 +35,7 @@ def gradient(weights: torch.Tensor, features: torch.Tensor, targets: torch.Tenso
 def descend(features: torch.Tensor, targets: torch.Tensor, total: int, epochs: int, lr: float,
             distributed: bool) -> torch.Tensor:
     weights = torch.zeros(4, dtype=torch.float64)
-    for epoch in range(epochs):
+    for _ in range(epochs):
         grad = gradient(weights, features, targets, total)
         if distributed:  # each shard's part sums to the full-batch gradient
             grad = hvd.allreduce(grad, op=hvd.Sum, name="gradient")
