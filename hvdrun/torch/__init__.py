@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from hvdrun.errors import CollectiveError as HorovodInternalError
 from hvdrun.runtime import context
+from hvdrun.torch.autograd import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
 from hvdrun.torch.build import (
     ccl_built,
     cuda_built,
@@ -38,25 +39,19 @@ from hvdrun.torch.ops import (
     Min,
     Product,
     Sum,
-    allgather,
     allgather_async,
-    allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall,
     alltoall_async,
     barrier,
-    broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
     poll,
-    reducescatter,
     reducescatter_async,
     synchronize,
 )

@@ -32,3 +32,10 @@ def test_linear_regression_example_matches_single_process_descent(run_hvdrun):
     assert [round(float(c)) for c in coefficients[0].split(",")] == [5, 3, 2, 1]
     differences = [float(d) for d in re.findall(r"single process\| = (\S+)", result.stdout)]
     assert len(differences) == 2 and max(differences) < 1e-12
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_gradients_through_every_collective(run_hvdrun, size):
+    result = run_hvdrun("-np", str(size), str(WORKERS / "autograd.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(map(int, re.findall(r"rank (\d+): autograd ok", result.stdout))) == set(range(size))
