@@ -39,3 +39,28 @@ def test_gradients_through_every_collective(run_hvdrun, size):
     result = run_hvdrun("-np", str(size), str(WORKERS / "autograd.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert set(map(int, re.findall(r"rank (\d+): autograd ok", result.stdout))) == set(range(size))
+
+
+def test_a_horovod_script_runs_with_only_its_import_changed(run_hvdrun, tmp_path):
+    source = (WORKERS / "horovod_script.py").read_text()
+    assert source.count("import horovod.torch as hvd") == 1
+    script = tmp_path / "train.py"
+    script.write_text(source.replace("import horovod.torch as hvd", "import hvdrun.torch as hvd"))
+    result = run_hvdrun("-np", "2", str(script), timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("Train Epoch:") == 3
+    assert "rank 0 done" in result.stdout and "rank 1 done" in result.stdout
+
+
+def test_digits_example_trains_checkpoints_and_resumes(run_hvdrun, tmp_path):
+    first = run_hvdrun("-np", "2", str(EXAMPLES / "digits.py"), "--epochs", "3", "--checkpoint-dir", "ck",
+                       timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [f"checkpoint-{e}.pt" for e in range(3)]
+    resumed = run_hvdrun("-np", "2", str(EXAMPLES / "digits.py"), "--epochs", "5", "--checkpoint-dir", "ck",
+                         "--resume", timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    epochs = [int(e) for e in re.findall(r"epoch (\d+): val_loss", resumed.stdout)]
+    assert epochs == [3, 4]  # continued after the newest checkpoint
+    accuracy = float(re.findall(r"val_accuracy=([\d.]+)", resumed.stdout)[-1])
+    assert accuracy > 0.5, resumed.stdout
