@@ -30,6 +30,7 @@ lint: venv
 
 bench: venv
 	$(PY) benchmarks/allreduce.py
+	$(PY) benchmarks/training.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

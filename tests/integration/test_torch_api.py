@@ -64,3 +64,11 @@ def test_digits_example_trains_checkpoints_and_resumes(run_hvdrun, tmp_path):
     assert epochs == [3, 4]  # continued after the newest checkpoint
     accuracy = float(re.findall(r"val_accuracy=([\d.]+)", resumed.stdout)[-1])
     assert accuracy > 0.5, resumed.stdout
+
+
+def test_synthetic_benchmark_example_reports_throughput(run_hvdrun):
+    result = run_hvdrun("-np", "2", "--no-prefix", str(EXAMPLES / "synthetic_benchmark.py"), "--num-iters", "2",
+                        "--num-batches-per-iter", "2", "--batch-size", "8", timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("img/sec per CPU") == 3  # two iterations and the mean
+    assert float(re.search(r"Total img/sec on 2 CPU\(s\): ([\d.]+)", result.stdout).group(1)) > 0
