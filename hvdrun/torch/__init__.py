@@ -56,6 +56,7 @@ from hvdrun.torch.ops import (
     synchronize,
 )
 from hvdrun.torch.optimizer import DistributedOptimizer
+from hvdrun.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 
 def init(comm: object = None, process_sets: object = None) -> None:
@@ -104,7 +105,8 @@ def cross_rank() -> int:
 
 
 __all__ = [
-    "Compression", "Compressor", "DistributedOptimizer", "allgather_object", "broadcast_object",
+    "Compression", "Compressor", "DistributedOptimizer", "ProcessSet", "add_process_set", "global_process_set",
+    "remove_process_set", "allgather_object", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "save_checkpoint", "ccl_built", "cuda_built",
     "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
     "rocm_built",

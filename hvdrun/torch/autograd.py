@@ -20,6 +20,7 @@ from hvdrun.runtime import context
 from hvdrun.torch import ops
 from hvdrun.torch.compression import Compression
 from hvdrun.torch.ops import Average, Sum
+from hvdrun.torch.process_sets import global_set_only
 
 
 def _grad_name(name: str | None) -> str | None:
@@ -105,6 +106,7 @@ class _Reducescatter(torch.autograd.Function):
         return (gathered * factor if factor != 1 else gathered), None, None, None, None
 
 
+@global_set_only
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: Any = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
@@ -119,6 +121,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     return compression.decompress(reduced, ctx)
 
 
+@global_set_only
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: Any = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = None) -> list[torch.Tensor]:
@@ -131,16 +134,19 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
             for i, t in enumerate(tensors)]
 
 
+@global_set_only
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Every rank's tensor concatenated along dim 0, differentiable."""
     return _Allgather.apply(tensor, name) if _tracks_grad(tensor) else ops.allgather(tensor, name)
 
 
+@global_set_only
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """A new tensor equal to root's, differentiable."""
     return _Broadcast.apply(tensor, root_rank, name) if _tracks_grad(tensor) else ops.broadcast(tensor, root_rank, name)
 
 
+@global_set_only
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> Any:
     """Scatter slices of dim 0 and gather what others sent; differentiable."""
     if not _tracks_grad(tensor):
@@ -149,6 +155,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, 
     return output if splits is None else (output, received)
 
 
+@global_set_only
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
                   op: int | None = None, process_set: Any = None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:

@@ -31,6 +31,7 @@ from hvdrun.runtime.negotiation import (
     SUM,
     Request,
 )
+from hvdrun.torch.process_sets import global_set_only
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
 
@@ -130,6 +131,7 @@ def _reduce_request(tensor_array: np.ndarray, name: str | None, op: int, prescal
 
 # -- allreduce ------------------------------------------------------------------------------------
 
+@global_set_only
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = None) -> int:
@@ -139,6 +141,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     return _start(request, array, lambda _: tensor)
 
 
+@global_set_only
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = None) -> int:
@@ -147,6 +150,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     return allreduce_async_(output, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
+@global_set_only
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
     """Allreduce ``tensor`` in place (default op Average) and return it."""
@@ -156,6 +160,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
     return tensor
 
 
+@global_set_only
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, compression: Any = None,
               op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: Any = None) -> torch.Tensor:
@@ -164,6 +169,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     return allreduce_(output, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
+@global_set_only
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = None) -> int:
@@ -180,6 +186,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     return handle_id
 
 
+@global_set_only
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: Any = None) -> int:
@@ -188,6 +195,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
     return grouped_allreduce_async_(outputs, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
+@global_set_only
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                        op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: Any = None) -> list[torch.Tensor]:
@@ -195,6 +203,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
 
 
+@global_set_only
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: Any = None, op: int | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = None) -> list[torch.Tensor]:
@@ -217,6 +226,7 @@ class _GroupHandle:
 
 # -- allgather, broadcast, alltoall, reducescatter, barrier -----------------------------------------
 
+@global_set_only
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
     """Start an allgather: every rank's tensor concatenated along dim 0, in rank order."""
     array = _check(tensor, MOVEMENT_DTYPES)
@@ -225,22 +235,26 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     return _start(_request("allgather", array, name), array, _as_tensor)
 
 
+@global_set_only
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Every rank's tensor concatenated along dim 0 (first dimensions may differ)."""
     return synchronize(allgather_async(tensor, name, process_set))
 
 
+@global_set_only
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
     """Start an in-place broadcast from ``root_rank``."""
     array = _check(tensor, MOVEMENT_DTYPES)
     return _start(_request("broadcast", array, name, root=int(root_rank)), array, lambda _: tensor)
 
 
+@global_set_only
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
     """Start a broadcast into a new tensor."""
     return broadcast_async_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name)
 
 
+@global_set_only
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s value; returns it."""
     array = _check(tensor, MOVEMENT_DTYPES)
@@ -248,6 +262,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, pr
     return tensor
 
 
+@global_set_only
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """A new tensor equal to ``root_rank``'s ``tensor``."""
     return broadcast_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name)
@@ -266,6 +281,7 @@ def _splits(array: np.ndarray, splits: Any, size: int) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
+@global_set_only
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> int:
     """Start an alltoall; the result is ``(output, received_splits)``."""
     array = _check(tensor, MOVEMENT_DTYPES)
@@ -275,12 +291,14 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     return _start(request, array, lambda result: (_as_tensor(result[0]), _as_tensor(result[1])))
 
 
+@global_set_only
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> Any:
     """Send slice j of dim 0 to rank j, gather what others sent; with ``splits`` also return received splits."""
     output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
     return output if splits is None else (output, received)
 
 
+@global_set_only
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int | None = None,
                         process_set: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a reducescatter (default op Average)."""
@@ -292,12 +310,14 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int |
     return _start(request, array, _as_tensor)
 
 
+@global_set_only
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None, op: int | None = None,
                   process_set: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce across ranks; rank r keeps block r of dim 0 (the first ``dim0 % size`` ranks get one more row)."""
     return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
 
 
+@global_set_only
 def barrier(process_set: Any = None) -> None:
     """Block until every rank reached the barrier."""
     _engine().run(Request(_engine().auto_name("barrier"), "barrier"))

@@ -25,6 +25,7 @@ from hvdrun.torch.ops import (
     grouped_allreduce_async_,
     synchronize,
 )
+from hvdrun.torch.process_sets import check_process_set
 
 
 def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.Tensor, str]:
@@ -228,8 +229,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     if backward_passes_per_step <= 0:
         raise ValueError(f"backward_passes_per_step must be positive, got {backward_passes_per_step}")
-    if process_set is not None:
-        raise ValueError("process_set is not supported by hvdrun's DistributedOptimizer yet")
+    check_process_set(process_set)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups or num_groups, sparse_as_dense)
