@@ -62,6 +62,8 @@ def cli() -> None:
 @click.option("--start-timeout", "start_timeout_s", type=click.FloatRange(min=0, min_open=True),
               help="Seconds the ranks wait for each other at init() (default 60).")
 @click.option("--verbose", is_flag=True, help="Print the rank plan before starting.")
+@click.option("--timeline-filename", type=click.Path(dir_okay=False),
+              help="Write a Chrome-trace timeline of the collectives (rank 0) to this file.")
 @click.option("--grace-period", "grace_s", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping workers.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)

@@ -131,6 +131,8 @@ FUSION_THRESHOLD = ("HVDRUN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD")
 STALL_WARNING_S = ("HVDRUN_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS")
 STALL_ERROR_S = ("HVDRUN_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
 EAGER_BYTES = ("HVDRUN_EAGER_BYTES",)
+TIMELINE = ("HVDRUN_TIMELINE", "HOROVOD_TIMELINE")
+TIMELINE_MARK_CYCLES = ("HVDRUN_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES")
 CYCLE_TIME_MS = ("HVDRUN_CYCLE_TIME", "HOROVOD_CYCLE_TIME")
 
 # (rank, size) variables of the launchers we recognise, in order of preference
@@ -178,6 +180,11 @@ def env_int(environ: Mapping[str, str], name: str, default: int | None = None) -
         return int(value)
     except ValueError:
         raise UsageError(f"{name}={value!r} is not an integer") from None
+
+
+def env_text(environ: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` that is set (hvdrun's name first, then Horovod's)."""
+    return next((environ[name] for name in names if environ.get(name)), None)
 
 
 def env_number(environ: Mapping[str, str], names: tuple[str, ...], default: float) -> float:

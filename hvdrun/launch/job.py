@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hvdrun.config import ClusterConfig, load_cluster, load_config
-from hvdrun.envvars import START_TIMEOUT, Rendezvous, forwarded_env, thread_env, worker_env
+from hvdrun.envvars import START_TIMEOUT, TIMELINE, Rendezvous, forwarded_env, thread_env, worker_env
 from hvdrun.errors import UsageError
 from hvdrun.hosts import Host, detect_allocation, parse_host_string, parse_hostfile
 from hvdrun.launch.base import WorkerGroup, WorkerSpec
@@ -46,6 +46,7 @@ class RunOptions:
     grace_s: float = 5.0
     start_timeout_s: float | None = None
     verbose: bool = False
+    timeline_filename: str | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,8 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     base_env = {**environ, **(config.env if config else {}), **forwarded_env(options.env_specs, environ)}
     if options.start_timeout_s is not None:
         base_env[START_TIMEOUT] = str(options.start_timeout_s)
+    if options.timeline_filename:
+        base_env[TIMELINE[0]] = str(Path(options.timeline_filename).resolve())
     rendezvous = _new_rendezvous()
     cpus = os.cpu_count() or 1
     specs = tuple(WorkerSpec(slot=slot, argv=argv, cwd=os.getcwd(),

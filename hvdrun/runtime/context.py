@@ -16,6 +16,7 @@ from hvdrun.runtime.backends.torchdist import open_store
 from hvdrun.runtime.device import DeviceCollectives, device_backend_name
 from hvdrun.runtime.engine import Engine
 from hvdrun.runtime.rendezvous import Rendezvous
+from hvdrun.runtime.timeline import Timeline
 from hvdrun.runtime.transport.base import AbortFlag
 
 BACKENDS = ("ring", "mpi", "gloo")
@@ -34,6 +35,7 @@ class Runtime:
     engine: Engine
     rendezvous: Rendezvous | None
     device: DeviceCollectives | None = None
+    timeline_dynamic: bool = False
 
     @property
     def world(self) -> World:
@@ -135,10 +137,37 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
             device=device,
         )
         _runtime = Runtime(launch, backend, engine, rendezvous, device)
+        _start_configured_timeline(_runtime, environ)
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
         return _runtime
+
+
+def _start_configured_timeline(runtime: Runtime, environ: Mapping[str, str]) -> None:
+    """``HOROVOD_TIMELINE=path`` starts the timeline on rank 0 now; ``DYNAMIC`` leaves it to start_timeline()."""
+    setting = envvars.env_text(environ, envvars.TIMELINE)
+    runtime.timeline_dynamic = setting == "DYNAMIC"
+    if setting and not runtime.timeline_dynamic:
+        mark = envvars.env_text(environ, envvars.TIMELINE_MARK_CYCLES) in ("1", "true", "True")
+        start_timeline(setting, mark, _allow_static=True)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False, _allow_static: bool = False) -> None:
+    """Record a Chrome-trace timeline of every collective on rank 0 (needs ``HOROVOD_TIMELINE=DYNAMIC``)."""
+    runtime = current()
+    if not (runtime.timeline_dynamic or _allow_static):
+        raise ValueError("start_timeline() needs the environment variable HOROVOD_TIMELINE=DYNAMIC")
+    if runtime.world.rank == 0:
+        stop_timeline()
+        runtime.engine.timeline = Timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop recording and write the timeline file."""
+    timeline, current().engine.timeline = current().engine.timeline, None
+    if timeline is not None:
+        timeline.close()
 
 
 def shutdown() -> None:
@@ -149,6 +178,8 @@ def shutdown() -> None:
     if runtime is None:
         return
     runtime.engine.stop(SHUTDOWN_TIMEOUT_S)
+    if runtime.engine.timeline is not None:
+        runtime.engine.timeline.close()
     if runtime.rendezvous is not None:
         runtime.rendezvous.close()
     runtime.backend.close()

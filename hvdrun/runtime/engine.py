@@ -32,6 +32,7 @@ from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.executors import EXECUTORS, Handle, LocalOp, reduce_contributions, scale
 from hvdrun.runtime.negotiation import Entry, Request, Table, plan
+from hvdrun.runtime.timeline import Timeline
 
 _IDLE_TIMEOUT_S = 0.5
 _STALL_CHECK_PERIOD_S = 0.25
@@ -59,6 +60,7 @@ class Engine:
                  report_failure: Callable[[str], None], cycle_time_s: float = 0.001,
                  eager_bytes: int = 0, device: DeviceCollectives | None = None) -> None:
         self.backend, self.world, self.device = backend, backend.world, device
+        self.timeline: Timeline | None = None
         self.fusion_threshold, self.cycle_time_s, self.eager_bytes = fusion_threshold, cycle_time_s, eager_bytes
         self.stall_warning_s, self.stall_error_s = stall_warning_s, stall_error_s
         self._report_failure = report_failure
@@ -110,6 +112,8 @@ class Engine:
                                  "names must be unique among collectives in flight")
             self._inflight[request.name] = op
             self._new.append(op)
+            if self.timeline is not None and request.kind != "shutdown":
+                self.timeline.negotiate_start(request.name, request.kind)
             self._async_new = self._async_new or wake
             wake = wake and self._sleeping
         if wake:
@@ -260,6 +264,8 @@ class Engine:
 
     def _cycle(self, new: list[LocalOp]) -> None:
         messages = self.backend.allgather_messages(marshal.dumps([(op.request.wire(), op.payload) for op in new]))
+        if self.timeline is not None:
+            self.timeline.cycle()
         if self._fast_path(new, messages):
             return
         for rank, message in enumerate(messages):
@@ -281,10 +287,14 @@ class Engine:
         mine = new[0].request.wire()
         if any(len(items) != 1 or items[0][0] != mine or items[0][1] is None for items in decoded):
             return False
-        op = new[0]
+        op, timeline = new[0], self.timeline
         with self._lock:
             del self._inflight[op.request.name]
+        if timeline is not None:
+            timeline.execute_start(op.request.name, "allreduce")
         op.handle.finish(reduce_contributions(self, op.request, [items[0][1] for items in decoded], op.array))
+        if timeline is not None:
+            timeline.execute_end(op.request.name, "allreduce")
         return True
 
     def _fail_entries_of_departed_ranks(self) -> None:
@@ -307,6 +317,10 @@ class Engine:
                 op.handle.finish(error=CollectiveError(batch[0].error))
             return
         kind = batch[0].requests[0].kind
+        timeline = self.timeline if kind != "shutdown" else None
+        if timeline is not None:
+            for entry in batch:
+                timeline.execute_start(entry.name, kind)
         try:
             results = self._run_executor(kind, batch, ops)
         except BaseException as e:  # the ops left _inflight: finish them here, then fail the engine
@@ -316,6 +330,8 @@ class Engine:
             raise error from e
         for op, result in zip(ops, results, strict=True):
             op.handle.finish(result)
+            if timeline is not None:
+                timeline.execute_end(op.request.name, kind)
         if kind == "shutdown":
             self._stopped = True
 

@@ -64,6 +64,16 @@ def init(comm: object = None, process_sets: object = None) -> None:
     context.init()
 
 
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record a Chrome-trace timeline on rank 0 (needs ``HOROVOD_TIMELINE=DYNAMIC``)."""
+    context.start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop the timeline and write its file."""
+    context.stop_timeline()
+
+
 def shutdown() -> None:
     """Leave the job; ``init()`` may be called again afterwards."""
     context.shutdown()
@@ -106,7 +116,7 @@ def cross_rank() -> int:
 
 __all__ = [
     "Compression", "Compressor", "DistributedOptimizer", "ProcessSet", "add_process_set", "global_process_set",
-    "remove_process_set", "allgather_object", "broadcast_object",
+    "remove_process_set", "start_timeline", "stop_timeline", "allgather_object", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "save_checkpoint", "ccl_built", "cuda_built",
     "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
     "rocm_built",

@@ -73,3 +73,39 @@ def test_synthetic_benchmark_example_reports_throughput(run_hvdrun):
     assert len(re.findall(r"^Iter #\d: [\d.]+ img/sec per CPU$", result.stdout, re.MULTILINE)) == 2
     assert "Img/sec per CPU: " in result.stdout
     assert float(re.search(r"Total img/sec on 2 CPU\(s\): ([\d.]+)", result.stdout).group(1)) > 0
+
+
+def trace_rows(path: Path) -> dict[str, list[tuple[str, str]]]:
+    """Per tensor name, its (event name, phase) sequence in a Chrome trace."""
+    import json
+
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    rows: dict[str, list[tuple[str, str]]] = {}
+    for event in events:
+        if event["ph"] in "BE":
+            rows.setdefault(names[event["pid"]], []).append((event["name"], event["ph"]))
+    return rows
+
+
+def test_timeline_filename_writes_a_chrome_trace(run_hvdrun, tmp_path):
+    result = run_hvdrun("-np", "2", "--timeline-filename", "trace.json", str(WORKERS / "timeline.py"), "unused")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("start_timeline() needs the environment variable HOROVOD_TIMELINE=DYNAMIC") == 2
+    rows = trace_rows(tmp_path / "trace.json")
+    assert set(rows) == {"small", "large", "gathered"}
+    assert rows["large"] == [("NEGOTIATE_ALLREDUCE", "B"), ("NEGOTIATE_ALLREDUCE", "E"), ("ALLREDUCE", "B"),
+                             ("ALLREDUCE", "E")]
+    assert rows["gathered"][-1] == ("ALLGATHER", "E")
+
+
+def test_dynamic_timeline_starts_and_stops(run_hvdrun, hvdrun_env, tmp_path):
+    hvdrun_env["HOROVOD_TIMELINE"] = "DYNAMIC"
+    result = run_hvdrun("-np", "2", str(WORKERS / "timeline.py"), str(tmp_path / "dynamic.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = trace_rows(tmp_path / "dynamic.json")
+    assert set(rows) == {"small", "large", "gathered"}  # nothing after stop_timeline()
+    import json
+
+    events = json.loads((tmp_path / "dynamic.json").read_text())["traceEvents"]
+    assert any(e["name"] == "CYCLE_START" for e in events)  # mark_cycles=True
