@@ -57,6 +57,7 @@ from hvdrun.torch.ops import (
 )
 from hvdrun.torch.optimizer import DistributedOptimizer
 from hvdrun.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from hvdrun.torch.sync_batch_norm import SyncBatchNorm
 
 
 def init(comm: object = None, process_sets: object = None) -> None:
@@ -116,7 +117,7 @@ def cross_rank() -> int:
 
 __all__ = [
     "Compression", "Compressor", "DistributedOptimizer", "ProcessSet", "add_process_set", "global_process_set",
-    "remove_process_set", "start_timeline", "stop_timeline", "allgather_object", "broadcast_object",
+    "remove_process_set", "start_timeline", "stop_timeline", "SyncBatchNorm", "allgather_object", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "save_checkpoint", "ccl_built", "cuda_built",
     "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
     "rocm_built",

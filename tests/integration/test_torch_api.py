@@ -109,3 +109,10 @@ def test_dynamic_timeline_starts_and_stops(run_hvdrun, hvdrun_env, tmp_path):
 
     events = json.loads((tmp_path / "dynamic.json").read_text())["traceEvents"]
     assert any(e["name"] == "CYCLE_START" for e in events)  # mark_cycles=True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_sync_batch_norm_equals_full_batch_batch_norm(run_hvdrun, size):
+    result = run_hvdrun("-np", str(size), str(WORKERS / "sync_batch_norm.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(map(int, re.findall(r"rank (\d+): sync batch norm ok", result.stdout))) == set(range(size))
