@@ -155,7 +155,7 @@ class DeviceCollectives:
         return [getattr(self, f"_{kind}")(entry, tensor) for entry, tensor in zip(batch, tensors, strict=True)]
 
     def _allreduce(self, entry: Entry, tensor: Any) -> Any:
-        request = entry.requests[0]
+        request = entry.first
         scale_tensor(tensor, request.prescale)
         self.group.allreduce(tensor, request.op)
         scale_tensor(tensor, request.postscale / self.size if request.op == AVERAGE else request.postscale)
@@ -163,7 +163,7 @@ class DeviceCollectives:
 
     def _broadcast(self, entry: Entry, tensor: Any) -> Any:
         if tensor.numel():
-            self.group.broadcast(as_rows_of_bytes(tensor), entry.requests[0].root)
+            self.group.broadcast(as_rows_of_bytes(tensor), entry.first.root)
         return tensor
 
     def _allgather(self, entry: Entry, tensor: Any) -> Any:
@@ -185,7 +185,7 @@ class DeviceCollectives:
         return output, torch.tensor(received, dtype=torch.int32)
 
     def _reducescatter(self, entry: Entry, tensor: Any) -> Any:
-        request, work = entry.requests[0], tensor.clone()
+        request, work = entry.first, tensor.clone()
         scale_tensor(work, request.prescale)
         self.group.allreduce(work, request.op)
         first, last = chunk_bounds(tensor.shape[0], self.size)[self.rank]

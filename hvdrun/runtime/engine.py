@@ -310,13 +310,15 @@ class Engine:
                     f"{', '.join(map(str, gone))} shut down without submitting it"))
 
     def _execute(self, batch: list[Entry]) -> None:
-        with self._lock:
-            ops = [self._inflight.pop(entry.name) for entry in batch]
+        rank = self.world.rank
+        with self._lock:  # a joined rank takes part in others' allreduces with zeros
+            ops = [self._stand_in(entry) if rank in entry.absent else self._inflight.pop(entry.name)
+                   for entry in batch]
         if batch[0].error:
             for op in ops:
                 op.handle.finish(error=CollectiveError(batch[0].error))
             return
-        kind = batch[0].requests[0].kind
+        kind = batch[0].first.kind
         timeline = self.timeline if kind != "shutdown" else None
         if timeline is not None:
             for entry in batch:
@@ -335,11 +337,16 @@ class Engine:
         if kind == "shutdown":
             self._stopped = True
 
+    @staticmethod
+    def _stand_in(entry: Entry) -> LocalOp:
+        request = entry.first
+        return LocalOp(request, np.zeros(request.shape, dtype=request.dtype or np.uint8), Handle())
+
     def _run_executor(self, kind: str, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
-        if batch[0].requests[0].device == "cpu":
+        if batch[0].first.device == "cpu":
             return EXECUTORS[kind](self, batch, ops)
         if self.device is None:
-            raise CollectiveError(f"'{batch[0].name}' is on {batch[0].requests[0].device} but this job has no "
+            raise CollectiveError(f"'{batch[0].name}' is on {batch[0].first.device} but this job has no "
                                   "device backend (torch.distributed nccl)")
         return self.device.execute(kind, batch, [op.array for op in ops])
 

@@ -91,8 +91,9 @@ def scale(buffer: np.ndarray, factor: float) -> None:
 
 def _eager_allreduce(engine: Engine, entry: Entry, array: np.ndarray) -> np.ndarray:
     """An allreduce whose data every rank sent with its announcement."""
-    return reduce_contributions(engine, entry.requests[0], [entry.payloads[r] for r in range(engine.world.size)],
-                                 array)
+    zeros = bytes(array.nbytes)  # the contribution of a rank that joined
+    return reduce_contributions(engine, entry.first, [entry.payloads.get(r, zeros) for r in range(engine.world.size)],
+                                array)
 
 
 def reduce_contributions(engine: Engine, request: Request, payloads: list[bytes], array: np.ndarray) -> np.ndarray:
@@ -109,7 +110,7 @@ def reduce_contributions(engine: Engine, request: Request, payloads: list[bytes]
 def _allreduce(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     if batch[0].payloads:
         return [_eager_allreduce(engine, batch[0], ops[0].array)]
-    request = batch[0].requests[0]
+    request = batch[0].first
     arrays = [op.array for op in ops]
     if len(arrays) == 1:
         buffer = arrays[0].reshape(-1)
@@ -142,7 +143,7 @@ def _allgather(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[A
 
 
 def _broadcast(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
-    engine.backend.broadcast(as_bytes(ops[0].array), batch[0].requests[0].root)
+    engine.backend.broadcast(as_bytes(ops[0].array), batch[0].first.root)
     return [ops[0].array]
 
 
@@ -159,7 +160,7 @@ def _alltoall(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[An
 
 
 def _reducescatter(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
-    request, size, rank = batch[0].requests[0], engine.world.size, engine.world.rank
+    request, size, rank = batch[0].first, engine.world.size, engine.world.rank
     mine = ops[0].array
     buffer = mine.reshape(-1).copy()
     row_elements = int(np.prod(mine.shape[1:], dtype=np.int64))
@@ -173,11 +174,16 @@ def _reducescatter(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> li
     return [out]
 
 
+def _join(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+    """Every rank joined: each gets the rank that joined last."""
+    return [batch[0].order[-1]] * len(ops)
+
+
 def _nothing(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     return [None] * len(ops)
 
 
 EXECUTORS: dict[str, Callable[[Engine, list[Entry], list[LocalOp]], list[Any]]] = {
     "allreduce": _allreduce, "allgather": _allgather, "broadcast": _broadcast, "alltoall": _alltoall,
-    "reducescatter": _reducescatter, "barrier": _nothing, "shutdown": _nothing,
+    "reducescatter": _reducescatter, "barrier": _nothing, "shutdown": _nothing, "join": _join,
 }

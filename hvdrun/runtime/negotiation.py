@@ -25,7 +25,8 @@ REDUCE_FNS = {AVERAGE: np.add, SUM: np.add, MIN: np.minimum, MAX: np.maximum, PR
 
 REDUCTION_DTYPES = ("int32", "int64", "float16", "float32", "float64")
 MOVEMENT_DTYPES = REDUCTION_DTYPES + ("uint8", "int8", "int16", "bool")
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "shutdown")
+KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "shutdown", "join")
+JOIN = "__join__"  # the name of hvd.join()'s request
 
 
 class Request(NamedTuple):
@@ -68,6 +69,13 @@ class Entry:
     first_seen: float = field(default_factory=time.monotonic)
     warned: bool = False
     error: str | None = None
+    order: list[int] = field(default_factory=list)  # ranks in the order their requests arrived
+    absent: frozenset[int] = frozenset()  # joined ranks that take part without a request
+
+    @property
+    def first(self) -> Request:
+        """The request of the lowest rank that made one (the reference for checks and execution)."""
+        return self.requests[min(self.requests)]
 
     def missing(self, size: int) -> list[int]:
         """Ranks that have not requested this name yet."""
@@ -87,11 +95,15 @@ def _differs(entry: Entry, what: str, value_of) -> str | None:
 
 def validate(entry: Entry, size: int) -> str | None:
     """The mismatch error of a complete entry, or None when every rank asked for the same thing."""
-    first = entry.requests[0]
+    first = entry.first
+    if entry.absent and (first.kind != "allreduce" or first.device != "cpu"):
+        ranks = ", ".join(map(str, sorted(entry.absent)))
+        return (f"{first.kind} '{entry.name}': rank(s) {ranks} already called join(); only CPU allreduces continue "
+                "with joined ranks (they contribute zeros)")
     if first.kind != "broadcast" and all(request == first for request in entry.requests.values()):
         return None
     checks = [("operation", lambda r: r.kind), ("dtype", lambda r: r.dtype), ("device", lambda r: r.device)]
-    kind = entry.requests[0].kind
+    kind = entry.first.kind
     if kind in ("allreduce", "reducescatter", "broadcast"):
         checks.append(("shape", lambda r: r.shape))
     if kind in ("allgather", "alltoall"):
@@ -105,8 +117,9 @@ def validate(entry: Entry, size: int) -> str | None:
         error = _differs(entry, what, value_of)
         if error:
             return error
-    if kind == "broadcast" and not 0 <= entry.requests[0].root < size:
-        return f"broadcast '{entry.name}': root rank {entry.requests[0].root} is not in 0..{size - 1}"
+
+    if kind == "broadcast" and not 0 <= entry.first.root < size:
+        return f"broadcast '{entry.name}': root rank {entry.first.root} is not in 0..{size - 1}"
     return None
 
 
@@ -120,18 +133,27 @@ class Table:
     def add(self, rank: int, request: Request, payload: bytes | None = None) -> None:
         """Record ``rank``'s request and, for eager ops, its data."""
         entry = self.entries.setdefault(request.name, Entry(request.name))
+        if rank not in entry.requests:
+            entry.order.append(rank)
         entry.requests[rank] = request
         if payload is not None:
             entry.payloads[rank] = payload
 
+    def joined(self) -> frozenset[int]:
+        """Ranks that called join() and wait for the others: they take part in allreduces with zeros."""
+        entry = self.entries.get(JOIN)
+        return frozenset(entry.requests) if entry is not None else frozenset()
+
     def pop_ready(self) -> list[Entry]:
-        """Remove and return the entries every rank requested, in the order they were first seen."""
-        size = self.size
-        ready = [entry for entry in self.entries.values() if len(entry.requests) == size]
+        """Remove and return the entries every rank requested or joined, in the order they were first seen."""
+        size, joined = self.size, self.joined()
+        ready = [entry for entry in self.entries.values()
+                 if len(entry.requests) == size or (entry.name != JOIN and len(set(entry.requests) | joined) == size)]
         for entry in ready:
             del self.entries[entry.name]
+            entry.absent = frozenset(range(size)) - set(entry.requests)
             entry.error = validate(entry, self.size)
-            if not entry.error and 0 < len(entry.payloads) < self.size:
+            if not entry.error and 0 < len(entry.payloads) < len(entry.requests):
                 entry.error = f"'{entry.name}': ranks disagree on sending its data eagerly (HVDRUN_EAGER_BYTES differs)"
         return ready
 
@@ -143,7 +165,7 @@ class Table:
 
 def fusable(entry: Entry) -> tuple | None:
     """The key shared by allreduces that may run as one fused buffer, or None."""
-    request = entry.requests[0]
+    request = entry.first
     if entry.error or request.kind != "allreduce" or entry.payloads or request.device != "cpu":
         return None
     return (request.dtype, request.op, request.prescale, request.postscale)
@@ -158,9 +180,8 @@ def plan(ready: list[Entry], threshold_bytes: int) -> Iterator[list[Entry]]:
         return
     for entry in ready:
         key = fusable(entry)
-        size = entry.requests[0].nbytes
-        same_group = bool(batch) and entry.requests[0].group != 0 and entry.requests[0].group == batch[-1].requests[
-            0].group
+        size = entry.first.nbytes
+        same_group = bool(batch) and entry.first.group != 0 and entry.first.group == batch[-1].first.group
         fits = batch_bytes + size <= threshold_bytes or same_group
         if batch and key is not None and key == fusable(batch[0]) and fits:
             batch.append(entry)

@@ -51,6 +51,7 @@ from hvdrun.torch.ops import (
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    join,
     poll,
     reducescatter_async,
     synchronize,
@@ -116,15 +117,14 @@ def cross_rank() -> int:
 
 
 __all__ = [
-    "Compression", "Compressor", "DistributedOptimizer", "ProcessSet", "add_process_set", "global_process_set",
-    "remove_process_set", "start_timeline", "stop_timeline", "SyncBatchNorm", "allgather_object", "broadcast_object",
-    "broadcast_optimizer_state", "broadcast_parameters", "save_checkpoint", "ccl_built", "cuda_built",
-    "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
-    "rocm_built",
-    "Adasum", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum", "allgather", "allgather_async",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
-    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "cross_rank", "cross_size", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init", "is_initialized",
-    "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async", "shutdown", "size",
-    "synchronize",
+    "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
+    "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async",
+    "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
+    "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
+    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
+    "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built",
+    "save_checkpoint", "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
 ]

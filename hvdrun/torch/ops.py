@@ -23,6 +23,7 @@ from hvdrun.runtime.executors import Handle
 from hvdrun.runtime.negotiation import (
     ADASUM,
     AVERAGE,
+    JOIN,
     MAX,
     MIN,
     MOVEMENT_DTYPES,
@@ -315,6 +316,15 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
                   process_set: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce across ranks; rank r keeps block r of dim 0 (the first ``dim0 % size`` ranks get one more row)."""
     return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+
+
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more data; returns, once all ranks joined, the rank that joined last.
+
+    Until then this rank takes part in the others' allreduces with zeros (Average still divides by
+    the full size); other collectives that would need it fail on every rank.
+    """
+    return int(_engine().run(Request(JOIN, "join")))
 
 
 @global_set_only

@@ -116,3 +116,13 @@ def test_sync_batch_norm_equals_full_batch_batch_norm(run_hvdrun, size):
     result = run_hvdrun("-np", str(size), str(WORKERS / "sync_batch_norm.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert set(map(int, re.findall(r"rank (\d+): sync batch norm ok", result.stdout))) == set(range(size))
+
+
+def test_join_lets_ranks_with_less_data_contribute_zeros(run_hvdrun):
+    result = run_hvdrun("-np", "3", str(WORKERS / "join.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(map(int, re.findall(r"rank (\d+): join returned 2", result.stdout))) == {0, 1, 2}
+    assert set(map(int, re.findall(r"rank (\d+): join ok", result.stdout))) == {0, 1, 2}
+    for rank in (1, 2):
+        assert (f"rank {rank} raised: allgather 'needs_everyone': rank(s) 0 already called join()"
+                in result.stdout)

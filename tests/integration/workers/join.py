@@ -1,0 +1,28 @@
+"""Ranks with less data join early: they contribute zeros to the others' allreduces until all joined."""
+
+import torch
+
+import hvdrun.torch as hvd
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+for step in range(RANK + 1):  # rank r has r + 1 batches
+    total = hvd.allreduce(torch.full((3,), float(RANK + 1)), op=hvd.Sum, name=f"sum.{step}")
+    mean = hvd.allreduce(torch.full((100_000,), float(RANK + 1)), name=f"mean.{step}")  # ring path, not eager
+    contributors = [r + 1 for r in range(SIZE) if r >= step]  # ranks that still have a batch at this step
+    assert total.tolist() == [float(sum(contributors))] * 3, (step, total)
+    assert torch.allclose(mean, torch.full((100_000,), sum(contributors) / SIZE)), (step, mean[:3])
+last = hvd.join()
+assert last == SIZE - 1, last  # the rank with the most batches joined last
+print(f"rank {RANK}: join returned {last}", flush=True)
+
+if RANK == 0:
+    hvd.join()  # joins at once; the others' allgather cannot include it
+else:
+    try:
+        hvd.allgather(torch.ones(1), name="needs_everyone")
+    except hvd.HorovodInternalError as e:
+        print(f"rank {RANK} raised: {e}", flush=True)
+    hvd.join()
+print(f"rank {RANK}: join ok", flush=True)
+hvd.shutdown()
