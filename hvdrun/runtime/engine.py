@@ -30,7 +30,7 @@ import numpy as np
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
-from hvdrun.runtime.executors import EXECUTORS, Handle, LocalOp, reduce_contributions, scale
+from hvdrun.runtime.executors import EXECUTORS, Handle, LocalOp, reduce_contributions, scale, stand_in
 from hvdrun.runtime.negotiation import Entry, Request, Table, plan
 from hvdrun.runtime.timeline import Timeline
 
@@ -292,7 +292,8 @@ class Engine:
             del self._inflight[op.request.name]
         if timeline is not None:
             timeline.execute_start(op.request.name, "allreduce")
-        op.handle.finish(reduce_contributions(self, op.request, [items[0][1] for items in decoded], op.array))
+        op.handle.finish(reduce_contributions(self.world.size, op.request, [items[0][1] for items in decoded],
+                                              op.array))
         if timeline is not None:
             timeline.execute_end(op.request.name, "allreduce")
         return True
@@ -312,7 +313,7 @@ class Engine:
     def _execute(self, batch: list[Entry]) -> None:
         rank = self.world.rank
         with self._lock:  # a joined rank takes part in others' allreduces with zeros
-            ops = [self._stand_in(entry) if rank in entry.absent else self._inflight.pop(entry.name)
+            ops = [stand_in(entry, rank) if rank in entry.absent else self._inflight.pop(entry.name)
                    for entry in batch]
         if batch[0].error:
             for op in ops:
@@ -336,11 +337,6 @@ class Engine:
                 timeline.execute_end(op.request.name, kind)
         if kind == "shutdown":
             self._stopped = True
-
-    @staticmethod
-    def _stand_in(entry: Entry) -> LocalOp:
-        request = entry.first
-        return LocalOp(request, np.zeros(request.shape, dtype=request.dtype or np.uint8), Handle())
 
     def _run_executor(self, kind: str, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
         if batch[0].first.device == "cpu":

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hvdrun.errors import CollectiveError
-from hvdrun.runtime.negotiation import AVERAGE, REDUCE_FNS, Entry, Request
+from hvdrun.runtime.negotiation import AVERAGE, MIN, PRODUCT, REDUCE_FNS, SUM, Entry, Request
 from hvdrun.runtime.ring import as_bytes, chunk_bounds
 
 if TYPE_CHECKING:
@@ -86,24 +86,48 @@ def scale(buffer: np.ndarray, factor: float) -> None:
         buffer[...] = (buffer.astype(np.float64) * factor).astype(buffer.dtype)
 
 
+def identity_of(request: Request) -> float | int:
+    """The element that leaves ``request``'s reduction unchanged (what a rank outside its set contributes)."""
+    dtype = np.dtype(request.dtype or np.uint8)
+    if request.kind not in ("allreduce", "reducescatter") or request.op in (AVERAGE, SUM):
+        return 0
+    if request.op == PRODUCT:
+        return 1
+    limits = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
+    return limits.max if request.op == MIN else limits.min
+
+
+def stand_in(entry: Entry, rank: int) -> LocalOp:
+    """The op of a rank that takes part without a request: zeros if it joined, else the identity (no rows)."""
+    request = entry.first
+    shape = (0,) + request.shape[1:] if request.kind in ("allgather", "alltoall") else request.shape
+    value = 0 if rank in entry.members else identity_of(request)
+    return LocalOp(request, np.full(shape, value, dtype=request.dtype or np.uint8), Handle())
+
+
+def _postscale(request: Request, set_size: int) -> float:
+    """Average divides by the number of ranks in the op's set."""
+    return request.postscale / set_size if request.op == AVERAGE else request.postscale
+
+
 # -- executors: (engine, batch, ops) -> one result per op ---------------------------------------
 
 
 def _eager_allreduce(engine: Engine, entry: Entry, array: np.ndarray) -> np.ndarray:
     """An allreduce whose data every rank sent with its announcement."""
-    zeros = bytes(array.nbytes)  # the contribution of a rank that joined
-    return reduce_contributions(engine, entry.first, [entry.payloads.get(r, zeros) for r in range(engine.world.size)],
-                                array)
+    payloads = [entry.payloads[r] if r in entry.payloads else stand_in(entry, r).array.tobytes()
+                for r in range(engine.world.size)]
+    return reduce_contributions(len(entry.members), entry.first, payloads, array)
 
 
-def reduce_contributions(engine: Engine, request: Request, payloads: list[bytes], array: np.ndarray) -> np.ndarray:
+def reduce_contributions(set_size: int, request: Request, payloads: list[bytes], array: np.ndarray) -> np.ndarray:
     """Reduce every rank's contribution locally, in rank order, so all ranks get identical bits."""
     reduce, dtype = REDUCE_FNS[request.op], array.dtype
     flat = array.reshape(-1)
     reduce(np.frombuffer(payloads[0], dtype), np.frombuffer(payloads[1], dtype), flat)
-    for rank in range(2, engine.world.size):
+    for rank in range(2, len(payloads)):
         reduce(flat, np.frombuffer(payloads[rank], dtype), flat)
-    scale(flat, request.postscale / engine.world.size if request.op == AVERAGE else request.postscale)
+    scale(flat, _postscale(request, set_size))
     return array
 
 
@@ -122,7 +146,7 @@ def _allreduce(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[A
             offset += array.size
     scale(buffer, request.prescale)
     engine.backend.allreduce(buffer, REDUCE_FNS[request.op])
-    scale(buffer, request.postscale / engine.world.size if request.op == AVERAGE else request.postscale)
+    scale(buffer, _postscale(request, len(batch[0].members)))
     if len(arrays) > 1:
         offset = 0
         for array in arrays:
@@ -134,7 +158,7 @@ def _allreduce(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[A
 def _allgather(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     requests, mine = batch[0].requests, ops[0].array
     row_bytes = int(np.prod(mine.shape[1:], dtype=np.int64)) * mine.itemsize
-    rows = [requests[rank].shape[0] for rank in range(engine.world.size)]
+    rows = [requests[rank].shape[0] if rank in requests else 0 for rank in range(engine.world.size)]
     out = np.empty((sum(rows),) + mine.shape[1:], mine.dtype)
     start = sum(rows[:engine.world.rank])
     out[start:start + rows[engine.world.rank]] = mine
@@ -147,12 +171,22 @@ def _broadcast(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[A
     return [ops[0].array]
 
 
+def _global_splits(entry: Entry, rank: int, size: int) -> list[int]:
+    """Rows ``rank`` sends to every global rank (its splits are per rank of the op's set)."""
+    members, request = entry.members, entry.requests.get(rank)
+    if request is None:
+        return [0] * size
+    per_member = request.splits or (request.shape[0] // len(members),) * len(members)
+    rows = dict(zip(members, per_member, strict=True))
+    return [rows.get(r, 0) for r in range(size)]
+
+
 def _alltoall(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
-    size, rank, mine = engine.world.size, engine.world.rank, ops[0].array
+    size, rank, mine, entry = engine.world.size, engine.world.rank, ops[0].array, batch[0]
     row_bytes = int(np.prod(mine.shape[1:], dtype=np.int64)) * mine.itemsize
-    splits = [batch[0].requests[r].splits or (batch[0].requests[r].shape[0] // size,) * size for r in range(size)]
+    splits = [_global_splits(entry, r, size) for r in range(size)]
     matrix = [[rows * row_bytes for rows in splits[r]] for r in range(size)]
-    received = [splits[r][rank] for r in range(size)]
+    received = [splits[r][rank] for r in entry.members]
     out = np.empty((sum(received),) + mine.shape[1:], mine.dtype)
     send = as_bytes(mine)[:sum(matrix[rank])]
     engine.backend.alltoallv(send, matrix[rank], matrix, as_bytes(out))
@@ -160,23 +194,37 @@ def _alltoall(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[An
 
 
 def _reducescatter(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
-    request, size, rank = batch[0].first, engine.world.size, engine.world.rank
+    request, entry, rank = batch[0].first, batch[0], engine.world.rank
     mine = ops[0].array
     buffer = mine.reshape(-1).copy()
     row_elements = int(np.prod(mine.shape[1:], dtype=np.int64))
-    row_bounds = chunk_bounds(mine.shape[0], size)
+    by_member = dict(zip(entry.members, chunk_bounds(mine.shape[0], len(entry.members)), strict=True))
+    row_bounds = [by_member.get(r, (0, 0)) for r in range(engine.world.size)]  # outside the set: no chunk
     scale(buffer, request.prescale)
     engine.backend.reducescatter(buffer, REDUCE_FNS[request.op], [(a * row_elements, b * row_elements)
                                                                   for a, b in row_bounds])
     first, last = row_bounds[rank]
     out = buffer[first * row_elements:last * row_elements].reshape((last - first,) + mine.shape[1:]).copy()
-    scale(out, request.postscale / size if request.op == AVERAGE else request.postscale)
+    scale(out, _postscale(request, len(entry.members)))
     return [out]
 
 
 def _join(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     """Every rank joined: each gets the rank that joined last."""
     return [batch[0].order[-1]] * len(ops)
+
+
+def _add_set(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+    """Register a process set on every rank at the same point; its id is the next free one."""
+    sets = engine.table.sets
+    new_id = max(sets) + 1
+    sets[new_id] = tuple(batch[0].first.splits)
+    return [new_id] * len(ops)
+
+
+def _remove_set(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+    removed = engine.table.sets.pop(batch[0].first.root, None) is not None
+    return [removed] * len(ops)
 
 
 def _nothing(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
@@ -186,4 +234,5 @@ def _nothing(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any
 EXECUTORS: dict[str, Callable[[Engine, list[Entry], list[LocalOp]], list[Any]]] = {
     "allreduce": _allreduce, "allgather": _allgather, "broadcast": _broadcast, "alltoall": _alltoall,
     "reducescatter": _reducescatter, "barrier": _nothing, "shutdown": _nothing, "join": _join,
+    "add_set": _add_set, "remove_set": _remove_set,
 }

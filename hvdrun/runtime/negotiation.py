@@ -25,7 +25,9 @@ REDUCE_FNS = {AVERAGE: np.add, SUM: np.add, MIN: np.minimum, MAX: np.maximum, PR
 
 REDUCTION_DTYPES = ("int32", "int64", "float16", "float32", "float64")
 MOVEMENT_DTYPES = REDUCTION_DTYPES + ("uint8", "int8", "int16", "bool")
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "shutdown", "join")
+KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "shutdown", "join",
+         "add_set", "remove_set")
+GLOBAL_SET = 0
 JOIN = "__join__"  # the name of hvd.join()'s request
 
 
@@ -43,6 +45,7 @@ class Request(NamedTuple):
     splits: tuple[int, ...] = ()
     group: int = 0
     device: str = "cpu"  # "cpu": numpy buffers on hvdrun's backends; "torch:cuda" etc.: the device path
+    process_set: int = GLOBAL_SET
 
     def wire(self) -> tuple:
         """A plain tuple for marshal."""
@@ -70,7 +73,8 @@ class Entry:
     warned: bool = False
     error: str | None = None
     order: list[int] = field(default_factory=list)  # ranks in the order their requests arrived
-    absent: frozenset[int] = frozenset()  # joined ranks that take part without a request
+    members: tuple[int, ...] = ()  # the ranks of the op's process set (set when ready)
+    absent: frozenset[int] = frozenset()  # ranks that take part without a request: joined or not in the set
 
     @property
     def first(self) -> Request:
@@ -96,13 +100,21 @@ def _differs(entry: Entry, what: str, value_of) -> str | None:
 def validate(entry: Entry, size: int) -> str | None:
     """The mismatch error of a complete entry, or None when every rank asked for the same thing."""
     first = entry.first
-    if entry.absent and (first.kind != "allreduce" or first.device != "cpu"):
-        ranks = ", ".join(map(str, sorted(entry.absent)))
+    outsiders = sorted(set(entry.requests) - set(entry.members))
+    if outsiders:
+        return (f"{first.kind} '{entry.name}': rank(s) {', '.join(map(str, outsiders))} are not in process set "
+                f"{first.process_set} {list(entry.members)}")
+    if first.device != "cpu" and first.process_set != GLOBAL_SET:
+        return f"{first.kind} '{entry.name}': process sets are not supported with device tensors"
+    joined = sorted(set(entry.members) & entry.absent)
+    if joined and (first.kind != "allreduce" or first.device != "cpu"):
+        ranks = ", ".join(map(str, joined))
         return (f"{first.kind} '{entry.name}': rank(s) {ranks} already called join(); only CPU allreduces continue "
                 "with joined ranks (they contribute zeros)")
     if first.kind != "broadcast" and all(request == first for request in entry.requests.values()):
         return None
-    checks = [("operation", lambda r: r.kind), ("dtype", lambda r: r.dtype), ("device", lambda r: r.device)]
+    checks = [("operation", lambda r: r.kind), ("dtype", lambda r: r.dtype), ("device", lambda r: r.device),
+              ("process set", lambda r: r.process_set)]
     kind = entry.first.kind
     if kind in ("allreduce", "reducescatter", "broadcast"):
         checks.append(("shape", lambda r: r.shape))
@@ -113,13 +125,15 @@ def validate(entry: Entry, size: int) -> str | None:
                    ("prescale/postscale factors", lambda r: (r.prescale, r.postscale))]
     if kind == "broadcast":
         checks.append(("root rank", lambda r: r.root))
+    if kind in ("add_set", "remove_set"):
+        checks.append(("process set", lambda r: (r.splits, r.root)))
     for what, value_of in checks:
         error = _differs(entry, what, value_of)
         if error:
             return error
 
-    if kind == "broadcast" and not 0 <= entry.first.root < size:
-        return f"broadcast '{entry.name}': root rank {entry.first.root} is not in 0..{size - 1}"
+    if kind == "broadcast" and entry.first.root not in entry.members:
+        return f"broadcast '{entry.name}': root rank {entry.first.root} is not one of the ranks {list(entry.members)}"
     return None
 
 
@@ -129,6 +143,7 @@ class Table:
     def __init__(self, size: int) -> None:
         self.size = size
         self.entries: dict[str, Entry] = {}
+        self.sets: dict[int, tuple[int, ...]] = {GLOBAL_SET: tuple(range(size))}  # process set id -> ranks
 
     def add(self, rank: int, request: Request, payload: bytes | None = None) -> None:
         """Record ``rank``'s request and, for eager ops, its data."""
@@ -144,14 +159,25 @@ class Table:
         entry = self.entries.get(JOIN)
         return frozenset(entry.requests) if entry is not None else frozenset()
 
+    def _ready(self, entry: Entry, joined: frozenset[int]) -> bool:
+        members = self.sets.get(entry.first.process_set)
+        if members is None:
+            return True  # unknown set: validation reports it
+        present = set(entry.requests) | (joined if entry.first.process_set == GLOBAL_SET and entry.name != JOIN
+                                         else frozenset())
+        return present.issuperset(members)
+
     def pop_ready(self) -> list[Entry]:
-        """Remove and return the entries every rank requested or joined, in the order they were first seen."""
-        size, joined = self.size, self.joined()
-        ready = [entry for entry in self.entries.values()
-                 if len(entry.requests) == size or (entry.name != JOIN and len(set(entry.requests) | joined) == size)]
+        """Remove and return the entries whose set's ranks all requested (or joined), in first-seen order."""
+        joined = self.joined()
+        ready = [entry for entry in self.entries.values() if self._ready(entry, joined)]
         for entry in ready:
             del self.entries[entry.name]
-            entry.absent = frozenset(range(size)) - set(entry.requests)
+            entry.members = self.sets.get(entry.first.process_set, ())
+            entry.absent = frozenset(range(self.size)) - set(entry.requests)
+            if not entry.members:
+                entry.error = f"'{entry.name}': process set {entry.first.process_set} is not registered"
+                continue
             entry.error = validate(entry, self.size)
             if not entry.error and 0 < len(entry.payloads) < len(entry.requests):
                 entry.error = f"'{entry.name}': ranks disagree on sending its data eagerly (HVDRUN_EAGER_BYTES differs)"
@@ -168,7 +194,7 @@ def fusable(entry: Entry) -> tuple | None:
     request = entry.first
     if entry.error or request.kind != "allreduce" or entry.payloads or request.device != "cpu":
         return None
-    return (request.dtype, request.op, request.prescale, request.postscale)
+    return (request.dtype, request.op, request.prescale, request.postscale, request.process_set)
 
 
 def plan(ready: list[Entry], threshold_bytes: int) -> Iterator[list[Entry]]:

@@ -62,8 +62,16 @@ from hvdrun.torch.sync_batch_norm import SyncBatchNorm
 
 
 def init(comm: object = None, process_sets: object = None) -> None:
-    """Join the job: rendezvous with the other ranks and start the engine."""
+    """Join the job: rendezvous with the other ranks and start the engine.
+
+    Args:
+        comm: unused (hvdrun finds its ranks from the launcher).
+        process_sets: ``ProcessSet`` objects to register now, on every rank in the same order.
+    """
     context.init()
+    if isinstance(process_sets, (list, tuple)):
+        for process_set in process_sets:
+            add_process_set(process_set)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

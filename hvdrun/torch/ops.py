@@ -32,7 +32,7 @@ from hvdrun.runtime.negotiation import (
     SUM,
     Request,
 )
-from hvdrun.torch.process_sets import global_set_only
+from hvdrun.torch.process_sets import set_id
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
 
@@ -88,7 +88,10 @@ def _resolve_op(op: int | None, average: bool | None, default: int = AVERAGE) ->
 
 
 def _request(kind: str, array: Any, name: str | None, **fields: Any) -> Request:
-    name = name if name is not None else _engine().auto_name(kind)
+    scope = fields.get("process_set", 0)  # names are matched within a process set, as in Horovod
+    kind_scope = kind if not scope else f"{kind}@set{scope}"
+    name = (name if name is not None else _engine().auto_name(kind_scope)) if not scope or name is None \
+        else f"{name}@set{scope}"
     if isinstance(array, torch.Tensor):
         return Request(name, kind, str(array.dtype).removeprefix("torch."), tuple(array.shape),
                        device=f"torch:{array.device.type}", **fields)
@@ -125,24 +128,23 @@ def synchronize(handle: int) -> Any:
 
 
 def _reduce_request(tensor_array: np.ndarray, name: str | None, op: int, prescale: float, postscale: float,
-                    group: int = 0) -> Request:
+                    process_set: Any, group: int = 0) -> Request:
     return _request("allreduce", tensor_array, name, op=op, prescale=float(prescale), postscale=float(postscale),
-                    group=group)
+                    group=group, process_set=set_id(process_set))
 
 
 # -- allreduce ------------------------------------------------------------------------------------
 
-@global_set_only
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = None) -> int:
     """Start an in-place allreduce of ``tensor``; returns a handle."""
     array = _check(tensor, REDUCTION_DTYPES)
-    request = _reduce_request(array, name, _resolve_op(op, average), prescale_factor, postscale_factor)
+    request = _reduce_request(array, name, _resolve_op(op, average), prescale_factor, postscale_factor,
+                              process_set)
     return _start(request, array, lambda _: tensor)
 
 
-@global_set_only
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = None) -> int:
@@ -151,17 +153,16 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     return allreduce_async_(output, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-@global_set_only
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
     """Allreduce ``tensor`` in place (default op Average) and return it."""
     array = _check(tensor, REDUCTION_DTYPES)
-    request = _reduce_request(array, name, _resolve_op(op, average), prescale_factor, postscale_factor)
+    request = _reduce_request(array, name, _resolve_op(op, average), prescale_factor, postscale_factor,
+                              process_set)
     _engine().run(request, array)
     return tensor
 
 
-@global_set_only
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, compression: Any = None,
               op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: Any = None) -> torch.Tensor:
@@ -170,7 +171,6 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     return allreduce_(output, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-@global_set_only
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = None) -> int:
@@ -179,7 +179,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     arrays = [_check(t, REDUCTION_DTYPES) for t in tensors]
     base = name if name is not None else _engine().auto_name("grouped_allreduce")
     group = next(_groups)
-    handles = [_engine().submit(_reduce_request(a, f"{base}.{i}", op, prescale_factor, postscale_factor, group), a)
+    handles = [_engine().submit(_reduce_request(a, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set,
+                                               group), a)
                for i, a in enumerate(arrays)]
     with _handles_lock:
         handle_id = next(_handle_ids)
@@ -187,7 +188,6 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     return handle_id
 
 
-@global_set_only
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: Any = None) -> int:
@@ -196,20 +196,20 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
     return grouped_allreduce_async_(outputs, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-@global_set_only
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                        op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: Any = None) -> list[torch.Tensor]:
     """Allreduce a list of tensors in place as one fused group."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
 
 
-@global_set_only
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: Any = None, op: int | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = None) -> list[torch.Tensor]:
     """New tensors: every tensor of the list reduced across ranks, as one fused group."""
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                               process_set))
 
 
 class _GroupHandle:
@@ -227,46 +227,46 @@ class _GroupHandle:
 
 # -- allgather, broadcast, alltoall, reducescatter, barrier -----------------------------------------
 
-@global_set_only
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
     """Start an allgather: every rank's tensor concatenated along dim 0, in rank order."""
     array = _check(tensor, MOVEMENT_DTYPES)
     if array.ndim == 0:
         raise ValueError("allgather needs a tensor with at least one dimension")
-    return _start(_request("allgather", array, name), array, _as_tensor)
+    return _start(_request("allgather", array, name, process_set=set_id(process_set)), array, _as_tensor)
 
 
-@global_set_only
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Every rank's tensor concatenated along dim 0 (first dimensions may differ)."""
     return synchronize(allgather_async(tensor, name, process_set))
 
 
-@global_set_only
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
     """Start an in-place broadcast from ``root_rank``."""
     array = _check(tensor, MOVEMENT_DTYPES)
-    return _start(_request("broadcast", array, name, root=int(root_rank)), array, lambda _: tensor)
+    request = _request("broadcast", array, name, root=int(root_rank), process_set=set_id(process_set))
+    return _start(request, array, lambda _: tensor)
 
 
-@global_set_only
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
     """Start a broadcast into a new tensor."""
-    return broadcast_async_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name)
+    return broadcast_async_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name, process_set)
 
 
-@global_set_only
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s value; returns it."""
     array = _check(tensor, MOVEMENT_DTYPES)
-    _engine().run(_request("broadcast", array, name, root=int(root_rank)), array)
+    _engine().run(_request("broadcast", array, name, root=int(root_rank), process_set=set_id(process_set)), array)
     return tensor
 
 
-@global_set_only
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """A new tensor equal to ``root_rank``'s ``tensor``."""
-    return broadcast_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name)
+    return broadcast_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name, process_set)
+
+
+def _members(process_set: Any) -> int:
+    """Number of ranks in ``process_set`` (the global set by default)."""
+    return len(process_set.ranks) if process_set is not None else context.current().world.size
 
 
 def _splits(array: np.ndarray, splits: Any, size: int) -> tuple[int, ...]:
@@ -282,36 +282,35 @@ def _splits(array: np.ndarray, splits: Any, size: int) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
-@global_set_only
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> int:
     """Start an alltoall; the result is ``(output, received_splits)``."""
     array = _check(tensor, MOVEMENT_DTYPES)
     if array.ndim == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
-    request = _request("alltoall", array, name, splits=_splits(array, splits, context.current().world.size))
+    members = _members(process_set)
+    request = _request("alltoall", array, name, splits=_splits(array, splits, members),
+                       process_set=set_id(process_set))
     return _start(request, array, lambda result: (_as_tensor(result[0]), _as_tensor(result[1])))
 
 
-@global_set_only
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> Any:
     """Send slice j of dim 0 to rank j, gather what others sent; with ``splits`` also return received splits."""
     output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
     return output if splits is None else (output, received)
 
 
-@global_set_only
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int | None = None,
                         process_set: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a reducescatter (default op Average)."""
     array = _check(tensor, REDUCTION_DTYPES)
     if array.ndim == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
-    request = _request("reducescatter", array, name, op=_resolve_op(op, None), prescale=float(prescale_factor),
+    request = _request("reducescatter", array, name, process_set=set_id(process_set), op=_resolve_op(op, None),
+                       prescale=float(prescale_factor),
                        postscale=float(postscale_factor))
     return _start(request, array, _as_tensor)
 
 
-@global_set_only
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None, op: int | None = None,
                   process_set: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce across ranks; rank r keeps block r of dim 0 (the first ``dim0 % size`` ranks get one more row)."""
@@ -327,7 +326,8 @@ def join(device: int = -1) -> int:
     return int(_engine().run(Request(JOIN, "join")))
 
 
-@global_set_only
 def barrier(process_set: Any = None) -> None:
     """Block until every rank reached the barrier."""
-    _engine().run(Request(_engine().auto_name("barrier"), "barrier"))
+    scope = set_id(process_set)
+    name = _engine().auto_name("barrier" if not scope else f"barrier@set{scope}")
+    _engine().run(Request(name, "barrier", process_set=scope))

@@ -25,7 +25,7 @@ from hvdrun.torch.ops import (
     grouped_allreduce_async_,
     synchronize,
 )
-from hvdrun.torch.process_sets import check_process_set
+from hvdrun.torch.process_sets import set_id
 
 
 def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.Tensor, str]:
@@ -61,7 +61,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """The methods mixed into the dynamic subclass (see :func:`DistributedOptimizer`)."""
 
     def __init__(self, params: Any, named_parameters: Any, compression: Any, backward_passes_per_step: int,
-                 op: int, gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool) -> None:
+                 op: int, gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool,
+                 process_set: Any = None) -> None:
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]  # the wrapped class takes params
         self._parameter_names = _names(self, named_parameters)
         self._compression, self.op, self.sparse_as_dense = compression, op, sparse_as_dense
@@ -76,7 +77,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._group_handles: dict[int, tuple[int, list[Any]]] = {}
         self._synchronized = False
         self._should_synchronize = True
-        if context.current().world.size > 1:
+        self._process_set = process_set
+        member = process_set is None or process_set.included()
+        if context.current().world.size > 1 and member:
             for param in all_params:
                 param.register_post_accumulate_grad_hook(self._make_hook())
 
@@ -109,7 +112,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compressed, ctx = self._compression.compress(grad)
         prescale, postscale = self._scales()
         handle = allreduce_async_(compressed, name=f"allreduce.{self._parameter_names[param]}", op=self.op,
-                                  prescale_factor=prescale, postscale_factor=postscale)
+                                  prescale_factor=prescale, postscale_factor=postscale, process_set=self._process_set)
         self._handles[param] = (handle, (compressed, ctx))
 
     def _submit_group_if_complete(self, index: int, force: bool = False) -> None:
@@ -119,7 +122,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compressed = [self._compression.compress(self._dense_grad(p)) for p in group]
         prescale, postscale = self._scales()
         handle = grouped_allreduce_async_([c for c, _ in compressed], name=f"allreduce.group.{index}",
-                                          op=self.op, prescale_factor=prescale, postscale_factor=postscale)
+                                          op=self.op, prescale_factor=prescale, postscale_factor=postscale,
+                                          process_set=self._process_set)
         self._group_handles[index] = (handle, compressed)
 
     @staticmethod
@@ -133,7 +137,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # -- synchronization -----------------------------------------------------------------------
     def synchronize(self) -> None:
         """Start the allreduces that have not started (zero gradients where none), wait for all."""
-        if context.current().world.size == 1:
+        outsider = self._process_set is not None and not self._process_set.included()
+        if context.current().world.size == 1 or outsider:
             self._synchronized = True
             return
         for param in sorted(self._requires_update - set(self._group_of), key=lambda p: self._parameter_names[p]):
@@ -164,10 +169,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _sparse_allreduce(self, param: torch.Tensor) -> torch.Tensor:
         grad = cast(torch.Tensor, param.grad).coalesce()
         name = self._parameter_names[param]
-        indices = allgather(grad.indices().t().contiguous(), name=f"sparse.{name}.indices").t()
-        values = allgather(grad.values().contiguous(), name=f"sparse.{name}.values")
+        ps = self._process_set
+        indices = allgather(grad.indices().t().contiguous(), name=f"sparse.{name}.indices", process_set=ps).t()
+        values = allgather(grad.values().contiguous(), name=f"sparse.{name}.values", process_set=ps)
         if self.op == Average:
-            values = values / context.current().world.size
+            values = values / (len(ps.ranks) if ps is not None else context.current().world.size)
         return torch.sparse_coo_tensor(indices, values, grad.shape).coalesce()
 
     @contextlib.contextmanager
@@ -223,13 +229,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         num_groups: deprecated spelling of an integer ``groups``.
         groups: N (fuse parameters into N groups) or lists of parameters fused together.
         sparse_as_dense: densify sparse gradients instead of allgathering them.
-        process_set: not supported yet (global set only).
+        process_set: reduce gradients only among these ranks (registered with ``add_process_set``).
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     if backward_passes_per_step <= 0:
         raise ValueError(f"backward_passes_per_step must be positive, got {backward_passes_per_step}")
-    check_process_set(process_set)
+    if process_set is not None and process_set.process_set_id is None:
+        set_id(process_set)  # raises: not registered
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups or num_groups, sparse_as_dense)
+               gradient_predivide_factor, groups or num_groups, sparse_as_dense, process_set)

@@ -126,3 +126,9 @@ def test_join_lets_ranks_with_less_data_contribute_zeros(run_hvdrun):
     for rank in (1, 2):
         assert (f"rank {rank} raised: allgather 'needs_everyone': rank(s) 0 already called join()"
                 in result.stdout)
+
+
+def test_process_sets_restrict_collectives_to_their_ranks(run_hvdrun):
+    result = run_hvdrun("-np", "4", str(WORKERS / "process_sets.py"), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(map(int, re.findall(r"rank (\d+): process sets ok", result.stdout))) == {0, 1, 2, 3}

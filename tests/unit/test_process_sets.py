@@ -1,4 +1,4 @@
-"""Only the global process set is supported: any other set is refused, never silently ignored."""
+"""Process sets in a one-rank job: registration, refusal of unregistered, invalid and duplicate sets."""
 
 import pytest
 import torch
@@ -15,17 +15,14 @@ def single_rank(monkeypatch):
     hvd.shutdown()
 
 
-def test_global_set_works_and_subsets_are_refused(single_rank):
+def test_registration_and_clear_refusals(single_rank):
     assert hvd.allreduce(torch.ones(2), process_set=hvd.global_process_set).tolist() == [1.0, 1.0]
-    assert hvd.global_process_set.ranks == [0] and hvd.global_process_set.included()
-    subset = hvd.ProcessSet([0, 1])
-    for call in (lambda: hvd.allreduce(torch.ones(2), process_set=subset),
-                 lambda: hvd.allgather_async(torch.ones(2), None, subset),
-                 lambda: hvd.broadcast_(torch.ones(2), 0, process_set=subset),
-                 lambda: hvd.barrier(process_set=subset),
-                 lambda: hvd.add_process_set([0])):
-        with pytest.raises(ValueError, match="only the global process set"):
-            call()
-    model = torch.nn.Linear(2, 1)
-    with pytest.raises(ValueError, match="only the global process set"):
-        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), process_set=subset)
+    with pytest.raises(ValueError, match="is not registered: call hvd.add_process_set"):
+        hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0]))
+    with pytest.raises(ValueError, match="distinct ranks in 0..0"):
+        hvd.add_process_set([0, 1])
+    with pytest.raises(ValueError, match="ranks \\[0\\] is already registered"):  # [0] is the global set here
+        hvd.add_process_set([0])
+    assert hvd.remove_process_set(hvd.global_process_set) is False
+    with pytest.raises(ValueError, match="must be an hvd.ProcessSet"):
+        hvd.allreduce(torch.ones(1), process_set=[0])
