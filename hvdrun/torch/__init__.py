@@ -48,12 +48,17 @@ from hvdrun.torch.ops import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     join,
     poll,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from hvdrun.torch.optimizer import DistributedOptimizer
@@ -125,6 +130,8 @@ def cross_rank() -> int:
 
 
 __all__ = [
+    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
+    "sparse_allreduce_async",
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
     "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async",
     "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",

@@ -215,7 +215,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 class _GroupHandle:
     """Several engine handles that finish together."""
 
-    def __init__(self, handles: list[Handle]) -> None:
+    def __init__(self, handles: Sequence[Handle | _GroupHandle]) -> None:
         self.handles = handles
 
     def done(self) -> bool:
@@ -331,3 +331,59 @@ def barrier(process_set: Any = None) -> None:
     scope = set_id(process_set)
     name = _engine().auto_name("barrier" if not scope else f"barrier@set{scope}")
     _engine().run(Request(name, "barrier", process_set=scope))
+
+
+def _grouped(starts: list[int], finish: Callable[[Any], Any] = lambda results: results) -> int:
+    """One handle for several started ops, finishing with the list of their outputs."""
+    with _handles_lock:
+        entries = [_handles.pop(handle) for handle in starts]
+        handle_id = next(_handle_ids)
+        group = _GroupHandle([handle for handle, _ in entries])
+        _handles[handle_id] = (group, lambda outputs: finish([f(o) for (_, f), o in zip(entries, outputs,
+                                                                                        strict=True)]))
+    return handle_id
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = None) -> int:
+    """Start an allgather of every tensor of a list, as one group."""
+    base = name if name is not None else _engine().auto_name("grouped_allgather")
+    return _grouped([allgather_async(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)])
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: Any = None) -> list[torch.Tensor]:
+    """Every tensor of the list allgathered (first dimensions may differ per rank)."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int | None = None,
+                                process_set: Any = None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:
+    """Start a reducescatter of every tensor of a list, as one group."""
+    base = name if name is not None else _engine().auto_name("grouped_reducescatter")
+    return _grouped([reducescatter_async(t, f"{base}.{i}", op, process_set, prescale_factor, postscale_factor)
+                     for i, t in enumerate(tensors)])
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None, compression: Any = None,
+                          op: int | None = None, process_set: Any = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Every tensor of the list reduced and scattered (default op Average)."""
+    return synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
+                                                   postscale_factor))
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int, process_set: Any = None) -> Callable[[], Any]:
+    """Allreduce a sparse COO tensor by allgathering its indices and values; returns a callable that waits."""
+    grad = tensor.coalesce()
+    indices = allgather_async(grad.indices().t().contiguous(), f"{name}.indices", process_set)
+    values = allgather_async(grad.values().contiguous(), f"{name}.values", process_set)
+    size = len(process_set.ranks) if process_set is not None else context.current().world.size
+
+    def wait() -> torch.Tensor:
+        gathered = synchronize(values)
+        if op == AVERAGE:
+            gathered = gathered / size
+        return torch.sparse_coo_tensor(synchronize(indices).t(), gathered, grad.shape).coalesce()
+
+    return wait

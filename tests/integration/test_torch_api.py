@@ -132,3 +132,9 @@ def test_process_sets_restrict_collectives_to_their_ranks(run_hvdrun):
     result = run_hvdrun("-np", "4", str(WORKERS / "process_sets.py"), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert set(map(int, re.findall(r"rank (\d+): process sets ok", result.stdout))) == {0, 1, 2, 3}
+
+
+def test_grouped_allgather_reducescatter_and_sparse_allreduce(run_hvdrun):
+    result = run_hvdrun("-np", "3", str(WORKERS / "grouped.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(map(int, re.findall(r"rank (\d+): grouped ok", result.stdout))) == {0, 1, 2}
