@@ -3,8 +3,9 @@
     python benchmarks/training.py            # 2 ranks
     python benchmarks/training.py --ranks 2 --steps 30 --batch-size 32
 
-Both jobs are started by ``hvdrun`` on this machine with the model of
-``examples/synthetic_benchmark.py`` (SmallConvNet, SGD, synthetic 3x64x64 images). A step is
+One job started by ``hvdrun`` runs both, in the same processes, on identical models of
+``examples/synthetic_benchmark.py`` (SmallConvNet, SGD, synthetic 3x64x64 images): blocks of DDP
+steps and of DistributedOptimizer steps alternate, so the host's noise hits both alike. A step is
 zero_grad + forward + backward + step; the time is rank 0's median over the measured steps.
 """
 
@@ -21,7 +22,6 @@ import time
 from pathlib import Path
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "synthetic_benchmark.py"
-MODES = ("hvdrun", "ddp")
 
 
 def load_model_class() -> type:
@@ -32,55 +32,56 @@ def load_model_class() -> type:
     return module.SmallConvNet
 
 
-def worker(mode: str, steps: int, warmup: int, batch_size: int) -> None:
-    """Run inside a job: time ``steps`` training steps; rank 0 prints a JSON line."""
+def worker(steps: int, warmup: int, batch_size: int, rounds: int) -> None:
+    """Inside one job: both DDP (gloo) and DistributedOptimizer on identical models, in interleaved blocks."""
     import torch
+    import torch.distributed as dist
     import torch.nn.functional as F
 
+    import hvdrun.torch as hvd
+
+    dist.init_process_group("gloo", init_method="env://")
+    hvd.init()
+    model_class = load_model_class()
     torch.manual_seed(0)
-    model = load_model_class()()
-    if mode == "ddp":
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method="env://")
-        rank, size = dist.get_rank(), dist.get_world_size()
-        model = torch.nn.parallel.DistributedDataParallel(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    else:
-        import hvdrun.torch as hvd
-
-        hvd.init()
-        rank, size = hvd.rank(), hvd.size()
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                             named_parameters=model.named_parameters())
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model_class())
+    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
+    torch.manual_seed(0)
+    hvd_model = model_class()
+    hvd.broadcast_parameters(hvd_model.state_dict(), root_rank=0)
+    hvd_optimizer = hvd.DistributedOptimizer(torch.optim.SGD(hvd_model.parameters(), lr=0.01),
+                                             named_parameters=hvd_model.named_parameters())
     data, target = torch.randn(batch_size, 3, 64, 64), torch.randint(0, 100, (batch_size,))
-    times = []
-    for step in range(warmup + steps):
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        F.cross_entropy(model(data), target).backward()
-        optimizer.step()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-    if rank == 0:
-        print("RESULT " + json.dumps({"mode": mode, "ranks": size, "batch": batch_size,
-                                      "step_s": statistics.median(times)}), flush=True)
-    if mode == "ddp":
-        dist.barrier()
-        dist.destroy_process_group()
-    else:
-        hvd.shutdown()
+    times: dict[str, list[float]] = {"hvdrun": [], "ddp": []}
+    pairs = {"hvdrun": (hvd_model, hvd_optimizer), "ddp": (ddp_model, ddp_optimizer)}
+    per_block = max(steps // rounds, 1)
+    for round_index in range(rounds + 1):  # round 0 warms both up
+        for mode, (model, optimizer) in pairs.items():
+            for _ in range(warmup if round_index == 0 else per_block):
+                start = time.perf_counter()
+                optimizer.zero_grad()
+                F.cross_entropy(model(data), target).backward()
+                optimizer.step()
+                if round_index:
+                    times[mode].append(time.perf_counter() - start)
+    if hvd.rank() == 0:
+        for mode, values in times.items():
+            print("RESULT " + json.dumps({"mode": mode, "ranks": hvd.size(), "batch": batch_size,
+                                          "step_s": statistics.median(values)}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    hvd.shutdown()
 
 
-def run_job(mode: str, ranks: int, args: argparse.Namespace) -> dict:
+def run_job(ranks: int, args: argparse.Namespace) -> dict[str, dict]:
     command = [sys.executable, "-m", "hvdrun", "-np", str(ranks), "--no-prefix", str(Path(__file__).resolve()),
-               "--worker", mode, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--batch-size", str(args.batch_size)]
+               "--worker", "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--batch-size", str(args.batch_size), "--rounds", str(args.rounds)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=dict(os.environ))
     if done.returncode != 0:
-        raise SystemExit(f"{mode} failed:\n{done.stderr[-3000:]}")
-    return next(json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT "))
+        raise SystemExit(f"training benchmark failed:\n{done.stderr[-3000:]}")
+    rows = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    return {row["mode"]: row for row in rows}
 
 
 def main() -> None:
@@ -89,12 +90,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved blocks per mode")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.warmup, args.batch_size)
+        worker(args.steps, args.warmup, args.batch_size, args.rounds)
         return
-    results = {mode: run_job(mode, args.ranks, args) for mode in MODES}
+    results = run_job(args.ranks, args)
     print("| ranks | batch/rank | hvdrun step | DDP (gloo) step | DDP time / hvdrun time |")
     print("|---|---|---|---|---|")
     hvd_s, ddp_s = results["hvdrun"]["step_s"], results["ddp"]["step_s"]

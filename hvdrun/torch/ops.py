@@ -98,8 +98,8 @@ def _request(kind: str, array: Any, name: str | None, **fields: Any) -> Request:
     return Request(name, kind, _DTYPE_NAMES[array.dtype], array.shape, **fields)
 
 
-def _start(request: Request, array: np.ndarray | None, finish: Callable[[Any], Any]) -> int:
-    handle = _engine().submit(request, array)
+def _start(request: Request, array: np.ndarray | None, finish: Callable[[Any], Any], wake: bool = True) -> int:
+    handle = _engine().submit(request, array, wake=wake)
     with _handles_lock:
         handle_id = next(_handle_ids)
         _handles[handle_id] = (handle, finish)
@@ -137,12 +137,15 @@ def _reduce_request(tensor_array: np.ndarray, name: str | None, op: int, prescal
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: Any = None) -> int:
-    """Start an in-place allreduce of ``tensor``; returns a handle."""
+                     process_set: Any = None, *, _progress_now: bool = True) -> int:
+    """Start an in-place allreduce of ``tensor``; returns a handle.
+
+    ``_progress_now=False`` (DistributedOptimizer on CPU) leaves the progress to whoever waits.
+    """
     array = _check(tensor, REDUCTION_DTYPES)
     request = _reduce_request(array, name, _resolve_op(op, average), prescale_factor, postscale_factor,
                               process_set)
-    return _start(request, array, lambda _: tensor)
+    return _start(request, array, lambda _: tensor, wake=_progress_now)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -173,14 +176,14 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: Any = None) -> int:
+                             process_set: Any = None, *, _progress_now: bool = True) -> int:
     """Start an in-place allreduce of a list of tensors, reduced as one fused group."""
     op = _resolve_op(op, average)
     arrays = [_check(t, REDUCTION_DTYPES) for t in tensors]
     base = name if name is not None else _engine().auto_name("grouped_allreduce")
     group = next(_groups)
     handles = [_engine().submit(_reduce_request(a, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set,
-                                               group), a)
+                                               group), a, wake=_progress_now)
                for i, a in enumerate(arrays)]
     with _handles_lock:
         handle_id = next(_handle_ids)

@@ -10,12 +10,14 @@ firings the gradient's allreduce starts asynchronously, overlapping the rest of 
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
 
+from hvdrun.envvars import OVERLAP
 from hvdrun.runtime import context
 from hvdrun.torch.compression import Compression
 from hvdrun.torch.ops import (
@@ -48,6 +50,19 @@ def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torc
     return by_param
 
 
+def _overlap_policy(params: list[torch.Tensor]) -> bool:
+    """Whether gradient allreduces progress during backward (``HVDRUN_OVERLAP`` overrides).
+
+    On GPUs communication overlaps device compute. On CPUs every core is busy with backward (the
+    launcher gives each rank cores / local ranks threads), so background progress only competes with
+    it: measured on 2 cores, starting the allreduces at step() was 5-15 % faster.
+    """
+    setting = os.environ.get(OVERLAP)
+    if setting in ("0", "1"):
+        return setting == "1"
+    return any(not p.is_cpu for p in params)
+
+
 def _split_groups(params: list[torch.Tensor], groups: Any) -> list[list[torch.Tensor]]:
     if not groups:
         return []
@@ -78,6 +93,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._process_set = process_set
+        self._overlap = _overlap_policy(all_params)
         member = process_set is None or process_set.included()
         if context.current().world.size > 1 and member:
             for param in all_params:
@@ -112,7 +128,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compressed, ctx = self._compression.compress(grad)
         prescale, postscale = self._scales()
         handle = allreduce_async_(compressed, name=f"allreduce.{self._parameter_names[param]}", op=self.op,
-                                  prescale_factor=prescale, postscale_factor=postscale, process_set=self._process_set)
+                                  prescale_factor=prescale, postscale_factor=postscale, process_set=self._process_set,
+                                  _progress_now=self._overlap)
         self._handles[param] = (handle, (compressed, ctx))
 
     def _submit_group_if_complete(self, index: int, force: bool = False) -> None:
@@ -123,7 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         prescale, postscale = self._scales()
         handle = grouped_allreduce_async_([c for c, _ in compressed], name=f"allreduce.group.{index}",
                                           op=self.op, prescale_factor=prescale, postscale_factor=postscale,
-                                          process_set=self._process_set)
+                                          process_set=self._process_set, _progress_now=self._overlap)
         self._group_handles[index] = (handle, compressed)
 
     @staticmethod

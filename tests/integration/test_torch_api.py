@@ -11,8 +11,10 @@ pytestmark = pytest.mark.integration
 WORKERS = Path(__file__).parent / "workers"
 
 
-@pytest.mark.parametrize("size", [1, 2, 3])
-def test_distributed_optimizer_equals_full_batch_training(run_hvdrun, tmp_path, size):
+@pytest.mark.parametrize("size, overlap", [(1, "0"), (2, "0"), (3, "0"), (2, "1")],
+                         ids=["1", "2", "3", "2-overlapping-backward"])
+def test_distributed_optimizer_equals_full_batch_training(run_hvdrun, hvdrun_env, tmp_path, size, overlap):
+    hvdrun_env["HVDRUN_OVERLAP"] = overlap
     result = run_hvdrun("-np", str(size), str(WORKERS / "optimizer.py"), str(tmp_path), timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert set(map(int, re.findall(r"rank (\d+): optimizer ok", result.stdout))) == set(range(size))
