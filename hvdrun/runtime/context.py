@@ -59,7 +59,7 @@ def _choose_backend(launch: envvars.LaunchInfo, environ: Mapping[str, str]) -> s
 
 
 def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: AbortFlag,
-             generation: int, store_port: int) -> tuple[Backend, Rendezvous | None]:
+             generation: int, store_port: int, timeout_s: float) -> tuple[Backend, Rendezvous | None]:
     name = _choose_backend(launch, environ)
     if name == "mpi":
         from hvdrun.runtime.backends.mpi import MpiBackend
@@ -72,7 +72,6 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
     if not launch.secret or launch.rendezvous_addr is None or launch.rendezvous_port is None:
         raise UsageError(f"rank {launch.rank}: {envvars.SECRET} and the rendezvous address are required; "
                          "start workers with hvdrun")
-    timeout_s = envvars.env_number(environ, (envvars.START_TIMEOUT,), DEFAULT_START_TIMEOUT_S)
     rendezvous = Rendezvous(launch.rank, launch.size, launch.rendezvous_addr, launch.rendezvous_port,
                             launch.secret.encode(), abort, generation)
     try:
@@ -123,7 +122,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         device_backend = device_backend_name(environ) if launch.size > 1 else None
         timeout_s = envvars.env_number(environ, (envvars.START_TIMEOUT,), DEFAULT_START_TIMEOUT_S)
         store = open_store(0, launch.size, timeout_s) if device_backend and launch.rank == 0 else None
-        backend, rendezvous = _connect(launch, environ, abort, _generation, store.port if store else 0)
+        backend, rendezvous = _connect(launch, environ, abort, _generation, store.port if store else 0, timeout_s)
         device = _device_collectives(device_backend, store, backend, launch, timeout_s, _generation)
         _generation += 1
         engine = Engine(

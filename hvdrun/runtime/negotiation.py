@@ -25,8 +25,6 @@ REDUCE_FNS = {AVERAGE: np.add, SUM: np.add, MIN: np.minimum, MAX: np.maximum, PR
 
 REDUCTION_DTYPES = ("int32", "int64", "float16", "float32", "float64")
 MOVEMENT_DTYPES = REDUCTION_DTYPES + ("uint8", "int8", "int16", "bool")
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "shutdown", "join",
-         "add_set", "remove_set")
 GLOBAL_SET = 0
 JOIN = "__join__"  # the name of hvd.join()'s request
 

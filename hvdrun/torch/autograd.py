@@ -20,6 +20,7 @@ from hvdrun.runtime import context
 from hvdrun.torch import ops
 from hvdrun.torch.compression import Compression
 from hvdrun.torch.ops import Average, Sum
+from hvdrun.torch.process_sets import set_size
 
 
 def _grad_name(name: str | None) -> str | None:
@@ -104,8 +105,7 @@ class _Reducescatter(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         name, op, pre, post, ps = ctx.args
         gathered = ops.allgather(grad.contiguous(), name=_grad_name(name), process_set=ps)
-        size = len(ps.ranks) if ps is not None else context.current().world.size
-        factor = pre * post * (size if op == Sum else 1)
+        factor = pre * post * (set_size(ps) if op == Sum else 1)
         return (gathered * factor if factor != 1 else gathered), None, None, None, None, None
 
 

@@ -32,7 +32,7 @@ from hvdrun.runtime.negotiation import (
     SUM,
     Request,
 )
-from hvdrun.torch.process_sets import set_id
+from hvdrun.torch.process_sets import set_id, set_size
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
 
@@ -87,11 +87,14 @@ def _resolve_op(op: int | None, average: bool | None, default: int = AVERAGE) ->
     return op
 
 
+def _scoped_name(kind: str, name: str | None, scope: int) -> str:
+    """Names are matched within a process set, as in Horovod: those of other sets get a suffix."""
+    suffix = f"@set{scope}" if scope else ""
+    return _engine().auto_name(kind + suffix) if name is None else name + suffix
+
+
 def _request(kind: str, array: Any, name: str | None, **fields: Any) -> Request:
-    scope = fields.get("process_set", 0)  # names are matched within a process set, as in Horovod
-    kind_scope = kind if not scope else f"{kind}@set{scope}"
-    name = (name if name is not None else _engine().auto_name(kind_scope)) if not scope or name is None \
-        else f"{name}@set{scope}"
+    name = _scoped_name(kind, name, fields.get("process_set", 0))
     if isinstance(array, torch.Tensor):
         return Request(name, kind, str(array.dtype).removeprefix("torch."), tuple(array.shape),
                        device=f"torch:{array.device.type}", **fields)
@@ -267,11 +270,6 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, pro
     return broadcast_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name, process_set)
 
 
-def _members(process_set: Any) -> int:
-    """Number of ranks in ``process_set`` (the global set by default)."""
-    return len(process_set.ranks) if process_set is not None else context.current().world.size
-
-
 def _splits(array: np.ndarray, splits: Any, size: int) -> tuple[int, ...]:
     if splits is None:
         if array.shape[0] % size:
@@ -290,8 +288,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     array = _check(tensor, MOVEMENT_DTYPES)
     if array.ndim == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
-    members = _members(process_set)
-    request = _request("alltoall", array, name, splits=_splits(array, splits, members),
+    request = _request("alltoall", array, name, splits=_splits(array, splits, set_size(process_set)),
                        process_set=set_id(process_set))
     return _start(request, array, lambda result: (_as_tensor(result[0]), _as_tensor(result[1])))
 
@@ -332,8 +329,7 @@ def join(device: int = -1) -> int:
 def barrier(process_set: Any = None) -> None:
     """Block until every rank reached the barrier."""
     scope = set_id(process_set)
-    name = _engine().auto_name("barrier" if not scope else f"barrier@set{scope}")
-    _engine().run(Request(name, "barrier", process_set=scope))
+    _engine().run(Request(_scoped_name("barrier", None, scope), "barrier", process_set=scope))
 
 
 def _grouped(starts: list[int], finish: Callable[[Any], Any] = lambda results: results) -> int:
@@ -381,7 +377,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int, process_set
     grad = tensor.coalesce()
     indices = allgather_async(grad.indices().t().contiguous(), f"{name}.indices", process_set)
     values = allgather_async(grad.values().contiguous(), f"{name}.values", process_set)
-    size = len(process_set.ranks) if process_set is not None else context.current().world.size
+    size = set_size(process_set)
 
     def wait() -> torch.Tensor:
         gathered = synchronize(values)

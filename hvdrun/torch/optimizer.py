@@ -27,7 +27,7 @@ from hvdrun.torch.ops import (
     grouped_allreduce_async_,
     synchronize,
 )
-from hvdrun.torch.process_sets import set_id
+from hvdrun.torch.process_sets import set_id, set_size
 
 
 def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.Tensor, str]:
@@ -190,7 +190,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         indices = allgather(grad.indices().t().contiguous(), name=f"sparse.{name}.indices", process_set=ps).t()
         values = allgather(grad.values().contiguous(), name=f"sparse.{name}.values", process_set=ps)
         if self.op == Average:
-            values = values / (len(ps.ranks) if ps is not None else context.current().world.size)
+            values = values / set_size(ps)
         return torch.sparse_coo_tensor(indices, values, grad.shape).coalesce()
 
     @contextlib.contextmanager

@@ -49,6 +49,11 @@ class ProcessSet:
 global_process_set = ProcessSet()
 
 
+def set_size(process_set: ProcessSet | None) -> int:
+    """Number of ranks in ``process_set`` (the global set for None)."""
+    return (process_set or global_process_set).size()
+
+
 def set_id(process_set: Any) -> int:
     """The registered id of ``process_set`` (the global set for None); refuses unregistered sets and outsiders."""
     if process_set is None or process_set is global_process_set:

@@ -52,7 +52,6 @@ class TcpRx(RxChannel):
         self._buffer = bytearray(STAGING_BYTES)
         self._view = memoryview(self._buffer)
         self._start = self._end = 0
-        self.bytes_received = 0
 
     def peek(self, limit: int) -> memoryview:
         if self._start == self._end:
@@ -67,7 +66,6 @@ class TcpRx(RxChannel):
 
     def consume(self, count: int) -> None:
         self._start += count
-        self.bytes_received += count
 
     def _fill(self) -> None:
         try:
