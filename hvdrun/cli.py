@@ -55,6 +55,12 @@ def cli() -> None:
 @click.option("--gpus-per-node", type=click.IntRange(min=0), help="GPUs per host; pins CUDA_VISIBLE_DEVICES.")
 @click.option("--gpus-per-rank", type=click.IntRange(min=1), help="GPUs each rank gets (default 1).")
 @click.option("--launcher", type=click.Choice(["local", "ssh", "mpiexec"]), help="How to start workers.")
+@click.option("-p", "--ssh-port", type=click.IntRange(1, 65535), help="SSH port of every remote host.")
+@click.option("-i", "--ssh-identity-file", type=click.Path(exists=True, dir_okay=False),
+              help="Private key for SSH (also tried: ~/.ssh/config IdentityFile, default keys, agent).")
+@click.option("--ssh-known-hosts", type=click.Path(exists=True, dir_okay=False),
+              help="known_hosts file that vouches for host keys (default ~/.ssh/known_hosts).")
+@click.option("--network-interface", help="Interface whose address rank 0 advertises to the other hosts.")
 @click.option("-x", "env_specs", multiple=True, metavar="VAR[=VALUE]", help="Forward or set a variable.")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank]<stream>:.")
 @click.option("--output-dir", "--output-filename", "output_dir", type=click.Path(file_okay=False),

@@ -8,6 +8,9 @@ A cluster file describes one machine type::
     gpu_order: [3, 2, 1, 0]    # CUDA_VISIBLE_DEVICES order; ints or MIG UUIDs
     gpus_per_rank: 1
     hosts: ["x3001c0s7b0n0:4"] # optional; usually the scheduler allocation is used
+                               # or mappings: {name: n1, slots: 4, user: me, python: /x/bin/python}
+    python: /opt/conda/bin/python  # the workers' Python on every host (or venv: /path/to/venv)
+    ssh_port: 22
     env: {NCCL_NET_GDR_LEVEL: PHB}
     scheduler:
       kind: pbs                # pbs | cobalt | slurm
@@ -23,7 +26,7 @@ what is allowed.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,8 @@ LAUNCHERS = ("local", "ssh", "mpiexec")
 SCHEDULERS = ("pbs", "cobalt", "slurm")
 
 _TOP_KEYS = ("name", "description", "launcher", "gpus_per_node", "gpu_order", "gpus_per_rank", "hosts", "env",
-             "ssh_port", "scheduler")
+             "ssh_port", "python", "venv", "scheduler")
+_HOST_KEYS = ("name", "slots", "user", "python", "venv")
 _SCHEDULER_KEYS = ("kind", "queue", "account", "walltime", "filesystems", "template", "extra_directives",
                    "skip_directives", "max_nodes")
 
@@ -68,6 +72,7 @@ class ClusterConfig:
     hosts: tuple[Host, ...] | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     ssh_port: int | None = None
+    python: str | None = None
     scheduler: SchedulerDefaults | None = None
 
 
@@ -116,25 +121,38 @@ def _kind(value: Any) -> str:
             float: "a number", type(None): "nothing"}.get(type(value), type(value).__name__)
 
 
-def _parse_hosts(section: _Section) -> tuple[Host, ...] | None:
+def _parse_hosts(section: _Section, default_python: str | None) -> tuple[Host, ...] | None:
     items = section.get("hosts", list)
     if items is None:
         return None
     hosts = []
     for index, item in enumerate(items):
         where = f"{section.source}: hosts[{index}]"
+        python = None
         if isinstance(item, dict):
-            entry = _Section(item, section.source, f"hosts[{index}].", ("name", "slots", "user"))
+            entry = _Section(item, section.source, f"hosts[{index}].", _HOST_KEYS)
+            python = _python(entry)
             item = f"{entry.get('name', str, '')}:{entry.positive_int('slots', 1)}"
             user = entry.get("user", str)
             item = f"{user}@{item}" if user else item
         if not isinstance(item, str):
             raise ConfigError(f"{where} must be 'host:slots' or a mapping with name and slots, got {item!r}")
         try:
-            hosts.append(parse_host_item(item, where))
+            hosts.append(replace(parse_host_item(item, where), python=python or default_python))
         except HostSpecError as e:
             raise ConfigError(str(e)) from e
     return merge_duplicates(hosts, f"{section.source}: hosts")
+
+
+def _python(section: _Section) -> str | None:
+    """``python: PATH`` or ``venv: DIR`` (meaning DIR/bin/python); not both."""
+    python, venv = section.get("python", str), section.get("venv", str)
+    if python and venv:
+        raise ConfigError(f"{section.source}: give either '{section.prefix}python' or '{section.prefix}venv', not both")
+    for key, value in (("python", python), ("venv", venv)):
+        if value is not None and (not value.startswith("/") or any(c in value for c in "\n\0")):
+            raise ConfigError(f"{section.source}: '{section.prefix}{key}' must be an absolute path, got {value!r}")
+    return python or (f"{venv.rstrip('/')}/bin/python" if venv else None)
 
 
 def _parse_env(section: _Section) -> dict[str, str]:
@@ -169,12 +187,13 @@ def parse_config(data: Any, source: str) -> ClusterConfig:
     gpu_order = top.str_list("gpu_order") or None
     if gpu_order is not None and gpus_per_node and len(gpu_order) != gpus_per_node:
         raise ConfigError(f"{source}: gpu_order lists {len(gpu_order)} GPUs but gpus_per_node is {gpus_per_node}")
+    python = _python(top)
     return ClusterConfig(
-        name=top.get("name", str, Path(source).stem), source=source,
+        name=top.get("name", str, Path(source).stem), source=source, python=python,
         launcher=top.choice("launcher", LAUNCHERS, None),
         gpus_per_node=gpus_per_node or (len(gpu_order) if gpu_order else 0), gpu_order=gpu_order,
         gpus_per_rank=top.positive_int("gpus_per_rank", 1) or 1,
-        hosts=_parse_hosts(top), env=_parse_env(top),
+        hosts=_parse_hosts(top, python), env=_parse_env(top),
         ssh_port=top.positive_int("ssh_port", None), scheduler=_parse_scheduler(top),
     )
 

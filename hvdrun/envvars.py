@@ -123,6 +123,23 @@ def forwarded_env(specs: Sequence[str], environ: Mapping[str, str]) -> dict[str,
     return result
 
 
+# The launcher's variables that describe its own login session, not the job: a worker on another host
+# keeps that host's values (Horovod's launcher leaves out the same kind).
+_SESSION_VARS = frozenset({"HOSTNAME", "HOME", "PWD", "OLDPWD", "SHLVL", "USER", "LOGNAME", "SHELL", "MAIL", "TERM",
+                           "DISPLAY", "LS_COLORS", "_", "TMUX", "TMUX_PANE", "PS1", "COLUMNS", "LINES", "MOTD_SHOWN"})
+_SESSION_PREFIXES = ("SSH_", "XDG_", "BASH_FUNC_", "KRB5", "DBUS_")
+
+
+def remote_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of a worker's environment that is sent to a rank on another host.
+
+    Everything but the launcher's login-session variables (``HOME``, ``SSH_*``, ...) and names
+    that are not valid variable names.
+    """
+    return {name: value for name, value in env.items()
+            if _VAR_NAME_RE.match(name) and name not in _SESSION_VARS and not name.startswith(_SESSION_PREFIXES)}
+
+
 # -- the worker side: who started us? -------------------------------------------------------
 
 START_TIMEOUT = "HVDRUN_START_TIMEOUT"

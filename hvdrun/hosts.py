@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ _SLOTS_RE = re.compile(r"^[0-9]+$")
 _TASKS_PER_NODE_RE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 HOST_EXAMPLE = "-H node1:4,node2:4 (also user@node1:4 and [fe80::1]:2)"
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain"})
 
 
 @dataclass(frozen=True)
@@ -31,16 +33,28 @@ class Host:
         name: hostname or address as the user wrote it (IPv6 without brackets).
         slots: how many ranks may run on it.
         user: login name for SSH, or None for the current user.
+        python: the Python interpreter to use there (cluster YAML ``python:``/``venv:``), or None
+            for the launcher's own.
     """
 
     name: str
     slots: int
     user: str | None = None
+    python: str | None = None
 
     @property
     def ssh_target(self) -> str:
         """``user@name`` or ``name``, the string an SSH client connects to."""
         return f"{self.user}@{self.name}" if self.user else self.name
+
+
+def is_local_host(name: str) -> bool:
+    """True when ``name`` is this machine (no DNS lookup: names and interface addresses only)."""
+    if name in LOCAL_NAMES or name.startswith("127.") or name == socket.gethostname():
+        return True
+    import psutil
+
+    return any(addr.address.split("%")[0] == name for addrs in psutil.net_if_addrs().values() for addr in addrs)
 
 
 def validate_hostname(name: str, where: str) -> str:

@@ -74,15 +74,14 @@ def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
     """
     from hvdrun.envvars import Rendezvous, worker_env
     from hvdrun.hosts import Host
-    from hvdrun.launch.job import _free_port
+    from hvdrun.launch.probe import free_ports
     from hvdrun.ranks import assign_slots
 
     started: list[subprocess.Popen[str]] = []
 
     def start(script: str, size: int, ranks: list[int] | None = None, env: dict[str, str] | None = None,
               args: tuple[str, ...] = (), rendezvous: Rendezvous | None = None) -> dict[int, subprocess.Popen[str]]:
-        rendezvous = rendezvous or Rendezvous("127.0.0.1", _free_port(), _free_port(), uuid.uuid4().hex,
-                                              "t" + token[:6])
+        rendezvous = rendezvous or Rendezvous("127.0.0.1", *free_ports(2), uuid.uuid4().hex, "t" + token[:6])
         procs = {}
         for slot in assign_slots([Host("localhost", size)], size):
             if ranks is not None and slot.rank not in ranks:

@@ -1,7 +1,9 @@
 """What every launcher shares: worker specs, the launcher interface and supervision.
 
-A :class:`Launcher` turns a :class:`WorkerSpec` into a running :class:`Worker`. A
-:class:`WorkerGroup` watches the workers of one job: when one fails, every other one gets
+A :class:`Launcher` first prepares the job's hosts (connects, checks them, finds where rank 0
+can be reached: :meth:`Launcher.prepare` and :meth:`Launcher.endpoint`), then turns each
+:class:`WorkerSpec` into a running :class:`Worker`. A :class:`WorkerGroup` watches the
+workers of one job: when one fails, every other one gets
 SIGTERM and, after a grace period, SIGKILL of its whole process group; the first failure
 is reported as the root cause. SIGINT / SIGTERM to hvdrun tear the job down the same way.
 """
@@ -9,7 +11,9 @@ is reported as the root cause. SIGINT / SIGTERM to hvdrun tear the job down the 
 from __future__ import annotations
 
 import abc
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hvdrun.errors import JobInterrupted, WorkerFailed
+from hvdrun.hosts import Host
 from hvdrun.launch.output import OutputRouter
 from hvdrun.ranks import Slot
 
@@ -41,6 +46,16 @@ class WorkerSpec:
     argv: tuple[str, ...]
     env: dict[str, str] = field(repr=False)
     cwd: str
+    python: str = sys.executable
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where rank 0 serves the rendezvous: an address every rank can reach and two free ports there."""
+
+    addr: str
+    port: int
+    master_port: int
 
 
 class Worker(abc.ABC):
@@ -48,6 +63,10 @@ class Worker(abc.ABC):
 
     def __init__(self, slot: Slot) -> None:
         self.slot = slot
+
+    def failure_note(self) -> str:
+        """Why the worker ended, when its status alone does not say (e.g. a lost SSH connection)."""
+        return ""
 
     @abc.abstractmethod
     def poll(self) -> int | None:
@@ -59,10 +78,34 @@ class Worker(abc.ABC):
 
 
 class Launcher(abc.ABC):
-    """Starts workers; one subclass per way of starting them (local, ssh, mpiexec)."""
+    """Starts workers; one subclass per way of starting them (local, ssh, mpiexec).
+
+    Use: ``prepare(slots, deadline)``, ``endpoint(host of rank 0)``, ``start(spec)`` per rank,
+    and ``close()`` at the end, whatever happened.
+    """
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
+
+    def prepare(self, slots: Sequence[Slot], deadline: float) -> None:
+        """Reach and check every host before any rank starts (monotonic ``deadline``); default: nothing.
+
+        Raises:
+            LaunchError: a host cannot run ranks; names the host and the cause.
+        """
+        return None
+
+    @abc.abstractmethod
+    def endpoint(self, host: Host) -> Endpoint:
+        """Where rank 0, running on ``host``, can be reached by every rank."""
+
+    def cpus(self, host: Host) -> int:
+        """Number of CPUs of ``host`` (for OMP_NUM_THREADS)."""
+        return os.cpu_count() or 1
+
+    def close(self) -> None:
+        """Release connections; called once after the job ended (or failed to start)."""
+        return None
 
     @abc.abstractmethod
     def start(self, spec: WorkerSpec, router: OutputRouter) -> Worker:
@@ -76,6 +119,7 @@ class Failure:
     slot: Slot
     status: int
     seconds_after_start: float
+    note: str = ""
 
     @property
     def exit_code(self) -> int:
@@ -84,6 +128,8 @@ class Failure:
 
     def describe(self) -> str:
         """``exited with code 3`` or ``was killed by signal 9 (SIGKILL)``."""
+        if self.note:
+            return self.note
         if self.status > 0:
             return f"exited with code {self.status}"
         return f"was killed by signal {-self.status} ({signal.Signals(-self.status).name})"
@@ -126,7 +172,7 @@ class WorkerGroup:
                 running.remove(worker)
                 worker.signal_group(signal.SIGKILL)  # leftovers of a finished worker
                 if status != 0:
-                    return Failure(worker.slot, status, time.monotonic() - started)
+                    return Failure(worker.slot, status, time.monotonic() - started, worker.failure_note())
             self._wakeup.wait(_POLL_INTERVAL_S)
         return None
 

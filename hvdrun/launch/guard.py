@@ -1,14 +1,19 @@
-"""Per-worker guard: ``python guard.py GRACE_S -- COMMAND...``. Standard library only.
+"""Per-worker guard: ``python guard.py GRACE_S [--signal-as-code] -- COMMAND...``. Standard library only.
 
 The guard leads a process group (and session) that holds the worker and everything the
-worker starts. Its standard input is a *lifeline* pipe from hvdrun (or the SSH channel):
+worker starts. Its standard input is a *lifeline* from hvdrun (a pipe, or an SSH channel):
 
+* one byte ``T`` on the lifeline sends SIGTERM to the group, ``K`` SIGKILLs every other
+  process of the group (the guard stays to report the worker's status): that is how hvdrun
+  signals a rank on another host, where sshd refuses signal requests for root;
 * when the lifeline reaches EOF (hvdrun died, even by SIGKILL, or the connection dropped)
   or the guard gets SIGHUP, it sends SIGTERM to its group, waits up to GRACE_S seconds
   and then SIGKILLs the group, itself included;
 * SIGTERM / SIGINT sent to the group reach the worker directly; the guard survives them
   so that it can report the worker's status;
-* it exits with the worker's exit code, or dies of the same signal the worker died of.
+* when the worker ends, whatever it left in the group is killed; the guard exits with the
+  worker's exit code, or dies of the same signal the worker died of. With
+  ``--signal-as-code`` it exits with ``128 + N`` instead (SSH clients lose exit signals).
 
 The worker's stdin is /dev/null; stdout and stderr are inherited.
 """
@@ -23,6 +28,7 @@ import threading
 import time
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+TERMINATE, KILL = b"T", b"K"
 
 
 def _kill_group(grace_s: float, worker: subprocess.Popen[bytes]) -> None:
@@ -34,6 +40,26 @@ def _kill_group(grace_s: float, worker: subprocess.Popen[bytes]) -> None:
     os.killpg(0, signal.SIGKILL)
 
 
+def _kill_others() -> None:
+    """SIGKILL every process of our group but the guard itself (Linux: read from /proc)."""
+    me, group = os.getpid(), os.getpgrp()
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if pid != me and int(fields[2]) == group:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
 def _watch_lifeline(grace_s: float, worker: subprocess.Popen[bytes]) -> None:
     while True:
         try:
@@ -43,12 +69,18 @@ def _watch_lifeline(grace_s: float, worker: subprocess.Popen[bytes]) -> None:
         if not data:
             _kill_group(grace_s, worker)
             return
+        if KILL in data:
+            _kill_others()
+        elif TERMINATE in data:
+            os.killpg(0, signal.SIGTERM)
 
 
-def _exit_like(returncode: int) -> None:
+def _exit_like(returncode: int, signal_as_code: bool) -> None:
     if returncode >= 0:
         sys.exit(returncode)
     signum = -returncode
+    if signal_as_code:
+        sys.exit(128 + signum)
     if signum not in (signal.SIGKILL, signal.SIGSTOP):  # their handlers cannot be changed
         signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
@@ -56,9 +88,12 @@ def _exit_like(returncode: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Run the guard; ``argv`` is ``[GRACE_S, "--", COMMAND...]``."""
+    """Run the guard; ``argv`` is ``[GRACE_S, ["--signal-as-code"], "--", COMMAND...]``."""
+    signal_as_code = len(argv) > 1 and argv[1] == "--signal-as-code"
+    if signal_as_code:
+        argv = [argv[0], *argv[2:]]
     if len(argv) < 3 or argv[1] != "--":
-        sys.stderr.write("usage: guard.py GRACE_S -- COMMAND...\n")
+        sys.stderr.write("usage: guard.py GRACE_S [--signal-as-code] -- COMMAND...\n")
         sys.exit(2)
     grace_s = float(argv[0])
     if os.getpgid(0) != os.getpid():
@@ -72,7 +107,9 @@ def main(argv: list[str]) -> None:
         sys.exit(127)
     signal.signal(signal.SIGHUP, lambda *_: _kill_group(grace_s, worker))
     threading.Thread(target=_watch_lifeline, args=(grace_s, worker), daemon=True).start()
-    _exit_like(worker.wait())
+    returncode = worker.wait()
+    _kill_others()
+    _exit_like(returncode, signal_as_code)
 
 
 if __name__ == "__main__":

@@ -9,22 +9,21 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hvdrun.config import ClusterConfig, load_cluster, load_config
 from hvdrun.envvars import START_TIMEOUT, TIMELINE, Rendezvous, forwarded_env, thread_env, worker_env
-from hvdrun.errors import UsageError
-from hvdrun.hosts import Host, detect_allocation, parse_host_string, parse_hostfile
-from hvdrun.launch.base import WorkerGroup, WorkerSpec
-from hvdrun.launch.local import LocalLauncher
+from hvdrun.errors import JobInterrupted, UsageError
+from hvdrun.hosts import Host, detect_allocation, is_local_host, parse_host_string, parse_hostfile
+from hvdrun.launch.base import Launcher, WorkerGroup, WorkerSpec
 from hvdrun.launch.output import OutputRouter
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, total_slots
 
-LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain"})
+DEFAULT_START_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -47,21 +46,42 @@ class RunOptions:
     start_timeout_s: float | None = None
     verbose: bool = False
     timeline_filename: str | None = None
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    ssh_known_hosts: str | None = None
+    network_interface: str | None = None
 
 
 @dataclass(frozen=True)
 class JobPlan:
-    """A validated job: one spec per rank, and how to start them."""
+    """A validated job: where every rank runs, what it runs, and how to start it."""
 
-    specs: tuple[WorkerSpec, ...]
+    slots: tuple[Slot, ...]
+    command: tuple[str, ...]
     launcher: str
     options: RunOptions
-    rendezvous: Rendezvous
+    base_env: dict[str, str] = field(repr=False)
+    cwd: str
+    default_python: str = sys.executable
+    ssh_port: int | None = None
 
-    @property
-    def slots(self) -> list[Slot]:
-        """The ranks' slots, in rank order."""
-        return [spec.slot for spec in self.specs]
+    def python_for(self, host: Host) -> str:
+        """The Python of ``host``: its own from the cluster YAML, else the launcher's."""
+        return host.python or self.default_python
+
+    def argv_for(self, host: Host) -> tuple[str, ...]:
+        """The command on ``host``: ``train.py ...`` runs under that host's Python."""
+        if self.command[0].endswith(".py"):
+            return (self.python_for(host), "-u", *self.command)
+        return self.command
+
+    def specs(self, rendezvous: Rendezvous, cpus: Callable[[Host], int]) -> tuple[WorkerSpec, ...]:
+        """Every rank's spec, once rank 0's rendezvous endpoint is known."""
+        return tuple(WorkerSpec(slot=slot, argv=self.argv_for(slot.host), cwd=self.cwd,
+                                python=self.python_for(slot.host),
+                                env={**self.base_env, **thread_env(slot, cpus(slot.host), self.base_env),
+                                     **worker_env(slot, rendezvous)})
+                     for slot in self.slots)
 
 
 def _load_cluster_config(options: RunOptions) -> ClusterConfig | None:
@@ -100,57 +120,36 @@ def _gpu_layout(options: RunOptions, config: ClusterConfig | None) -> GpuLayout:
     return GpuLayout(gpus_per_node=gpus_per_node, gpu_order=order, gpus_per_rank=gpus_per_rank)
 
 
-def resolve_command(command: Sequence[str]) -> tuple[str, ...]:
-    """``train.py ...`` runs under this Python; any other program runs as given.
+def resolve_command(command: Sequence[str], check_program: bool = True) -> tuple[str, ...]:
+    """Check ``command``: a ``train.py`` must exist; another program must be on PATH (when ``check_program``).
 
     Raises:
         UsageError: no command, a missing script, or a program not on PATH.
     """
     if not command:
         raise UsageError("no command given; expected e.g. 'hvdrun -np 2 train.py'")
-    program, args = command[0], tuple(command[1:])
+    program = command[0]
     if program.endswith(".py"):
         if not Path(program).is_file():
             raise UsageError(f"script '{program}' not found (working directory {os.getcwd()})")
-        return (sys.executable, "-u", program, *args)
-    if shutil.which(program) is None:
+    elif check_program and shutil.which(program) is None:
         raise UsageError(f"program '{program}' not found on PATH and not an executable file")
-    return (program, *args)
-
-
-def is_local_host(name: str) -> bool:
-    """True when ``name`` is this machine (no DNS lookup: names and interface addresses only)."""
-    if name in LOCAL_NAMES or name.startswith("127.") or name == socket.gethostname():
-        return True
-    import psutil
-
-    return any(addr.address.split("%")[0] == name for addrs in psutil.net_if_addrs().values() for addr in addrs)
+    return tuple(command)
 
 
 def _choose_launcher(options: RunOptions, config: ClusterConfig | None, hosts: Sequence[Host]) -> str:
-    launcher = options.launcher or (config.launcher if config else None) or "local"
     remote = [h.name for h in hosts if not is_local_host(h.name)]
-    if launcher != "local":
-        raise UsageError(f"launcher '{launcher}' is not available in this hvdrun yet; use --launcher local")
-    if remote:
+    launcher = options.launcher or (config.launcher if config else None) or ("ssh" if remote else "local")
+    if launcher == "mpiexec":
+        raise UsageError("launcher 'mpiexec' is not available in this hvdrun yet; use --launcher ssh or local")
+    if launcher == "local" and remote:
         raise UsageError(f"host '{remote[0]}' is not this machine; the local launcher starts ranks on "
-                         "this machine only (e.g. -H localhost:4)")
+                         "this machine only (e.g. -H localhost:4); use --launcher ssh for other hosts")
     return launcher
 
 
-def _new_rendezvous() -> Rendezvous:
-    return Rendezvous(addr="127.0.0.1", port=_free_port(), master_port=_free_port(),
-                      secret=secrets.token_hex(32), job_id=secrets.token_hex(4))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
-    """Validate ``options`` and compute every rank's spec. Starts nothing.
+    """Validate ``options`` and compute where every rank runs. Starts nothing, connects nowhere.
 
     Raises:
         UsageError: any invalid input (hosts, config, -np, -x, command); exit code 2.
@@ -160,23 +159,20 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     hosts = _resolve_hosts(options, config, layout, environ)
     slots = assign_slots(hosts, options.num_proc or total_slots(hosts), layout)
     launcher = _choose_launcher(options, config, hosts)
-    argv = resolve_command(options.command)
+    command = resolve_command(options.command, check_program=launcher == "local")
     base_env = {**environ, **(config.env if config else {}), **forwarded_env(options.env_specs, environ)}
     if options.start_timeout_s is not None:
         base_env[START_TIMEOUT] = str(options.start_timeout_s)
     if options.timeline_filename:
         base_env[TIMELINE[0]] = str(Path(options.timeline_filename).resolve())
-    rendezvous = _new_rendezvous()
-    cpus = os.cpu_count() or 1
-    specs = tuple(WorkerSpec(slot=slot, argv=argv, cwd=os.getcwd(),
-                             env={**base_env, **thread_env(slot, cpus, base_env), **worker_env(slot, rendezvous)})
-                  for slot in slots)
-    return JobPlan(specs=specs, launcher=launcher, options=options, rendezvous=rendezvous)
+    return JobPlan(slots=tuple(slots), command=command, launcher=launcher, options=options, base_env=base_env,
+                   cwd=os.getcwd(), default_python=(config.python if config else None) or sys.executable,
+                   ssh_port=config.ssh_port if config else None)
 
 
 def describe_plan(plan: JobPlan) -> str:
     """A table of the ranks: host, local and cross rank, GPUs, and the command."""
-    lines = [f"hvdrun: {len(plan.specs)} ranks, launcher {plan.launcher}: {' '.join(plan.specs[0].argv)}",
+    lines = [f"hvdrun: {len(plan.slots)} ranks, launcher {plan.launcher}: {' '.join(plan.command)}",
              "  rank  host                  local  cross  gpus"]
     for slot in plan.slots:
         lines.append(f"  {slot.rank:<5} {slot.hostname:<21} {slot.local_rank}/{slot.local_size:<4} "
@@ -184,18 +180,48 @@ def describe_plan(plan: JobPlan) -> str:
     return "\n".join(lines)
 
 
+def make_launcher(plan: JobPlan) -> Launcher:
+    """The launcher that starts ``plan``'s ranks."""
+    options = plan.options
+    if plan.launcher == "local":
+        from hvdrun.launch.local import LocalLauncher
+
+        return LocalLauncher(grace_s=options.grace_s)
+    from hvdrun.launch.connections import SshOptions
+    from hvdrun.launch.ssh import SshLauncher
+
+    ssh = SshOptions(port=options.ssh_port, identity_file=options.ssh_identity_file,
+                     known_hosts=options.ssh_known_hosts, default_port=plan.ssh_port,
+                     connect_timeout_s=min(10.0, _start_timeout(options)))
+    return SshLauncher(options.grace_s, ssh, plan.cwd, options.network_interface,
+                       everywhere=options.launcher == "ssh")
+
+
+def _start_timeout(options: RunOptions) -> float:
+    return options.start_timeout_s or DEFAULT_START_TIMEOUT_S
+
+
 def run_job(plan: JobPlan) -> None:
-    """Start every rank of ``plan`` and supervise them until the job ends.
+    """Reach the hosts, start every rank of ``plan`` and supervise them until the job ends.
 
     Raises:
+        LaunchError: a host cannot run ranks (nothing was started anywhere).
         WorkerFailed: a rank failed (exit code = that rank's).
         JobInterrupted: hvdrun was interrupted.
     """
     from hvdrun.runtime.transport.shm import remove_job_segments
 
     options = plan.options
-    router = OutputRouter(len(plan.specs), prefix=options.prefix_output, output_dir=options.output_dir)
+    router = OutputRouter(len(plan.slots), prefix=options.prefix_output, output_dir=options.output_dir)
+    launcher = make_launcher(plan)
+    secret, job_id = secrets.token_hex(32), secrets.token_hex(4)
     try:
-        WorkerGroup(LocalLauncher(grace_s=options.grace_s), router).run(plan.specs)
+        launcher.prepare(plan.slots, time.monotonic() + _start_timeout(options))
+        endpoint = launcher.endpoint(plan.slots[0].host)
+        rendezvous = Rendezvous(endpoint.addr, endpoint.port, endpoint.master_port, secret, job_id)
+        WorkerGroup(launcher, router).run(plan.specs(rendezvous, launcher.cpus))
+    except KeyboardInterrupt:
+        raise JobInterrupted("interrupted while reaching the hosts; nothing was started", 130) from None
     finally:
-        remove_job_segments(plan.rendezvous.job_id)  # left by ranks killed during init()
+        launcher.close()
+        remove_job_segments(job_id)  # left by ranks killed during init()

@@ -7,9 +7,13 @@ import subprocess
 import sys
 
 from hvdrun.errors import LaunchError
-from hvdrun.launch.base import GUARD_SCRIPT, Launcher, Worker, WorkerSpec
+from hvdrun.hosts import Host
+from hvdrun.launch.base import GUARD_SCRIPT, Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.probe import free_ports
 from hvdrun.ranks import Slot
+
+LOOPBACK = "127.0.0.1"
 
 
 class LocalWorker(Worker):
@@ -40,6 +44,11 @@ class LocalLauncher(Launcher):
     The guard's stdin is a pipe that hvdrun never writes to and never closes: if hvdrun
     dies, even by SIGKILL, the kernel closes it and the guard kills the worker's group.
     """
+
+    def endpoint(self, host: Host) -> Endpoint:
+        """Every rank is on this machine: rank 0 is reached over loopback."""
+        port, master_port = free_ports(2)
+        return Endpoint(LOOPBACK, port, master_port)
 
     def start(self, spec: WorkerSpec, router: OutputRouter) -> LocalWorker:
         argv = [sys.executable, GUARD_SCRIPT, str(self.grace_s), "--", *spec.argv]

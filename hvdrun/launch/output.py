@@ -20,6 +20,7 @@ import re
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
@@ -83,10 +84,15 @@ class OutputRouter:
         self._pumps: list[threading.Thread] = []
 
     def attach(self, rank: int, stream: str, fd: int) -> None:
-        """Start pumping file descriptor ``fd`` (the worker's ``stream``) until EOF."""
+        """Start pumping file descriptor ``fd`` (the worker's ``stream``) until EOF; then close it."""
+        self.attach_reader(rank, stream, lambda: _read(fd), lambda: os.close(fd))
+
+    def attach_reader(self, rank: int, stream: str, read: Callable[[], bytes],
+                      close: Callable[[], None] = lambda: None) -> None:
+        """Start pumping ``read()`` (blocking; ``b""`` at EOF) as the worker's ``stream``; ``close()`` at EOF."""
         log = self._open_log(rank, stream)
         self._tails.setdefault(rank, deque(maxlen=self._tail_lines))
-        pump = threading.Thread(target=self._pump, args=(rank, stream, fd, log),
+        pump = threading.Thread(target=self._pump, args=(rank, stream, read, close, log),
                                 name=f"hvdrun-output-{rank}-{stream}", daemon=True)
         pump.start()
         self._pumps.append(pump)
@@ -107,17 +113,18 @@ class OutputRouter:
         folder.mkdir(parents=True, exist_ok=True)
         return open(folder / stream, "wb")
 
-    def _pump(self, rank: int, stream: str, fd: int, log: BinaryIO | None) -> None:
+    def _pump(self, rank: int, stream: str, read: Callable[[], bytes], close: Callable[[], None],
+              log: BinaryIO | None) -> None:
         splitter = LineSplitter()
         try:
-            while data := _read(fd):
+            while data := read():
                 if log:
                     log.write(data)
                     log.flush()
                 self._emit(rank, stream, splitter.feed(data))
             self._emit(rank, stream, splitter.close())
         finally:
-            os.close(fd)
+            close()
             if log:
                 log.close()
 

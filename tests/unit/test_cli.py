@@ -43,8 +43,9 @@ START = ("touch", "started")
     (("--cluster", "localhost", "--config", "x.yaml"), ["either --cluster NAME or --config FILE"]),
     (("-x", "HVDRUN_SURELY_UNSET"), ["-x HVDRUN_SURELY_UNSET: HVDRUN_SURELY_UNSET is not set"]),
     (("-np", "2", "--gpus-per-node", "1"), ["host 'localhost' has 1 GPUs but local rank 1 needs"]),
-    (("-H", "elsewhere.invalid:2"), ["host 'elsewhere.invalid' is not this machine"]),
-    (("--launcher", "ssh"), ["launcher 'ssh' is not available"]),
+    (("--launcher", "local", "-H", "elsewhere.invalid:2"), ["host 'elsewhere.invalid' is not this machine"]),
+    (("-p", "0"), ["Invalid value for '-p'"]),
+    (("-i", "no-such-key"), ["'no-such-key' does not exist"]),
 ])
 def test_usage_errors(invoke, tmp_path, args, fragments):
     assert_usage_error(invoke(*args, *START), tmp_path, *fragments)

@@ -1,0 +1,268 @@
+"""SSH connections to a job's hosts: resolved targets, verified host keys, parallel bounded connects.
+
+* A host's target comes from the host (``user@name``), hvdrun's options (``-p``, ``-i``), the
+  cluster YAML's ``ssh_port`` and ``~/.ssh/config`` (HostName, Port, User, IdentityFile), in that
+  order of precedence.
+* Host keys are checked against ``~/.ssh/known_hosts`` (hashed entries too) or
+  ``--ssh-known-hosts``; an unknown or changed key is refused, never accepted.
+* Connections open concurrently across hosts, at most :data:`HANDSHAKES_PER_HOST` at a time to
+  one host (sshd's default ``MaxStartups 10:30:100`` drops handshakes beyond 10 in flight), and
+  the failures that such drops cause are retried.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import getpass
+import hashlib
+import random
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hvdrun.errors import LaunchError
+
+if TYPE_CHECKING:
+    import paramiko
+
+from hvdrun.hosts import Host
+
+HANDSHAKES_PER_HOST = 4
+MAX_PARALLEL_CONNECTS = 64
+DEFAULT_SSH_PORT = 22
+_RETRYABLE_ERRNOS = {errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED}
+
+
+class HostKeyError(LaunchError):
+    """A host's SSH key is unknown or differs from the one in known_hosts."""
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    """How hvdrun reaches hosts over SSH.
+
+    Attributes:
+        port: ``-p``; overrides the YAML's ``ssh_port`` and ``~/.ssh/config``.
+        identity_file: ``-i``; tried before the keys ``~/.ssh/config`` names.
+        known_hosts: ``--ssh-known-hosts``; default ``~/.ssh/known_hosts``.
+        config_file: OpenSSH client config; default ``~/.ssh/config`` when it exists.
+        default_port: the cluster YAML's ``ssh_port``.
+        connect_timeout_s: per attempt, for TCP connect, banner and authentication.
+    """
+
+    port: int | None = None
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    config_file: str | None = None
+    default_port: int | None = None
+    connect_timeout_s: float = 10.0
+
+    @property
+    def known_hosts_path(self) -> Path:
+        """The known_hosts file that vouches for host keys."""
+        return Path(self.known_hosts or "~/.ssh/known_hosts").expanduser()
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    """Where and as whom to connect for one host of the job."""
+
+    host: str
+    hostname: str
+    port: int
+    user: str
+    key_files: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """``root@h1 (10.200.0.1:22)``: the name the user gave and where it leads."""
+        return f"{self.user}@{self.host} ({self.hostname}:{self.port})"
+
+
+def _ssh_config(options: SshOptions) -> paramiko.SSHConfig | None:
+    import paramiko
+
+    path = Path(options.config_file or "~/.ssh/config").expanduser()
+    if not path.is_file():
+        if options.config_file:
+            raise LaunchError(f"SSH config file '{options.config_file}' does not exist")
+        return None
+    try:
+        return paramiko.SSHConfig.from_path(str(path))
+    except (OSError, UnicodeDecodeError, paramiko.ConfigParseError) as e:
+        raise LaunchError(f"cannot read SSH config '{path}': {e}") from e
+
+
+def resolve_targets(hosts: Sequence[Host], options: SshOptions) -> list[SshTarget]:
+    """The SSH target of every host (no network I/O)."""
+    config = _ssh_config(options)
+    return [_resolve(host, options, config) for host in hosts]
+
+
+def _resolve(host: Host, options: SshOptions, config: paramiko.SSHConfig | None) -> SshTarget:
+    entry: dict[str, Any] = dict(config.lookup(host.name)) if config else {}
+    port = options.port or options.default_port or int(entry.get("port", DEFAULT_SSH_PORT))
+    keys = [options.identity_file] if options.identity_file else []
+    keys += [str(Path(k).expanduser()) for k in entry.get("identityfile", []) if Path(k).expanduser().is_file()]
+    return SshTarget(host=host.name, hostname=str(entry.get("hostname", host.name)), port=port,
+                     user=host.user or str(entry.get("user") or getpass.getuser()), key_files=tuple(keys))
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    """OpenSSH's fingerprint of a key: ``SHA256:`` + unpadded base64 of the key blob's digest."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def _refuse_unknown_keys(target: SshTarget, known_hosts: Path) -> paramiko.MissingHostKeyPolicy:
+    import paramiko
+
+    class RefuseUnknown(paramiko.MissingHostKeyPolicy):
+        def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+            where = known_hosts if known_hosts.is_file() else f"{known_hosts} (which does not exist)"
+            port = f"-p {target.port} " if target.port != DEFAULT_SSH_PORT else ""
+            raise HostKeyError(
+                f"host key of {target.host} ({hostname}) is not known: {key.get_name()} {fingerprint(key)} is not "
+                f"in {where}; refusing to connect. If that fingerprint is the host's, add it with "
+                f"'ssh-keyscan {port}-t {key.get_name()} {target.hostname} >> {known_hosts}' (or ssh to it once)")
+
+    return RefuseUnknown()
+
+
+def _changed_key_error(target: SshTarget, error: paramiko.BadHostKeyException, known_hosts: Path) -> HostKeyError:
+    return HostKeyError(
+        f"host key of {target.host} ({target.hostname}) has CHANGED: the host offered {error.key.get_name()} "
+        f"{fingerprint(error.key)} but {known_hosts} has {fingerprint(error.expected_key)}; refusing to connect "
+        f"(someone may be intercepting the connection). If the host was reinstalled, remove the old key with "
+        f"'ssh-keygen -f {known_hosts} -R {target.hostname}' and add the new one")
+
+
+def _is_retryable(error: BaseException) -> bool:
+    import paramiko
+
+    if isinstance(error, paramiko.SSHException) and not isinstance(
+            error, (paramiko.AuthenticationException, paramiko.BadHostKeyException)):
+        return "banner" in str(error).lower() or "reset" in str(error).lower() or "EOF" in str(error)
+    return isinstance(error, (EOFError, ConnectionResetError)) or (
+        isinstance(error, OSError) and error.errno in _RETRYABLE_ERRNOS)
+
+
+def _explain(target: SshTarget, error: BaseException, options: SshOptions) -> LaunchError:
+    import paramiko
+
+    if isinstance(error, HostKeyError):
+        return error
+    if isinstance(error, paramiko.BadHostKeyException):
+        return _changed_key_error(target, error, options.known_hosts_path)
+    if isinstance(error, paramiko.AuthenticationException):
+        tried = ", ".join(target.key_files) or "the default keys in ~/.ssh and the agent"
+        return LaunchError(f"cannot log in to {target.describe()}: authentication failed (tried {tried}); "
+                           f"give the key with -i KEY or add it to ~{target.user}/.ssh/authorized_keys there")
+    if isinstance(error, socket.gaierror):
+        return LaunchError(f"cannot resolve host name '{target.hostname}' of {target.host}: {error.strerror}")
+    if isinstance(error, (TimeoutError, socket.timeout)):
+        return LaunchError(f"cannot connect to {target.describe()}: timed out after {options.connect_timeout_s:g} s "
+                           "(host down or port blocked?)")
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error) or type(error).__name__
+    return LaunchError(f"cannot connect to {target.describe()}: {reason}")
+
+
+def connect(target: SshTarget, options: SshOptions, deadline: float) -> paramiko.SSHClient:
+    """Open one verified, authenticated connection; retry dropped handshakes until ``deadline``.
+
+    Raises:
+        HostKeyError: the host key is unknown or changed.
+        LaunchError: anything else, naming the host.
+    """
+    import paramiko
+
+    attempt = 0
+    while True:
+        client = paramiko.SSHClient()
+        if options.known_hosts_path.is_file():
+            client.load_host_keys(str(options.known_hosts_path))
+        client.set_missing_host_key_policy(_refuse_unknown_keys(target, options.known_hosts_path))
+        timeout = max(min(options.connect_timeout_s, deadline - time.monotonic()), 0.1)
+        try:
+            client.connect(target.hostname, port=target.port, username=target.user,
+                           key_filename=list(target.key_files) or None, timeout=timeout, banner_timeout=timeout,
+                           auth_timeout=timeout, allow_agent=True, look_for_keys=True)
+            transport = client.get_transport()
+            assert transport is not None
+            transport.set_keepalive(15)
+            return client
+        except Exception as e:  # noqa: BLE001 - paramiko raises many types; all are explained below
+            client.close()
+            attempt += 1
+            if not _is_retryable(e) or time.monotonic() + 0.1 > deadline or attempt >= 8:
+                raise _explain(target, e, options) from e
+            time.sleep(min(0.05 * 2 ** attempt, 1.0) * (0.5 + random.random()))
+
+
+def connect_all(targets: Sequence[SshTarget], options: SshOptions, deadline: float) -> list[paramiko.SSHClient]:
+    """Connect to every target concurrently (a target listed k times gets k connections).
+
+    At most :data:`HANDSHAKES_PER_HOST` handshakes run at once against one host. If any
+    connection fails, the ones that were opened are closed and the first failure (in target
+    order) is raised.
+    """
+    caps: dict[tuple[str, int], threading.Semaphore] = {}
+    for target in targets:
+        caps.setdefault((target.hostname, target.port), threading.Semaphore(HANDSHAKES_PER_HOST))
+
+    def one(target: SshTarget) -> paramiko.SSHClient:
+        with caps[(target.hostname, target.port)]:
+            return connect(target, options, deadline)
+
+    if not targets:
+        return []
+    with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL_CONNECTS),
+                            thread_name_prefix="hvdrun-ssh-connect") as pool:
+        futures = [pool.submit(one, target) for target in targets]
+        errors = [f.exception() for f in futures]
+    if any(errors):
+        for future, error in zip(futures, errors, strict=True):
+            if error is None:
+                future.result().close()
+        first = next(e for e in errors if e is not None)
+        raise first
+    return [f.result() for f in futures]
+
+
+def peer_address(client: paramiko.SSHClient) -> tuple[str, str]:
+    """(our address on the route to the host, the host's address) of a connection."""
+    transport = client.get_transport()
+    assert transport is not None
+    sock = transport.sock
+    return str(sock.getsockname()[0]), str(sock.getpeername()[0])  # type: ignore[union-attr]
+
+
+def run_command(client: paramiko.SSHClient, command: str, timeout_s: float) -> tuple[int, str, str]:
+    """Run ``command`` on the host; return (exit status, stdout, stderr). -1: no status (connection lost)."""
+    transport = client.get_transport()
+    assert transport is not None
+    channel = transport.open_session(timeout=timeout_s)
+    channel.settimeout(timeout_s)
+    try:
+        channel.exec_command(command)
+        channel.shutdown_write()
+        stdout, stderr = bytearray(), bytearray()
+        deadline = time.monotonic() + timeout_s
+        while not (channel.exit_status_ready() and not channel.recv_ready() and not channel.recv_stderr_ready()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no answer within {timeout_s:g} s")
+            if channel.recv_ready():
+                stdout += channel.recv(65536)
+            elif channel.recv_stderr_ready():
+                stderr += channel.recv_stderr(65536)
+            else:
+                time.sleep(0.005)
+        return channel.recv_exit_status(), stdout.decode(errors="replace"), stderr.decode(errors="replace")
+    finally:
+        channel.close()
+
