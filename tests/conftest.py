@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -99,3 +101,65 @@ def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
             proc.kill()
         proc.wait(10)
     assert wait_until(lambda: not job_processes(token)), f"left behind: {job_processes(token)}"
+
+
+# -- SSH hosts: real OpenSSH servers, one per network namespace (tests/infra/ssh_hosts.sh) -------------
+
+SSH_FIXTURE = REPO / "tests" / "infra" / "ssh_hosts.sh"
+
+
+@dataclass(frozen=True)
+class SshHosts:
+    """Throw-away hosts hK at ``addrs[K-1]`` with sshd on port 22, a client key and their known_hosts."""
+
+    dir: Path
+    names: list[str]
+    addrs: list[str]
+    key: str
+    known_hosts: str
+    local_addr: str
+
+    def args(self) -> list[str]:
+        """hvdrun options that reach these hosts."""
+        return ["-i", self.key, "--ssh-known-hosts", self.known_hosts]
+
+    def hosts(self, slots: int, count: int = 2) -> str:
+        """``-H`` value for the first ``count`` hosts with ``slots`` each."""
+        return ",".join(f"{addr}:{slots}" for addr in self.addrs[:count])
+
+
+def _fixture_command(action: str, directory: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(["bash", str(SSH_FIXTURE), action, "-d", str(directory), *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **(env or {})})
+    if done.returncode != 0:
+        raise RuntimeError(f"ssh_hosts.sh {action} failed: {done.stderr}")
+    return done.stdout
+
+
+def start_ssh_hosts(directory: Path, count: int, env: dict[str, str] | None = None) -> SshHosts:
+    """Start ``count`` sshd hosts in network namespaces (root only); stop them with :func:`stop_ssh_hosts`."""
+    if os.geteuid() != 0:
+        pytest.skip("SSH hosts need root (network namespaces)")
+    if not Path("/usr/sbin/sshd").exists():
+        pytest.skip("openssh-server is not installed (make test installs it)")
+    _fixture_command("stop", directory, "--force", env=env)
+    _fixture_command("start", directory, "-n", str(count), "-m", "netns", env=env)
+    info = json.loads((directory / "hosts.json").read_text())
+    return SshHosts(directory, [h["name"] for h in info["hosts"]], [h["addr"] for h in info["hosts"]], info["key"],
+                    info["known_hosts"], info["local_addr"])
+
+
+def stop_ssh_hosts(directory: Path, env: dict[str, str] | None = None) -> None:
+    """Stop the hosts and everything still running on them."""
+    _fixture_command("stop", directory, "--purge", env=env)
+
+
+@pytest.fixture(scope="session")
+def ssh_hosts() -> Iterator[SshHosts]:
+    """Four SSH hosts h1..h4 for the whole session."""
+    directory = Path(f"/tmp/hvdrun-ssh-{os.getpid()}")
+    hosts = start_ssh_hosts(directory, 4)
+    try:
+        yield hosts
+    finally:
+        stop_ssh_hosts(directory)

@@ -16,6 +16,7 @@ import base64
 import errno
 import getpass
 import hashlib
+import logging
 import random
 import socket
 import threading
@@ -168,6 +169,8 @@ def _explain(target: SshTarget, error: BaseException, options: SshOptions) -> La
     if isinstance(error, (TimeoutError, socket.timeout)):
         return LaunchError(f"cannot connect to {target.describe()}: timed out after {options.connect_timeout_s:g} s "
                            "(host down or port blocked?)")
+    if isinstance(error, paramiko.ssh_exception.NoValidConnectionsError) and error.errors:
+        error = next(iter(error.errors.values()))  # one per address tried; the first says why
     reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error) or type(error).__name__
     return LaunchError(f"cannot connect to {target.describe()}: {reason}")
 
@@ -181,6 +184,7 @@ def connect(target: SshTarget, options: SshOptions, deadline: float) -> paramiko
     """
     import paramiko
 
+    _quiet_paramiko()
     attempt = 0
     while True:
         client = paramiko.SSHClient()
@@ -202,6 +206,14 @@ def connect(target: SshTarget, options: SshOptions, deadline: float) -> paramiko
             if not _is_retryable(e) or time.monotonic() + 0.1 > deadline or attempt >= 8:
                 raise _explain(target, e, options) from e
             time.sleep(min(0.05 * 2 ** attempt, 1.0) * (0.5 + random.random()))
+
+
+def _quiet_paramiko() -> None:
+    """paramiko logs a traceback for every dropped handshake; hvdrun retries them and reports only its own error."""
+    logger = logging.getLogger("paramiko")
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
+        logger.propagate = False
 
 
 def connect_all(targets: Sequence[SshTarget], options: SshOptions, deadline: float) -> list[paramiko.SSHClient]:
