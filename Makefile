@@ -7,7 +7,7 @@ HVDRUN := $(VENV)/bin/hvdrun
 # The CPU build of PyTorch for CI and development; GPU users install their own torch.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv system-deps demo test lint bench clean
 
 venv: $(VENV)/.installed
 
@@ -18,10 +18,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,mpi]" mpich
 	touch $@
 
+# Tests start real sshd servers in network namespaces: install openssh-server when missing (root + apt only;
+# elsewhere those tests skip with the reason).
+system-deps:
+	@if [ ! -x /usr/sbin/sshd ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing openssh-server for the SSH tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server iproute2 >/dev/null; \
+	fi
+
 demo: venv
 	$(HVDRUN) -np 2 examples/linear_regression.py --check
 
-test: venv
+test: venv system-deps
 	$(PY) -m pytest -q
 
 lint: venv

@@ -61,6 +61,9 @@ def cli() -> None:
 @click.option("--ssh-known-hosts", type=click.Path(exists=True, dir_okay=False),
               help="known_hosts file that vouches for host keys (default ~/.ssh/known_hosts).")
 @click.option("--network-interface", help="Interface whose address rank 0 advertises to the other hosts.")
+@click.option("--mpi-flavour", type=click.Choice(["mpich", "openmpi", "pals"]),
+              help="The MPI of --launcher mpiexec (default: from 'mpiexec --version').")
+@click.option("--mpi-args", help="Extra arguments for mpiexec, e.g. --mpi-args='--cpu-bind depth'.")
 @click.option("-x", "env_specs", multiple=True, metavar="VAR[=VALUE]", help="Forward or set a variable.")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank]<stream>:.")
 @click.option("--output-dir", "--output-filename", "output_dir", type=click.Path(file_okay=False),

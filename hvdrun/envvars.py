@@ -27,6 +27,7 @@ RENDEZVOUS_PORT = "HVDRUN_RENDEZVOUS_PORT"
 SECRET = "HVDRUN_SECRET"
 JOB_ID = "HVDRUN_JOB_ID"
 BACKEND = "HVDRUN_BACKEND"
+MPI_PLAN = "HVDRUN_MPI_PLAN"  # hosts, -np and GPU layout, for ranks started by mpiexec (launch/mpirank.py)
 
 _TOPOLOGY = {
     "rank": (RANK, "HOROVOD_RANK"),
@@ -71,25 +72,44 @@ class Rendezvous:
     job_id: str
 
 
+def job_env(rendezvous: Rendezvous) -> dict[str, str]:
+    """The variables that are the same on every rank of a job."""
+    return {
+        RENDEZVOUS_ADDR: rendezvous.addr, RENDEZVOUS_PORT: str(rendezvous.port),
+        SECRET: rendezvous.secret, JOB_ID: rendezvous.job_id,
+        TORCH_MASTER_ADDR: rendezvous.addr, TORCH_MASTER_PORT: str(rendezvous.master_port),
+        PYTHONUNBUFFERED: "1",
+    }
+
+
+def rendezvous_of(environ: Mapping[str, str]) -> Rendezvous:
+    """Read back the :class:`Rendezvous` that :func:`job_env` wrote."""
+    return Rendezvous(environ[RENDEZVOUS_ADDR], int(environ[RENDEZVOUS_PORT]), int(environ[TORCH_MASTER_PORT]),
+                      environ[SECRET], environ[JOB_ID])
+
+
 def worker_env(slot: Slot, rendezvous: Rendezvous) -> dict[str, str]:
     """The variables one rank gets on top of the forwarded environment."""
-    env: dict[str, str] = {}
+    env = job_env(rendezvous)
     for attr, names in _TOPOLOGY.items():
         for name in names:
             env[name] = str(getattr(slot, attr))
     env.update({
         HOSTNAME: slot.hostname, HOROVOD_HOSTNAME: slot.hostname,
-        RENDEZVOUS_ADDR: rendezvous.addr, RENDEZVOUS_PORT: str(rendezvous.port),
-        SECRET: rendezvous.secret, JOB_ID: rendezvous.job_id,
         TORCH_RANK: str(slot.rank), TORCH_WORLD_SIZE: str(slot.size),
         TORCH_LOCAL_RANK: str(slot.local_rank), TORCH_LOCAL_WORLD_SIZE: str(slot.local_size),
         TORCH_GROUP_RANK: str(slot.host_index),
-        TORCH_MASTER_ADDR: rendezvous.addr, TORCH_MASTER_PORT: str(rendezvous.master_port),
-        PYTHONUNBUFFERED: "1",
     })
     if slot.devices:
         env[CUDA_VISIBLE_DEVICES] = ",".join(slot.devices)
     return env
+
+
+def rank_variable_names() -> frozenset[str]:
+    """Names whose values differ from rank to rank (set by the launcher or the mpiexec rank shim)."""
+    return frozenset({*(name for names in _TOPOLOGY.values() for name in names), HOSTNAME, HOROVOD_HOSTNAME,
+                      TORCH_RANK, TORCH_WORLD_SIZE, TORCH_LOCAL_RANK, TORCH_LOCAL_WORLD_SIZE, TORCH_GROUP_RANK,
+                      CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS})
 
 
 def thread_env(slot: Slot, cpus: int, environ: Mapping[str, str]) -> dict[str, str]:
@@ -156,6 +176,15 @@ CYCLE_TIME_MS = ("HVDRUN_CYCLE_TIME", "HOROVOD_CYCLE_TIME")
 # (rank, size) variables of the launchers we recognise, in order of preference
 _MPI_RANKS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"), ("PALS_RANKID", "PMI_SIZE"))
 _SLURM_RANK = ("SLURM_PROCID", "SLURM_NTASKS")
+_PMIX_RANK = "PMIX_RANK"
+
+
+def mpi_rank(environ: Mapping[str, str]) -> int | None:
+    """The rank an MPI launcher (Open MPI, MPICH/PMI, Cray PALS, PMIx) gave this process, or None."""
+    for name in (*(rank for rank, _ in _MPI_RANKS), _PMIX_RANK):
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return None
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,11 @@ class Launcher(abc.ABC):
     def start(self, spec: WorkerSpec, router: OutputRouter) -> Worker:
         """Start one worker and attach its stdout/stderr to ``router``."""
 
+    def start_all(self, specs: Sequence[WorkerSpec], router: OutputRouter) -> Iterator[Worker]:
+        """Start every rank, yielding each worker as soon as it runs (mpiexec yields one for all)."""
+        for spec in specs:
+            yield self.start(spec, router)
+
 
 @dataclass(frozen=True)
 class Failure:
@@ -154,13 +159,13 @@ class WorkerGroup:
         started = time.monotonic()
         with self._stop_signals_handled():
             try:
-                for spec in specs:
-                    self.workers.append(self.launcher.start(spec, self.router))
+                for worker in self.launcher.start_all(specs, self.router):
+                    self.workers.append(worker)
                 failure = self._supervise(started)
             finally:
                 self._teardown()
         self.router.drain(_DRAIN_TIMEOUT_S)
-        self._raise_for(failure)
+        self._raise_for(failure, len(specs))
 
     def _supervise(self, started: float) -> Failure | None:
         running = list(self.workers)
@@ -189,14 +194,14 @@ class WorkerGroup:
             while worker.poll() is None:
                 time.sleep(_POLL_INTERVAL_S)
 
-    def _raise_for(self, failure: Failure | None) -> None:
+    def _raise_for(self, failure: Failure | None, ranks: int) -> None:
         if self._interrupt is not None:
             name = signal.Signals(self._interrupt).name
-            raise JobInterrupted(f"received {name}; stopped all {len(self.workers)} workers",
+            raise JobInterrupted(f"received {name}; stopped all {ranks} workers",
                                  128 + self._interrupt)
         if failure is None:
             return
-        others = len(self.workers) - 1
+        others = ranks - 1
         tail = self.router.stderr_tail(failure.slot.rank)
         lines = [f"rank {failure.slot.rank} on host {failure.slot.hostname} {failure.describe()} "
                  f"{failure.seconds_after_start:.1f} s after start (first failure); stopped the other "

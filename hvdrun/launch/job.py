@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import shutil
 import sys
 import time
@@ -50,6 +51,8 @@ class RunOptions:
     ssh_identity_file: str | None = None
     ssh_known_hosts: str | None = None
     network_interface: str | None = None
+    mpi_flavour: str | None = None
+    mpi_args: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class JobPlan:
     cwd: str
     default_python: str = sys.executable
     ssh_port: int | None = None
+    layout: GpuLayout = GpuLayout()
 
     def python_for(self, host: Host) -> str:
         """The Python of ``host``: its own from the cluster YAML, else the launcher's."""
@@ -140,8 +144,6 @@ def resolve_command(command: Sequence[str], check_program: bool = True) -> tuple
 def _choose_launcher(options: RunOptions, config: ClusterConfig | None, hosts: Sequence[Host]) -> str:
     remote = [h.name for h in hosts if not is_local_host(h.name)]
     launcher = options.launcher or (config.launcher if config else None) or ("ssh" if remote else "local")
-    if launcher == "mpiexec":
-        raise UsageError("launcher 'mpiexec' is not available in this hvdrun yet; use --launcher ssh or local")
     if launcher == "local" and remote:
         raise UsageError(f"host '{remote[0]}' is not this machine; the local launcher starts ranks on "
                          "this machine only (e.g. -H localhost:4); use --launcher ssh for other hosts")
@@ -167,7 +169,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
         base_env[TIMELINE[0]] = str(Path(options.timeline_filename).resolve())
     return JobPlan(slots=tuple(slots), command=command, launcher=launcher, options=options, base_env=base_env,
                    cwd=os.getcwd(), default_python=(config.python if config else None) or sys.executable,
-                   ssh_port=config.ssh_port if config else None)
+                   ssh_port=config.ssh_port if config else None, layout=layout)
 
 
 def describe_plan(plan: JobPlan) -> str:
@@ -188,11 +190,17 @@ def make_launcher(plan: JobPlan) -> Launcher:
 
         return LocalLauncher(grace_s=options.grace_s)
     from hvdrun.launch.connections import SshOptions
-    from hvdrun.launch.ssh import SshLauncher
 
     ssh = SshOptions(port=options.ssh_port, identity_file=options.ssh_identity_file,
                      known_hosts=options.ssh_known_hosts, default_port=plan.ssh_port,
                      connect_timeout_s=min(10.0, _start_timeout(options)))
+    if plan.launcher == "mpiexec":
+        from hvdrun.launch.mpiexec import MpiexecLauncher
+
+        return MpiexecLauncher(options.grace_s, ssh, plan.layout, options.mpi_flavour, options.network_interface,
+                               shlex.split(options.mpi_args or ""))
+    from hvdrun.launch.ssh import SshLauncher
+
     return SshLauncher(options.grace_s, ssh, plan.cwd, options.network_interface,
                        everywhere=options.launcher == "ssh")
 

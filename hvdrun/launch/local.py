@@ -50,15 +50,19 @@ class LocalLauncher(Launcher):
         port, master_port = free_ports(2)
         return Endpoint(LOOPBACK, port, master_port)
 
-    def start(self, spec: WorkerSpec, router: OutputRouter) -> LocalWorker:
+    def spawn(self, spec: WorkerSpec) -> subprocess.Popen[bytes]:
+        """Start ``spec`` under its guard, with piped stdout and stderr."""
         argv = [sys.executable, GUARD_SCRIPT, str(self.grace_s), "--", *spec.argv]
         try:
-            process = subprocess.Popen(
+            return subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env=spec.env, cwd=spec.cwd, start_new_session=True,
             )
         except OSError as e:
             raise LaunchError(f"cannot start rank {spec.slot.rank} on this machine: {e}") from e
+
+    def start(self, spec: WorkerSpec, router: OutputRouter) -> LocalWorker:
+        process = self.spawn(spec)
         assert process.stdout is not None and process.stderr is not None
         router.attach(spec.slot.rank, "stdout", os.dup(process.stdout.fileno()))
         router.attach(spec.slot.rank, "stderr", os.dup(process.stderr.fileno()))

@@ -26,6 +26,8 @@ from typing import BinaryIO, TextIO
 
 STREAMS = ("stdout", "stderr")
 _READ_SIZE = 65536
+# a line of mpiexec's merged output, tagged by hvdrun's rank shim (launch/mpirank.py)
+_TAGGED_RE = re.compile(r"^\[(\d+)\]<(stdout|stderr|exit)>:(.*)$", re.DOTALL)
 # a line ends at \n, \r\n, or a \r that is not the first half of \r\n (undecided at the end)
 _LINE_RE = re.compile(r"[^\r\n]*(?:\n|\r\n|\r(?=[^\n]))")
 
@@ -82,6 +84,7 @@ class OutputRouter:
         self._tails: dict[int, deque[str]] = {}
         self._tail_lines = tail_lines
         self._pumps: list[threading.Thread] = []
+        self._rank_logs: dict[tuple[int, str], BinaryIO | None] = {}
 
     def attach(self, rank: int, stream: str, fd: int) -> None:
         """Start pumping file descriptor ``fd`` (the worker's ``stream``) until EOF; then close it."""
@@ -97,6 +100,50 @@ class OutputRouter:
         pump.start()
         self._pumps.append(pump)
 
+    def attach_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None]) -> threading.Thread:
+        """Pump mpiexec's merged ``stream``: lines tagged ``[rank]<stdout|stderr>:`` go to that rank as if it
+        had written them itself; ``[rank]<exit>:CODE`` calls ``on_exit(rank, code)``; untagged lines
+        (mpiexec's own) are written as they are."""
+        if not self._rank_logs:  # shared by both streams: a launcher may put a rank's stderr on its stdout
+            self._rank_logs.update({(rank, name): self._open_log(rank, name)
+                                    for rank in range(self.size) for name in STREAMS})
+        for rank in range(self.size):
+            self._tails.setdefault(rank, deque(maxlen=self._tail_lines))
+        pump = threading.Thread(target=self._pump_multiplexed, args=(stream, fd, on_exit, self._rank_logs),
+                                name=f"hvdrun-output-mpiexec-{stream}", daemon=True)
+        pump.start()
+        self._pumps.append(pump)
+        return pump
+
+    def _pump_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None],
+                          logs: dict[tuple[int, str], BinaryIO | None]) -> None:
+        splitter = LineSplitter()
+        try:
+            while data := _read(fd):
+                for line in splitter.feed(data):
+                    self._route_tagged(line, stream, on_exit, logs)
+            for line in splitter.close():
+                self._route_tagged(line, stream, on_exit, logs)
+        finally:
+            os.close(fd)
+
+    def _route_tagged(self, line: str, stream: str, on_exit: Callable[[int, int], None],
+                      logs: dict[tuple[int, str], BinaryIO | None]) -> None:
+        match = _TAGGED_RE.match(line)
+        rank = int(match.group(1)) if match else -1
+        if not match or not 0 <= rank < self.size:
+            self._write_console(stream, line if line.endswith(("\n", "\r")) else line + "\n")
+            return
+        kind, text = match.group(2), match.group(3)
+        if kind == "exit":
+            on_exit(rank, int(text.strip() or 0))
+            return
+        log = logs.get((rank, kind))
+        if log and not log.closed:
+            log.write(text.encode())
+            log.flush()
+        self._emit(rank, kind, [text])
+
     def stderr_tail(self, rank: int) -> list[str]:
         """The last stderr lines of ``rank``, without terminators."""
         return [line.rstrip("\r\n") for line in self._tails.get(rank, ())]
@@ -105,6 +152,9 @@ class OutputRouter:
         """Wait until every stream reached EOF and was written out (or the timeout passed)."""
         for pump in self._pumps:
             pump.join(timeout_s)
+        for log in self._rank_logs.values():
+            if log:
+                log.close()
 
     def _open_log(self, rank: int, stream: str) -> BinaryIO | None:
         if self.output_dir is None:
@@ -134,7 +184,10 @@ class OutputRouter:
         if stream == "stderr":
             self._tails[rank].extend(lines)
         tag = f"[{rank}]<{stream}>:" if self.prefix else ""
-        text = "".join(tag + line if line.endswith(("\n", "\r")) else tag + line + "\n" for line in lines)
+        self._write_console(stream, "".join(tag + line if line.endswith(("\n", "\r")) else tag + line + "\n"
+                                            for line in lines))
+
+    def _write_console(self, stream: str, text: str) -> None:
         console = self._console[stream]
         with self._lock:
             try:

@@ -1,0 +1,304 @@
+"""Start every rank with one ``mpiexec``: MPICH hydra, Open MPI (PRRTE) or Cray PALS.
+
+hvdrun runs ``mpiexec`` under its guard (so ``kill -9`` of hvdrun still stops the job) with the
+same hosts, rank order and environment contract as its other launchers. mpiexec starts
+``python -m hvdrun.launch.mpirank`` on every rank, which computes that rank's slot (GPU pinning
+included) and tags its output, so hvdrun splits mpiexec's merged output back into ranks and
+names the rank that failed first. SSH, where mpiexec uses it, goes through a wrapper that
+applies hvdrun's SSH options (port, key, known_hosts; host keys always verified).
+
+The flavour comes from ``mpiexec --version`` unless ``--mpi-flavour`` names it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hvdrun import envvars
+from hvdrun.errors import LaunchError, UsageError
+from hvdrun.hosts import Host, is_local_host
+from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
+from hvdrun.launch.connections import SshOptions
+from hvdrun.launch.local import LOOPBACK, LocalLauncher, LocalWorker
+from hvdrun.launch.mpirank import plan_value
+from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.probe import free_ports, interface_address
+from hvdrun.ranks import GpuLayout, Slot
+
+FLAVOURS = ("mpich", "openmpi", "pals")
+
+
+def detect_flavour(version_text: str) -> str | None:
+    """The flavour of an ``mpiexec --version`` output, or None when it is none we know."""
+    text = version_text.lower()
+    if "pals" in text:
+        return "pals"
+    if "open mpi" in text or "prrte" in text or "openrte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text:
+        return "mpich"
+    return None
+
+
+@dataclass(frozen=True)
+class MpiexecCommand:
+    """Everything one ``mpiexec`` line is built from.
+
+    Attributes:
+        flavour: mpich, openmpi or pals.
+        mpiexec: path of the program.
+        hosts: the hosts in rank order, each with the number of ranks it runs.
+        env: variables every rank gets (the rank-independent contract, config env, ``-x``).
+        rank_command: what mpiexec starts per rank (the shim and the user's command).
+        ssh_agent: the SSH wrapper mpiexec should use, or None for its default.
+        callback_addr: this machine's address as the hosts reach it (hydra's ``-localhost``).
+        hostfile: PALS: a file listing the hosts, one per line.
+        extra_args: ``--mpi-args``, inserted before the command.
+    """
+
+    flavour: str
+    mpiexec: str
+    hosts: tuple[Host, ...]
+    env: Mapping[str, str]
+    rank_command: tuple[str, ...]
+    ssh_agent: str | None = None
+    callback_addr: str | None = None
+    hostfile: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def num_proc(self) -> int:
+        """Total ranks."""
+        return sum(host.slots for host in self.hosts)
+
+    def argv(self) -> list[str]:
+        """The ``mpiexec`` command line for this flavour."""
+        build = {"mpich": self._mpich, "openmpi": self._openmpi, "pals": self._pals}[self.flavour]
+        return [self.mpiexec, *build(), *self.extra_args, *self.rank_command]
+
+    def _host_slots(self) -> str:
+        return ",".join(f"{host.name}:{host.slots}" for host in self.hosts)
+
+    def _mpich(self) -> list[str]:
+        args = ["-n", str(self.num_proc), "-hosts", self._host_slots()]
+        if self.ssh_agent:
+            args += ["-launcher", "ssh", "-launcher-exec", self.ssh_agent]
+        if self.callback_addr:
+            args += ["-localhost", self.callback_addr]
+        return args + [word for name, value in sorted(self.env.items()) for word in ("-genv", name, value)]
+
+    def _openmpi(self) -> list[str]:
+        args = ["-n", str(self.num_proc), "--host", self._host_slots(), "--map-by", "slot", "--bind-to", "none"]
+        if os.geteuid() == 0:
+            args.append("--allow-run-as-root")
+        if self.ssh_agent:
+            args += ["--prtemca", "plm_ssh_agent", self.ssh_agent]
+        return args + [word for name, value in sorted(self.env.items()) for word in ("-x", f"{name}={value}")]
+
+    def _pals(self) -> list[str]:
+        per_host = {host.slots for host in self.hosts}
+        if len(per_host) != 1:
+            listed = ",".join(f"{h.name}:{h.slots}" for h in self.hosts)
+            raise UsageError(f"Cray PALS mpiexec runs the same number of ranks on every host (--ppn); the ranks "
+                             f"fall unevenly on {listed}: give -np a multiple of the slots per host")
+        args = ["--np", str(self.num_proc), "--ppn", str(per_host.pop()), "--line-buffer"]
+        if self.hostfile:
+            args += ["--hostfile", self.hostfile]
+        return args + [word for name, value in sorted(self.env.items()) for word in ("--env", f"{name}={value}")]
+
+
+def ssh_agent_script(options: SshOptions) -> str:
+    """A ``/bin/sh`` wrapper around OpenSSH's ``ssh`` that applies hvdrun's SSH options."""
+    words = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+             "-o", f"UserKnownHostsFile={options.known_hosts_path}"]
+    if options.port or options.default_port:
+        words += ["-p", str(options.port or options.default_port)]
+    if options.identity_file:
+        words += ["-i", options.identity_file]
+    return f'#!/bin/sh\nexec {shlex.join(words)} "$@"\n'
+
+
+def find_mpiexec() -> str:
+    """``mpiexec`` beside this Python (a virtualenv's, e.g. the mpich wheel's), else on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.is_file() else shutil.which("mpiexec")
+    if not found:
+        raise LaunchError(f"mpiexec not found beside {sys.executable} or on PATH; load your MPI module "
+                          "(or pip install mpich) or use --launcher ssh")
+    return found
+
+
+class MpiexecWorker(LocalWorker):
+    """The whole job as one mpiexec; reports the first rank that failed as the failure.
+
+    mpiexec does not always stop the job when a rank exits non-zero (hydra waits for the others),
+    so as soon as a rank's shim reports a failure, the worker stops mpiexec: SIGTERM, which
+    mpiexec passes to every rank, then SIGKILL after the grace period.
+    """
+
+    def __init__(self, slots: Sequence[Slot], process: subprocess.Popen[bytes], grace_s: float) -> None:
+        super().__init__(slots[0], process)
+        self.slots, self.grace_s = list(slots), grace_s
+        self.exits: list[tuple[int, int]] = []
+        self.output_done = threading.Event()
+        self._note = ""
+        self._stopping_since: float | None = None
+
+    def record_exit(self, rank: int, code: int) -> None:
+        """A rank's shim reported its exit status."""
+        self.exits.append((rank, code))
+
+    def _first_failure(self) -> tuple[int, int] | None:
+        return next(((rank, code) for rank, code in self.exits if code != 0), None)
+
+    def poll(self) -> int | None:
+        status = self.process.poll()
+        if status is None:
+            self._stop_after_failure()
+            return None
+        if status == 0:
+            return 0
+        self.output_done.wait(5.0)  # the shims' exit reports arrive on mpiexec's stdout
+        failed = self._first_failure()
+        if failed is None:
+            self._note = f"made mpiexec exit with code {status} (see mpiexec's messages above)"
+            return status
+        self.slot = self.slots[failed[0]]
+        return failed[1]
+
+    def _stop_after_failure(self) -> None:
+        if self._first_failure() is None:
+            return
+        now = time.monotonic()
+        if self._stopping_since is None:
+            self._stopping_since = now
+            self.signal_group(signal.SIGTERM)
+        elif now - self._stopping_since > self.grace_s:
+            self.signal_group(signal.SIGKILL)
+
+    def failure_note(self) -> str:
+        return self._note
+
+
+class MpiexecLauncher(Launcher):
+    """Runs the job as one ``mpiexec`` (see the module docstring).
+
+    Args:
+        grace_s: seconds between SIGTERM and SIGKILL.
+        ssh: SSH options for the wrapper mpiexec uses to reach hosts.
+        layout: the GPU layout the shims pin by.
+        flavour: mpich, openmpi or pals; None detects it.
+        network_interface: advertise this interface's address.
+        extra_args: ``--mpi-args``.
+    """
+
+    def __init__(self, grace_s: float, ssh: SshOptions, layout: GpuLayout, flavour: str | None = None,
+                 network_interface: str | None = None, extra_args: Sequence[str] = ()) -> None:
+        super().__init__(grace_s)
+        self.ssh, self.layout, self.flavour = ssh, layout, flavour
+        self.network_interface, self.extra_args = network_interface, tuple(extra_args)
+        self.mpiexec = ""
+        self._local = LocalLauncher(grace_s)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._hosts: tuple[Host, ...] = ()
+        self._callback_addr: str | None = None
+
+    def prepare(self, slots: Sequence[Slot], deadline: float) -> None:
+        self.mpiexec = find_mpiexec()
+        self.flavour = self.flavour or self._detect()
+        counts = Counter(slot.host for slot in slots)
+        self._hosts = tuple(Host(host.name, count, host.user) for host, count in counts.items())
+        remote = [host for host in self._hosts if not is_local_host(host.name)]
+        if remote:
+            self._callback_addr = self._local_address(remote[0])
+        self._tmp = tempfile.TemporaryDirectory(prefix="hvdrun-mpiexec-")
+
+    def _detect(self) -> str:
+        try:
+            done = subprocess.run([self.mpiexec, "--version"], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise LaunchError(f"cannot run '{self.mpiexec} --version': {e}") from e
+        flavour = detect_flavour(done.stdout + done.stderr)
+        if flavour is None:
+            raise LaunchError(f"cannot tell which MPI '{self.mpiexec}' belongs to from its --version output; "
+                              f"name it with --mpi-flavour {{{','.join(FLAVOURS)}}}")
+        return flavour
+
+    def _local_address(self, towards: Host) -> str:
+        if self.network_interface:
+            addr = interface_address(self.network_interface)
+            if addr is None:
+                raise LaunchError(f"this machine has no IPv4 address on --network-interface "
+                                  f"'{self.network_interface}'")
+            return addr
+        try:  # the source address of the route to the first remote host (no packet is sent)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((towards.name, 9))
+                return str(probe.getsockname()[0])
+        except OSError as e:
+            raise LaunchError(f"no route from this machine to {towards.name}: {e.strerror or e}") from e
+
+    def endpoint(self, host: Host) -> Endpoint:
+        if is_local_host(host.name):
+            return Endpoint(self._callback_addr or LOOPBACK, *free_ports(2))
+        return Endpoint(host.name, *free_ports(2))  # rank 0 listens on every interface of its host
+
+    def start(self, spec: WorkerSpec, router: OutputRouter) -> Worker:
+        raise NotImplementedError("mpiexec starts every rank at once: use start_all")
+
+    def start_all(self, specs: Sequence[WorkerSpec], router: OutputRouter) -> Iterator[Worker]:
+        command = self.command(specs)
+        first = specs[0]
+        process = self._local.spawn(WorkerSpec(first.slot, tuple(command.argv()), dict(os.environ), first.cwd))
+        worker = MpiexecWorker([spec.slot for spec in specs], process, self.grace_s)
+        assert process.stdout is not None and process.stderr is not None
+        stdout = router.attach_multiplexed("stdout", os.dup(process.stdout.fileno()), worker.record_exit)
+        router.attach_multiplexed("stderr", os.dup(process.stderr.fileno()), worker.record_exit)
+        threading.Thread(target=_set_when_done, args=(stdout, worker.output_done), daemon=True).start()
+        process.stdout.close()
+        process.stderr.close()
+        yield worker
+
+    def command(self, specs: Sequence[WorkerSpec]) -> MpiexecCommand:
+        """The mpiexec command for the job whose ranks are ``specs``."""
+        assert self._tmp is not None and self.flavour is not None
+        first = specs[0]
+        env = {**envvars.job_env(envvars.rendezvous_of(first.env)), **_additions(first.env),
+               envvars.MPI_PLAN: plan_value(list(self._hosts), len(specs), self.layout)}
+        agent = Path(self._tmp.name) / "ssh"
+        agent.write_text(ssh_agent_script(self.ssh))
+        agent.chmod(0o700)
+        hostfile = Path(self._tmp.name) / "hostfile"
+        hostfile.write_text("".join(f"{host.name}\n" for host in self._hosts))
+        rank_command = (first.python, "-m", "hvdrun.launch.mpirank", f"{self.grace_s:g}", "--", *first.argv)
+        return MpiexecCommand(self.flavour, self.mpiexec, self._hosts, env, rank_command, str(agent),
+                              self._callback_addr, str(hostfile), self.extra_args)
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def _set_when_done(thread: threading.Thread, event: threading.Event) -> None:
+    thread.join()
+    event.set()
+
+
+def _additions(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables hvdrun added to its own environment for the job (config env, -x, timeouts)."""
+    per_rank = envvars.rank_variable_names()
+    return {name: value for name, value in env.items()
+            if os.environ.get(name) != value and name not in per_rank}

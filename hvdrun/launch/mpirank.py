@@ -1,0 +1,126 @@
+"""One rank under mpiexec: ``python -m hvdrun.launch.mpirank GRACE_S -- COMMAND...``.
+
+mpiexec (MPICH hydra, Open MPI, Cray PALS) starts one copy of this shim per rank. The shim
+
+1. reads its MPI rank (``PMI_RANK``, ``OMPI_COMM_WORLD_RANK``, ``PALS_RANKID``, ``PMIX_RANK``) and
+   the job plan hvdrun put in ``HVDRUN_MPI_PLAN`` (hosts, -np, GPU layout), and computes its slot
+   with the same pure :func:`hvdrun.ranks.assign_slots` as every other launcher;
+2. gives the command hvdrun's environment contract for that slot (``HVDRUN_*``, ``HOROVOD_*``,
+   torchrun's variables, ``CUDA_VISIBLE_DEVICES`` pinned in the machine's GPU order);
+3. runs it in a process group of its own and prefixes every output line with ``[rank]<stdout>:``
+   or ``[rank]<stderr>:``, then reports ``[rank]<exit>:CODE``, so hvdrun can split mpiexec's
+   merged output back into ranks and name the rank that failed first;
+4. forwards SIGTERM / SIGINT to the group (SIGKILL after GRACE_S), and stops it when its parent
+   (mpiexec's proxy) dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+from hvdrun import envvars
+from hvdrun.hosts import Host
+from hvdrun.launch.output import LineSplitter
+from hvdrun.ranks import GpuLayout, Slot, assign_slots
+
+_PR_SET_PDEATHSIG = 1
+_write_lock = threading.Lock()
+
+
+def plan_value(hosts: list[Host], num_proc: int, layout: GpuLayout) -> str:
+    """The ``HVDRUN_MPI_PLAN`` value that lets every shim compute its slot."""
+    return json.dumps({"hosts": [[h.name, h.slots] for h in hosts], "np": num_proc,
+                       "gpus": [layout.gpus_per_node, list(layout.gpu_order or ()), layout.gpus_per_rank]})
+
+
+def slot_of(environ: Mapping[str, str]) -> Slot:
+    """This rank's slot, from the MPI rank and hvdrun's plan."""
+    plan = json.loads(environ[envvars.MPI_PLAN])
+    gpus_per_node, order, per_rank = plan["gpus"]
+    layout = GpuLayout(gpus_per_node, tuple(order) or None, per_rank)
+    slots = assign_slots([Host(name, slots) for name, slots in plan["hosts"]], plan["np"], layout)
+    rank = envvars.mpi_rank(environ)
+    if rank is None or not 0 <= rank < len(slots):
+        raise SystemExit(f"hvdrun: mpirank: no MPI rank in the environment, or rank {rank} outside the job "
+                         f"of {len(slots)} ranks")
+    return slots[rank]
+
+
+def worker_environment(environ: Mapping[str, str]) -> tuple[Slot, dict[str, str]]:
+    """The slot and full environment of this rank's command."""
+    slot = slot_of(environ)
+    rendezvous = envvars.rendezvous_of(environ)
+    env = {**environ, **envvars.thread_env(slot, os.cpu_count() or 1, environ), **envvars.worker_env(slot, rendezvous)}
+    return slot, env
+
+
+def _emit(rank: int, stream: str, text: str) -> None:
+    data = f"[{rank}]<{stream}>:{text}".encode()
+    with _write_lock:
+        os.write(2 if stream == "stderr" else 1, data)
+
+
+def _pump(rank: int, stream: str, fd: int) -> None:
+    splitter = LineSplitter()
+    while data := os.read(fd, 65536):
+        for line in splitter.feed(data):
+            _emit(rank, stream, line)
+    for line in splitter.close():
+        _emit(rank, stream, line if line.endswith(("\n", "\r")) else line + "\n")
+    os.close(fd)
+
+
+def _stop(worker: subprocess.Popen[bytes], grace_s: float, signum: int) -> None:
+    try:
+        os.killpg(worker.pid, signum)
+        deadline = time.monotonic() + grace_s
+        while worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.killpg(worker.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: list[str]) -> None:
+    """Run one rank; ``argv`` is ``[GRACE_S, "--", COMMAND...]``."""
+    if len(argv) < 3 or argv[1] != "--":
+        sys.exit("usage: python -m hvdrun.launch.mpirank GRACE_S -- COMMAND...")
+    grace_s = float(argv[0])
+    slot, env = worker_environment(os.environ)
+    try:  # die with mpiexec's proxy (Linux)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    worker = subprocess.Popen(argv[2:], stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, env=env,
+                              start_new_session=True, close_fds=False)
+    os.close(out_w)
+    os.close(err_w)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda s, _f: threading.Thread(target=_stop, args=(worker, grace_s, s)).start())
+    pumps = [threading.Thread(target=_pump, args=(slot.rank, s, fd)) for s, fd in (("stdout", out_r),
+                                                                                    ("stderr", err_r))]
+    for pump in pumps:
+        pump.start()
+    code = worker.wait()
+    try:  # what the command left in its group would hold the output pipes open
+        os.killpg(worker.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pump in pumps:
+        pump.join()
+    _emit(slot.rank, "exit", f"{code}\n")
+    sys.exit(code if code >= 0 else 128 - code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

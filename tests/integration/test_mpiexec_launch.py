@@ -1,0 +1,77 @@
+"""``--launcher mpiexec`` with the mpich wheel's hydra: locally, and over ssh across the namespace hosts."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import job_processes, wait_until
+from tests.integration.test_local_launch import script
+from tests.integration.test_ssh_launch import ALLREDUCE, SLEEPER, results, start_and_wait_ready
+
+pytestmark = pytest.mark.integration
+
+
+def proxies_left() -> list[str]:
+    done = subprocess.run(["pgrep", "-af", "hydra_pmi_proxy"], capture_output=True, text=True)
+    return done.stdout.splitlines()
+
+
+def test_mpiexec_across_two_hosts(run_hvdrun, ssh_hosts, tmp_path):
+    worker = script(tmp_path, "allreduce.py", ALLREDUCE)
+    done = run_hvdrun("--launcher", "mpiexec", "-H", ssh_hosts.hosts(2), *ssh_hosts.args(), "--output-dir", "logs",
+                      worker, "a b", "$(touch pwned)")
+    assert done.returncode == 0, done.stderr
+    ranks = results(done.stdout)
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and all(r["ok"] and r["size"] == 4 for r in ranks)
+    assert [r["host"] for r in ranks] == ["h1", "h1", "h2", "h2"]
+    assert [r["local_rank"] for r in ranks] == [0, 1, 0, 1]
+    assert all(r["argv"] == ["a b", "$(touch pwned)"] for r in ranks) and not (tmp_path / "pwned").exists()
+    for rank in range(4):
+        assert f"[{rank}]<stdout>:RESULT " in done.stdout
+        assert "RESULT " in (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_text()
+    assert wait_until(lambda: not proxies_left(), 10), proxies_left()
+
+
+def test_mpiexec_on_this_machine_runs_the_ring(run_hvdrun, tmp_path):
+    worker = script(tmp_path, "allreduce.py", ALLREDUCE)
+    done = run_hvdrun("--launcher", "mpiexec", "-np", "3", worker)
+    assert done.returncode == 0, done.stderr
+    assert [r["ok"] for r in results(done.stdout)] == [True] * 3
+
+
+def test_mpiexec_names_the_failed_rank_and_stops_the_others(run_hvdrun, ssh_hosts, tmp_path):
+    sleeper = script(tmp_path, "sleeper.py", SLEEPER)
+    start = time.monotonic()
+    done = run_hvdrun("--launcher", "mpiexec", "-H", ssh_hosts.hosts(2), *ssh_hosts.args(), "--grace-period", "2",
+                      sleeper, "2")
+    assert done.returncode == 3, done.stderr
+    assert f"rank 2 on host {ssh_hosts.addrs[1]} exited with code 3" in done.stderr
+    assert "remote rank is about to fail" in done.stderr
+    assert time.monotonic() - start < 60  # the others sleep 300 s: they were stopped
+    assert wait_until(lambda: not proxies_left(), 10), proxies_left()
+
+
+def test_interrupting_hvdrun_stops_mpiexec_everywhere(ssh_hosts, hvdrun_env, tmp_path, token):
+    proc = start_and_wait_ready(ssh_hosts, hvdrun_env, tmp_path, "--launcher", "mpiexec")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 128 + signal.SIGINT
+    assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
+    assert wait_until(lambda: not proxies_left(), 10), proxies_left()
+
+
+def test_sigkill_of_hvdrun_stops_mpiexec_everywhere(ssh_hosts, hvdrun_env, tmp_path, token):
+    proc = start_and_wait_ready(ssh_hosts, hvdrun_env, tmp_path, "--launcher", "mpiexec", "--grace-period", "1")
+    proc.kill()
+    proc.wait(timeout=10)
+    assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
+    assert wait_until(lambda: not proxies_left(), 10), proxies_left()
+
+
+def test_unknown_mpiexec_flavour_is_a_usage_error(run_hvdrun, tmp_path):
+    done = run_hvdrun("--launcher", "mpiexec", "--mpi-flavour", "lam", sys.executable)
+    assert done.returncode == 2 and "Invalid value for '--mpi-flavour'" in done.stderr
