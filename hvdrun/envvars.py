@@ -122,6 +122,16 @@ def thread_env(slot: Slot, cpus: int, environ: Mapping[str, str]) -> dict[str, s
     return {OMP_NUM_THREADS: str(max(1, cpus // slot.local_size))}
 
 
+_SOCKET_IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def interface_env(interface: str | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """``--network-interface IF``: torch.distributed's gloo and NCCL use IF too, unless the user chose already."""
+    if not interface:
+        return {}
+    return {name: interface for name in _SOCKET_IFNAMES if name not in environ}
+
+
 def forwarded_env(specs: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
     """Resolve ``-x VAR`` (value from ``environ``) and ``-x VAR=value`` options.
 

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hvdrun.config import ClusterConfig, load_cluster, load_config
-from hvdrun.envvars import START_TIMEOUT, TIMELINE, Rendezvous, forwarded_env, thread_env, worker_env
+from hvdrun.envvars import (
+    START_TIMEOUT,
+    TIMELINE,
+    Rendezvous,
+    forwarded_env,
+    interface_env,
+    thread_env,
+    worker_env,
+)
 from hvdrun.errors import JobInterrupted, UsageError
 from hvdrun.hosts import Host, detect_allocation, is_local_host, parse_host_string, parse_hostfile
 from hvdrun.launch.base import Launcher, WorkerGroup, WorkerSpec
@@ -163,6 +171,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     launcher = _choose_launcher(options, config, hosts)
     command = resolve_command(options.command, check_program=launcher == "local")
     base_env = {**environ, **(config.env if config else {}), **forwarded_env(options.env_specs, environ)}
+    base_env.update(interface_env(options.network_interface, base_env))
     if options.start_timeout_s is not None:
         base_env[START_TIMEOUT] = str(options.start_timeout_s)
     if options.timeline_filename:

@@ -36,7 +36,7 @@ total = hvd.allreduce(torch.full((100_003,), rank + 1.0, dtype=torch.float64), o
 print("RESULT " + json.dumps({"rank": rank, "size": size, "host": socket.gethostname(),
       "local_rank": hvd.local_rank(), "ok": bool((total == size * (size + 1) / 2).all()),
       "argv": sys.argv[1:], "injected": os.environ.get("INJECTED"), "master": os.environ["MASTER_ADDR"],
-      "home": os.environ.get("HOME")}), flush=True)
+      "home": os.environ.get("HOME"), "gloo_if": os.environ.get("GLOO_SOCKET_IFNAME")}), flush=True)
 hvd.shutdown()
 """
 
@@ -89,7 +89,7 @@ def test_network_interface_is_advertised_and_a_missing_one_named(run_hvdrun, ssh
     worker = script(tmp_path, "allreduce.py", ALLREDUCE)
     done = run_hvdrun("-H", ssh_hosts.hosts(1), *ssh_hosts.args(), "--network-interface", "eth0", worker)
     assert done.returncode == 0, done.stderr
-    assert all(r["ok"] and r["master"] == ssh_hosts.addrs[0] for r in results(done.stdout))
+    assert all(r["ok"] and r["master"] == ssh_hosts.addrs[0] and r["gloo_if"] == "eth0" for r in results(done.stdout))
     bad = run_hvdrun("-H", ssh_hosts.hosts(1), *ssh_hosts.args(), "--network-interface", "ib9", worker)
     assert bad.returncode == 1 and "RESULT" not in bad.stdout
     assert f"root@{ssh_hosts.addrs[0]} ({ssh_hosts.addrs[0]}:22) has no IPv4 address on --network-interface 'ib9'" \
@@ -101,6 +101,14 @@ def test_distributed_optimizer_training_across_hosts(run_hvdrun, ssh_hosts, tmp_
                       timeout=240)
     assert done.returncode == 0, done.stderr
     assert all(f"[{rank}]<stdout>:rank {rank}: optimizer ok" in done.stdout for rank in range(4))
+
+
+def test_torchrun_style_script_runs_unchanged_across_hosts(run_hvdrun, ssh_hosts):
+    example = str(REPO / "examples" / "torch_ddp_regression.py")
+    done = run_hvdrun("-H", ssh_hosts.hosts(1), *ssh_hosts.args(), "--network-interface", "eth0", example,
+                      "--epochs", "50", timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "[0]<stdout>:ranks=2 epochs=50" in done.stdout
 
 
 def test_ssh_config_names_hosts_users_ports_and_keys(run_hvdrun, ssh_hosts, hvdrun_env, tmp_path):
