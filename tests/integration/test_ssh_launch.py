@@ -76,6 +76,26 @@ def test_allreduce_across_two_hosts_with_hostile_arguments(run_hvdrun, ssh_hosts
         assert "RESULT " in (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_text()
 
 
+def test_remote_output_arrives_whole_when_ranks_exit_at_once(run_hvdrun, ssh_hosts, tmp_path):
+    flood = script(tmp_path, "flood.py", """
+        import os, sys
+        rank = os.environ["RANK"]
+        for i in range(5000):
+            print(f"{rank} line {i}")
+            print(f"{rank} err {i}", file=sys.stderr)
+        sys.stdout.write(f"{rank} no newline at the end")
+    """)
+    done = run_hvdrun("-H", ssh_hosts.hosts(2), *ssh_hosts.args(), "--output-dir", "logs", flood)
+    assert done.returncode == 0, done.stderr
+    for rank in range(4):
+        out = [line for line in done.stdout.splitlines() if line.startswith(f"[{rank}]<stdout>:")]
+        err = [line for line in done.stderr.splitlines() if line.startswith(f"[{rank}]<stderr>:")]
+        assert out == [f"[{rank}]<stdout>:{rank} line {i}" for i in range(5000)] + \
+            [f"[{rank}]<stdout>:{rank} no newline at the end"]
+        assert err == [f"[{rank}]<stderr>:{rank} err {i}" for i in range(5000)]
+        assert (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_text().endswith("no newline at the end")
+
+
 def test_rank_zero_on_this_machine_advertises_the_route_to_the_hosts(run_hvdrun, ssh_hosts, tmp_path):
     worker = script(tmp_path, "allreduce.py", ALLREDUCE)
     done = run_hvdrun("-H", f"localhost:1,{ssh_hosts.addrs[0]}:1", *ssh_hosts.args(), worker)
