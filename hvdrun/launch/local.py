@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -14,6 +15,17 @@ from hvdrun.launch.probe import free_ports
 from hvdrun.ranks import Slot
 
 LOOPBACK = "127.0.0.1"
+
+
+_PIPE_BYTES = 1 << 20
+
+
+def widen_pipe(fd: int) -> None:
+    """Give a pipe 1 MiB of buffer (Linux; 64 KiB by default): far fewer wake-ups for chatty workers."""
+    try:
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_BYTES)
+    except OSError:
+        pass  # above /proc/sys/fs/pipe-max-size for this user, or not Linux: keep the default
 
 
 class LocalWorker(Worker):
@@ -64,6 +76,8 @@ class LocalLauncher(Launcher):
     def start(self, spec: WorkerSpec, router: OutputRouter) -> LocalWorker:
         process = self.spawn(spec)
         assert process.stdout is not None and process.stderr is not None
+        for pipe in (process.stdout, process.stderr):
+            widen_pipe(pipe.fileno())
         router.attach(spec.slot.rank, "stdout", os.dup(process.stdout.fileno()))
         router.attach(spec.slot.rank, "stderr", os.dup(process.stderr.fileno()))
         process.stdout.close()

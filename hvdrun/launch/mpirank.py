@@ -62,19 +62,21 @@ def worker_environment(environ: Mapping[str, str]) -> tuple[Slot, dict[str, str]
     return slot, env
 
 
-def _emit(rank: int, stream: str, text: str) -> None:
-    data = f"[{rank}]<{stream}>:{text}".encode()
+def _emit(rank: int, stream: str, line: bytes) -> None:
+    data = f"[{rank}]<{stream}>:".encode() + line
     with _write_lock:
-        os.write(2 if stream == "stderr" else 1, data)
+        view, fd = memoryview(data), 2 if stream == "stderr" else 1
+        while view:
+            view = view[os.write(fd, view):]
 
 
 def _pump(rank: int, stream: str, fd: int) -> None:
     splitter = LineSplitter()
-    while data := os.read(fd, 65536):
+    while data := os.read(fd, 1 << 20):
         for line in splitter.feed(data):
             _emit(rank, stream, line)
     for line in splitter.close():
-        _emit(rank, stream, line if line.endswith(("\n", "\r")) else line + "\n")
+        _emit(rank, stream, line if line.endswith((b"\n", b"\r")) else line + b"\n")
     os.close(fd)
 
 
@@ -118,7 +120,7 @@ def main(argv: list[str]) -> None:
         pass
     for pump in pumps:
         pump.join()
-    _emit(slot.rank, "exit", f"{code}\n")
+    _emit(slot.rank, "exit", f"{code}\n".encode())
     sys.exit(code if code >= 0 else 128 - code)
 
 

@@ -9,60 +9,110 @@ One :class:`OutputRouter` per job decides where every byte a worker writes goes:
 * the last lines of each rank's stderr are kept for the failure report.
 
 Lines end at ``\\n``, ``\\r\\n`` or ``\\r`` (progress bars), and the terminator is kept; a
-last line without terminator is still delivered at EOF.
+last line without terminator is still delivered at EOF. Lines are cut as bytes (no UTF-8
+byte sequence contains ``\\n`` or ``\\r``) and reach the console unchanged, in time linear
+in their length: a worker printing megabyte lines is not slowed down by hvdrun.
 """
 
 from __future__ import annotations
 
-import codecs
 import os
 import re
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
 STREAMS = ("stdout", "stderr")
-_READ_SIZE = 65536
+_READ_SIZE = 1 << 20
 # a line of mpiexec's merged output, tagged by hvdrun's rank shim (launch/mpirank.py)
-_TAGGED_RE = re.compile(r"^\[(\d+)\]<(stdout|stderr|exit)>:(.*)$", re.DOTALL)
-# a line ends at \n, \r\n, or a \r that is not the first half of \r\n (undecided at the end)
-_LINE_RE = re.compile(r"[^\r\n]*(?:\n|\r\n|\r(?=[^\n]))")
+_TAGGED_RE = re.compile(rb"^\[(\d+)\]<(stdout|stderr|exit)>:", re.DOTALL)
 
 
 class LineSplitter:
-    """Incrementally decode UTF-8 bytes and cut them into lines, keeping terminators."""
+    """Cut a byte stream into lines, keeping terminators.
+
+    Linear in the bytes fed: only new bytes are searched for terminators, and a partial line is
+    kept as a list of pieces joined once, when its terminator arrives. A ``\\r`` at the very end
+    of a chunk stays undecided until the next chunk says whether a ``\\n`` follows.
+    """
 
     def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._pending = ""
+        self._parts: list[bytes] = []
+        self._cr_pending = False
 
-    def feed(self, data: bytes) -> list[str]:
+    def feed(self, data: bytes) -> list[bytes]:
         """Add bytes; return every line completed so far (terminator included)."""
-        return self._split(self._pending + self._decoder.decode(data), final=False)
+        return self._split(data, final=False)
 
-    def close(self) -> list[str]:
+    def close(self) -> list[bytes]:
         """Return what is left (a partial last line) at EOF."""
-        return self._split(self._pending + self._decoder.decode(b"", final=True), final=True)
+        return self._split(b"", final=True)
 
-    def _split(self, text: str, final: bool) -> list[str]:
-        lines, end = [], 0
-        for match in _LINE_RE.finditer(text):
-            lines.append(match.group())
-            end = match.end()
-        rest = text[end:]
-        if final and rest:
-            lines.append(rest)
-            rest = ""
-        self._pending = rest
+    def _split(self, data: bytes, final: bool) -> list[bytes]:
+        lines: list[bytes] = []
+        start = 0
+        if self._cr_pending and (data or final):
+            if data.startswith(b"\n"):
+                self._parts.append(b"\n")
+                start = 1
+            lines.append(self._take())
+        for end in _line_ends(data, start):
+            if end < 0:  # a \r closing the chunk: maybe the first half of \r\n, decided by the next chunk
+                if final:
+                    self._parts.append(data[start:])
+                    lines.append(self._take())
+                    return lines
+                self._parts.append(data[start:])
+                self._cr_pending = True
+                return lines
+            self._parts.append(data[start:end])
+            lines.append(self._take())
+            start = end
+        if start < len(data):
+            self._parts.append(data[start:])
+        if final and self._parts:
+            lines.append(self._take())
         return lines
+
+    def _take(self) -> bytes:
+        line = b"".join(self._parts)
+        self._parts, self._cr_pending = [], False
+        return line
+
+
+def _line_ends(data: bytes, start: int) -> Iterator[int]:
+    """End offsets (after the terminator) of the lines in ``data[start:]``; -1 for a ``\r`` at the very end.
+
+    ``bytes.find`` runs at memory speed; each position is searched again only once passed, so the
+    scan stays linear however many lines a chunk holds.
+    """
+    size = len(data)
+    next_nl, next_cr = data.find(b"\n", start), data.find(b"\r", start)
+    while next_nl >= 0 or next_cr >= 0:
+        if next_cr < 0 or 0 <= next_nl < next_cr:
+            end = next_nl + 1
+        elif next_cr + 1 == size:
+            yield -1
+            return
+        else:
+            end = next_cr + 2 if data[next_cr + 1] == 0x0A else next_cr + 1
+        yield end
+        if next_nl < end:
+            next_nl = data.find(b"\n", end)
+        if 0 <= next_cr < end:
+            next_cr = data.find(b"\r", end)
 
 
 def rank_dir_name(rank: int, size: int) -> str:
     """``rank.N`` with N padded to the width of ``size - 1`` so names sort by rank."""
     return f"rank.{rank:0{len(str(max(size - 1, 0)))}d}"
+
+
+def _with_newline(line: bytes) -> bytes:
+    return line if line.endswith((b"\n", b"\r")) else line + b"\n"
 
 
 class OutputRouter:
@@ -73,6 +123,7 @@ class OutputRouter:
         prefix: prefix console lines with ``[rank]<stream>:``.
         output_dir: also write ``DIR/rank.N/{stdout,stderr}``; None for console only.
         tail_lines: how many stderr lines to keep per rank for failure reports.
+        console: where console lines go per stream (default hvdrun's stdout and stderr).
     """
 
     def __init__(self, size: int, prefix: bool = True, output_dir: str | Path | None = None,
@@ -81,7 +132,7 @@ class OutputRouter:
         self.output_dir = Path(output_dir) if output_dir else None
         self._console = console or {"stdout": sys.stdout, "stderr": sys.stderr}
         self._lock = threading.Lock()
-        self._tails: dict[int, deque[str]] = {}
+        self._tails: dict[int, deque[bytes]] = {}
         self._tail_lines = tail_lines
         self._pumps: list[threading.Thread] = []
         self._rank_logs: dict[tuple[int, str], BinaryIO | None] = {}
@@ -95,58 +146,31 @@ class OutputRouter:
         """Start pumping ``read()`` (blocking; ``b""`` at EOF) as the worker's ``stream``; ``close()`` at EOF."""
         log = self._open_log(rank, stream)
         self._tails.setdefault(rank, deque(maxlen=self._tail_lines))
-        pump = threading.Thread(target=self._pump, args=(rank, stream, read, close, log),
-                                name=f"hvdrun-output-{rank}-{stream}", daemon=True)
-        pump.start()
-        self._pumps.append(pump)
+        self._start_pump(f"{rank}-{stream}", self._pump, rank, stream, read, close, log)
 
     def attach_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None]) -> threading.Thread:
-        """Pump mpiexec's merged ``stream``: lines tagged ``[rank]<stdout|stderr>:`` go to that rank as if it
-        had written them itself; ``[rank]<exit>:CODE`` calls ``on_exit(rank, code)``; untagged lines
-        (mpiexec's own) are written as they are."""
+        """Pump mpiexec's merged ``stream``.
+
+        Lines tagged ``[rank]<stdout|stderr>:`` go to that rank as if it had written them itself;
+        ``[rank]<exit>:CODE`` calls ``on_exit(rank, code)``; untagged lines (mpiexec's own) are
+        written as they are.
+        """
         if not self._rank_logs:  # shared by both streams: a launcher may put a rank's stderr on its stdout
             self._rank_logs.update({(rank, name): self._open_log(rank, name)
                                     for rank in range(self.size) for name in STREAMS})
         for rank in range(self.size):
             self._tails.setdefault(rank, deque(maxlen=self._tail_lines))
-        pump = threading.Thread(target=self._pump_multiplexed, args=(stream, fd, on_exit, self._rank_logs),
-                                name=f"hvdrun-output-mpiexec-{stream}", daemon=True)
+        return self._start_pump(f"mpiexec-{stream}", self._pump_multiplexed, stream, fd, on_exit)
+
+    def _start_pump(self, name: str, target: Callable[..., None], *args: object) -> threading.Thread:
+        pump = threading.Thread(target=target, args=args, name=f"hvdrun-output-{name}", daemon=True)
         pump.start()
         self._pumps.append(pump)
         return pump
 
-    def _pump_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None],
-                          logs: dict[tuple[int, str], BinaryIO | None]) -> None:
-        splitter = LineSplitter()
-        try:
-            while data := _read(fd):
-                for line in splitter.feed(data):
-                    self._route_tagged(line, stream, on_exit, logs)
-            for line in splitter.close():
-                self._route_tagged(line, stream, on_exit, logs)
-        finally:
-            os.close(fd)
-
-    def _route_tagged(self, line: str, stream: str, on_exit: Callable[[int, int], None],
-                      logs: dict[tuple[int, str], BinaryIO | None]) -> None:
-        match = _TAGGED_RE.match(line)
-        rank = int(match.group(1)) if match else -1
-        if not match or not 0 <= rank < self.size:
-            self._write_console(stream, line if line.endswith(("\n", "\r")) else line + "\n")
-            return
-        kind, text = match.group(2), match.group(3)
-        if kind == "exit":
-            on_exit(rank, int(text.strip() or 0))
-            return
-        log = logs.get((rank, kind))
-        if log and not log.closed:
-            log.write(text.encode())
-            log.flush()
-        self._emit(rank, kind, [text])
-
     def stderr_tail(self, rank: int) -> list[str]:
         """The last stderr lines of ``rank``, without terminators."""
-        return [line.rstrip("\r\n") for line in self._tails.get(rank, ())]
+        return [line.decode(errors="replace").rstrip("\r\n") for line in self._tails.get(rank, ())]
 
     def drain(self, timeout_s: float) -> None:
         """Wait until every stream reached EOF and was written out (or the timeout passed)."""
@@ -178,21 +202,53 @@ class OutputRouter:
             if log:
                 log.close()
 
-    def _emit(self, rank: int, stream: str, lines: list[str]) -> None:
+    def _pump_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None]) -> None:
+        splitter = LineSplitter()
+        try:
+            while data := _read(fd):
+                for line in splitter.feed(data):
+                    self._route_tagged(line, stream, on_exit)
+            for line in splitter.close():
+                self._route_tagged(line, stream, on_exit)
+        finally:
+            os.close(fd)
+
+    def _route_tagged(self, line: bytes, stream: str, on_exit: Callable[[int, int], None]) -> None:
+        match = _TAGGED_RE.match(line)
+        rank = int(match.group(1)) if match else -1
+        if not match or not 0 <= rank < self.size:
+            self._write_console(stream, _with_newline(line))
+            return
+        kind, text = match.group(2).decode(), line[match.end():]
+        if kind == "exit":
+            on_exit(rank, int(text.strip() or 0))
+            return
+        log = self._rank_logs.get((rank, kind))
+        if log and not log.closed:
+            log.write(text)
+            log.flush()
+        self._emit(rank, kind, [text])
+
+    def _emit(self, rank: int, stream: str, lines: list[bytes]) -> None:
         if not lines:
             return
         if stream == "stderr":
             self._tails[rank].extend(lines)
-        tag = f"[{rank}]<{stream}>:" if self.prefix else ""
-        self._write_console(stream, "".join(tag + line if line.endswith(("\n", "\r")) else tag + line + "\n"
-                                            for line in lines))
+        tag = f"[{rank}]<{stream}>:".encode() if self.prefix else b""
+        self._write_console(stream, b"".join(tag + _with_newline(line) for line in lines))
 
-    def _write_console(self, stream: str, text: str) -> None:
+    def _write_console(self, stream: str, data: bytes) -> None:
         console = self._console[stream]
         with self._lock:
             try:
-                console.write(text)
-                console.flush()
+                binary = getattr(console, "buffer", None)
+                if binary is not None:
+                    console.flush()
+                    binary.write(data)
+                    binary.flush()
+                else:
+                    console.write(data.decode(errors="replace"))
+                    console.flush()
             except (BrokenPipeError, ValueError):  # console closed (e.g. piped into head): keep the logs
                 pass
 

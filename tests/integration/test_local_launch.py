@@ -151,13 +151,13 @@ def test_rank_killed_by_a_signal(run_hvdrun, tmp_path):
     assert "rank 1 on host localhost was killed by signal 9 (SIGKILL)" in result.stderr
 
 
-def start_and_wait_ready(hvdrun_env, tmp_path, ranks, *args):
-    """Start hvdrun in the background and return it once every rank printed 'ready'."""
-    path = script(tmp_path, "sleeper.py", SLEEPER)
+def start_and_wait_ready(hvdrun_env, tmp_path, ranks, *args, path=None):
+    """Start hvdrun in the background and return it once every rank printed 'ready' (stdout keeps being read)."""
+    path = path or script(tmp_path, "sleeper.py", SLEEPER)
     proc = subprocess.Popen([sys.executable, "-m", "hvdrun", "-np", str(ranks), *args, path, "sleep"],
                             env=hvdrun_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout if "ready" in line], daemon=True).start()
     ready = 0
     while ready < ranks:
         ready += "ready" in lines.get(timeout=30)
@@ -208,3 +208,36 @@ def test_shared_memory_of_ranks_killed_during_init_is_removed(run_hvdrun, tmp_pa
     assert result.returncode == 128 + signal.SIGKILL
     assert "rank 1 on host localhost was killed by signal 9" in result.stderr
     assert not list(Path("/dev/shm").glob("hvdrun-*")), list(Path("/dev/shm").glob("hvdrun-*"))
+
+
+def test_megabyte_lines_pass_through_intact(run_hvdrun, tmp_path):
+    """4 ranks x 20 lines of 1 MB each: every line arrives once, prefixed, and the log files hold the bytes."""
+    path = script(tmp_path, "long_lines.py", """
+        import os, sys
+        rank = os.environ["RANK"]
+        for i in range(20):
+            sys.stdout.write(f"{rank}:{i}:" + "x" * (1 << 20) + "\\n")
+        sys.stdout.flush()
+    """)
+    done = run_hvdrun("-np", "4", "--output-dir", "logs", path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    for rank in range(4):
+        mine = [line for line in lines if line.startswith(f"[{rank}]<stdout>:")]
+        assert mine == [f"[{rank}]<stdout>:{rank}:{i}:" + "x" * (1 << 20) for i in range(20)]
+        log = (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_bytes()
+        assert log == b"".join(f"{rank}:{i}:".encode() + b"x" * (1 << 20) + b"\n" for i in range(20))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signals_work_while_ranks_flood_long_lines(hvdrun_env, tmp_path, token, signum):
+    path = script(tmp_path, "flood.py", """
+        import sys
+        print("ready", flush=True)
+        while True:
+            sys.stdout.write("y" * (4 << 20) + "\\n")
+    """)
+    proc = start_and_wait_ready(hvdrun_env, tmp_path, 2, path=path)
+    proc.send_signal(signum)
+    assert proc.wait(timeout=60) == 128 + signum
+    assert wait_until(lambda: not job_processes(token)), job_processes(token)
