@@ -50,6 +50,10 @@ CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
+# A worker whose uncaught exception is a collective failure (a consequence of another rank's failure) writes
+# this line to its stderr before the traceback; the launcher strips it and blames the root cause instead.
+CONSEQUENCE_MARKER = b"\x1ehvdrun:failed-because-of-another-rank\n"
+
 _VAR_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

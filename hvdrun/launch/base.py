@@ -29,6 +29,8 @@ from hvdrun.ranks import Slot
 GUARD_SCRIPT = str(Path(__file__).with_name("guard.py"))
 _POLL_INTERVAL_S = 0.02
 _DRAIN_TIMEOUT_S = 5.0
+# when the first rank to fail failed because of another rank, how long to wait for that root cause
+_SETTLE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,14 @@ class WorkerGroup:
         self._raise_for(failure, len(specs))
 
     def _supervise(self, started: float) -> Failure | None:
+        """Wait for the first failure that is a root cause.
+
+        A rank whose runtime says it failed because of another rank (a peer left, an op can never
+        complete) is a consequence: the others get up to ``_SETTLE_S`` to show the failure that
+        caused it, which is then reported instead.
+        """
         running = list(self.workers)
+        first: Failure | None = None
         while running and self._interrupt is None:
             for worker in list(running):
                 status = worker.poll()
@@ -177,9 +186,14 @@ class WorkerGroup:
                 running.remove(worker)
                 worker.signal_group(signal.SIGKILL)  # leftovers of a finished worker
                 if status != 0:
-                    return Failure(worker.slot, status, time.monotonic() - started, worker.failure_note())
+                    failure = Failure(worker.slot, status, time.monotonic() - started, worker.failure_note())
+                    if not self.router.failed_because_of_another_rank(worker.slot.rank):
+                        return failure
+                    first = first or failure
+            if first is not None and time.monotonic() - started - first.seconds_after_start > _SETTLE_S:
+                return first
             self._wakeup.wait(_POLL_INTERVAL_S)
-        return None
+        return first
 
     def _teardown(self) -> None:
         alive = [w for w in self.workers if w.poll() is None]

@@ -6,7 +6,9 @@ One :class:`OutputRouter` per job decides where every byte a worker writes goes:
   own stdout or stderr, or the bare text with ``prefix=False``;
 * with an output directory, ``DIR/rank.N/stdout`` and ``DIR/rank.N/stderr`` get the raw
   bytes, unprefixed (N zero-padded to the width of the last rank, as Horovod does);
-* the last lines of each rank's stderr are kept for the failure report.
+* the last lines of each rank's stderr are kept for the failure report;
+* a rank whose runtime says it failed because of another rank (a control line on its stderr,
+  :data:`hvdrun.envvars.CONSEQUENCE_MARKER`) is remembered, and the line is dropped.
 
 Lines end at ``\\n``, ``\\r\\n`` or ``\\r`` (progress bars), and the terminator is kept; a
 last line without terminator is still delivered at EOF. Lines are cut as bytes (no UTF-8
@@ -24,6 +26,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, TextIO
+
+from hvdrun.envvars import CONSEQUENCE_MARKER
 
 STREAMS = ("stdout", "stderr")
 _READ_SIZE = 1 << 20
@@ -135,7 +139,9 @@ class OutputRouter:
         self._tails: dict[int, deque[bytes]] = {}
         self._tail_lines = tail_lines
         self._pumps: list[threading.Thread] = []
+        self._rank_pumps: dict[int, list[threading.Thread]] = {}
         self._rank_logs: dict[tuple[int, str], BinaryIO | None] = {}
+        self._consequences: set[int] = set()
 
     def attach(self, rank: int, stream: str, fd: int) -> None:
         """Start pumping file descriptor ``fd`` (the worker's ``stream``) until EOF; then close it."""
@@ -146,7 +152,8 @@ class OutputRouter:
         """Start pumping ``read()`` (blocking; ``b""`` at EOF) as the worker's ``stream``; ``close()`` at EOF."""
         log = self._open_log(rank, stream)
         self._tails.setdefault(rank, deque(maxlen=self._tail_lines))
-        self._start_pump(f"{rank}-{stream}", self._pump, rank, stream, read, close, log)
+        pump = self._start_pump(f"{rank}-{stream}", self._pump, rank, stream, read, close, log)
+        self._rank_pumps.setdefault(rank, []).append(pump)
 
     def attach_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None]) -> threading.Thread:
         """Pump mpiexec's merged ``stream``.
@@ -167,6 +174,12 @@ class OutputRouter:
         pump.start()
         self._pumps.append(pump)
         return pump
+
+    def failed_because_of_another_rank(self, rank: int, timeout_s: float = 1.0) -> bool:
+        """Whether ``rank``'s runtime said its failure was a consequence (waits for its output to end)."""
+        for pump in self._rank_pumps.get(rank, ()):
+            pump.join(timeout_s)
+        return rank in self._consequences
 
     def stderr_tail(self, rank: int) -> list[str]:
         """The last stderr lines of ``rank``, without terminators."""
@@ -192,11 +205,8 @@ class OutputRouter:
         splitter = LineSplitter()
         try:
             while data := read():
-                if log:
-                    log.write(data)
-                    log.flush()
-                self._emit(rank, stream, splitter.feed(data))
-            self._emit(rank, stream, splitter.close())
+                self._deliver(rank, stream, splitter.feed(data), log)
+            self._deliver(rank, stream, splitter.close(), log)
         finally:
             close()
             if log:
@@ -223,11 +233,17 @@ class OutputRouter:
         if kind == "exit":
             on_exit(rank, int(text.strip() or 0))
             return
-        log = self._rank_logs.get((rank, kind))
-        if log and not log.closed:
-            log.write(text)
+        self._deliver(rank, kind, [text], self._rank_logs.get((rank, kind)))
+
+    def _deliver(self, rank: int, stream: str, lines: list[bytes], log: BinaryIO | None) -> None:
+        """One rank's lines to its log file and the console; the runtime's control line is taken out."""
+        if stream == "stderr" and CONSEQUENCE_MARKER in lines:
+            self._consequences.add(rank)
+            lines = [line for line in lines if line != CONSEQUENCE_MARKER]
+        if log and not log.closed and lines:
+            log.write(b"".join(lines))
             log.flush()
-        self._emit(rank, kind, [text])
+        self._emit(rank, stream, lines)
 
     def _emit(self, rank: int, stream: str, lines: list[bytes]) -> None:
         if not lines:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from hvdrun import envvars
-from hvdrun.errors import NotInitializedError, UsageError
+from hvdrun.errors import CollectiveError, NotInitializedError, UsageError
 from hvdrun.runtime.backends.base import Backend, World
 from hvdrun.runtime.backends.torchdist import open_store
 from hvdrun.runtime.device import DeviceCollectives, device_backend_name
@@ -139,8 +140,39 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         _start_configured_timeline(_runtime, environ)
         if not _atexit_registered:
             atexit.register(shutdown)
+            sys.excepthook = _failure_hook(sys.excepthook)
             _atexit_registered = True
         return _runtime
+
+
+def _is_collective_failure(error: BaseException | None) -> bool:
+    seen = 0
+    while error is not None and seen < 20:
+        if isinstance(error, CollectiveError):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def _failure_hook(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``sys.excepthook``: say whether this rank dies of its own error or of another rank's.
+
+    Its own error (any exception but a collective failure) is told to the other ranks at once, so
+    they stop with a message naming this rank and the exception; a collective failure marks this
+    rank's stderr so the launcher reports the rank whose failure came first.
+    """
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        runtime = _runtime
+        if runtime is not None and not issubclass(kind, (KeyboardInterrupt, SystemExit)):
+            if _is_collective_failure(value):
+                sys.stderr.flush()
+                os.write(2, envvars.CONSEQUENCE_MARKER)
+            else:
+                runtime.engine.fail(f"rank {runtime.world.rank} failed with {kind.__name__}: {value}")
+        previous(kind, value, traceback)
+
+    return hook
 
 
 def _start_configured_timeline(runtime: Runtime, environ: Mapping[str, str]) -> None:

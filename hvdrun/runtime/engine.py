@@ -366,6 +366,10 @@ class Engine:
             sys.stderr.write(f"hvdrun: warning: {_describe_stall(fresh, self.world.size, self.stall_warning_s)}; "
                              "ranks that submit different tensors or hang cause this\n")
 
+    def fail(self, reason: str) -> None:
+        """This rank hit a fatal error outside the runtime: stop every pending op and tell the other ranks."""
+        self._fail(reason)
+
     def _fail(self, reason: str) -> None:
         with self._lock:
             self._failure = reason

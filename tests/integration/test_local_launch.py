@@ -241,3 +241,29 @@ def test_stop_signals_work_while_ranks_flood_long_lines(hvdrun_env, tmp_path, to
     proc.send_signal(signum)
     assert proc.wait(timeout=60) == 128 + signum
     assert wait_until(lambda: not job_processes(token)), job_processes(token)
+
+
+BLAME = """
+import torch
+import hvdrun.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(1), name="warmup")
+if hvd.rank() == 1:
+    raise ValueError("rank 1's own bug")
+hvd.allreduce(torch.ones(1), name="next")
+"""
+
+
+def test_the_rank_whose_failure_came_first_is_blamed_every_time(run_hvdrun, tmp_path):
+    """Rank 0 fails too (its peer left), often first; its runtime marks it as a consequence."""
+    path = script(tmp_path, "blame.py", BLAME)
+    for attempt in range(20):
+        done = run_hvdrun("-np", "2", "--output-dir", f"logs{attempt}", path)
+        assert done.returncode == 1
+        summary = done.stderr[done.stderr.index("hvdrun: error:"):]
+        assert summary.startswith("hvdrun: error: rank 1 on host localhost exited with code 1"), summary
+        assert "ValueError: rank 1's own bug" in summary
+        assert "[0]<stderr>:hvdrun.errors.CollectiveError: rank 1 failed with ValueError: rank 1's own bug" \
+            in done.stderr
+        assert "\x1ehvdrun" not in done.stderr + done.stdout
+        assert b"\x1ehvdrun" not in (tmp_path / f"logs{attempt}" / "rank.0" / "stderr").read_bytes()
