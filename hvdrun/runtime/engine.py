@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -100,25 +100,34 @@ class Engine:
             array: its buffer.
             wake: wake the background thread; False when the caller waits on the handle at once.
         """
-        array = _NO_DATA if array is None else array
-        op = LocalOp(request, array, Handle(self), self._eager_payload(request, array))
+        return self.submit_many([(request, array)], wake)[0]
+
+    def submit_many(self, items: Sequence[tuple[Request, np.ndarray | None]], wake: bool = True) -> list[Handle]:
+        """Queue several collectives at once: they reach the other ranks in the same announcement
+        (a grouped op's tensors are negotiated together). Nothing is queued if one name is in flight."""
+        ops = [LocalOp(request, _NO_DATA if array is None else array, Handle(self),
+                       self._eager_payload(request, _NO_DATA if array is None else array)) for request, array in items]
         with self._lock:
             if self._failure is not None:
                 raise CollectiveError(self._failure)
             if self._stopped:
                 raise CollectiveError("hvdrun has been shut down on this rank")
-            if request.name in self._inflight:
-                raise ValueError(f"a collective named '{request.name}' is already in progress on this rank; "
+            names = [op.request.name for op in ops]
+            taken = next((name for name in names if name in self._inflight), None)
+            if taken is not None or len(set(names)) < len(names):
+                taken = taken or next(name for name in names if names.count(name) > 1)
+                raise ValueError(f"a collective named '{taken}' is already in progress on this rank; "
                                  "names must be unique among collectives in flight")
-            self._inflight[request.name] = op
-            self._new.append(op)
-            if self.timeline is not None and request.kind != "shutdown":
-                self.timeline.negotiate_start(request.name, request.kind)
+            for op in ops:
+                self._inflight[op.request.name] = op
+                self._new.append(op)
+                if self.timeline is not None and op.request.kind != "shutdown":
+                    self.timeline.negotiate_start(op.request.name, op.request.kind)
             self._async_new = self._async_new or wake
             wake = wake and self._sleeping
         if wake:
             os.write(self._wake_write, b"\0")
-        return op.handle
+        return [op.handle for op in ops]
 
     def _eager_payload(self, request: Request, array: np.ndarray) -> bytes | None:
         """The prescaled data of a small allreduce, sent with its announcement."""

@@ -44,6 +44,7 @@ class Request(NamedTuple):
     group: int = 0
     device: str = "cpu"  # "cpu": numpy buffers on hvdrun's backends; "torch:cuda" etc.: the device path
     process_set: int = GLOBAL_SET
+    group_size: int = 0  # tensors of the grouped op this request belongs to (named BASE.0 .. BASE.n-1)
 
     def wire(self) -> tuple:
         """A plain tuple for marshal."""
@@ -111,8 +112,8 @@ def validate(entry: Entry, size: int) -> str | None:
                 "with joined ranks (they contribute zeros)")
     if first.kind != "broadcast" and all(request == first for request in entry.requests.values()):
         return None
-    checks = [("operation", lambda r: r.kind), ("dtype", lambda r: r.dtype), ("device", lambda r: r.device),
-              ("process set", lambda r: r.process_set)]
+    checks = [("operation", lambda r: r.kind), ("number of tensors in the group", lambda r: r.group_size),
+              ("dtype", lambda r: r.dtype), ("device", lambda r: r.device), ("process set", lambda r: r.process_set)]
     kind = entry.first.kind
     if kind in ("allreduce", "reducescatter", "broadcast"):
         checks.append(("shape", lambda r: r.shape))
@@ -179,7 +180,24 @@ class Table:
             entry.error = validate(entry, self.size)
             if not entry.error and 0 < len(entry.payloads) < len(entry.requests):
                 entry.error = f"'{entry.name}': ranks disagree on sending its data eagerly (HVDRUN_EAGER_BYTES differs)"
-        return ready
+        return ready + self._pop_siblings_of_failed_groups(ready)
+
+    def _pop_siblings_of_failed_groups(self, ready: list[Entry]) -> list[Entry]:
+        """The other tensors of a grouped op that failed (e.g. ranks grouped different numbers of tensors):
+        they fail with it, on every rank, instead of waiting for ranks that will never submit them."""
+        siblings = []
+        for entry in ready:
+            sizes = {request.group_size for request in entry.requests.values()}
+            if not entry.error or not max(sizes):
+                continue
+            base = entry.name.rpartition(".")[0]
+            for index in range(max(sizes)):
+                sibling = self.entries.pop(f"{base}.{index}", None)
+                if sibling is not None:
+                    sibling.absent = frozenset(range(self.size)) - set(sibling.requests)
+                    sibling.error = f"{entry.error} (so '{sibling.name}' of the same group fails too)"
+                    siblings.append(sibling)
+        return siblings
 
     def stalled(self, older_than_s: float) -> list[Entry]:
         """Incomplete entries waiting for longer than ``older_than_s``."""

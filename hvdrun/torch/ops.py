@@ -68,6 +68,10 @@ def _check(tensor: torch.Tensor, kinds: tuple[str, ...]) -> Any:
     return array
 
 
+def _identity(result: Any) -> Any:
+    return result
+
+
 def _as_tensor(result: Any) -> torch.Tensor:
     return result if isinstance(result, torch.Tensor) else torch.from_numpy(result)
 
@@ -131,9 +135,19 @@ def synchronize(handle: int) -> Any:
 
 
 def _reduce_request(tensor_array: np.ndarray, name: str | None, op: int, prescale: float, postscale: float,
-                    process_set: Any, group: int = 0) -> Request:
+                    process_set: Any, group: int = 0, group_size: int = 0) -> Request:
     return _request("allreduce", tensor_array, name, op=op, prescale=float(prescale), postscale=float(postscale),
-                    group=group, process_set=set_id(process_set))
+                    group=group, group_size=group_size, process_set=set_id(process_set))
+
+
+def _start_group(items: Sequence[tuple[Request, np.ndarray, Callable[[Any], Any]]], wake: bool = True) -> list[int]:
+    """Submit a grouped op's requests in one announcement; one handle id per request."""
+    handles = _engine().submit_many([(request, array) for request, array, _ in items], wake=wake)
+    with _handles_lock:
+        ids = [next(_handle_ids) for _ in handles]
+        for handle_id, handle, (_, _, finish) in zip(ids, handles, items, strict=True):
+            _handles[handle_id] = (handle, finish)
+    return ids
 
 
 # -- allreduce ------------------------------------------------------------------------------------
@@ -185,13 +199,9 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     arrays = [_check(t, REDUCTION_DTYPES) for t in tensors]
     base = name if name is not None else _engine().auto_name("grouped_allreduce")
     group = next(_groups)
-    handles = [_engine().submit(_reduce_request(a, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set,
-                                               group), a, wake=_progress_now)
-               for i, a in enumerate(arrays)]
-    with _handles_lock:
-        handle_id = next(_handle_ids)
-        _handles[handle_id] = (_GroupHandle(handles), lambda _: list(tensors))
-    return handle_id
+    items = [(_reduce_request(a, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set, group,
+                              len(arrays)), a, _identity) for i, a in enumerate(arrays)]
+    return _grouped(_start_group(items, wake=_progress_now), lambda _: list(tensors))
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -233,12 +243,17 @@ class _GroupHandle:
 
 # -- allgather, broadcast, alltoall, reducescatter, barrier -----------------------------------------
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
-    """Start an allgather: every rank's tensor concatenated along dim 0, in rank order."""
+def _allgather_item(tensor: torch.Tensor, name: str | None, process_set: Any,
+                    group_size: int = 0) -> tuple[Request, np.ndarray, Callable[[Any], Any]]:
     array = _check(tensor, MOVEMENT_DTYPES)
     if array.ndim == 0:
         raise ValueError("allgather needs a tensor with at least one dimension")
-    return _start(_request("allgather", array, name, process_set=set_id(process_set)), array, _as_tensor)
+    return _request("allgather", array, name, process_set=set_id(process_set), group_size=group_size), array, _as_tensor
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
+    """Start an allgather: every rank's tensor concatenated along dim 0, in rank order."""
+    return _start(*_allgather_item(tensor, name, process_set))
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
@@ -302,13 +317,18 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int | None = None,
                         process_set: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Start a reducescatter (default op Average)."""
+    return _start(*_reducescatter_item(tensor, name, op, process_set, prescale_factor, postscale_factor))
+
+
+def _reducescatter_item(tensor: torch.Tensor, name: str | None, op: int | None, process_set: Any,
+                        prescale_factor: float, postscale_factor: float,
+                        group_size: int = 0) -> tuple[Request, np.ndarray, Callable[[Any], Any]]:
     array = _check(tensor, REDUCTION_DTYPES)
     if array.ndim == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     request = _request("reducescatter", array, name, process_set=set_id(process_set), op=_resolve_op(op, None),
-                       prescale=float(prescale_factor),
-                       postscale=float(postscale_factor))
-    return _start(request, array, _as_tensor)
+                       prescale=float(prescale_factor), postscale=float(postscale_factor), group_size=group_size)
+    return request, array, _as_tensor
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None, op: int | None = None,
@@ -346,7 +366,8 @@ def _grouped(starts: list[int], finish: Callable[[Any], Any] = lambda results: r
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = None) -> int:
     """Start an allgather of every tensor of a list, as one group."""
     base = name if name is not None else _engine().auto_name("grouped_allgather")
-    return _grouped([allgather_async(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)])
+    return _grouped(_start_group([_allgather_item(t, f"{base}.{i}", process_set, len(tensors))
+                                  for i, t in enumerate(tensors)]))
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -360,8 +381,9 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 postscale_factor: float = 1.0) -> int:
     """Start a reducescatter of every tensor of a list, as one group."""
     base = name if name is not None else _engine().auto_name("grouped_reducescatter")
-    return _grouped([reducescatter_async(t, f"{base}.{i}", op, process_set, prescale_factor, postscale_factor)
-                     for i, t in enumerate(tensors)])
+    return _grouped(_start_group([_reducescatter_item(t, f"{base}.{i}", op, process_set, prescale_factor,
+                                                      postscale_factor, len(tensors))
+                                  for i, t in enumerate(tensors)]))
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None, compression: Any = None,

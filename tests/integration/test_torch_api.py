@@ -140,3 +140,11 @@ def test_grouped_allgather_reducescatter_and_sparse_allreduce(run_hvdrun):
     result = run_hvdrun("-np", "3", str(WORKERS / "grouped.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert set(map(int, re.findall(r"rank (\d+): grouped ok", result.stdout))) == {0, 1, 2}
+
+
+def test_grouped_ops_with_different_tensor_counts_fail_on_every_rank(run_hvdrun):
+    result = run_hvdrun("-np", "2", str(WORKERS / "grouped_mismatch.py"), timeout=60)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: grouped mismatch ok" in result.stdout
+        assert result.stdout.count(f"rank {rank}: grouped ") == 4
