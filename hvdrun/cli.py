@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from typing import Any
 
 import click
@@ -21,17 +23,58 @@ class _HvdrunFailure(click.ClickException):
         super().__init__(str(error))
         self.exit_code = error.exit_code  # type: ignore[misc]  # click declares it on the class
 
-    def show(self, file: Any = None) -> None:
-        click.echo(f"hvdrun: error: {self.format_message()}", err=True)
+    def format_message(self) -> str:
+        return self.message
+
+
+class _Seconds(click.ParamType):
+    """A finite, non-negative number of seconds (``nan`` and ``inf`` are refused)."""
+
+    name = "seconds"
+
+    def __init__(self, positive: bool = False) -> None:
+        self.positive = positive
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not math.isfinite(seconds) or seconds < 0 or (self.positive and seconds == 0):
+            self.fail(f"{value!r} must be a finite number of seconds{' above 0' if self.positive else ''}",
+                      param, ctx)
+        return seconds
 
 
 class _DefaultRunGroup(click.Group):
-    """A group whose default subcommand is ``run``; turns HvdrunError into exit codes."""
+    """A group whose default subcommand is ``run``; every error is one ``hvdrun: error:`` line."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
+        if not args or args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = ["run", *args]
         return super().parse_args(ctx, args)
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,  # type: ignore[override]
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        """Run the CLI; errors (click's usage errors included) print one line and exit with their code."""
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            if not standalone_mode:
+                raise
+            message = e.format_message()
+            if isinstance(e, click.UsageError):  # click's own: one line, with where to look
+                message = " ".join(message.split()) + "; see 'hvdrun --help'"
+            click.echo(f"hvdrun: error: {message}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            if not standalone_mode:
+                raise
+            click.echo("hvdrun: interrupted", err=True)
+            sys.exit(130)
+        if standalone_mode:
+            sys.exit(result if isinstance(result, int) else 0)
+        return result
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -68,14 +111,14 @@ def cli() -> None:
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank]<stream>:.")
 @click.option("--output-dir", "--output-filename", "output_dir", type=click.Path(file_okay=False),
               help="Also write DIR/rank.N/stdout and stderr.")
-@click.option("--start-timeout", "start_timeout_s", type=click.FloatRange(min=0, min_open=True),
+@click.option("--start-timeout", "start_timeout_s", type=_Seconds(positive=True),
               help="Seconds the ranks wait for each other at init() (default 60).")
 @click.option("--verbose", is_flag=True, help="Print the rank plan before starting.")
 @click.option("--timeline-filename", type=click.Path(dir_okay=False),
               help="Write a Chrome-trace timeline of the collectives (rank 0) to this file.")
-@click.option("--grace-period", "grace_s", type=click.FloatRange(min=0), default=5.0, show_default=True,
+@click.option("--grace-period", "grace_s", type=_Seconds(), default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping workers.")
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:
     """Run COMMAND on every rank (a .py file runs under this Python)."""
     from hvdrun.launch.job import RunOptions, describe_plan, plan_job, run_job

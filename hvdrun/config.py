@@ -206,6 +206,8 @@ def load_config(path: str | Path) -> ClusterConfig:
         text = Path(path).read_text()
     except OSError as e:
         raise ConfigError(f"cannot read cluster config '{path}': {e.strerror}") from e
+    except UnicodeDecodeError:
+        raise ConfigError(f"cluster config '{path}' is not a UTF-8 text file (expected YAML)") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

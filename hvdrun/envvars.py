@@ -7,6 +7,7 @@ so hvdrun, Horovod and torch.distributed ``env://`` scripts all run unchanged.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ OMP_NUM_THREADS = "OMP_NUM_THREADS"
 # this line to its stderr before the traceback; the launcher strips it and blames the root cause instead.
 CONSEQUENCE_MARKER = b"\x1ehvdrun:failed-because-of-another-rank\n"
 
-_VAR_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_VAR_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # used with fullmatch
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,8 @@ def forwarded_env(specs: Sequence[str], environ: Mapping[str, str]) -> dict[str,
     result: dict[str, str] = {}
     for spec in specs:
         name, sep, value = spec.partition("=")
-        if not _VAR_NAME_RE.match(name):
-            raise UsageError(f"-x {spec}: '{name}' is not a valid environment variable name; "
+        if not _VAR_NAME_RE.fullmatch(name):
+            raise UsageError(f"-x {spec!r}: {name!r} is not a valid environment variable name; "
                              "expected -x NAME or -x NAME=value")
         if not sep:
             if name not in environ:
@@ -171,7 +172,7 @@ def remote_env(env: Mapping[str, str]) -> dict[str, str]:
     that are not valid variable names.
     """
     return {name: value for name, value in env.items()
-            if _VAR_NAME_RE.match(name) and name not in _SESSION_VARS and not name.startswith(_SESSION_PREFIXES)}
+            if _VAR_NAME_RE.fullmatch(name) and name not in _SESSION_VARS and not name.startswith(_SESSION_PREFIXES)}
 
 
 # -- the worker side: who started us? -------------------------------------------------------
@@ -249,15 +250,32 @@ def env_text(environ: Mapping[str, str], names: tuple[str, ...]) -> str | None:
 
 
 def env_number(environ: Mapping[str, str], names: tuple[str, ...], default: float) -> float:
-    """The first of ``names`` that is set, as a number (hvdrun's name first, then Horovod's)."""
+    """The first of ``names`` that is set, as a finite, non-negative number (hvdrun's name first, then Horovod's).
+
+    Raises:
+        UsageError: the value is not such a number; names the variable.
+    """
     for name in names:
         value = environ.get(name)
         if value:
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise UsageError(f"{name}={value!r} is not a number") from None
+            if not math.isfinite(number) or number < 0:
+                raise UsageError(f"{name}={value!r}: expected a finite number of at least 0")
+            return number
     return default
+
+
+def check_tuning(environ: Mapping[str, str]) -> None:
+    """Validate every tuning variable the runtime reads, so a bad value stops the launch, not each rank.
+
+    Raises:
+        UsageError: a variable's value is not a finite, non-negative number.
+    """
+    for names in ((START_TIMEOUT,), FUSION_THRESHOLD, STALL_WARNING_S, STALL_ERROR_S, EAGER_BYTES, CYCLE_TIME_MS):
+        env_number(environ, names, 0.0)
 
 
 def _hostname(environ: Mapping[str, str]) -> str:

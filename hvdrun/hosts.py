@@ -16,10 +16,12 @@ from pathlib import Path
 
 from hvdrun.errors import HostSpecError
 
-_HOSTNAME_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
-_USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
-_SLOTS_RE = re.compile(r"^[0-9]+$")
-_TASKS_PER_NODE_RE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+# used with fullmatch: "$" would also accept a trailing newline
+_HOSTNAME_RE = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+_USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+_SLOTS_RE = re.compile(r"[0-9]{1,9}")
+_TASKS_PER_NODE_RE = re.compile(r"(\d+)(?:\(x(\d+)\))?")
+MAX_SLOTS_PER_HOST = 4096
 
 HOST_EXAMPLE = "-H node1:4,node2:4 (also user@node1:4 and [fe80::1]:2)"
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain"})
@@ -70,9 +72,9 @@ def validate_hostname(name: str, where: str) -> str:
         except ValueError:
             raise HostSpecError(f"{where}: '{name}' is not a valid IPv6 address in brackets") from None
         return inner
-    if not _HOSTNAME_RE.match(name):
+    if not _HOSTNAME_RE.fullmatch(name):
         raise HostSpecError(
-            f"{where}: invalid host name '{name}'; expected letters, digits, '.', '-' or '_' "
+            f"{where}: invalid host name {name!r}; expected letters, digits, '.', '-' or '_' "
             "(IPv6 addresses go in brackets, e.g. [fe80::1])"
         )
     return name
@@ -82,14 +84,15 @@ def _split_user(text: str, where: str) -> tuple[str | None, str]:
     if "@" not in text:
         return None, text
     user, _, host = text.partition("@")
-    if not _USER_RE.match(user):
-        raise HostSpecError(f"{where}: invalid user name '{user}' in '{text}'")
+    if not _USER_RE.fullmatch(user):
+        raise HostSpecError(f"{where}: invalid user name {user!r} in {text!r}")
     return user, host
 
 
 def _parse_slots(text: str, where: str) -> int:
-    if not _SLOTS_RE.match(text) or int(text) < 1:
-        raise HostSpecError(f"{where}: slots must be a positive integer, got '{text}'")
+    if not _SLOTS_RE.fullmatch(text) or not 1 <= int(text) <= MAX_SLOTS_PER_HOST:
+        raise HostSpecError(f"{where}: slots must be a positive integer, got {text!r} "
+                            f"(at most {MAX_SLOTS_PER_HOST} per host)")
     return int(text)
 
 
@@ -99,7 +102,7 @@ def parse_host_item(item: str, where: str = "-H") -> Host:
     user, rest = _split_user(text, where)
     host_part, sep, slots_part = rest.rpartition(":")
     if not sep or not host_part or (":" in host_part and not host_part.startswith("[")):
-        raise HostSpecError(f"{where}: '{item}' is not host:slots; expected e.g. {HOST_EXAMPLE}")
+        raise HostSpecError(f"{where}: {item!r} is not host:slots; expected e.g. {HOST_EXAMPLE}")
     name = validate_hostname(host_part, where)
     return Host(name=name, slots=_parse_slots(slots_part, f"{where} '{item}'"), user=user)
 
@@ -128,20 +131,22 @@ def parse_host_string(spec: str) -> tuple[Host, ...]:
     """
     items = spec.split(",")
     if not spec.strip() or any(not item.strip() for item in items):
-        raise HostSpecError(f"-H: empty host in '{spec}'; expected e.g. {HOST_EXAMPLE}")
+        raise HostSpecError(f"-H: empty host in {spec!r}; expected e.g. {HOST_EXAMPLE}")
     return merge_duplicates([parse_host_item(item) for item in items], "-H")
 
 
 def _parse_hostfile_line(line: str, where: str) -> Host:
     fields = line.split()
     user, name = _split_user(fields[0], where)
-    slots = 1
+    slots = None
     for field in fields[1:]:
         key, sep, value = field.partition("=")
         if key != "slots" or not sep:
-            raise HostSpecError(f"{where}: unknown field '{field}'; expected 'host slots=N'")
+            raise HostSpecError(f"{where}: unknown field {field!r}; expected 'host slots=N'")
+        if slots is not None:
+            raise HostSpecError(f"{where}: slots= is given more than once; expected 'host slots=N'")
         slots = _parse_slots(value, where)
-    return Host(name=validate_hostname(name, where), slots=slots, user=user)
+    return Host(name=validate_hostname(name, where), slots=slots or 1, user=user)
 
 
 def parse_hostfile(path: str | Path) -> tuple[Host, ...]:
@@ -191,7 +196,7 @@ def parse_tasks_per_node(spec: str, node_count: int) -> list[int]:
     """Expand ``SLURM_TASKS_PER_NODE`` (``2(x3),1``) to one count per node."""
     counts: list[int] = []
     for item in spec.split(","):
-        match = _TASKS_PER_NODE_RE.match(item.strip())
+        match = _TASKS_PER_NODE_RE.fullmatch(item.strip())
         if not match:
             raise HostSpecError(f"SLURM_TASKS_PER_NODE: cannot parse '{spec}'; expected e.g. '2(x3),1'")
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))

@@ -68,17 +68,23 @@ def topologies(host_of_rank: Sequence[Hashable]) -> list[Topology]:
     """Every rank's topology from the host each rank runs on (Horovod's rules, hosts ordered by first rank).
 
     ``cross_rank`` is the index of the rank's host among the hosts that have a rank with the
-    same local rank; ``cross_size`` is the number of such hosts.
+    same local rank; ``cross_size`` is the number of such hosts. Linear in the number of ranks.
     """
-    hosts = list(dict.fromkeys(host_of_rank))
-    ranks_on = {host: [r for r, h in enumerate(host_of_rank) if h == host] for host in hosts}
-    result = []
-    for rank, host in enumerate(host_of_rank):
-        local_rank = ranks_on[host].index(rank)
-        peers = [h for h in hosts if len(ranks_on[h]) > local_rank]
-        result.append(Topology(rank, len(host_of_rank), local_rank, len(ranks_on[host]), peers.index(host),
-                               len(peers)))
-    return result
+    local_rank_of: list[int] = []
+    count_on: dict[Hashable, int] = {}
+    for host in host_of_rank:
+        local_rank_of.append(count_on.get(host, 0))
+        count_on[host] = local_rank_of[-1] + 1
+    cross_rank_of: dict[tuple[Hashable, int], int] = {}
+    hosts_with: list[int] = []  # hosts_with[L]: how many hosts have a rank with local rank L
+    for host, count in count_on.items():  # dicts keep first-seen order: hosts by their first rank
+        for local in range(count):
+            if local == len(hosts_with):
+                hosts_with.append(0)
+            cross_rank_of[(host, local)] = hosts_with[local]
+            hosts_with[local] += 1
+    return [Topology(rank, len(host_of_rank), local, count_on[host], cross_rank_of[(host, local)], hosts_with[local])
+            for rank, (host, local) in enumerate(zip(host_of_rank, local_rank_of, strict=True))]
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from hvdrun.envvars import (
     START_TIMEOUT,
     TIMELINE,
     Rendezvous,
+    check_tuning,
     forwarded_env,
     interface_env,
     thread_env,
@@ -106,11 +107,11 @@ def _load_cluster_config(options: RunOptions) -> ClusterConfig | None:
 
 def _resolve_hosts(options: RunOptions, config: ClusterConfig | None, layout: GpuLayout,
                    environ: Mapping[str, str]) -> tuple[Host, ...]:
-    if options.hosts and options.hostfile:
+    if options.hosts is not None and options.hostfile is not None:
         raise UsageError("give either -H or --hostfile, not both")
-    if options.hosts:
+    if options.hosts is not None:
         return parse_host_string(options.hosts)
-    if options.hostfile:
+    if options.hostfile is not None:
         return parse_hostfile(options.hostfile)
     if config and config.hosts:
         return config.hosts
@@ -172,6 +173,8 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     command = resolve_command(options.command, check_program=launcher == "local")
     base_env = {**environ, **(config.env if config else {}), **forwarded_env(options.env_specs, environ)}
     base_env.update(interface_env(options.network_interface, base_env))
+    check_tuning(base_env)
+    _prepare_output_dir(options.output_dir)
     if options.start_timeout_s is not None:
         base_env[START_TIMEOUT] = str(options.start_timeout_s)
     if options.timeline_filename:
@@ -179,6 +182,18 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     return JobPlan(slots=tuple(slots), command=command, launcher=launcher, options=options, base_env=base_env,
                    cwd=os.getcwd(), default_python=(config.python if config else None) or sys.executable,
                    ssh_port=config.ssh_port if config else None, layout=layout)
+
+
+def _prepare_output_dir(path: str | None) -> None:
+    """Create ``--output-dir`` before anything starts; an unusable one is a usage error."""
+    if path is None:
+        return
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--output-dir {path}: cannot create it: {e.strerror}") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--output-dir {path}: not writable by this user")
 
 
 def describe_plan(plan: JobPlan) -> str:

@@ -23,6 +23,7 @@ def invoke(tmp_path, monkeypatch):
 def assert_usage_error(result, tmp_path, *fragments):
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
+    assert result.output.startswith("hvdrun: error: ") and result.output.count("\n") == 1, result.output
     for fragment in fragments:
         assert fragment in result.output
     assert not (tmp_path / "started").exists(), "a worker was started despite the error"
@@ -77,7 +78,50 @@ def test_missing_script_and_program(invoke, tmp_path):
 
 
 def test_no_command(invoke, tmp_path):
-    assert_usage_error(invoke("-np", "2"), tmp_path, "Missing argument 'COMMAND...'")
+    assert_usage_error(invoke("-np", "2"), tmp_path, "no command given; expected e.g. 'hvdrun -np 2 train.py'")
+    assert_usage_error(invoke(), tmp_path, "no command given")
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (("--bogus",), ["No such option '--bogus'", "see 'hvdrun --help'"]),
+    (("-np", "0"), ["Invalid value for '-np' / '--num-proc': 0 is not in the range x>=1"]),
+    (("--hostfile", "."), ["Invalid value for '--hostfile'", "is a directory"]),
+    (("-H", "localhost:99999999999999999999"), ["slots must be a positive integer", "at most 4096 per host"]),
+    (("-H", "localhost:5000"), ["at most 4096 per host"]),
+    (("--start-timeout", "nan"), ["'nan' must be a finite number of seconds above 0"]),
+    (("--start-timeout", "0"), ["'0' must be a finite number of seconds above 0"]),
+    (("--grace-period", "inf"), ["'inf' must be a finite number of seconds"]),
+    (("--grace-period", "-1"), ["'-1' must be a finite number of seconds"]),
+    (("-H", ""), ["-H: empty host in ''"]),
+    (("-H", "localhost\n:1"), [r"invalid host name 'localhost\n'"]),
+    (("-H", "a\nb:1"), ["invalid host name"]),
+    (("-x", "FOO\n=1"), ["is not a valid environment variable name"]),
+    (("--output-dir", "afile/sub"), ["--output-dir afile/sub: cannot create it"]),
+])
+def test_every_bad_input_is_one_line(invoke, tmp_path, args, fragments):
+    (tmp_path / "afile").write_text("")
+    assert_usage_error(invoke(*args, *START), tmp_path, *fragments)
+
+
+def test_binary_files_are_usage_errors(invoke, tmp_path):
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00binary")
+    assert_usage_error(invoke("--config", "bin.yaml", *START), tmp_path, "bin.yaml' is not a UTF-8 text file")
+    assert_usage_error(invoke("--hostfile", "bin.yaml", *START), tmp_path, "bin.yaml' is not a text file")
+
+
+def test_repeated_slots_in_a_hostfile(invoke, tmp_path):
+    (tmp_path / "hosts").write_text("localhost slots=1 slots=2\n")
+    assert_usage_error(invoke("--hostfile", "hosts", *START), tmp_path, "line 1: slots= is given more than once")
+
+
+@pytest.mark.parametrize("name, value, fragment", [
+    ("HVDRUN_START_TIMEOUT", "abc", "HVDRUN_START_TIMEOUT='abc' is not a number"),
+    ("HOROVOD_FUSION_THRESHOLD", "abc", "HOROVOD_FUSION_THRESHOLD='abc' is not a number"),
+    ("HOROVOD_CYCLE_TIME", "-5", "HOROVOD_CYCLE_TIME='-5': expected a finite number of at least 0"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "nan", "expected a finite number"),
+])
+def test_bad_tuning_variables_stop_the_launch(invoke, tmp_path, name, value, fragment):
+    assert_usage_error(invoke(*START, env={name: value}), tmp_path, fragment)
 
 
 def test_error_is_one_line(invoke, tmp_path):

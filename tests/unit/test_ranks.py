@@ -73,3 +73,26 @@ def test_not_enough_gpus_is_a_usage_error():
 
 def test_no_gpus_no_devices():
     assert all(s.devices == () for s in assign_slots([Host("a", 2)], 2))
+
+
+def test_topologies_match_the_definition_on_random_layouts():
+    """The linear computation agrees with Horovod's rule spelled out directly (quadratic)."""
+    import random
+
+    from hvdrun.ranks import topologies
+
+    def by_definition(host_of_rank):
+        hosts = list(dict.fromkeys(host_of_rank))
+        ranks_on = {h: [r for r, x in enumerate(host_of_rank) if x == h] for h in hosts}
+        result = []
+        for rank, host in enumerate(host_of_rank):
+            local = ranks_on[host].index(rank)
+            peers = [h for h in hosts if len(ranks_on[h]) > local]
+            result.append((local, len(ranks_on[host]), peers.index(host), len(peers)))
+        return result
+
+    rng = random.Random(3)
+    for _ in range(200):
+        layout = [rng.choice("abcde") for _ in range(rng.randint(1, 40))]
+        got = [(t.local_rank, t.local_size, t.cross_rank, t.cross_size) for t in topologies(layout)]
+        assert got == by_definition(layout), layout
