@@ -158,6 +158,29 @@ def forwarded_env(specs: Sequence[str], environ: Mapping[str, str]) -> dict[str,
     return result
 
 
+# Shared-memory files of a rank (runtime/transport/shm.py); the launcher's guard removes them once the rank is gone.
+SHM_DIR = "/dev/shm"
+
+
+def shm_segment_base(job_key: str, rank: int) -> str:
+    """``/dev/shm/hvdrun-JOB-GEN-RANK`` (+ ``.ring`` / ``.bell``) for ``job_key`` = ``JOB-GEN``."""
+    return f"{SHM_DIR}/hvdrun-{job_key}-{rank}"
+
+
+def shm_files_glob(job_id: str, rank: int | str = "*") -> str:
+    """Every shared-memory file of ``rank`` (default: of every rank) of a job, in any init() generation."""
+    return f"{SHM_DIR}/hvdrun-{job_id}-*-{rank}.*"
+
+
+def guard_options(env: Mapping[str, str]) -> list[str]:
+    """The guard's options for a worker with environment ``env``: remove its shared-memory files when it is
+    gone, and treat processes carrying its job id and rank as its own even outside its process group."""
+    job, rank = env.get(JOB_ID), env.get(RANK)
+    if not job or rank is None:
+        return []
+    return ["--remove", shm_files_glob(job, rank), "--track", f"{JOB_ID}={job}", "--track", f"{RANK}={rank}"]
+
+
 # The launcher's variables that describe its own login session, not the job: a worker on another host
 # keeps that host's values (Horovod's launcher leaves out the same kind).
 _SESSION_VARS = frozenset({"HOSTNAME", "HOME", "PWD", "OLDPWD", "SHLVL", "USER", "LOGNAME", "SHELL", "MAIL", "TERM",

@@ -1,4 +1,8 @@
-"""Per-worker guard: ``python guard.py GRACE_S [--signal-as-code] -- COMMAND...``. Standard library only.
+"""Per-worker guard: ``python guard.py GRACE_S [OPTIONS] -- COMMAND...``. Standard library only.
+
+Options: ``--signal-as-code``; ``--remove GLOB`` (files the worker leaves, removed once it is gone:
+its shared-memory ring); ``--track NAME=VALUE`` (repeatable: processes whose environment holds all
+these entries belong to the worker even if they left its process group with ``setsid``).
 
 The guard leads a process group (and session) that holds the worker and everything the
 worker starts. Its standard input is a *lifeline* from hvdrun (a pipe, or an SSH channel):
@@ -11,66 +15,116 @@ worker starts. Its standard input is a *lifeline* from hvdrun (a pipe, or an SSH
   and then SIGKILLs the group, itself included;
 * SIGTERM / SIGINT sent to the group reach the worker directly; the guard survives them
   so that it can report the worker's status;
-* when the worker ends, whatever it left in the group is killed; the guard exits with the
-  worker's exit code, or dies of the same signal the worker died of. With
-  ``--signal-as-code`` it exits with ``128 + N`` instead (SSH clients lose exit signals).
+* when the worker ends, whatever it left in the group (or tracked by environment) is killed and
+  the ``--remove`` files are deleted; the guard exits with the worker's exit code, or dies of the
+  same signal the worker died of. With ``--signal-as-code`` it exits with ``128 + N`` instead
+  (SSH clients lose exit signals).
 
 The worker's stdin is /dev/null; stdout and stderr are inherited.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TERMINATE, KILL = b"T", b"K"
 
 
-def _kill_group(grace_s: float, worker: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the whole group, wait for the worker up to ``grace_s``, then SIGKILL the group."""
+@dataclass
+class _Options:
+    grace_s: float
+    signal_as_code: bool = False
+    remove: list[str] = field(default_factory=list)
+    track: list[bytes] = field(default_factory=list)
+
+
+def _parse(argv: list[str]) -> tuple[_Options, list[str]]:
+    if "--" not in argv or not argv[argv.index("--") + 1:]:
+        raise ValueError("no command")
+    split = argv.index("--")
+    head, command = argv[:split], argv[split + 1:]
+    options = _Options(float(head[0]))
+    words = iter(head[1:])
+    for word in words:
+        if word == "--signal-as-code":
+            options.signal_as_code = True
+        elif word == "--remove":
+            options.remove.append(next(words))
+        elif word == "--track":
+            options.track.append(os.fsencode(next(words)))
+        else:
+            raise ValueError(f"unknown option {word}")
+    return options, command
+
+
+def _kill_group(options: _Options, worker: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the whole group, wait for the worker up to the grace period, then SIGKILL everything."""
     os.killpg(0, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
+    deadline = time.monotonic() + options.grace_s
     while worker.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
+    _kill_others(options)
+    _remove_files(options)
     os.killpg(0, signal.SIGKILL)
 
 
-def _kill_others() -> None:
-    """SIGKILL every process of our group but the guard itself (Linux: read from /proc)."""
+def _belongs(pid: int, group: int, track: list[bytes]) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            if int(stat.read().rsplit(b")", 1)[1].split()[2]) == group:
+                return True
+        if not track:
+            return False
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            entries = set(environ.read().split(b"\0"))
+    except (OSError, ValueError, IndexError):
+        return False
+    return all(entry in entries for entry in track)
+
+
+def _kill_others(options: _Options) -> None:
+    """SIGKILL every process of our group, or tracked by environment, but the guard itself (Linux /proc)."""
     me, group = os.getpid(), os.getpgrp()
     try:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
         return
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if pid != me and int(fields[2]) == group:
+        if pid != me and _belongs(pid, group, options.track):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
 
 
-def _watch_lifeline(grace_s: float, worker: subprocess.Popen[bytes]) -> None:
+def _remove_files(options: _Options) -> None:
+    for pattern in options.remove:
+        for path in glob.glob(pattern):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _watch_lifeline(options: _Options, worker: subprocess.Popen[bytes]) -> None:
     while True:
         try:
             data = os.read(0, 4096)
         except OSError:
             data = b""
         if not data:
-            _kill_group(grace_s, worker)
+            _kill_group(options, worker)
             return
         if KILL in data:
-            _kill_others()
+            _kill_others(options)
         elif TERMINATE in data:
             os.killpg(0, signal.SIGTERM)
 
@@ -88,28 +142,28 @@ def _exit_like(returncode: int, signal_as_code: bool) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Run the guard; ``argv`` is ``[GRACE_S, ["--signal-as-code"], "--", COMMAND...]``."""
-    signal_as_code = len(argv) > 1 and argv[1] == "--signal-as-code"
-    if signal_as_code:
-        argv = [argv[0], *argv[2:]]
-    if len(argv) < 3 or argv[1] != "--":
-        sys.stderr.write("usage: guard.py GRACE_S [--signal-as-code] -- COMMAND...\n")
+    """Run the guard; ``argv`` is ``[GRACE_S, OPTIONS..., "--", COMMAND...]``."""
+    try:
+        options, command = _parse(argv)
+    except (ValueError, IndexError, StopIteration) as e:
+        sys.stderr.write(f"usage: guard.py GRACE_S [--signal-as-code] [--remove GLOB] [--track NAME=VALUE]... "
+                         f"-- COMMAND... ({e})\n")
         sys.exit(2)
-    grace_s = float(argv[0])
     if os.getpgid(0) != os.getpid():
         os.setsid()
     for signum in _STOP_SIGNALS:
         signal.signal(signum, lambda *_: None)
     try:
-        worker = subprocess.Popen(argv[2:], stdin=subprocess.DEVNULL)
+        worker = subprocess.Popen(command, stdin=subprocess.DEVNULL)
     except OSError as e:
-        sys.stderr.write(f"hvdrun: cannot start {argv[2]!r}: {e.strerror}\n")
+        sys.stderr.write(f"hvdrun: cannot start {command[0]!r}: {e.strerror}\n")
         sys.exit(127)
-    signal.signal(signal.SIGHUP, lambda *_: _kill_group(grace_s, worker))
-    threading.Thread(target=_watch_lifeline, args=(grace_s, worker), daemon=True).start()
+    signal.signal(signal.SIGHUP, lambda *_: _kill_group(options, worker))
+    threading.Thread(target=_watch_lifeline, args=(options, worker), daemon=True).start()
     returncode = worker.wait()
-    _kill_others()
-    _exit_like(returncode, signal_as_code)
+    _kill_others(options)
+    _remove_files(options)
+    _exit_like(returncode, options.signal_as_code)
 
 
 if __name__ == "__main__":

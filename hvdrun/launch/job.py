@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import secrets
 import shlex
@@ -24,6 +25,7 @@ from hvdrun.envvars import (
     check_tuning,
     forwarded_env,
     interface_env,
+    shm_files_glob,
     thread_env,
     worker_env,
 )
@@ -229,6 +231,15 @@ def make_launcher(plan: JobPlan) -> Launcher:
                        everywhere=options.launcher == "ssh")
 
 
+def remove_files(pattern: str) -> int:
+    """Delete the files matching ``pattern``; returns how many."""
+    removed = 0
+    for path in glob.glob(pattern):
+        Path(path).unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
 def _start_timeout(options: RunOptions) -> float:
     return options.start_timeout_s or DEFAULT_START_TIMEOUT_S
 
@@ -241,8 +252,6 @@ def run_job(plan: JobPlan) -> None:
         WorkerFailed: a rank failed (exit code = that rank's).
         JobInterrupted: hvdrun was interrupted.
     """
-    from hvdrun.runtime.transport.shm import remove_job_segments
-
     options = plan.options
     router = OutputRouter(len(plan.slots), prefix=options.prefix_output, output_dir=options.output_dir)
     launcher = make_launcher(plan)
@@ -256,4 +265,4 @@ def run_job(plan: JobPlan) -> None:
         raise JobInterrupted("interrupted while reaching the hosts; nothing was started", 130) from None
     finally:
         launcher.close()
-        remove_job_segments(job_id)  # left by ranks killed during init()
+        remove_files(shm_files_glob(job_id))  # left by ranks killed during init() (their guards remove them too)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+from hvdrun.envvars import guard_options
 from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host
 from hvdrun.launch.base import GUARD_SCRIPT, Endpoint, Launcher, Worker, WorkerSpec
@@ -64,7 +65,7 @@ class LocalLauncher(Launcher):
 
     def spawn(self, spec: WorkerSpec) -> subprocess.Popen[bytes]:
         """Start ``spec`` under its guard, with piped stdout and stderr."""
-        argv = [sys.executable, GUARD_SCRIPT, str(self.grace_s), "--", *spec.argv]
+        argv = [sys.executable, GUARD_SCRIPT, str(self.grace_s), *guard_options(spec.env), "--", *spec.argv]
         try:
             return subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -17,6 +17,7 @@ mpiexec (MPICH hydra, Open MPI, Cray PALS) starts one copy of this shim per rank
 from __future__ import annotations
 
 import ctypes
+import glob
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 from hvdrun import envvars
 from hvdrun.hosts import Host
@@ -120,6 +122,8 @@ def main(argv: list[str]) -> None:
         pass
     for pump in pumps:
         pump.join()
+    for path in glob.glob(envvars.shm_files_glob(env[envvars.JOB_ID], slot.rank)):
+        Path(path).unlink(missing_ok=True)
     _emit(slot.rank, "exit", f"{code}\n".encode())
     sys.exit(code if code >= 0 else 128 - code)
 

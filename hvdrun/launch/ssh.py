@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hvdrun.envvars import remote_env
+from hvdrun.envvars import guard_options, remote_env
 from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host, is_local_host
 from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
@@ -201,7 +201,8 @@ def worker_command(spec: WorkerSpec, grace_s: float) -> str:
     if spec.python != sys.executable:  # a host's own Python (YAML python:/venv:): its bin/ first on PATH
         env["PATH"] = f"{os.path.dirname(spec.python)}:{env.get('PATH', '/usr/bin:/bin')}"
     words = ["env", "--", *(f"{name}={value}" for name, value in sorted(env.items())),
-             spec.python, "-m", "hvdrun.launch.guard", f"{grace_s:g}", "--signal-as-code", "--", *spec.argv]
+             spec.python, "-m", "hvdrun.launch.guard", f"{grace_s:g}", "--signal-as-code", *guard_options(spec.env),
+             "--", *spec.argv]
     return f"cd -- {shlex.quote(spec.cwd)} && exec {shlex.join(words)}"
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import io
+import glob
 import os
 import pickle
 import tempfile
@@ -109,8 +109,14 @@ def _create_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad()
 
 
+_TEMP_MARK = "hvdrun-tmp."
+
+
 def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path | None:
     """On rank 0, write ``torch.save(obj)`` to ``path`` atomically (temp file, fsync, rename); others do nothing.
+
+    The object is streamed into ``.NAME.hvdrun-tmp.*`` beside ``path``; such files left by a save
+    that was killed mid-write are removed by the next save.
 
     Returns:
         The path written on rank 0, None elsewhere.
@@ -119,12 +125,13 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path | None:
         return None
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    prefix = f".{target.name}.{_TEMP_MARK}"
+    for stale in target.parent.glob(f"{glob.escape(prefix)}*"):  # left by a save that was killed mid-write
+        stale.unlink(missing_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=prefix, dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(buffer.getvalue())
+            torch.save(obj, handle)  # streamed: the checkpoint is never held in memory a second time
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temp, target)

@@ -267,3 +267,34 @@ def test_the_rank_whose_failure_came_first_is_blamed_every_time(run_hvdrun, tmp_
             in done.stderr
         assert "\x1ehvdrun" not in done.stderr + done.stdout
         assert b"\x1ehvdrun" not in (tmp_path / f"logs{attempt}" / "rank.0" / "stderr").read_bytes()
+
+
+def test_sigkill_of_hvdrun_during_init_leaves_no_shared_memory(hvdrun_env, tmp_path, token):
+    """Rank 0 created its ring and waits for rank 1, which is still asleep, when hvdrun is killed."""
+    path = script(tmp_path, "late.py", """
+        import os, time
+        print("ready", flush=True)
+        if os.environ["RANK"] == "1":
+            time.sleep(300)
+        import hvdrun.torch as hvd
+        hvd.init()
+    """)
+    before = set(Path("/dev/shm").glob("hvdrun-*"))
+    proc = start_and_wait_ready(hvdrun_env, tmp_path, 2, "--grace-period", "1", path=path)
+    assert wait_until(lambda: len(set(Path("/dev/shm").glob("hvdrun-*")) - before) >= 2, 60)  # rank 0's ring + bell
+    proc.kill()
+    proc.wait(timeout=10)
+    assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
+    assert wait_until(lambda: not set(Path("/dev/shm").glob("hvdrun-*")) - before, 10), \
+        set(Path("/dev/shm").glob("hvdrun-*")) - before
+
+
+def test_a_process_that_left_the_rank_with_setsid_is_stopped_too(run_hvdrun, tmp_path):
+    path = script(tmp_path, "escape.py", """
+        import os, subprocess, sys
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+        print("escaped child started", flush=True)
+    """)
+    done = run_hvdrun("-np", "2", path)
+    assert done.returncode == 0, done.stderr
+    # run_hvdrun asserts that no process carrying the job's marker is left

@@ -148,3 +148,29 @@ def test_grouped_ops_with_different_tensor_counts_fail_on_every_rank(run_hvdrun)
     for rank in (0, 1):
         assert f"rank {rank}: grouped mismatch ok" in result.stdout
         assert result.stdout.count(f"rank {rank}: grouped ") == 4
+
+
+def test_checkpoint_is_streamed_and_stale_temp_files_are_removed(tmp_path, monkeypatch):
+    """A one-rank job in this process: the save cleans up after a killed save and never copies the data."""
+    import tracemalloc
+
+    import torch
+
+    import hvdrun.torch as hvd
+
+    for name in ("HVDRUN_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    hvd.init()
+    try:
+        stale = tmp_path / ".ckpt.pt.hvdrun-tmp.abc123"
+        stale.write_bytes(b"half a checkpoint")
+        state = {"weights": torch.zeros(16 << 20, dtype=torch.uint8)}  # 16 MiB
+        tracemalloc.start()
+        written = hvd.save_checkpoint(state, tmp_path / "ckpt.pt")
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert written == tmp_path / "ckpt.pt" and torch.load(written)["weights"].numel() == 16 << 20
+        assert not stale.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+        assert peak < 8 << 20, f"saving held {peak >> 20} MiB of Python memory: the checkpoint was buffered"
+    finally:
+        hvd.shutdown()

@@ -23,11 +23,12 @@ import platform
 import stat
 from pathlib import Path
 
+from hvdrun import envvars
 from hvdrun.runtime.transport.base import Doorbell, RxChannel, TxChannel
 
 _HEADER = 256
 _WRITE, _READ, _SLEEPING = 0, 8, 16  # word indices in the header
-SHM_DIR = Path("/dev/shm")
+SHM_DIR = Path(envvars.SHM_DIR)
 
 
 def shm_supported() -> bool:
@@ -35,18 +36,9 @@ def shm_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and SHM_DIR.is_dir()
 
 
-def remove_job_segments(job_id: str) -> int:
-    """Delete every segment and doorbell a job left in /dev/shm (ranks killed during init); returns the count."""
-    removed = 0
-    for path in SHM_DIR.glob(f"hvdrun-{job_id}-*"):
-        path.unlink(missing_ok=True)
-        removed += 1
-    return removed
-
-
-def _paths(job_id: str, rank: int) -> tuple[Path, Path]:
-    base = SHM_DIR / f"hvdrun-{job_id}-{rank}"
-    return base.with_suffix(".ring"), base.with_suffix(".bell")
+def _paths(job_key: str, rank: int) -> tuple[Path, Path]:
+    base = envvars.shm_segment_base(job_key, rank)
+    return Path(base + ".ring"), Path(base + ".bell")
 
 
 class ShmSegment:
