@@ -122,7 +122,8 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         abort = AbortFlag()
         device_backend = device_backend_name(environ) if launch.size > 1 else None
         timeout_s = envvars.env_number(environ, (envvars.START_TIMEOUT,), DEFAULT_START_TIMEOUT_S)
-        store = open_store(0, launch.size, timeout_s) if device_backend and launch.rank == 0 else None
+        store = (open_store(0, launch.size, timeout_s, launch.rendezvous_addr or "")
+                 if device_backend and launch.rank == 0 else None)
         backend, rendezvous = _connect(launch, environ, abort, _generation, store.port if store else 0, timeout_s)
         device = _device_collectives(device_backend, store, backend, launch, timeout_s, _generation)
         _generation += 1

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import os
 import select
 import socket
@@ -21,16 +23,48 @@ from hvdrun.errors import RendezvousError
 from hvdrun.runtime.transport.base import AbortFlag
 from hvdrun.runtime.wire import AuthError, authenticate_client, authenticate_server, recv_frame, send_frame
 
-_HANDSHAKE_TIMEOUT_S = 10.0
+_HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this, whatever it sends
+_BIND_RETRY_S = 5.0
+_MIN_BACKLOG = 128
 # Rank 0 keeps its listening socket for the life of the process: between a shutdown() and the
 # next init() the kernel could otherwise hand the port to another socket (an ephemeral port).
-_listeners: dict[int, socket.socket] = {}
+_listeners: dict[tuple[str, int], socket.socket] = {}
 
 
-def _listener(port: int, backlog: int) -> socket.socket:
-    sock = _listeners.get(port)
+def bind_host(addr: str) -> str:
+    """Where to listen so that ranks reach ``addr``: that address itself when it is an IP address
+    (loopback for a job on one machine, the advertised interface otherwise), every interface for a name."""
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        return ""
+    return addr
+
+
+def listen(addr: str, port: int, backlog: int) -> socket.socket:
+    """A listening socket on ``bind_host(addr):port``; a port taken by someone else is retried for a while.
+
+    Raises:
+        RendezvousError: the port stayed taken.
+    """
+    deadline = time.monotonic() + _BIND_RETRY_S
+    while True:
+        try:
+            return socket.create_server((bind_host(addr), port), backlog=max(backlog, _MIN_BACKLOG))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                where, reason = f"{bind_host(addr) or '*'}:{port}", os.strerror(e.errno or 0)
+                raise RendezvousError(f"cannot listen on {where}: {reason}; the port hvdrun chose was taken by "
+                                      "another program meanwhile: start the job again") from e
+            time.sleep(0.1)
+
+
+def _listener(addr: str, port: int, size: int) -> socket.socket:
+    sock = _listeners.get((addr, port))
     if sock is None or sock.fileno() < 0:
-        sock = _listeners[port] = socket.create_server(("", port), backlog=backlog)
+        sock = _listeners[(addr, port)] = listen(addr, port, size)
+    else:
+        sock.listen(max(size, _MIN_BACKLOG))  # a larger job than last time: room for all its ranks at once
     return sock
 
 
@@ -54,9 +88,10 @@ class Peer:
 class _Server:
     """Rank 0's side: accepts the other ranks, then watches their connections."""
 
-    def __init__(self, port: int, size: int, secret: bytes, abort: AbortFlag, generation: int) -> None:
+    def __init__(self, addr: str, port: int, size: int, secret: bytes, abort: AbortFlag, generation: int) -> None:
         self.size, self.secret, self.abort, self.generation = size, secret, abort, generation
-        self.listener = _listener(port, max(size, 16))
+        self.listener = _listener(addr, port, size)
+        self._handshakes = threading.BoundedSemaphore(max(2 * size, 16))
         self.clients: dict[int, tuple[socket.socket, Peer]] = {}
         self._lock = threading.Lock()
         self._closing = False
@@ -71,8 +106,7 @@ class _Server:
             if remaining <= 0:
                 self._fail_missing(deadline)
             if select.select([self.listener], [], [], min(remaining, 0.005))[0]:
-                sock, _ = self.listener.accept()
-                threading.Thread(target=self._admit, args=(sock,), daemon=True).start()
+                self._accept()
         peers = sorted([me] + [peer for _, peer in self.clients.values()], key=lambda p: p.rank)
         table = [astuple(p) for p in peers]
         for sock, _ in self.clients.values():
@@ -80,6 +114,26 @@ class _Server:
         self._monitor = threading.Thread(target=self._watch, name="hvdrun-rendezvous", daemon=True)
         self._monitor.start()
         return peers
+
+    def _accept(self) -> None:
+        """Take one connection; at most 2 x size handshakes at once, each dropped after its deadline."""
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return
+        if not self._handshakes.acquire(blocking=False):
+            sock.close()  # a flood of connections that never authenticate: refuse, keep serving the job
+            return
+        threading.Thread(target=self._admit_within_deadline, args=(sock,), daemon=True).start()
+
+    def _admit_within_deadline(self, sock: socket.socket) -> None:
+        watchdog = threading.Timer(_HANDSHAKE_TIMEOUT_S, _drop, args=(sock,))
+        watchdog.start()
+        try:
+            self._admit(sock)
+        finally:
+            watchdog.cancel()
+            self._handshakes.release()
 
     def _admit(self, sock: socket.socket) -> None:
         sock.settimeout(_HANDSHAKE_TIMEOUT_S)
@@ -130,11 +184,7 @@ class _Server:
                     self._read_client(sock, socks[sock])
 
     def _refuse_late(self) -> None:
-        try:
-            sock, _ = self.listener.accept()
-        except OSError:
-            return
-        threading.Thread(target=self._admit, args=(sock,), daemon=True).start()
+        self._accept()
 
     def _read_client(self, sock: socket.socket, peer: Peer) -> None:
         try:
@@ -171,6 +221,14 @@ class _Server:
         os.close(self._wake_write)
         for sock, _ in self.clients.values():
             sock.close()
+
+
+def _drop(sock: socket.socket) -> None:
+    """End a handshake that took too long (the admitting thread's recv then fails)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class _Client:
@@ -269,7 +327,7 @@ class Rendezvous:
                  generation: int = 0) -> None:
         self.rank, self.size, self.addr, self.port = rank, size, addr, port
         self.abort = abort
-        self._server = _Server(port, size, secret, abort, generation) if rank == 0 else None
+        self._server = _Server(addr, port, size, secret, abort, generation) if rank == 0 else None
         self._client = _Client(addr, port, secret, abort, generation) if rank != 0 else None
 
     def local_address(self, deadline: float) -> str:

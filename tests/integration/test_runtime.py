@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -178,3 +179,78 @@ def test_mpi_backend_under_mpiexec(tmp_path, hvdrun_env):
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(re.findall(r"rank \d: \d+ checks passed", result.stdout)) == 2
+
+
+@pytest.mark.parametrize("backend", ["ring", "gloo"])
+def test_a_job_on_one_machine_listens_on_loopback_only(run_hvdrun, backend):
+    done = run_hvdrun("-np", "2", "-x", f"HVDRUN_BACKEND={backend}", "-x", "HVDRUN_TRANSPORT=tcp",
+                      str(WORKERS / "listening.py"))
+    assert done.returncode == 0, done.stderr
+    lines = [line.split("LISTEN ", 1)[1] for line in done.stdout.splitlines() if "LISTEN " in line]
+    reports = sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
+    assert len(reports) == 2 and reports[0]["addresses"], reports  # rank 0 at least serves the rendezvous
+    assert all(set(r["addresses"]) <= {"127.0.0.1"} for r in reports), reports
+
+
+def wait_for_listener(port: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, "rank 0 never listened"
+            time.sleep(0.05)
+
+
+def test_silent_slow_and_flooding_connections_are_dropped_and_the_job_still_forms(spawn_ranks):
+    procs = spawn_ranks(worker("order.py"), 2, ranks=[0])
+    port = spawn_ranks.rendezvous.port
+    wait_for_listener(port)
+    silent = socket.create_connection(("127.0.0.1", port), timeout=5)
+    slow = socket.create_connection(("127.0.0.1", port), timeout=5)
+    flood = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(60)]
+    silent.settimeout(30)
+    while silent.recv(4096):  # the greeting, then EOF once the handshake deadline passed
+        pass
+    # a byte a second, 20 of the 64 (nonce + HMAC) the server waits for: only a deadline on the whole
+    # handshake ends it (a timeout per recv never fires)
+    for _ in range(20):
+        try:
+            slow.sendall(b"x")
+        except OSError:
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError("a connection trickling bytes was kept without ever authenticating")
+    procs.update(spawn_ranks(worker("order.py"), 2, ranks=[1], rendezvous=spawn_ranks.rendezvous))
+    for rank, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and f"rank {rank}: order ok" in stdout, stderr[-2000:]
+    for sock in [silent, slow, *flood]:
+        sock.close()
+
+
+def test_a_rendezvous_port_taken_meanwhile_is_retried_then_named(spawn_ranks):
+    from hvdrun.envvars import Rendezvous
+    from hvdrun.launch.probe import free_ports
+
+    port, master = free_ports(2)
+    squatter = socket.create_server(("127.0.0.1", port))
+    rendezvous = Rendezvous("127.0.0.1", port, master, "ab" * 32, "tport")
+    procs = spawn_ranks(worker("order.py"), 2, rendezvous=rendezvous, env={"HVDRUN_START_TIMEOUT": "20"})
+    time.sleep(1.0)
+    squatter.close()  # freed within the retry window: the job forms
+    for rank, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and f"rank {rank}: order ok" in stdout, stderr[-2000:]
+    squatter = socket.create_server(("127.0.0.1", port))
+    try:
+        procs = spawn_ranks(worker("order.py"), 1, rendezvous=Rendezvous("127.0.0.1", port, master, "ab" * 32, "tp2"),
+                            env={"HVDRUN_RANK": "0", "HVDRUN_SIZE": "2", "HVDRUN_START_TIMEOUT": "20"})
+        _, stderr = procs[0].communicate(timeout=60)
+    finally:
+        squatter.close()
+    assert procs[0].returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use; the port hvdrun chose was taken" in stderr
+    assert "OSError" not in stderr.splitlines()[-1]

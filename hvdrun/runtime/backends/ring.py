@@ -19,7 +19,7 @@ import numpy as np
 
 from hvdrun.errors import RendezvousError
 from hvdrun.runtime.backends.base import Backend, World, topology
-from hvdrun.runtime.rendezvous import Peer, Rendezvous
+from hvdrun.runtime.rendezvous import Peer, Rendezvous, bind_host
 from hvdrun.runtime.ring import ReduceFn, Ring
 from hvdrun.runtime.transport.base import DEFAULT_SPIN_S, AbortFlag, RxChannel, TxChannel, Waiter
 from hvdrun.runtime.transport.shm import ShmRx, ShmSegment, ShmTx, shm_supported
@@ -57,10 +57,12 @@ class RingBackend(Backend):
         deadline = time.monotonic() + timeout_s
         use_shm = use_shm and shm_supported()
         own = ShmSegment(job_key, rank, SHM_CAPACITY_BYTES, create=True) if use_shm and size > 1 else None
-        listener = socket.create_server(("", 0))
+        listener = None
         try:
-            me = Peer(rank, hostname, f"{hostname}/{_boot_id()}", os.getpid(),
-                      rendezvous.local_address(deadline), listener.getsockname()[1], store_port)
+            address = rendezvous.local_address(deadline)  # the data port listens where the others reach us
+            listener = socket.create_server((bind_host(address), 0))
+            me = Peer(rank, hostname, f"{hostname}/{_boot_id()}", os.getpid(), address, listener.getsockname()[1],
+                      store_port)
             peers = rendezvous.exchange(me, max(deadline - time.monotonic(), 0.1))
             world = topology(rank, [p.host_key for p in peers], [p.hostname for p in peers])
             if size == 1:
@@ -71,7 +73,8 @@ class RingBackend(Backend):
             ring.allgather_messages(b"")  # every peer has opened our ring: names may go
             return cls(world, ring, segments, peers)
         finally:
-            listener.close()
+            if listener is not None:
+                listener.close()
             if own is not None:
                 own.unlink()
 

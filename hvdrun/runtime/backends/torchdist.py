@@ -19,20 +19,28 @@ from hvdrun.envvars import LaunchInfo
 from hvdrun.runtime.backends.base import Backend, World, topology
 from hvdrun.runtime.device import TorchGroup
 from hvdrun.runtime.negotiation import MAX, MIN, PRODUCT, SUM
-from hvdrun.runtime.rendezvous import Peer, Rendezvous
+from hvdrun.runtime.rendezvous import Peer, Rendezvous, bind_host, listen
 from hvdrun.runtime.ring import ReduceFn
 
 _OP_OF: dict[Any, int] = {np.add: SUM, np.minimum: MIN, np.maximum: MAX, np.multiply: PRODUCT}
 
 
 def open_store(rank: int, size: int, timeout_s: float, addr: str = "", port: int = 0) -> Any:
-    """Rank 0 opens a TCPStore on a free port; the others join it at ``addr:port``."""
+    """Rank 0 opens a TCPStore on a free port of the interface that reaches ``addr`` (its advertised
+    address: loopback for a job on one machine); the others join it at ``addr:port``."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
-        return dist.TCPStore("0.0.0.0", 0, size, True, timeout=timeout, wait_for_workers=False)
+        listener = listen(addr, 0, size)
+        store = dist.TCPStore(bind_host(addr) or "0.0.0.0", listener.getsockname()[1], size, True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.fileno())
+        _store_listeners[id(store)] = listener  # the store serves on this socket: keep it open as long
+        return store
     return dist.TCPStore(addr, port, size, False, timeout=timeout)
+
+
+_store_listeners: dict[int, socket.socket] = {}
 
 
 class TorchBackend(Backend):
@@ -48,7 +56,7 @@ class TorchBackend(Backend):
     def connect(cls, launch: LaunchInfo, rendezvous: Rendezvous, timeout_s: float, generation: int,
                 store_port: int = 0) -> TorchBackend:
         """Open (rank 0) or join the store named in the rendezvous table, then create the group."""
-        store = open_store(launch.rank, launch.size, timeout_s) if launch.rank == 0 else None
+        store = open_store(0, launch.size, timeout_s, rendezvous.addr) if launch.rank == 0 else None
         address = rendezvous.local_address(time.monotonic() + timeout_s)
         me = Peer(launch.rank, launch.hostname, f"{launch.hostname}/{socket.gethostname()}", os.getpid(),
                   address, store.port if store is not None else 0, store_port)
