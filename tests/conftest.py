@@ -80,6 +80,7 @@ def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
     from hvdrun.ranks import assign_slots
 
     started: list[subprocess.Popen[str]] = []
+    job_ids: set[str] = set()
 
     def start(script: str, size: int, ranks: list[int] | None = None, env: dict[str, str] | None = None,
               args: tuple[str, ...] = (), rendezvous: Rendezvous | None = None) -> dict[int, subprocess.Popen[str]]:
@@ -93,6 +94,7 @@ def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             started.append(procs[slot.rank])
         start.rendezvous = rendezvous  # type: ignore[attr-defined]
+        job_ids.add(rendezvous.job_id)
         return procs
 
     yield start
@@ -100,6 +102,9 @@ def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
+    for job_id in job_ids:  # no guard here: remove the rings of ranks this fixture killed
+        for path in Path("/dev/shm").glob(f"hvdrun-{job_id}-*"):
+            path.unlink(missing_ok=True)
     assert wait_until(lambda: not job_processes(token)), f"left behind: {job_processes(token)}"
 
 

@@ -297,3 +297,24 @@ def test_linear_regression_example_across_hosts(ssh_hosts, run_hvdrun, tmp_path)
     done = run_hvdrun("-H", ssh_hosts.hosts(1, 2), *ssh_hosts.args(), example, "--check", timeout=180)
     assert done.returncode == 0, done.stderr
     assert "max |distributed - single process| = 0.000e+00" in done.stdout
+
+
+def test_user_at_host_and_a_hosts_own_python_from_the_yaml(run_hvdrun, ssh_hosts, tmp_path):
+    """h2's ranks run the .py command under the Python its YAML entry names (its bin/ first on PATH)."""
+    own = tmp_path / "own-env" / "bin"
+    own.mkdir(parents=True)
+    (own / "python").write_text(f'#!/bin/sh\nOWN_PYTHON=yes exec {sys.executable} "$@"\n')
+    (own / "python").chmod(0o755)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"hosts:\n  - root@{ssh_hosts.addrs[0]}:1\n"
+                      f"  - {{name: {ssh_hosts.addrs[1]}, slots: 1, user: root, python: {own / 'python'}}}\n")
+    which = script(tmp_path, "which.py", """
+        import os, socket, sys
+        print("PY", socket.gethostname(), os.environ.get("OWN_PYTHON", "no"), os.environ["PATH"].split(":")[0],
+              flush=True)
+    """)
+    done = run_hvdrun("--config", str(config), *ssh_hosts.args(), which)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(line.split("PY ", 1)[1] for line in done.stdout.splitlines() if "PY " in line)
+    assert lines[0].split()[:2] == ["h1", "no"]
+    assert lines[1].split() == ["h2", "yes", str(own)]  # the host's own Python ran the script (and the probe)
