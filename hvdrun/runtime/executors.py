@@ -10,16 +10,30 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from hvdrun.errors import CollectiveError
-from hvdrun.runtime.negotiation import AVERAGE, MIN, PRODUCT, REDUCE_FNS, SUM, Entry, Request
+from hvdrun.runtime.backends.base import Backend, World
+from hvdrun.runtime.negotiation import AVERAGE, MIN, PRODUCT, REDUCE_FNS, SUM, Entry, Request, Table
 from hvdrun.runtime.ring import as_bytes, chunk_bounds
 
-if TYPE_CHECKING:
-    from hvdrun.runtime.engine import Engine
+
+class Engine(Protocol):
+    """What handles and executors need of the engine (``hvdrun.runtime.engine.Engine`` provides it)."""
+
+    world: World
+    backend: Backend
+    table: Table
+
+    def fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
+        """A reusable flat buffer of at least ``count`` elements of ``dtype``."""
+        ...
+
+    def drive_until(self, handle: Handle, timeout_s: float | None) -> None:
+        """Run cycles on the caller's thread until ``handle`` is done."""
+        ...
 
 
 class Handle:
