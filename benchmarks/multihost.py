@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "infra" / "ssh_hosts.sh"
 ALLREDUCE = REPO / "benchmarks" / "allreduce.py"
-FIXTURE_ENV = {"HVD_FX_NS_PREFIX": "hvdbn-h", "HVD_FX_BRIDGE": "hvdbn-br0", "HVD_FX_SUBNET": "10.202.0"}
+FIXTURE_ENV = {"HVD_FX_NS_PREFIX": "hvdbn-h", "HVD_FX_BRIDGE": "hvdbn-br0", "HVD_FX_SUBNET": "10.199.0"}
 
 STARTUP_WORKER = """
 import os, time

@@ -123,6 +123,11 @@ class SshHosts:
     key: str
     known_hosts: str
     local_addr: str
+    subnet: str
+
+    def unused_addr(self) -> str:
+        """An address on the hosts' subnet that no host has (unreachable)."""
+        return f"{self.subnet}.77"
 
     def args(self) -> list[str]:
         """hvdrun options that reach these hosts."""
@@ -141,17 +146,25 @@ def _fixture_command(action: str, directory: Path, *args: str, env: dict[str, st
     return done.stdout
 
 
+def fixture_names(tag: int) -> dict[str, str]:
+    """Namespace, bridge and subnet names of one fixture: distinct per test run, so that runs sharing a
+    machine never touch each other's hosts (a bridge name has at most 15 characters)."""
+    tag %= 10_000
+    return {"HVD_FX_NS_PREFIX": f"hv{tag}h", "HVD_FX_BRIDGE": f"hv{tag}br0",
+            "HVD_FX_SUBNET": f"10.{200 + tag % 50}.{tag // 50 % 250}"}
+
+
 def start_ssh_hosts(directory: Path, count: int, env: dict[str, str] | None = None) -> SshHosts:
     """Start ``count`` sshd hosts in network namespaces (root only); stop them with :func:`stop_ssh_hosts`."""
     if os.geteuid() != 0:
         pytest.skip("SSH hosts need root (network namespaces)")
     if not Path("/usr/sbin/sshd").exists():
         pytest.skip("openssh-server is not installed (make test installs it)")
-    _fixture_command("stop", directory, "--force", env=env)
+    _fixture_command("stop", directory, "--force", env=env)  # leftovers of a crashed run with these names
     _fixture_command("start", directory, "-n", str(count), "-m", "netns", env=env)
     info = json.loads((directory / "hosts.json").read_text())
     return SshHosts(directory, [h["name"] for h in info["hosts"]], [h["addr"] for h in info["hosts"]], info["key"],
-                    info["known_hosts"], info["local_addr"])
+                    info["known_hosts"], info["local_addr"], (env or {}).get("HVD_FX_SUBNET", "10.200.0"))
 
 
 def stop_ssh_hosts(directory: Path, env: dict[str, str] | None = None) -> None:
@@ -163,8 +176,9 @@ def stop_ssh_hosts(directory: Path, env: dict[str, str] | None = None) -> None:
 def ssh_hosts() -> Iterator[SshHosts]:
     """Four SSH hosts h1..h4 for the whole session."""
     directory = Path(f"/tmp/hvdrun-ssh-{os.getpid()}")
-    hosts = start_ssh_hosts(directory, 4)
+    names = fixture_names(os.getpid())
+    hosts = start_ssh_hosts(directory, 4, names)
     try:
         yield hosts
     finally:
-        stop_ssh_hosts(directory)
+        stop_ssh_hosts(directory, names)

@@ -8,6 +8,7 @@ process of a job (``job_processes``) to prove nothing is left behind on any host
 from __future__ import annotations
 
 import json
+import os
 import queue
 import shutil
 import signal
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, job_processes, start_ssh_hosts, stop_ssh_hosts, wait_until
+from tests.conftest import REPO, fixture_names, job_processes, start_ssh_hosts, stop_ssh_hosts, wait_until
 from tests.integration.test_local_launch import script
 
 pytestmark = pytest.mark.integration
@@ -166,9 +167,10 @@ def test_unknown_host_key_is_refused_with_its_fingerprint(run_hvdrun, ssh_hosts,
     fingerprint = subprocess.run(["ssh-keygen", "-lf", str(ssh_hosts.dir / "h1" / "ssh_host_ed25519_key.pub")],
                                  capture_output=True, text=True, check=True).stdout.split()[1]
     line = done.stderr.strip()
-    assert "\n" not in line and line.startswith("hvdrun: error: host key of 10.200.0.1")
+    h1 = ssh_hosts.addrs[0]
+    assert "\n" not in line and line.startswith(f"hvdrun: error: host key of {h1}")
     assert f"ssh-ed25519 {fingerprint} is not in {empty}; refusing to connect" in line
-    assert f"ssh-keyscan -t ssh-ed25519 10.200.0.1 >> {empty}" in line
+    assert f"ssh-keyscan -t ssh-ed25519 {h1} >> {empty}" in line
 
 
 def test_changed_host_key_is_refused(run_hvdrun, ssh_hosts, tmp_path):
@@ -179,19 +181,22 @@ def test_changed_host_key_is_refused(run_hvdrun, ssh_hosts, tmp_path):
     done = run_hvdrun("-H", f"{ssh_hosts.addrs[0]}:1", "-i", ssh_hosts.key, "--ssh-known-hosts", str(forged),
                       "hostname")
     assert done.returncode == 1 and done.stdout == ""
-    assert "host key of 10.200.0.1 (10.200.0.1) has CHANGED" in done.stderr
-    assert f"ssh-keygen -f {forged} -R 10.200.0.1" in done.stderr
+    h1 = ssh_hosts.addrs[0]
+    assert f"host key of {h1} ({h1}) has CHANGED" in done.stderr
+    assert f"ssh-keygen -f {forged} -R {h1}" in done.stderr
 
 
 def test_unreachable_host_and_closed_port_are_named_quickly(run_hvdrun, ssh_hosts, tmp_path, token):
     closed = run_hvdrun("-H", ssh_hosts.hosts(1), *ssh_hosts.args(), "-p", "2", "hostname")
     assert closed.returncode == 1
-    assert "cannot connect to root@10.200.0.1 (10.200.0.1:2): Connection refused" in closed.stderr
+    h1 = ssh_hosts.addrs[0]
+    assert f"cannot connect to root@{h1} ({h1}:2): Connection refused" in closed.stderr
     start = time.monotonic()
-    gone = run_hvdrun("-H", f"{ssh_hosts.addrs[0]}:1,10.200.0.77:1", *ssh_hosts.args(), "--start-timeout", "3",
+    unused = ssh_hosts.unused_addr()
+    gone = run_hvdrun("-H", f"{ssh_hosts.addrs[0]}:1,{unused}:1", *ssh_hosts.args(), "--start-timeout", "3",
                       "hostname")
     assert time.monotonic() - start < 20  # bounded by --start-timeout, not by TCP's minutes of retries
-    assert gone.returncode == 1 and "root@10.200.0.77 (10.200.0.77:22)" in gone.stderr
+    assert gone.returncode == 1 and f"root@{unused} ({unused}:22)" in gone.stderr
     assert gone.stdout == ""
 
 
@@ -268,8 +273,7 @@ def test_connections_to_a_default_sshd_are_capped_and_retried(tmp_path, monkeypa
     is_retryable = connections._is_retryable
     monkeypatch.setattr(connections, "_is_retryable", lambda e: retried.append(e) or is_retryable(e))
 
-    env = {"HVD_FX_NS_PREFIX": "hvdms-h", "HVD_FX_BRIDGE": "hvdms-br0", "HVD_FX_SUBNET": "10.201.0",
-           "HVD_FX_MAXSTARTUPS": "10:30:100"}
+    env = {**fixture_names(os.getpid() + 1), "HVD_FX_MAXSTARTUPS": "10:30:100"}
     directory = Path(f"/tmp/hvdrun-ms-{tmp_path.name[-8:]}")
     hosts = start_ssh_hosts(directory, 1, env)
     try:
