@@ -28,6 +28,7 @@ RENDEZVOUS_PORT = "HVDRUN_RENDEZVOUS_PORT"
 SECRET = "HVDRUN_SECRET"
 JOB_ID = "HVDRUN_JOB_ID"
 BACKEND = "HVDRUN_BACKEND"
+MPIEXEC = "HVDRUN_MPIEXEC"  # the mpiexec --launcher mpiexec runs (default: beside this Python, then PATH)
 MPI_PLAN = "HVDRUN_MPI_PLAN"  # hosts, -np and GPU layout, for ranks started by mpiexec (launch/mpirank.py)
 
 _TOPOLOGY = {

@@ -114,7 +114,7 @@ class MpiexecCommand:
             listed = ",".join(f"{h.name}:{h.slots}" for h in self.hosts)
             raise UsageError(f"Cray PALS mpiexec runs the same number of ranks on every host (--ppn); the ranks "
                              f"fall unevenly on {listed}: give -np a multiple of the slots per host")
-        args = ["--np", str(self.num_proc), "--ppn", str(per_host.pop()), "--line-buffer"]
+        args = ["--np", str(self.num_proc), "--ppn", str(per_host.pop()), "--envall", "--line-buffer"]
         if self.hostfile:
             args += ["--hostfile", self.hostfile]
         return args + [word for name, value in sorted(self.env.items()) for word in ("--env", f"{name}={value}")]
@@ -132,7 +132,13 @@ def ssh_agent_script(options: SshOptions) -> str:
 
 
 def find_mpiexec() -> str:
-    """``mpiexec`` beside this Python (a virtualenv's, e.g. the mpich wheel's), else on PATH."""
+    """``$HVDRUN_MPIEXEC``, else ``mpiexec`` beside this Python (a virtualenv's, e.g. the mpich wheel's),
+    else on PATH."""
+    chosen = os.environ.get(envvars.MPIEXEC)
+    if chosen:
+        if not shutil.which(chosen):
+            raise LaunchError(f"{envvars.MPIEXEC}={chosen!r} is not an executable program")
+        return chosen
     beside = Path(sys.executable).parent / "mpiexec"
     found = str(beside) if beside.is_file() else shutil.which("mpiexec")
     if not found:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import job_processes, wait_until
+from tests.conftest import REPO, job_processes, wait_until
 from tests.integration.test_local_launch import script
 from tests.integration.test_ssh_launch import ALLREDUCE, SLEEPER, results, start_and_wait_ready
 
@@ -75,3 +76,34 @@ def test_sigkill_of_hvdrun_stops_mpiexec_everywhere(ssh_hosts, hvdrun_env, tmp_p
 def test_unknown_mpiexec_flavour_is_a_usage_error(run_hvdrun, tmp_path):
     done = run_hvdrun("--launcher", "mpiexec", "--mpi-flavour", "lam", sys.executable)
     assert done.returncode == 2 and "Invalid value for '--mpi-flavour'" in done.stderr
+
+
+FAKE_PALS = REPO / "tests" / "fakes" / "fake_pals_mpiexec.py"
+
+PINNED = """
+import json, os
+import torch
+import hvdrun.torch as hvd
+hvd.init()
+total = hvd.allreduce(torch.ones(3), op=hvd.Sum)
+print("PIN " + json.dumps({"rank": hvd.rank(), "local": hvd.local_rank(), "gpus": os.environ["CUDA_VISIBLE_DEVICES"],
+                            "ok": total.tolist() == [float(hvd.size())] * 3}), flush=True)
+hvd.shutdown()
+"""
+
+
+def test_pals_line_through_a_fake_pals_mpiexec_pins_gpus_in_polaris_order(run_hvdrun, hvdrun_env, tmp_path):
+    """FAKE PALS (tests/fakes): hvdrun's side of the contract, i.e. its line, the shim's slots and pinning."""
+    config = tmp_path / "polaris-like.yaml"
+    config.write_text("launcher: mpiexec\ngpus_per_node: 4\ngpu_order: [3, 2, 1, 0]\nhosts: ['localhost:4']\n")
+    hvdrun_env.update({"HVDRUN_MPIEXEC": str(FAKE_PALS), "FAKE_PALS_RECORD": str(tmp_path / "record.json")})
+    done = run_hvdrun("--config", str(config), "--mpi-flavour", "pals", script(tmp_path, "pinned.py", PINNED))
+    assert done.returncode == 0, done.stderr
+    pins = sorted((json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line),
+                  key=lambda r: r["rank"])
+    assert [(p["rank"], p["local"], p["gpus"], p["ok"]) for p in pins] == [
+        (0, 0, "3", True), (1, 1, "2", True), (2, 2, "1", True), (3, 3, "0", True)]
+    assert all(f"[{rank}]<stdout>:PIN " in done.stdout for rank in range(4))
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["argv"][:7] == ["--np", "4", "--ppn", "4", "--envall", "--line-buffer", "--hostfile"]
+    assert record["hosts"] == ["localhost"]

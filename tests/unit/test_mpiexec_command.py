@@ -59,7 +59,7 @@ def test_open_mpi_line():
 
 def test_pals_line_and_uneven_hosts():
     assert command("pals").argv() == [
-        "/venv/bin/mpiexec", "--np", "4", "--ppn", "2", "--line-buffer", "--hostfile", "/tmp/x/hostfile",
+        "/venv/bin/mpiexec", "--np", "4", "--ppn", "2", "--envall", "--line-buffer", "--hostfile", "/tmp/x/hostfile",
         "--env", "HVDRUN_SECRET=s3cr3t", "--env", "WITH SPACE=a b", "--verbose", *COMMAND]
     with pytest.raises(UsageError, match="same number of ranks on every host.*n1:2,n2:1"):
         command("pals", (Host("n1", 2), Host("n2", 1))).argv()
