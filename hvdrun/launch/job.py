@@ -227,7 +227,7 @@ def make_launcher(plan: JobPlan) -> Launcher:
                                shlex.split(options.mpi_args or ""))
     from hvdrun.launch.ssh import SshLauncher
 
-    return SshLauncher(options.grace_s, ssh, plan.cwd, options.network_interface,
+    return SshLauncher(options.grace_s, ssh, plan.cwd, plan.python_for, options.network_interface,
                        everywhere=options.launcher == "ssh")
 
 

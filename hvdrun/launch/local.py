@@ -16,8 +16,6 @@ from hvdrun.launch.probe import free_ports
 from hvdrun.ranks import Slot
 
 LOOPBACK = "127.0.0.1"
-
-
 _PIPE_BYTES = 1 << 20
 
 
@@ -67,18 +65,20 @@ class LocalLauncher(Launcher):
         """Start ``spec`` under its guard, with piped stdout and stderr."""
         argv = [sys.executable, GUARD_SCRIPT, str(self.grace_s), *guard_options(spec.env), "--", *spec.argv]
         try:
-            return subprocess.Popen(
+            process = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env=spec.env, cwd=spec.cwd, start_new_session=True,
             )
         except OSError as e:
             raise LaunchError(f"cannot start rank {spec.slot.rank} on this machine: {e}") from e
+        for pipe in (process.stdout, process.stderr):
+            assert pipe is not None
+            widen_pipe(pipe.fileno())
+        return process
 
     def start(self, spec: WorkerSpec, router: OutputRouter) -> LocalWorker:
         process = self.spawn(spec)
         assert process.stdout is not None and process.stderr is not None
-        for pipe in (process.stdout, process.stderr):
-            widen_pipe(pipe.fileno())
         router.attach(spec.slot.rank, "stdout", os.dup(process.stdout.fileno()))
         router.attach(spec.slot.rank, "stderr", os.dup(process.stderr.fileno()))
         process.stdout.close()

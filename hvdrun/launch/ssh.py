@@ -73,14 +73,15 @@ class SshLauncher(Launcher):
         grace_s: seconds between SIGTERM and SIGKILL when stopping ranks.
         ssh: how to reach hosts.
         workdir: the working directory of every rank (the launcher's).
+        python_for: the Python that runs on a host (the plan's rule); the probe checks that one.
         network_interface: advertise rank 0 on this interface's address.
         everywhere: use SSH for hosts that are this machine too.
     """
 
-    def __init__(self, grace_s: float, ssh: SshOptions, workdir: str, network_interface: str | None = None,
-                 everywhere: bool = False) -> None:
+    def __init__(self, grace_s: float, ssh: SshOptions, workdir: str, python_for: Callable[[Host], str],
+                 network_interface: str | None = None, everywhere: bool = False) -> None:
         super().__init__(grace_s)
-        self.ssh, self.workdir = ssh, workdir
+        self.ssh, self.workdir, self.python_for = ssh, workdir, python_for
         self.network_interface, self.everywhere = network_interface, everywhere
         self._remote: dict[Host, _RemoteHost] = {}
         self._local = LocalLauncher(grace_s)
@@ -90,8 +91,8 @@ class SshLauncher(Launcher):
         return self.everywhere or not is_local_host(host.name)
 
     def prepare(self, slots: Sequence[Slot], deadline: float) -> None:
-        ranks_on = Counter(slot.host for slot in slots if self.is_remote(slot.host))
-        hosts = list(ranks_on)
+        ranks_on = Counter(slot.host for slot in slots)
+        hosts = [host for host in ranks_on if self.is_remote(host)]
         targets = resolve_targets(hosts, self.ssh)
         per_host = [math.ceil(ranks_on[h] / SESSIONS_PER_CONNECTION) for h in hosts]
         clients = connect_all([t for t, n in zip(targets, per_host, strict=True) for _ in range(n)], self.ssh,
@@ -105,7 +106,7 @@ class SshLauncher(Launcher):
 
     def _probe(self, host: Host, ports: int, deadline: float) -> None:
         remote = self._remote[host]
-        python = host.python or sys.executable
+        python = self.python_for(host)
         command = probe_command(self.workdir, python, self.network_interface, ports)
         try:
             status, out, err = run_command(remote.clients[0], command, max(deadline - time.monotonic(), 1.0))

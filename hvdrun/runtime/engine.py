@@ -105,8 +105,8 @@ class Engine:
     def submit_many(self, items: Sequence[tuple[Request, np.ndarray | None]], wake: bool = True) -> list[Handle]:
         """Queue several collectives at once: they reach the other ranks in the same announcement
         (a grouped op's tensors are negotiated together). Nothing is queued if one name is in flight."""
-        ops = [LocalOp(request, _NO_DATA if array is None else array, Handle(self),
-                       self._eager_payload(request, _NO_DATA if array is None else array)) for request, array in items]
+        buffers = [(request, _NO_DATA if array is None else array) for request, array in items]
+        ops = [LocalOp(request, array, Handle(self), self._eager_payload(request, array)) for request, array in buffers]
         with self._lock:
             if self._failure is not None:
                 raise CollectiveError(self._failure)
@@ -213,7 +213,7 @@ class Engine:
                     self.backend.idle_wait([self._wake_read])
                     self._check_stalls()
         except CollectiveError as e:
-            self._fail(str(e))
+            self.fail(str(e))
 
     def _run(self) -> None:
         try:
@@ -237,9 +237,9 @@ class Engine:
                     finally:
                         self._progress.release()
         except CollectiveError as e:
-            self._fail(str(e))
+            self.fail(str(e))
         except Exception as e:  # a bug: still fail every rank cleanly rather than hang them
-            self._fail(f"hvdrun engine crashed on rank {self.world.rank}: {e!r}")
+            self.fail(f"hvdrun engine crashed on rank {self.world.rank}: {e!r}")
 
     def _sleep_on_wake_pipe(self, timeout_s: float) -> None:
         with self._lock:
@@ -376,10 +376,7 @@ class Engine:
                              "ranks that submit different tensors or hang cause this\n")
 
     def fail(self, reason: str) -> None:
-        """This rank hit a fatal error outside the runtime: stop every pending op and tell the other ranks."""
-        self._fail(reason)
-
-    def _fail(self, reason: str) -> None:
+        """Fail this rank's engine: every pending op ends with ``reason`` and the other ranks are told."""
         with self._lock:
             self._failure = reason
             ops, self._inflight, self._new = list(self._inflight.values()), {}, []

@@ -33,14 +33,11 @@ def open_store(rank: int, size: int, timeout_s: float, addr: str = "", port: int
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
         listener = listen(addr, 0, size)
-        store = dist.TCPStore(bind_host(addr) or "0.0.0.0", listener.getsockname()[1], size, True, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=listener.fileno())
-        _store_listeners[id(store)] = listener  # the store serves on this socket: keep it open as long
-        return store
+        port = listener.getsockname()[1]
+        # the store takes the socket over and closes it when it is destroyed: Python must not own it too
+        return dist.TCPStore(bind_host(addr) or "0.0.0.0", port, size, True, timeout=timeout,
+                             wait_for_workers=False, master_listen_fd=listener.detach())
     return dist.TCPStore(addr, port, size, False, timeout=timeout)
-
-
-_store_listeners: dict[int, socket.socket] = {}
 
 
 class TorchBackend(Backend):
