@@ -7,17 +7,19 @@ mpiexec (MPICH hydra, Open MPI, Cray PALS) starts one copy of this shim per rank
    with the same pure :func:`hvdrun.ranks.assign_slots` as every other launcher;
 2. gives the command hvdrun's environment contract for that slot (``HVDRUN_*``, ``HOROVOD_*``,
    torchrun's variables, ``CUDA_VISIBLE_DEVICES`` pinned in the machine's GPU order);
-3. runs it in a process group of its own and prefixes every output line with ``[rank]<stdout>:``
-   or ``[rank]<stderr>:``, then reports ``[rank]<exit>:CODE``, so hvdrun can split mpiexec's
-   merged output back into ranks and name the rank that failed first;
-4. forwards SIGTERM / SIGINT to the group (SIGKILL after GRACE_S), and stops it when its parent
+3. runs it under hvdrun's guard, whose lifeline is a pipe from this shim: if the shim is killed
+   outright, the guard stops the command's whole process group by itself, removes the rank's
+   shared memory and stops processes tracked by the job's environment;
+4. prefixes every output line with ``[rank]<stdout>:`` or ``[rank]<stderr>:``, then reports
+   ``[rank]<exit>:CODE``, so hvdrun can split mpiexec's merged output back into ranks and name
+   the rank that failed first;
+5. forwards SIGTERM / SIGINT to the group (SIGKILL after GRACE_S), and stops it when its parent
    (mpiexec's proxy) dies.
 """
 
 from __future__ import annotations
 
 import ctypes
-import glob
 import json
 import os
 import signal
@@ -26,7 +28,6 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 
 from hvdrun import envvars
 from hvdrun.hosts import Host
@@ -105,10 +106,12 @@ def main(argv: list[str]) -> None:
         pass
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    worker = subprocess.Popen(argv[2:], stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, env=env,
-                              start_new_session=True, close_fds=False)
-    os.close(out_w)
-    os.close(err_w)
+    lifeline, _keep_open = os.pipe()  # ours is not inherited: if this shim dies, even by SIGKILL, the guard sees EOF
+    guard = [sys.executable, "-m", "hvdrun.launch.guard", f"{grace_s:g}", *envvars.guard_options(env), "--"]
+    worker = subprocess.Popen([*guard, *argv[2:]], stdin=lifeline, stdout=out_w, stderr=err_w, env=env,
+                              start_new_session=True, close_fds=False)  # close_fds=False: MPI's PMI_FD stays
+    for fd in (out_w, err_w, lifeline):
+        os.close(fd)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda s, _f: threading.Thread(target=_stop, args=(worker, grace_s, s)).start())
     pumps = [threading.Thread(target=_pump, args=(slot.rank, s, fd)) for s, fd in (("stdout", out_r),
@@ -122,8 +125,6 @@ def main(argv: list[str]) -> None:
         pass
     for pump in pumps:
         pump.join()
-    for path in glob.glob(envvars.shm_files_glob(env[envvars.JOB_ID], slot.rank)):
-        Path(path).unlink(missing_ok=True)
     _emit(slot.rank, "exit", f"{code}\n".encode())
     sys.exit(code if code >= 0 else 128 - code)
 
