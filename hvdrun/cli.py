@@ -97,7 +97,10 @@ def cli() -> None:
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A cluster YAML file.")
 @click.option("--gpus-per-node", type=click.IntRange(min=0), help="GPUs per host; pins CUDA_VISIBLE_DEVICES.")
 @click.option("--gpus-per-rank", type=click.IntRange(min=1), help="GPUs each rank gets (default 1).")
-@click.option("--launcher", type=click.Choice(["local", "ssh", "mpiexec"]), help="How to start workers.")
+@click.option("--ranks-per-node", type=click.IntRange(min=1),
+              help="Ranks on every host (default: its slots; in an allocation one per GPU, or per node).")
+@click.option("--launcher", type=click.Choice(["local", "ssh", "mpiexec", "srun"]),
+              help="How to start workers (default: the cluster's, else local or ssh).")
 @click.option("-p", "--ssh-port", type=click.IntRange(1, 65535), help="SSH port of every remote host.")
 @click.option("-i", "--ssh-identity-file", type=click.Path(exists=True, dir_okay=False),
               help="Private key for SSH (also tried: ~/.ssh/config IdentityFile, default keys, agent).")
@@ -127,6 +130,99 @@ def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:
     if options["verbose"]:
         click.echo(describe_plan(plan), err=True)
     run_job(plan)
+
+
+def _job_options(command: Any) -> Any:
+    options = [
+        click.option("--cluster", help="A cluster from cluster_configs/ (polaris, aurora, sophia, thetagpu-cobalt, "
+                     "slurm)."),
+        click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A cluster YAML file."),
+        click.option("--scheduler", type=click.Choice(["pbs", "cobalt", "slurm"]),
+                     help="The scheduler (default: the cluster's)."),
+        click.option("-n", "--nodes", type=click.IntRange(min=1), help="Nodes (GPUs in Sophia's by-gpu queue)."),
+        click.option("-t", "--walltime", help="Minutes (90) or HH:MM:SS."),
+        click.option("-q", "--queue", help="Queue (Slurm: partition)."),
+        click.option("-A", "--account", help="Project to charge."),
+        click.option("--filesystems", help="Filesystems the job needs: home,eagle."),
+        click.option("-N", "--job-name", help="Job name (default: the script's name)."),
+        click.option("-o", "--output", help="Output file, or a directory ending in '/' (default hvdrun-jobs/)."),
+        click.option("-e", "--error", help="Separate error file (default: merged into the output)."),
+        click.option("--module", "modules", multiple=True, help="'module load NAME' in the job (repeatable)."),
+        click.option("--conda", help="'conda activate ENV' in the job."),
+        click.option("--venv", help="Activate this virtualenv in the job."),
+        click.option("--export", "exports", multiple=True, metavar="VAR=VALUE", help="Export a variable."),
+        click.option("--setup", multiple=True, metavar="LINE", help="A shell line run before hvdrun (verbatim)."),
+        click.option("--ranks-per-node", type=click.IntRange(min=1), help="Ranks per node (default: one per GPU)."),
+        click.option("--gpus-per-node", type=click.IntRange(min=0), help="GPUs per node (default: the cluster's)."),
+        click.option("--directive", "directives", multiple=True, help="An extra directive line (repeatable)."),
+        click.option("--after", multiple=True, metavar="JOBID", help="Start after this job succeeded."),
+        click.option("--template", help="A Jinja2 template instead of the shipped one."),
+        click.option("--python", help="The Python that runs hvdrun in the job (default: the activated one)."),
+        click.option("--run-args", help="Extra hvdrun options inside the job, e.g. '--launcher ssh'."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@_job_options
+@click.option("--dry-run", is_flag=True, help="Print the job script (the default when not submitting).")
+@click.option("--submit", is_flag=True, help="Write the script next to the output and submit it.")
+@click.option("--wait", is_flag=True, help="Submit, follow the job and exit with its exit code.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def qsub(dry_run: bool, submit: bool, wait: bool, **options: Any) -> int:
+    """Write a PBS, Cobalt or Slurm job script that runs COMMAND with hvdrun; print or submit it."""
+    from hvdrun.errors import UsageError
+    from hvdrun.jobs.follow import follow
+    from hvdrun.jobs.follow import submit as submit_job
+    from hvdrun.jobs.render import render_script
+    from hvdrun.jobs.spec import JobRequest, build_spec
+
+    if dry_run and (submit or wait):
+        raise UsageError("--dry-run prints the script only; drop it to --submit or --wait")
+    spec = build_spec(JobRequest(**options))
+    text = render_script(spec)
+    if not (submit or wait):
+        click.echo(text, nl=False)
+        return 0
+    job = submit_job(spec, text)
+    click.echo(job.job_id)
+    click.echo(f"hvdrun: submitted job {job.job_id} to {spec.scheduler}; script {job.script}; "
+               f"output {job.output}", err=True)
+    return follow(job, lambda line: click.echo(line, err=True)) if wait else 0
+
+
+@cli.command()
+@click.option("--scheduler", type=click.Choice(["pbs", "cobalt", "slurm"]),
+              help="The job's scheduler (default: the one hvdrun submitted it to).")
+@click.argument("job_id")
+def qstat(job_id: str, scheduler: str | None) -> int:
+    """Show a job's state, exit code, and why a queued job waits."""
+    from hvdrun.jobs.follow import current_status, scheduler_of
+
+    backend, job = scheduler_of(job_id, scheduler)
+    status = current_status(backend, job_id, job.exit_file if job else None)
+    click.echo(f"job {job_id} ({backend.kind}): {status.describe()}")
+    if job:
+        click.echo(f"  output: {job.output}\n  script: {job.script}")
+    return 1 if status.state == "UNKNOWN" else 0
+
+
+@cli.command()
+@click.option("--scheduler", type=click.Choice(["pbs", "cobalt", "slurm"]),
+              help="The job's scheduler (default: the one hvdrun submitted it to).")
+@click.argument("job_id")
+def qdel(job_id: str, scheduler: str | None) -> int:
+    """Cancel a job (a job that already ended is not an error)."""
+    from hvdrun.jobs.follow import scheduler_of
+
+    backend, _ = scheduler_of(job_id, scheduler)
+    if backend.cancel(job_id):
+        click.echo(f"hvdrun: cancelled job {job_id}")
+    else:
+        click.echo(f"hvdrun: job {job_id} had already ended (or is unknown to {backend.kind}); nothing to cancel")
+    return 0
 
 
 def main() -> None:

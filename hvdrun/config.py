@@ -11,13 +11,23 @@ A cluster file describes one machine type::
                                # or mappings: {name: n1, slots: 4, user: me, python: /x/bin/python}
     python: /opt/conda/bin/python  # the workers' Python on every host (or venv: /path/to/venv)
     ssh_port: 22
+    mpi_flavour: pals          # launcher mpiexec: mpich | openmpi | pals (default: detected)
+    ranks_per_node: 4          # ranks on every host (default: its slots, or one per GPU)
     env: {NCCL_NET_GDR_LEVEL: PHB}
-    scheduler:
+    scheduler:                 # defaults for `hvdrun qsub`; its flags override them
       kind: pbs                # pbs | cobalt | slurm
       queue: debug
       account: MyProject
-      walltime: "01:00:00"
+      walltime: "01:00:00"     # minutes (90) or HH:MM:SS
       filesystems: [home, eagle]
+      system: polaris          # PBS: select=N:system=polaris
+      place: scatter           # PBS: -l place=...
+      required: [account, walltime, filesystems]   # fields a job must have on this machine
+      valid_filesystems: [home, eagle]
+      setup: ["module use /soft/modulefiles", "module load conda"]   # shell lines run before hvdrun
+      queues:                  # limits checked before submitting
+        debug: {min_nodes: 1, max_nodes: 2, max_walltime: "01:00:00"}
+        by-gpu: {nodes_allowed: [1, 2, 4, 8], unit: gpus}
 
 Unknown keys and wrong types raise :class:`ConfigError` naming the file, the key and
 what is allowed.
@@ -25,23 +35,65 @@ what is allowed.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hvdrun.errors import ConfigError, HostSpecError
+from hvdrun.errors import ConfigError, HostSpecError, UsageError
 from hvdrun.hosts import Host, merge_duplicates, parse_host_item
 from hvdrun.resources import data_dir
 
-LAUNCHERS = ("local", "ssh", "mpiexec")
+LAUNCHERS = ("local", "ssh", "mpiexec", "srun")
+MPI_FLAVOURS = ("mpich", "openmpi", "pals")
 SCHEDULERS = ("pbs", "cobalt", "slurm")
+REQUIRABLE = ("account", "walltime", "filesystems", "queue")
 
 _TOP_KEYS = ("name", "description", "launcher", "gpus_per_node", "gpu_order", "gpus_per_rank", "hosts", "env",
-             "ssh_port", "python", "venv", "scheduler")
+             "ssh_port", "python", "venv", "scheduler", "mpi_flavour", "ranks_per_node")
 _HOST_KEYS = ("name", "slots", "user", "python", "venv")
 _SCHEDULER_KEYS = ("kind", "queue", "account", "walltime", "filesystems", "template", "extra_directives",
-                   "skip_directives", "max_nodes")
+                   "skip_directives", "max_nodes", "system", "place", "required", "valid_filesystems", "setup",
+                   "queues")
+_QUEUE_KEYS = ("min_nodes", "max_nodes", "max_walltime", "nodes_allowed", "unit")
+_WALLTIME_RE = re.compile(r"(?:(\d{1,3})-)?(\d{1,4}):([0-5]\d):([0-5]\d)")
+
+
+def parse_walltime(value: str | int, where: str) -> int:
+    """Seconds of a walltime given as minutes (``90``), ``HH:MM:SS`` or ``D-HH:MM:SS``.
+
+    Raises:
+        UsageError: anything else, or zero.
+    """
+    text = str(value).strip()
+    if text.isdigit():
+        seconds = int(text) * 60
+    else:
+        match = _WALLTIME_RE.fullmatch(text)
+        if not match:
+            raise UsageError(f"{where}: walltime {text!r} is not minutes (e.g. 90) or HH:MM:SS (e.g. 01:30:00)")
+        days, hours, minutes, secs = (int(g or 0) for g in match.groups())
+        seconds = ((days * 24 + hours) * 60 + minutes) * 60 + secs
+    if seconds <= 0:
+        raise UsageError(f"{where}: walltime {text!r} must be longer than zero")
+    return seconds
+
+
+def format_hms(seconds: int) -> str:
+    """``5400`` -> ``01:30:00`` (hours may exceed 24: ``48:00:00``)."""
+    return f"{seconds // 3600:02d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """What one queue accepts; ``unit`` says what ``-n`` counts there (``nodes`` or ``gpus``)."""
+
+    min_nodes: int | None = None
+    max_nodes: int | None = None
+    max_walltime_s: int | None = None
+    nodes_allowed: tuple[int, ...] = ()
+    unit: str = "nodes"
 
 
 @dataclass(frozen=True)
@@ -57,6 +109,12 @@ class SchedulerDefaults:
     extra_directives: tuple[str, ...] = ()
     skip_directives: tuple[str, ...] = ()
     max_nodes: int | None = None
+    system: str | None = None
+    place: str | None = None
+    required: tuple[str, ...] = ()
+    valid_filesystems: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
+    queues: Mapping[str, QueueLimits] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -74,6 +132,8 @@ class ClusterConfig:
     ssh_port: int | None = None
     python: str | None = None
     scheduler: SchedulerDefaults | None = None
+    mpi_flavour: str | None = None
+    ranks_per_node: int | None = None
 
 
 class _Section:
@@ -170,14 +230,47 @@ def _parse_scheduler(top: _Section) -> SchedulerDefaults | None:
     if data is None:
         return None
     s = _Section(data, top.source, "scheduler.", _SCHEDULER_KEYS)
+    walltime = s.get("walltime", (str, int))
+    if walltime is not None:
+        _walltime_s(str(walltime), f"{top.source}: scheduler.walltime")
+    required = s.str_list("required")
+    for name in required:
+        if name not in REQUIRABLE:
+            raise ConfigError(f"{top.source}: scheduler.required lists {name!r}; allowed: {', '.join(REQUIRABLE)}")
     return SchedulerDefaults(
         kind=s.choice("kind", SCHEDULERS, "pbs") or "pbs",
         queue=s.get("queue", str), account=s.get("account", str),
-        walltime=str(s.get("walltime", (str, int))) if s.data.get("walltime") is not None else None,
+        walltime=str(walltime) if walltime is not None else None,
         filesystems=s.str_list("filesystems"), template=s.get("template", str),
         extra_directives=s.str_list("extra_directives"), skip_directives=s.str_list("skip_directives"),
-        max_nodes=s.positive_int("max_nodes", None),
+        max_nodes=s.positive_int("max_nodes", None), system=s.get("system", str), place=s.get("place", str),
+        required=required, valid_filesystems=s.str_list("valid_filesystems"), setup=s.str_list("setup"),
+        queues=_parse_queues(s),
     )
+
+
+def _walltime_s(text: str, where: str) -> int:
+    try:
+        return parse_walltime(text, where)
+    except UsageError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _parse_queues(s: _Section) -> dict[str, QueueLimits]:
+    queues = {}
+    for name, data in s.get("queues", dict, {}).items():
+        q = _Section(data, s.source, f"scheduler.queues.{name}.", _QUEUE_KEYS)
+        allowed = q.get("nodes_allowed", list, [])
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in allowed):
+            raise ConfigError(f"{s.source}: scheduler.queues.{name}.nodes_allowed must list positive integers, "
+                              f"got {allowed!r}")
+        max_walltime = q.get("max_walltime", (str, int))
+        queues[str(name)] = QueueLimits(
+            min_nodes=q.positive_int("min_nodes", None), max_nodes=q.positive_int("max_nodes", None),
+            max_walltime_s=_walltime_s(str(max_walltime), f"{s.source}: scheduler.queues.{name}.max_walltime")
+            if max_walltime is not None else None,
+            nodes_allowed=tuple(allowed), unit=q.choice("unit", ("nodes", "gpus"), "nodes") or "nodes")
+    return queues
 
 
 def parse_config(data: Any, source: str) -> ClusterConfig:
@@ -195,6 +288,8 @@ def parse_config(data: Any, source: str) -> ClusterConfig:
         gpus_per_rank=top.positive_int("gpus_per_rank", 1) or 1,
         hosts=_parse_hosts(top, python), env=_parse_env(top),
         ssh_port=top.positive_int("ssh_port", None), scheduler=_parse_scheduler(top),
+        mpi_flavour=top.choice("mpi_flavour", MPI_FLAVOURS, None),
+        ranks_per_node=top.positive_int("ranks_per_node", None),
     )
 
 

@@ -219,8 +219,8 @@ _PMIX_RANK = "PMIX_RANK"
 
 
 def mpi_rank(environ: Mapping[str, str]) -> int | None:
-    """The rank an MPI launcher (Open MPI, MPICH/PMI, Cray PALS, PMIx) gave this process, or None."""
-    for name in (*(rank for rank, _ in _MPI_RANKS), _PMIX_RANK):
+    """The rank an MPI launcher (Open MPI, MPICH/PMI, Cray PALS, PMIx) or srun gave this process, or None."""
+    for name in (*(rank for rank, _ in _MPI_RANKS), _PMIX_RANK, _SLURM_RANK[0]):
         if environ.get(name, "").isdigit():
             return int(environ[name])
     return None

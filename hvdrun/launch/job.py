@@ -64,6 +64,7 @@ class RunOptions:
     network_interface: str | None = None
     mpi_flavour: str | None = None
     mpi_args: str | None = None
+    ranks_per_node: int | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class JobPlan:
     default_python: str = sys.executable
     ssh_port: int | None = None
     layout: GpuLayout = GpuLayout()
+    mpi_flavour: str | None = None
 
     def python_for(self, host: Host) -> str:
         """The Python of ``host``: its own from the cluster YAML, else the launcher's."""
@@ -108,23 +110,24 @@ def _load_cluster_config(options: RunOptions) -> ClusterConfig | None:
 
 
 def _resolve_hosts(options: RunOptions, config: ClusterConfig | None, layout: GpuLayout,
-                   environ: Mapping[str, str]) -> tuple[Host, ...]:
+                   environ: Mapping[str, str]) -> tuple[tuple[Host, ...], str]:
+    """The hosts and where they came from: -H, hostfile, config, pbs, cobalt, slurm or default."""
     if options.hosts is not None and options.hostfile is not None:
         raise UsageError("give either -H or --hostfile, not both")
     if options.hosts is not None:
-        return parse_host_string(options.hosts)
+        return parse_host_string(options.hosts), "-H"
     if options.hostfile is not None:
-        return parse_hostfile(options.hostfile)
+        return parse_hostfile(options.hostfile), "hostfile"
     if config and config.hosts:
-        return config.hosts
+        return config.hosts, "config"
     allocation = detect_allocation(environ)
     if allocation:
-        hosts = allocation[1]
+        scheduler, hosts = allocation
         if layout.gpus_per_node:  # one rank per GPU (or per gpus_per_rank GPUs) on every node
             per_node = max(layout.gpus_per_node // layout.gpus_per_rank, 1)
             hosts = tuple(replace(host, slots=per_node) for host in hosts)
-        return hosts
-    return (Host("localhost", options.num_proc or 1),)
+        return hosts, scheduler
+    return (Host("localhost", options.num_proc or 1),), "default"
 
 
 def _gpu_layout(options: RunOptions, config: ClusterConfig | None) -> GpuLayout:
@@ -152,9 +155,11 @@ def resolve_command(command: Sequence[str], check_program: bool = True) -> tuple
     return tuple(command)
 
 
-def _choose_launcher(options: RunOptions, config: ClusterConfig | None, hosts: Sequence[Host]) -> str:
+def _choose_launcher(options: RunOptions, config: ClusterConfig | None, hosts: Sequence[Host], source: str) -> str:
     remote = [h.name for h in hosts if not is_local_host(h.name)]
-    launcher = options.launcher or (config.launcher if config else None) or ("ssh" if remote else "local")
+    in_slurm = source == "slurm" and bool(remote) and shutil.which("srun") is not None
+    launcher = options.launcher or (config.launcher if config else None) or (
+        "srun" if in_slurm else "ssh" if remote else "local")
     if launcher == "local" and remote:
         raise UsageError(f"host '{remote[0]}' is not this machine; the local launcher starts ranks on "
                          "this machine only (e.g. -H localhost:4); use --launcher ssh for other hosts")
@@ -169,9 +174,12 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     """
     config = _load_cluster_config(options)
     layout = _gpu_layout(options, config)
-    hosts = _resolve_hosts(options, config, layout, environ)
+    hosts, source = _resolve_hosts(options, config, layout, environ)
+    ranks_per_node = options.ranks_per_node or (config.ranks_per_node if config else None)
+    if ranks_per_node:
+        hosts = tuple(replace(host, slots=ranks_per_node) for host in hosts)
     slots = assign_slots(hosts, options.num_proc or total_slots(hosts), layout)
-    launcher = _choose_launcher(options, config, hosts)
+    launcher = _choose_launcher(options, config, hosts, source)
     command = resolve_command(options.command, check_program=launcher == "local")
     base_env = {**environ, **(config.env if config else {}), **forwarded_env(options.env_specs, environ)}
     base_env.update(interface_env(options.network_interface, base_env))
@@ -183,7 +191,8 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
         base_env[TIMELINE[0]] = str(Path(options.timeline_filename).resolve())
     return JobPlan(slots=tuple(slots), command=command, launcher=launcher, options=options, base_env=base_env,
                    cwd=os.getcwd(), default_python=(config.python if config else None) or sys.executable,
-                   ssh_port=config.ssh_port if config else None, layout=layout)
+                   ssh_port=config.ssh_port if config else None, layout=layout,
+                   mpi_flavour=options.mpi_flavour or (config.mpi_flavour if config else None))
 
 
 def _prepare_output_dir(path: str | None) -> None:
@@ -220,10 +229,11 @@ def make_launcher(plan: JobPlan) -> Launcher:
     ssh = SshOptions(port=options.ssh_port, identity_file=options.ssh_identity_file,
                      known_hosts=options.ssh_known_hosts, default_port=plan.ssh_port,
                      connect_timeout_s=min(10.0, _start_timeout(options)))
-    if plan.launcher == "mpiexec":
-        from hvdrun.launch.mpiexec import MpiexecLauncher
+    if plan.launcher in ("mpiexec", "srun"):
+        from hvdrun.launch.mpiexec import SRUN, MpiexecLauncher
 
-        return MpiexecLauncher(options.grace_s, ssh, plan.layout, options.mpi_flavour, options.network_interface,
+        flavour = SRUN if plan.launcher == "srun" else plan.mpi_flavour
+        return MpiexecLauncher(options.grace_s, ssh, plan.layout, flavour, options.network_interface,
                                shlex.split(options.mpi_args or ""))
     from hvdrun.launch.ssh import SshLauncher
 

@@ -39,6 +39,7 @@ from hvdrun.launch.probe import free_ports, interface_address
 from hvdrun.ranks import GpuLayout, Slot
 
 FLAVOURS = ("mpich", "openmpi", "pals")
+SRUN = "srun"  # Slurm's srun starts the ranks inside an allocation: one more flavour of "one command, all ranks"
 
 
 def detect_flavour(version_text: str) -> str | None:
@@ -65,7 +66,8 @@ class MpiexecCommand:
         rank_command: what mpiexec starts per rank (the shim and the user's command).
         ssh_agent: the SSH wrapper mpiexec should use, or None for its default.
         callback_addr: this machine's address as the hosts reach it (hydra's ``-localhost``).
-        hostfile: PALS: a file listing the hosts, one per line.
+        hostfile: PALS: a file listing the hosts, one per line; srun: one line per rank
+            (``SLURM_HOSTFILE`` with ``--distribution=arbitrary`` places rank i on line i's host).
         extra_args: ``--mpi-args``, inserted before the command.
     """
 
@@ -86,8 +88,18 @@ class MpiexecCommand:
 
     def argv(self) -> list[str]:
         """The ``mpiexec`` command line for this flavour."""
-        build = {"mpich": self._mpich, "openmpi": self._openmpi, "pals": self._pals}[self.flavour]
+        build = {"mpich": self._mpich, "openmpi": self._openmpi, "pals": self._pals, SRUN: self._srun}[self.flavour]
         return [self.mpiexec, *build(), *self.extra_args, *self.rank_command]
+
+    def process_env(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The environment mpiexec itself runs with (srun passes its own environment to every rank)."""
+        if self.flavour != SRUN:
+            return dict(base)
+        return {**base, **self.env, **({"SLURM_HOSTFILE": self.hostfile} if self.hostfile else {})}
+
+    def _srun(self) -> list[str]:
+        return [f"--nodes={len(self.hosts)}", f"--ntasks={self.num_proc}", "--distribution=arbitrary",
+                "--kill-on-bad-exit=1", "--export=ALL"]
 
     def _host_slots(self) -> str:
         return ",".join(f"{host.name}:{host.slots}" for host in self.hosts)
@@ -129,6 +141,17 @@ def ssh_agent_script(options: SshOptions) -> str:
     if options.identity_file:
         words += ["-i", options.identity_file]
     return f'#!/bin/sh\nexec {shlex.join(words)} "$@"\n'
+
+
+def find_srun() -> str:
+    """Slurm's ``srun``; only inside an allocation (``sbatch``/``salloc``) can it start ranks."""
+    found = shutil.which("srun")
+    if not found:
+        raise LaunchError("srun not found on PATH: --launcher srun runs inside a Slurm allocation")
+    if not os.environ.get("SLURM_JOB_ID"):
+        raise LaunchError("--launcher srun needs a Slurm allocation (SLURM_JOB_ID is not set): run hvdrun in a "
+                          "job script ('hvdrun qsub --cluster slurm') or under salloc")
+    return found
 
 
 def find_mpiexec() -> str:
@@ -223,7 +246,7 @@ class MpiexecLauncher(Launcher):
         self._callback_addr: str | None = None
 
     def prepare(self, slots: Sequence[Slot], deadline: float) -> None:
-        self.mpiexec = find_mpiexec()
+        self.mpiexec = find_srun() if self.flavour == SRUN else find_mpiexec()
         self.flavour = self.flavour or self._detect()
         counts = Counter(slot.host for slot in slots)
         self._hosts = tuple(Host(host.name, count, host.user) for host, count in counts.items())
@@ -268,7 +291,8 @@ class MpiexecLauncher(Launcher):
     def start_all(self, specs: Sequence[WorkerSpec], router: OutputRouter) -> Iterator[Worker]:
         command = self.command(specs)
         first = specs[0]
-        process = self._local.spawn(WorkerSpec(first.slot, tuple(command.argv()), dict(os.environ), first.cwd))
+        process = self._local.spawn(WorkerSpec(first.slot, tuple(command.argv()), command.process_env(os.environ),
+                                               first.cwd))
         worker = MpiexecWorker([spec.slot for spec in specs], process, self.grace_s)
         assert process.stdout is not None and process.stderr is not None
         stdout = router.attach_multiplexed("stdout", os.dup(process.stdout.fileno()), worker.record_exit)
@@ -288,7 +312,8 @@ class MpiexecLauncher(Launcher):
         agent.write_text(ssh_agent_script(self.ssh))
         agent.chmod(0o700)
         hostfile = Path(self._tmp.name) / "hostfile"
-        hostfile.write_text("".join(f"{host.name}\n" for host in self._hosts))
+        per_rank = self.flavour == SRUN  # srun --distribution=arbitrary: one line per rank
+        hostfile.write_text("".join(f"{host.name}\n" * (host.slots if per_rank else 1) for host in self._hosts))
         rank_command = (first.python, "-m", "hvdrun.launch.mpirank", f"{self.grace_s:g}", "--", *first.argv)
         return MpiexecCommand(self.flavour, self.mpiexec, self._hosts, env, rank_command, str(agent),
                               self._callback_addr, str(hostfile), self.extra_args)

@@ -1,0 +1,299 @@
+"""``hvdrun qsub`` options + the cluster YAML -> a validated :class:`JobSpec`.
+
+Every check that can be made before the queue sees the job is made here: the fields the machine
+requires, queue limits on nodes and walltime, valid filesystems, and the characters of every value
+that ends up in a directive. Each failure is a :class:`~hvdrun.errors.UsageError` naming the option,
+the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hvdrun.config import (
+    SCHEDULERS,
+    ClusterConfig,
+    QueueLimits,
+    SchedulerDefaults,
+    format_hms,
+    load_cluster,
+    load_config,
+    parse_walltime,
+)
+from hvdrun.errors import UsageError
+from hvdrun.jobs.base import quote
+
+DEFAULT_OUTPUT_DIR = "hvdrun-jobs"
+_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}")
+_WORD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
+_JOB_ID_RE = re.compile(r"[0-9]+(\[[0-9]*\])?(\.[A-Za-z0-9_.-]+)?|[0-9]+_[0-9]+")
+_VAR_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What the user asked ``hvdrun qsub`` for (None: take the cluster YAML's default)."""
+
+    command: tuple[str, ...]
+    cluster: str | None = None
+    config_file: str | None = None
+    scheduler: str | None = None
+    nodes: int | None = None
+    walltime: str | None = None
+    queue: str | None = None
+    account: str | None = None
+    filesystems: str | None = None
+    job_name: str | None = None
+    output: str | None = None
+    error: str | None = None
+    modules: tuple[str, ...] = ()
+    conda: str | None = None
+    venv: str | None = None
+    exports: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
+    ranks_per_node: int | None = None
+    gpus_per_node: int | None = None
+    directives: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    template: str | None = None
+    python: str | None = None
+    run_args: str | None = None
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job ready to render: every value validated, every path absolute.
+
+    ``nodes`` counts nodes, or GPUs on one node where the queue's ``unit`` is ``gpus`` (Sophia's
+    by-gpu). ``setup`` holds finished shell lines; ``launch`` is the argv of the hvdrun that runs
+    inside the allocation.
+    """
+
+    scheduler: str
+    cluster: str
+    nodes: int
+    unit: str
+    walltime_s: int | None
+    queue: str | None
+    account: str | None
+    filesystems: tuple[str, ...]
+    job_name: str
+    output: str
+    error: str | None
+    exit_file: str
+    script_path: str
+    workdir: str
+    setup: tuple[str, ...]
+    ranks_per_node: int
+    gpus_per_node: int
+    system: str | None
+    place: str | None
+    directives: tuple[str, ...]
+    skip_directives: tuple[str, ...]
+    after: tuple[str, ...]
+    launch: tuple[str, ...]
+    template: str | None
+
+    @property
+    def walltime_hms(self) -> str | None:
+        """The walltime as ``HH:MM:SS`` (PBS, Slurm)."""
+        return format_hms(self.walltime_s) if self.walltime_s else None
+
+    @property
+    def walltime_minutes(self) -> int | None:
+        """The walltime in whole minutes, rounded up (Cobalt's ``-t``)."""
+        return -(-self.walltime_s // 60) if self.walltime_s else None
+
+    @property
+    def total_ranks(self) -> int:
+        """Ranks of the job."""
+        return self.ranks_per_node * (1 if self.unit == "gpus" else self.nodes)
+
+
+def load_job_config(request: JobRequest) -> tuple[ClusterConfig | None, list[str]]:
+    """The cluster YAML of the request and the hvdrun options that name it inside the job."""
+    if request.cluster and request.config_file:
+        raise UsageError("give either --cluster NAME or --config FILE, not both")
+    if request.cluster:
+        return load_cluster(request.cluster), ["--cluster", request.cluster]
+    if request.config_file:
+        path = str(Path(request.config_file).resolve())
+        return load_config(path), ["--config", path]
+    return None, []
+
+
+def _defaults(request: JobRequest, config: ClusterConfig | None) -> SchedulerDefaults:
+    if config is not None and config.scheduler is not None:
+        return config.scheduler
+    if request.scheduler is None:
+        where = f"cluster '{config.name}' ({config.source}) has no 'scheduler:' section; " if config else ""
+        raise UsageError(f"{where}name the scheduler: --scheduler {{{','.join(SCHEDULERS)}}}, or --cluster NAME "
+                         "of a machine with one (polaris, aurora, sophia, thetagpu-cobalt, slurm)")
+    return SchedulerDefaults(kind=request.scheduler)
+
+
+def _word(option: str, value: str | None, pattern: re.Pattern[str] = _WORD_RE,
+          expected: str = "letters, digits, '_', '.', '+' or '-'") -> str | None:
+    if value is not None and not pattern.fullmatch(value):
+        raise UsageError(f"{option} {value!r}: expected {expected}")
+    return value
+
+
+def _filesystems(request: JobRequest, defaults: SchedulerDefaults) -> tuple[str, ...]:
+    if request.filesystems is None:
+        names = defaults.filesystems
+    else:
+        names = tuple(n for n in re.split(r"[,:]", request.filesystems) if n)
+    for name in names:
+        _word("--filesystems", name, _WORD_RE, "filesystem names separated by ',' or ':', e.g. home,eagle")
+    if defaults.valid_filesystems:
+        bad = [n for n in names if n not in defaults.valid_filesystems]
+        if bad:
+            raise UsageError(f"--filesystems: {bad[0]!r} is not a filesystem of this machine; allowed: "
+                             f"{', '.join(defaults.valid_filesystems)}")
+    return names
+
+
+def _check_required(defaults: SchedulerDefaults, values: dict[str, object], cluster: str) -> None:
+    flags = {"account": "-A/--account", "walltime": "-t/--walltime", "filesystems": "--filesystems",
+             "queue": "-q/--queue"}
+    for name in defaults.required:
+        if not values.get(name):
+            raise UsageError(f"{flags[name]} is required on {cluster} and was not given "
+                             f"(nor set under scheduler.{name} in its config)")
+
+
+def _check_queue(queue: str | None, limits: QueueLimits | None, defaults: SchedulerDefaults, nodes: int,
+                 walltime_s: int | None, cluster: str) -> None:
+    if queue is not None and defaults.queues and limits is None:
+        raise UsageError(f"-q/--queue {queue!r} is not a queue of {cluster}; allowed: {', '.join(defaults.queues)}")
+    unit = limits.unit if limits else "nodes"
+    where = f"queue {queue!r} on {cluster}" if queue else cluster
+    if limits and limits.nodes_allowed and nodes not in limits.nodes_allowed:
+        raise UsageError(f"-n/--nodes {nodes}: {where} takes {' '.join(map(str, limits.nodes_allowed))} {unit}")
+    low = limits.min_nodes if limits else None
+    high = min(v for v in (limits.max_nodes if limits else None, defaults.max_nodes) if v is not None) \
+        if (limits and limits.max_nodes) or defaults.max_nodes else None
+    if low is not None and nodes < low or high is not None and nodes > high:
+        allowed = f"{low or 1} to {high}" if high is not None else f"at least {low}"
+        raise UsageError(f"-n/--nodes {nodes}: {where} takes {allowed} {unit}")
+    if limits and limits.max_walltime_s and walltime_s and walltime_s > limits.max_walltime_s:
+        raise UsageError(f"-t/--walltime {format_hms(walltime_s)}: {where} allows at most "
+                         f"{format_hms(limits.max_walltime_s)}")
+
+
+def _job_name(request: JobRequest) -> str:
+    if request.job_name is not None:
+        return str(_word("-N/--job-name", request.job_name, _NAME_RE,
+                         "a letter, then up to 62 letters, digits, '_', '.' or '-'"))
+    stem = Path(request.command[0]).stem if request.command else "job"
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", stem)[:62]
+    return name if name[:1].isalpha() else f"hvd-{name}"[:63]
+
+
+def _output_paths(request: JobRequest, name: str, kind: str, now: float) -> tuple[str, str | None, str, str]:
+    """(output, error, exit file, script copy), all absolute, from ``-o``/``-e``."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    given = request.output
+    if given is None or given.endswith("/") or Path(given).is_dir():
+        output = Path(given or DEFAULT_OUTPUT_DIR).resolve() / f"{name}-{stamp}.output"
+    else:
+        output = Path(given).resolve()
+    for option, path in (("-o/--output", str(output)), ("-e/--error", request.error)):
+        if path is not None and any(c in path for c in "\n\r\0"):
+            raise UsageError(f"{option} {path!r}: a path cannot contain line breaks")
+    stem = output.with_suffix("") if output.suffix else output
+    error = str(Path(request.error).resolve()) if request.error else (
+        f"{stem}.error" if kind == "cobalt" else None)
+    return str(output), error, f"{stem}.exitcode", f"{stem}.{kind}.sh"
+
+
+def _setup_lines(request: JobRequest, defaults: SchedulerDefaults) -> tuple[str, ...]:
+    lines = list(defaults.setup) if not (request.modules or request.conda or request.venv or request.setup) \
+        else []
+    lines += [f"module load {quote(m)}" for m in request.modules]
+    if request.conda:
+        lines.append(f"conda activate {quote(request.conda)}")
+    if request.venv:
+        lines.append(f"source {quote(str(Path(request.venv).resolve() / 'bin' / 'activate'))}")
+    for item in request.exports:
+        name, sep, value = item.partition("=")
+        if not sep or not _VAR_RE.fullmatch(name):
+            raise UsageError(f"--export {item!r}: expected VAR=VALUE with VAR a valid variable name")
+        lines.append(f"export {name}={quote(value)}")
+    for line in request.setup:
+        if "\0" in line:
+            raise UsageError("--setup: a line cannot contain a NUL byte")
+        lines.append(line)
+    return tuple(lines)
+
+
+def _python(request: JobRequest, config: ClusterConfig | None, setup: Sequence[str]) -> str:
+    if request.python:
+        return request.python
+    if request.venv:
+        return str(Path(request.venv).resolve() / "bin" / "python")
+    if config is not None and config.python:
+        return config.python
+    return "python" if setup else sys.executable  # an activated environment brings its own python
+
+
+def _launch(request: JobRequest, config_args: list[str], python: str, ranks_per_node: int) -> tuple[str, ...]:
+    from hvdrun.launch.job import resolve_command
+
+    command = resolve_command(request.command, check_program=False)
+    args = [python, "-m", "hvdrun", *config_args, "--ranks-per-node", str(ranks_per_node)]
+    if request.gpus_per_node is not None:
+        args += ["--gpus-per-node", str(request.gpus_per_node)]
+    try:
+        args += shlex.split(request.run_args or "")
+    except ValueError as e:
+        raise UsageError(f"--run-args {request.run_args!r}: {e}") from None
+    return (*args, "--", *command)
+
+
+def build_spec(request: JobRequest, now: float | None = None, workdir: str | None = None) -> JobSpec:
+    """Validate ``request`` against its cluster YAML and return the job to render.
+
+    Raises:
+        UsageError: a missing required field, a value outside the queue's limits, a bad value.
+    """
+    config, config_args = load_job_config(request)
+    defaults = _defaults(request, config)
+    kind = request.scheduler or defaults.kind
+    cluster = config.name if config else kind
+    nodes = request.nodes or 1
+    walltime_text = request.walltime or defaults.walltime
+    walltime_s = parse_walltime(walltime_text, "-t/--walltime") if walltime_text else None
+    queue = _word("-q/--queue", request.queue or defaults.queue)
+    account = _word("-A/--account", request.account or defaults.account)
+    filesystems = _filesystems(request, defaults)
+    _check_required(defaults, {"account": account, "walltime": walltime_s, "filesystems": filesystems,
+                               "queue": queue}, cluster)
+    limits = defaults.queues.get(queue) if queue else None
+    _check_queue(queue, limits, defaults, nodes, walltime_s, cluster)
+    unit = limits.unit if limits else "nodes"
+    gpus = request.gpus_per_node if request.gpus_per_node is not None else (config.gpus_per_node if config else 0)
+    per_rank = config.gpus_per_rank if config else 1
+    ranks_per_node = request.ranks_per_node or (nodes if unit == "gpus" else None) or (
+        config.ranks_per_node if config else None) or max(gpus // per_rank, 1)
+    name = _job_name(request)
+    output, error, exit_file, script_path = _output_paths(request, name, kind, time.time() if now is None else now)
+    setup = _setup_lines(request, defaults)
+    after = tuple(str(_word("--after", job, _JOB_ID_RE, "a job id such as 1234 or 1234.server"))
+                  for job in request.after)
+    return JobSpec(
+        scheduler=kind, cluster=cluster, nodes=nodes, unit=unit, walltime_s=walltime_s, queue=queue,
+        account=account, filesystems=filesystems, job_name=name, output=output, error=error, exit_file=exit_file,
+        script_path=script_path, workdir=workdir or os.getcwd(), setup=setup, ranks_per_node=ranks_per_node,
+        gpus_per_node=gpus if unit == "nodes" else nodes, system=defaults.system, place=defaults.place,
+        directives=(*defaults.extra_directives, *request.directives), skip_directives=defaults.skip_directives,
+        after=after, launch=_launch(request, config_args, _python(request, config, setup), ranks_per_node),
+        template=request.template or defaults.template)
