@@ -18,12 +18,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,mpi]" mpich
 	touch $@
 
-# Tests start real sshd servers in network namespaces: install openssh-server when missing (root + apt only;
-# elsewhere those tests skip with the reason).
+# Tests start real sshd servers in network namespaces and a real Slurm cluster on them: install
+# openssh-server, slurm-wlm (with its Torque-style qsub/qstat/qdel) and munge when missing (root + apt
+# only; elsewhere those tests skip with the reason).
 system-deps:
-	@if [ ! -x /usr/sbin/sshd ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing openssh-server for the SSH tests"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server iproute2 >/dev/null; \
+	@if { [ ! -x /usr/sbin/sshd ] || ! command -v slurmctld >/dev/null || ! command -v qsub >/dev/null; } \
+		&& [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing openssh-server, slurm-wlm, slurm-wlm-torque and munge for the SSH and Slurm tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server iproute2 \
+			slurm-wlm slurm-wlm-torque munge >/dev/null; \
 	fi
 
 demo: venv

@@ -154,14 +154,14 @@ def fixture_names(tag: int) -> dict[str, str]:
             "HVD_FX_SUBNET": f"10.{200 + tag % 50}.{tag // 50 % 250}"}
 
 
-def start_ssh_hosts(directory: Path, count: int, env: dict[str, str] | None = None) -> SshHosts:
+def start_ssh_hosts(directory: Path, count: int, env: dict[str, str] | None = None, *args: str) -> SshHosts:
     """Start ``count`` sshd hosts in network namespaces (root only); stop them with :func:`stop_ssh_hosts`."""
     if os.geteuid() != 0:
         pytest.skip("SSH hosts need root (network namespaces)")
     if not Path("/usr/sbin/sshd").exists():
         pytest.skip("openssh-server is not installed (make test installs it)")
     _fixture_command("stop", directory, "--force", env=env)  # leftovers of a crashed run with these names
-    _fixture_command("start", directory, "-n", str(count), "-m", "netns", env=env)
+    _fixture_command("start", directory, "-n", str(count), "-m", "netns", *args, env=env)
     info = json.loads((directory / "hosts.json").read_text())
     return SshHosts(directory, [h["name"] for h in info["hosts"]], [h["addr"] for h in info["hosts"]], info["key"],
                     info["known_hosts"], info["local_addr"], (env or {}).get("HVD_FX_SUBNET", "10.200.0"))
@@ -182,3 +182,44 @@ def ssh_hosts() -> Iterator[SshHosts]:
         yield hosts
     finally:
         stop_ssh_hosts(directory, names)
+
+
+# -- Slurm: a real slurmctld + one slurmd per SSH host (tests/infra/slurm_cluster.sh) -------------------
+
+SLURM_FIXTURE = REPO / "tests" / "infra" / "slurm_cluster.sh"
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    """A 2-node Slurm cluster whose nodes are SSH hosts (names resolve through /etc/hosts)."""
+
+    env: dict[str, str]
+    nodes: list[str]
+    ssh: SshHosts
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """Slurm (with the Torque-style qsub/qstat/qdel wrappers) on two SSH hosts, for the whole session."""
+    import shutil
+
+    if os.geteuid() != 0:
+        pytest.skip("the Slurm cluster needs root (slurmd, network namespaces)")
+    if not shutil.which("slurmctld") or not shutil.which("qsub"):
+        pytest.skip("slurm-wlm / slurm-wlm-torque are not installed (make test installs them)")
+    tag = os.getpid() + 1
+    names = {**fixture_names(tag), "HVD_FX_NAME_PREFIX": f"hv{tag % 10_000}n"}
+    ssh_dir, slurm_dir = Path(f"/tmp/hvdrun-sq-{os.getpid()}"), Path(f"/tmp/hvdrun-sl-{os.getpid()}")
+    hosts = start_ssh_hosts(ssh_dir, 2, names, "--etc-hosts")
+    port = str(17000 + tag % 400 * 5)
+    try:
+        done = subprocess.run(["bash", str(SLURM_FIXTURE), "start", "--hosts-from", str(ssh_dir), "--pbs", "--auth",
+                               "none", "-d", str(slurm_dir), "-p", port], capture_output=True, text=True, timeout=90)
+        if done.returncode != 0:
+            raise RuntimeError(f"slurm_cluster.sh start failed: {done.stderr}")
+        env = dict(line.removeprefix("export ").split("=", 1) for line in done.stdout.splitlines()
+                   if line.startswith("export "))
+        yield SlurmCluster(env, env["HVD_SLURM_NODES"].split(","), hosts)
+    finally:
+        subprocess.run(["bash", str(SLURM_FIXTURE), "stop", "-d", str(slurm_dir)], capture_output=True, timeout=90)
+        stop_ssh_hosts(ssh_dir, names)

@@ -179,8 +179,8 @@ def _check_queue(queue: str | None, limits: QueueLimits | None, defaults: Schedu
     if limits and limits.nodes_allowed and nodes not in limits.nodes_allowed:
         raise UsageError(f"-n/--nodes {nodes}: {where} takes {' '.join(map(str, limits.nodes_allowed))} {unit}")
     low = limits.min_nodes if limits else None
-    high = min(v for v in (limits.max_nodes if limits else None, defaults.max_nodes) if v is not None) \
-        if (limits and limits.max_nodes) or defaults.max_nodes else None
+    highs = [v for v in (limits.max_nodes if limits else None, defaults.max_nodes) if v is not None]
+    high = min(highs) if highs else None
     if low is not None and nodes < low or high is not None and nodes > high:
         allowed = f"{low or 1} to {high}" if high is not None else f"at least {low}"
         raise UsageError(f"-n/--nodes {nodes}: {where} takes {allowed} {unit}")
@@ -216,8 +216,7 @@ def _output_paths(request: JobRequest, name: str, kind: str, now: float) -> tupl
 
 
 def _setup_lines(request: JobRequest, defaults: SchedulerDefaults) -> tuple[str, ...]:
-    lines = list(defaults.setup) if not (request.modules or request.conda or request.venv or request.setup) \
-        else []
+    lines = list(defaults.setup)  # the machine's own first (e.g. 'module load conda'), then the user's
     lines += [f"module load {quote(m)}" for m in request.modules]
     if request.conda:
         lines.append(f"conda activate {quote(request.conda)}")

@@ -1,0 +1,236 @@
+"""hvdrun qsub / qstat / qdel against a real Slurm (2 nodes on SSH hosts), Slurm's Torque-style
+qsub/qstat/qdel, and FAKE PBS Pro / FAKE Cobalt commands (tests/fakes: they replay documented
+behaviour because neither scheduler can be installed here; those tests are named "fake").
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, wait_until
+
+WORKERS = Path(__file__).parent / "workers"
+FAKES = REPO / "tests" / "fakes"
+PINNED = """\
+import os, sys
+import hvdrun.torch as hvd
+hvd.init()
+print(f"rank {hvd.rank()} local {hvd.local_rank()} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}",
+      flush=True)
+rank = hvd.rank()
+hvd.shutdown()
+sys.exit(int(sys.argv[1]) if len(sys.argv) > 2 and rank == int(sys.argv[2]) else 0)
+"""
+
+
+@pytest.fixture
+def job_dir(tmp_path, hvdrun_env):
+    shutil.copy(WORKERS / "allreduce_hosts.py", tmp_path)
+    (tmp_path / "pinned.py").write_text(PINNED)
+    hvdrun_env["HVDRUN_JOBS_DIR"] = str(tmp_path / "registry")
+    hvdrun_env["PYTHONPATH"] = str(REPO)
+    return tmp_path
+
+
+def hvdrun(env, cwd, *args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hvdrun", *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def submitted_id(result) -> str:
+    assert result.returncode == 0 or result.stdout.strip(), result.stderr
+    return result.stdout.strip().splitlines()[0]
+
+
+def job_output(cwd: Path) -> str:
+    return "".join(p.read_text() for p in sorted((cwd / "hvdrun-jobs").glob("*.output")))
+
+
+def wait_for_state(env, cwd, job_id, word, timeout_s=30.0) -> str:
+    seen = []
+
+    def reached() -> bool:
+        seen.append(hvdrun(env, cwd, "qstat", job_id).stdout)
+        return word in seen[-1]
+
+    assert wait_until(reached, timeout_s), f"job {job_id} never reached {word}: {seen[-1:]}"
+    return seen[-1]
+
+
+# -- real Slurm ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def slurm_env(slurm_cluster, hvdrun_env, job_dir):
+    hvdrun_env.update(slurm_cluster.env)
+    return hvdrun_env
+
+
+def test_slurm_submit_wait_runs_a_two_node_allreduce(slurm_cluster, slurm_env, job_dir):
+    result = hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "2", "--ranks-per-node", "2", "-t", "5",
+                    "--wait", "allreduce_hosts.py")
+    assert result.returncode == 0, result.stderr + job_output(job_dir)
+    job_id = submitted_id(result)
+    assert re.search(rf"job {job_id} RUNNING on ", result.stderr)
+    assert f"job {job_id} FINISHED [COMPLETED], exit code 0" in result.stderr
+    output = job_output(job_dir)
+    oks = re.findall(r"\[(\d)\]<stdout>:rank \d/4 local \d on (\S+) sum=10 ok", output)
+    assert sorted(r for r, _ in oks) == ["0", "1", "2", "3"], output
+    assert {host for _, host in oks} == set(slurm_cluster.nodes), output  # both nodes took part
+    script = next((job_dir / "hvdrun-jobs").glob("*.slurm.sh"))
+    shown = subprocess.run(["scontrol", "show", "job", job_id], env=slurm_env, capture_output=True, text=True).stdout
+    assert f"Command={script}" in shown  # the saved copy is exactly what was submitted
+    assert "#SBATCH --nodes=2" in script.read_text()
+
+
+def test_slurm_wait_returns_the_jobs_failing_exit_code(slurm_env, job_dir):
+    result = hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "2", "--ranks-per-node", "1", "-t", "5",
+                    "--wait", "allreduce_hosts.py", "3", "1")
+    assert result.returncode == 3, result.stderr + job_output(job_dir)
+    assert "FINISHED [FAILED], exit code 3 (NonZeroExitCode)" in result.stderr
+    assert "rank 1 on host" in job_output(job_dir) and "exited with code 3" in job_output(job_dir)
+
+
+def test_slurm_qstat_of_running_and_finished_jobs_and_qdel(slurm_env, job_dir, token):
+    job_id = submitted_id(hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "2", "-t", "5", "--submit",
+                                 "--", "sleep", "300"))
+    running = wait_for_state(slurm_env, job_dir, job_id, "RUNNING")
+    assert re.search(rf"job {job_id} \(slurm\): RUNNING on \S+", running)
+    assert "output: " in running
+    cancelled = hvdrun(slurm_env, job_dir, "qdel", job_id)
+    assert cancelled.returncode == 0 and f"cancelled job {job_id}" in cancelled.stdout
+    finished = wait_for_state(slurm_env, job_dir, job_id, "FINISHED")
+    assert "FINISHED [CANCELLED], exit code 143" in finished  # ExitCode=0:15
+    again = hvdrun(slurm_env, job_dir, "qdel", job_id)
+    assert again.returncode == 0 and "had already ended" in again.stdout
+    from tests.conftest import job_processes
+    assert wait_until(lambda: not job_processes(token)), "the cancelled job left processes behind"
+
+
+def test_slurm_qstat_says_why_a_job_waits(slurm_env, job_dir):
+    job_id = submitted_id(hvdrun(slurm_env, job_dir, "qsub", "--scheduler", "slurm", "-n", "3", "--submit", "--",
+                                 "true"))
+    try:
+        waiting = wait_for_state(slurm_env, job_dir, job_id, "QUEUED")
+        assert re.search(rf"job {job_id} \(slurm\): QUEUED \[PENDING\] \(\w+", waiting), waiting
+    finally:
+        hvdrun(slurm_env, job_dir, "qdel", job_id)
+    unknown = hvdrun(slurm_env, job_dir, "qstat", "999999")
+    assert unknown.returncode == 1 and "UNKNOWN" in unknown.stdout
+
+
+def test_pbs_style_job_through_slurms_torque_wrappers(slurm_cluster, slurm_env, job_dir):
+    """Torque-flavoured PBS via Slurm: real qsub/qstat/qdel wrappers, PBS_NODEFILE, SSH launch inside."""
+    ssh = " ".join(["--launcher", "ssh", *slurm_cluster.ssh.args()])
+    result = hvdrun(slurm_env, job_dir, "qsub", "--scheduler", "pbs", "-n", "2", "-t", "5", "--ranks-per-node", "2",
+                    "--run-args", ssh, "--wait", "allreduce_hosts.py", "4", "3")
+    assert result.returncode == 4, result.stderr + job_output(job_dir)
+    job_id = submitted_id(result)
+    assert f"job {job_id} RUNNING [R] on {slurm_cluster.nodes[0]},{slurm_cluster.nodes[1]}" in result.stderr
+    assert f"job {job_id} FINISHED [C], exit code 4" in result.stderr  # the wrapper has no Exit_status: read back
+    output = job_output(job_dir)
+    assert output.count("sum=10 ok") == 4 and "rank 3 on host" in output, output
+
+    job_id = submitted_id(hvdrun(slurm_env, job_dir, "qsub", "--scheduler", "pbs", "-n", "1", "--submit", "--",
+                                 "sleep", "300"))
+    assert "RUNNING [R]" in wait_for_state(slurm_env, job_dir, job_id, "RUNNING")
+    assert "cancelled" in hvdrun(slurm_env, job_dir, "qdel", job_id).stdout
+    assert "FINISHED [C]" in wait_for_state(slurm_env, job_dir, job_id, "FINISHED")
+
+
+# -- FAKE PBS Pro and FAKE Cobalt ------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_scheduler(tmp_path, hvdrun_env, job_dir):
+    """Put FAKE qsub/qstat/qdel of one scheduler first on PATH; returns ``install(name)``."""
+    def install(name: str) -> dict[str, str]:
+        bin_dir = tmp_path / f"fake-{name}-bin"
+        bin_dir.mkdir()
+        for command in ("qsub", "qstat", "qdel"):
+            wrapper = bin_dir / command
+            wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKES / f"fake_{name}.py"} {command} "$@"\n')
+            wrapper.chmod(0o755)
+        hvdrun_env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_SCHED_DIR=str(tmp_path / "fake-state"),
+                          HOME=str(tmp_path))
+        hvdrun_env.pop("SLURM_CONF", None)
+        return hvdrun_env
+    yield install
+    for job in (tmp_path / "fake-state" / "jobs").glob("*"):
+        pid = job / "runner.pid"
+        if pid.exists() and (job / "state").read_text() != "done":
+            subprocess.run(["kill", pid.read_text()], check=False)
+
+
+POLARIS_IN_TEST = ("--cluster", "polaris", "-A", "MyProject", "--python", sys.executable,
+                   "--export", f"HVDRUN_MPIEXEC={FAKES / 'fake_pals_mpiexec.py'}")
+
+
+def test_fake_pbspro_polaris_job_pins_gpus_in_polaris_order(fake_scheduler, job_dir):
+    env = fake_scheduler("pbspro")
+    result = hvdrun(env, job_dir, "qsub", *POLARIS_IN_TEST, "-n", "1", "--ranks-per-node", "2", "--wait",
+                    "pinned.py")
+    output = job_output(job_dir)
+    assert result.returncode == 0, result.stderr + output
+    job_id = submitted_id(result)
+    assert re.fullmatch(r"\d+\.fakepbs-01\.hsn\.cm\.polaris\.alcf\.anl\.gov", job_id)
+    assert f"job {job_id} FINISHED [F], exit code 0 (Job run at" in result.stderr
+    # PALS mpiexec from the config, GPUs in Polaris's reversed order
+    assert "[0]<stdout>:rank 0 local 0 CUDA_VISIBLE_DEVICES=3" in output, output
+    assert "[1]<stdout>:rank 1 local 1 CUDA_VISIBLE_DEVICES=2" in output, output
+    short = job_id.split(".")[0]
+    status = hvdrun(env, job_dir, "qstat", short)
+    assert status.returncode == 0 and "FINISHED [F], exit code 0" in status.stdout
+    again = hvdrun(env, job_dir, "qdel", job_id)
+    assert again.returncode == 0 and "had already ended" in again.stdout
+
+
+def test_fake_pbspro_failing_job_and_a_queued_one_cancelled(fake_scheduler, job_dir):
+    env = fake_scheduler("pbspro")
+    result = hvdrun(env, job_dir, "qsub", *POLARIS_IN_TEST, "-n", "1", "--ranks-per-node", "2", "--wait",
+                    "pinned.py", "5", "1")
+    assert result.returncode == 5, result.stderr + job_output(job_dir)
+    assert "exit code 5" in result.stderr
+
+    env["FAKE_SCHED_HOLD_S"] = "60"
+    job_id = submitted_id(hvdrun(env, job_dir, "qsub", *POLARIS_IN_TEST, "-n", "1", "--submit", "pinned.py"))
+    waiting = hvdrun(env, job_dir, "qstat", job_id)
+    assert "QUEUED [Q] (Not Running: Insufficient amount of resource: ncpus" in waiting.stdout
+    assert "cancelled" in hvdrun(env, job_dir, "qdel", job_id).stdout
+    assert "FINISHED [F], exit code 143" in hvdrun(env, job_dir, "qstat", job_id).stdout  # Exit_status 271
+
+
+def test_fake_pbspro_rejection_reports_command_exit_code_and_output(fake_scheduler, job_dir):
+    env = fake_scheduler("pbspro")
+    result = hvdrun(env, job_dir, "qsub", "--scheduler", "pbs", "--filesystems", "home", "--submit", "pinned.py")
+    assert result.returncode == 1, result.stderr
+    assert re.search(r"hvdrun: error: 'qsub -o \S+ -j oe \S+\.pbs\.sh' failed with exit code 2\n", result.stderr)
+    assert "stdout: (empty)" in result.stderr
+    assert "stderr: qsub: Account_Name is required to be set." in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_fake_cobalt_thetagpu_job(fake_scheduler, job_dir):
+    env = fake_scheduler("cobalt")
+    args = ("qsub", "--cluster", "thetagpu-cobalt", "-n", "1", "-A", "MyProject", "-t", "10", "--ranks-per-node", "2",
+            "--python", sys.executable, "--run-args", "--launcher local")
+    result = hvdrun(env, job_dir, *args, "--filesystems", "", "--wait", "pinned.py", "7", "0")
+    output = job_output(job_dir)
+    assert result.returncode == 7, result.stderr + output
+    job_id = submitted_id(result)
+    assert job_id.isdigit()  # the filesystems warning on stderr is not taken for the id
+    assert f"job {job_id} FINISHED, exit code 7" in result.stderr  # from the exit file: Cobalt forgets jobs
+    assert "[1]<stdout>:rank 1 local 1 CUDA_VISIBLE_DEVICES=1" in output, output
+    script = next((job_dir / "hvdrun-jobs").glob("*.cobalt.sh"))
+    assert os.access(script, os.X_OK)
+
+    env["FAKE_SCHED_HOLD_S"] = "60"
+    job_id = submitted_id(hvdrun(env, job_dir, *args, "--submit", "pinned.py"))
+    assert "QUEUED [queued]" in hvdrun(env, job_dir, "qstat", job_id).stdout
+    assert "cancelled" in hvdrun(env, job_dir, "qdel", job_id).stdout
+    assert "had already ended" in hvdrun(env, job_dir, "qdel", job_id).stdout

@@ -1,0 +1,30 @@
+#!/bin/bash -l
+#PBS -A MyProject
+#PBS -q debug-scaling
+#PBS -l select=8:system=polaris
+#PBS -l place=scatter
+#PBS -l walltime=00:45:00
+#PBS -l filesystems=home:grand
+#PBS -N resnet50
+#PBS -k doe
+#PBS -o /home/me/run/logs/train.output
+#PBS -e /home/me/run/logs/train.err
+#PBS -W depend=afterok:1234.polaris-pbs-01
+#PBS -l mig_config=/x.json
+
+# PBS Pro job for polaris, written by hvdrun qsub. hvdrun reads the hosts from $PBS_NODEFILE.
+set -o pipefail
+cd /home/me/run
+module use /soft/modulefiles
+module load conda
+conda activate
+module load cudatoolkit
+conda activate /home/me/env
+export NCCL_DEBUG=INFO
+export NOTE='a b;c'
+ulimit -c 0
+echo "hvdrun: job resnet50 started on $(hostname) at $(date -u +%FT%TZ)"
+python -m hvdrun --cluster polaris --ranks-per-node 4 --verbose -- train.py --epochs 3 --name 'it'"'"'s $HOME' && rc=0 || rc=$?
+echo "$rc" > /home/me/run/logs/train.exitcode
+echo "hvdrun: job resnet50 ended with exit code $rc at $(date -u +%FT%TZ)"
+exit "$rc"

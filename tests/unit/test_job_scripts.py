@@ -1,0 +1,200 @@
+"""Job scripts: golden files of every template x shipped cluster, and every validation error.
+
+Regenerate the golden files after an intended change with ``HVDRUN_REGOLD=1 pytest tests/unit/test_job_scripts.py``
+and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hvdrun.cli import cli
+from hvdrun.config import available_clusters, format_hms, parse_walltime
+from hvdrun.errors import UsageError
+from hvdrun.jobs.base import ScriptRules
+from hvdrun.jobs.render import check_script, render_script
+from hvdrun.jobs.spec import JobRequest, build_spec
+
+GOLDEN = Path(__file__).parent / "golden"
+WORKDIR = "/home/me/run"
+COMMAND = ("train.py", "--epochs", "3", "--name", "it's $HOME")
+
+CASES = {
+    "polaris": dict(cluster="polaris", nodes=2, account="MyProject"),
+    "aurora": dict(cluster="aurora", nodes=2, account="MyProject", walltime="50", queue="debug-scaling"),
+    "sophia": dict(cluster="sophia", nodes=2, account="MyProject", queue="by-node"),
+    "sophia-by-gpu": dict(cluster="sophia", nodes=4, account="MyProject", queue="by-gpu", walltime="30"),
+    "thetagpu-cobalt": dict(cluster="thetagpu-cobalt", nodes=2, account="MyProject", walltime="01:30:00"),
+    "slurm": dict(cluster="slurm", nodes=2, ranks_per_node=4, gpus_per_node=4, queue="gpu", account="MyProject",
+                  venv="/home/me/venv"),
+    "polaris-everything": dict(
+        cluster="polaris", nodes=8, account="MyProject", queue="debug-scaling", walltime="45", filesystems="home,grand",
+        job_name="resnet50", error="/home/me/run/logs/train.err", modules=("cudatoolkit",), conda="/home/me/env",
+        exports=("NCCL_DEBUG=INFO", "NOTE=a b;c"), setup=("ulimit -c 0",), directives=("-l mig_config=/x.json",),
+        after=("1234.polaris-pbs-01",), run_args="--verbose"),
+    "cobalt-everything": dict(
+        cluster="thetagpu-cobalt", nodes=1, account="MyProject", queue="single-gpu", walltime="20", ranks_per_node=1,
+        after=("101", "102"), directives=("--attrs mig-mode=True",), python="/opt/py/bin/python"),
+    "slurm-everything": dict(
+        scheduler="slurm", nodes=3, walltime="2-00:00:00", account="acct", job_name="big",
+        directives=("#SBATCH --constraint=a100", "--exclusive"), after=("77",), exports=("A=1",),
+        python="/usr/bin/python3", run_args="--launcher ssh --network-interface ib0"),
+}
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    monkeypatch.setenv("HVDRUN_JOBS_DIR", str(tmp_path / "registry"))
+
+
+def render(**fields):
+    fields.setdefault("output", "/home/me/run/logs/train.output")
+    return render_script(build_spec(JobRequest(command=COMMAND, **fields), now=0, workdir=WORKDIR))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden_script(case):
+    text = render(**CASES[case])
+    path = GOLDEN / f"{case}.sh"
+    if os.environ.get("HVDRUN_REGOLD"):
+        path.write_text(text)
+    assert text == path.read_text(), f"{case}: rendered script differs from {path}"
+
+
+def test_every_shipped_scheduler_cluster_has_a_golden_file():
+    covered = {fields.get("cluster") for fields in CASES.values()}
+    assert set(available_clusters()) - covered == {"localhost"}  # the one machine without a scheduler
+
+
+@pytest.mark.parametrize("text, seconds, hms", [
+    ("90", 5400, "01:30:00"), ("01:30:00", 5400, "01:30:00"), ("0:05:00", 300, "00:05:00"),
+    ("1-12:00:00", 129600, "36:00:00"), (30, 1800, "00:30:00")])
+def test_walltime_normalised(text, seconds, hms):
+    assert parse_walltime(text, "-t") == seconds
+    assert format_hms(seconds) == hms
+
+
+def test_walltime_per_scheduler():
+    assert "#PBS -l walltime=01:30:00" in render(cluster="polaris", account="P", walltime="90", queue="capacity")
+    assert "#SBATCH --time=01:30:00" in render(scheduler="slurm", walltime="90")
+    assert "#COBALT -t 90\n" in render(cluster="thetagpu-cobalt", account="P", walltime="01:30:00")
+    assert "#COBALT -t 2\n" in render(cluster="thetagpu-cobalt", account="P", walltime="0:01:01")  # rounded up
+
+
+def test_values_are_quoted_by_the_code():
+    text = render(scheduler="slurm", exports=("X=$(reboot)",), output="/tmp/a b/out.log")
+    assert "export X='$(reboot)'" in text
+    assert "--output='/tmp/a b/out.log'" in text
+    assert "echo \"$rc\" > '/tmp/a b/out.exitcode'" in text
+    assert "'it'\"'\"'s $HOME'" in text  # the command's arguments arrive verbatim
+
+
+def test_default_output_is_a_stamped_file_in_hvdrun_jobs(tmp_path):
+    spec = build_spec(JobRequest(command=COMMAND, scheduler="slurm"), workdir=WORKDIR)
+    assert re.fullmatch(re.escape(str(tmp_path)) + r"/hvdrun-jobs/train-\d{8}-\d{6}\.output", spec.output)
+    assert spec.script_path == spec.output.replace(".output", ".slurm.sh")
+    assert spec.exit_file == spec.output.replace(".output", ".exitcode")
+
+
+@pytest.fixture
+def invoke():
+    def run(*args):
+        return CliRunner().invoke(cli, ["qsub", *args])
+    return run
+
+
+def assert_usage_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert result.output.startswith("hvdrun: error: ") and result.output.count("\n") == 1, result.output
+    for fragment in fragments:
+        assert fragment in result.output, result.output
+
+
+POLARIS = ("--cluster", "polaris", "-A", "P")
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (("--cluster", "polaris"), ["-A/--account is required on polaris"]),
+    (("--cluster", "polaris", "-A", "P", "--filesystems", ""), ["--filesystems is required on polaris"]),
+    ((*POLARIS, "--filesystems", "home,nosuchfs"), ["'nosuchfs' is not a filesystem of this machine",
+                                                   "allowed: home, eagle, grand"]),
+    ((*POLARIS, "-q", "nosuch"), ["-q/--queue 'nosuch' is not a queue of polaris", "debug, debug-scaling"]),
+    ((*POLARIS, "-n", "3"), ["-n/--nodes 3: queue 'debug' on polaris takes 1 to 2 nodes"]),
+    ((*POLARIS, "-q", "prod", "-n", "4"), ["-n/--nodes 4: queue 'prod' on polaris takes 10 to 496 nodes"]),
+    ((*POLARIS, "-t", "61"), ["-t/--walltime 01:01:00: queue 'debug' on polaris allows at most 01:00:00"]),
+    ((*POLARIS, "-t", "1:30"), ["walltime '1:30' is not minutes (e.g. 90) or HH:MM:SS"]),
+    ((*POLARIS, "-t", "0"), ["walltime '0' must be longer than zero"]),
+    (("--cluster", "sophia", "-A", "P", "-q", "by-gpu", "-n", "3"),
+     ["-n/--nodes 3: queue 'by-gpu' on sophia takes 1 2 4 8 gpus"]),
+    (("--cluster", "thetagpu-cobalt", "-t", "30"), ["-A/--account is required on thetagpu-cobalt"]),
+    (("--cluster", "thetagpu-cobalt", "-A", "P", "-t", "13:00:00"), ["allows at most 12:00:00"]),
+    ((*POLARIS, "-A", "P; rm -rf ~"), ["-A/--account 'P; rm -rf ~': expected letters, digits"]),
+    ((*POLARIS, "-q", "$(id)"), ["-q/--queue '$(id)'"]),
+    ((*POLARIS, "-N", "1job"), ["-N/--job-name '1job': expected a letter"]),
+    ((*POLARIS, "--after", "12;x"), ["--after '12;x': expected a job id"]),
+    ((*POLARIS, "--directive", "-l a=b\n#PBS -l c=d"), ["one directive per option, no line breaks"]),
+    ((*POLARIS, "--directive", "-l a=b # why"), ["no comments on a directive line"]),
+    ((*POLARIS, "--directive", "place=scatter"), ["expected pbs options such as '-l place=scatter'"]),
+    ((*POLARIS, "--export", "1X=2"), ["--export '1X=2': expected VAR=VALUE"]),
+    (("--scheduler", "slurm", "--filesystems", "home"), ["Slurm has no filesystems request"]),
+    (("--cluster", "polaris", "--config", "x.yaml"), ["either --cluster NAME or --config FILE"]),
+    ((), ["name the scheduler: --scheduler {pbs,cobalt,slurm}"]),
+    (("--cluster", "localhost"), ["cluster 'localhost'", "has no 'scheduler:' section"]),
+    (("--cluster", "nosuch"), ["unknown cluster 'nosuch'"]),
+    ((*POLARIS, "--dry-run", "--submit"), ["--dry-run prints the script only"]),
+    ((*POLARIS, "--template", "nosuch.j2"), ["--template 'nosuch.j2': no such file"]),
+    ((*POLARIS, "-n", "0"), ["Invalid value for '-n'"]),
+])
+def test_validation_errors(invoke, args, fragments):
+    assert_usage_error(invoke(*args, "--", "train.py"), *fragments)
+
+
+def test_missing_script_is_a_usage_error(invoke):
+    assert_usage_error(invoke(*POLARIS, "--", "nosuch.py"), "script 'nosuch.py' not found")
+
+
+def test_custom_template_with_strict_undefined(invoke, tmp_path):
+    (tmp_path / "t.sh.j2").write_text("#!/bin/bash\n{% for d in directives %}{{ d }}\n{% endfor %}{{ nosuch }}\n")
+    assert_usage_error(invoke(*POLARIS, "--template", str(tmp_path / "t.sh.j2"), "--", "train.py"),
+                       "'nosuch' is undefined")
+
+
+@pytest.mark.parametrize("scheduler, body, fragment", [
+    ("thetagpu-cobalt", "#!/bin/bash\n\n{% for d in directives %}{{ d }}\n{% endfor %}",
+     "comes after the first command or blank line"),
+    ("thetagpu-cobalt", "#!/bin/bash\n{{ directives[0] }}\n\n{% for d in directives[1:] %}{{ d }}\n{% endfor %}",
+     "#COBALT directives there are ignored"),
+    ("polaris", "#!/bin/bash\n{{ directives[0] }}\n# a note\n{% for d in directives[1:] %}{{ d }}\n{% endfor %}",
+     "comment inside the #PBS block ('# a note')"),
+    ("polaris", "#!/bin/bash\ncd /tmp\n{% for d in directives %}{{ d }}\n{% endfor %}",
+     "comes after the first command"),
+    ("polaris", "echo no shebang\n", "must start with a '#!' line"),
+    ("polaris", "#!/bin/bash\necho nothing\n", "no #PBS directives at the top"),
+])
+def test_scheduler_directive_rules_on_custom_templates(invoke, tmp_path, scheduler, body, fragment):
+    (tmp_path / "t.sh.j2").write_text(body)
+    account = ("-A", "P", "-t", "30")
+    assert_usage_error(invoke("--cluster", scheduler, *account, "--template", str(tmp_path / "t.sh.j2"), "--",
+                              "train.py"), fragment)
+
+
+def test_pbs_rules_allow_comments_after_the_block():
+    check_script("#!/bin/bash\n#PBS -A x\n#PBS -q y\n\n# note\necho hi\n", ScriptRules("#PBS", comments_in_block=False),
+                 "t")
+    with pytest.raises(UsageError, match="comment on a directive line"):
+        check_script("#!/bin/bash\n#PBS -A x #note\n", ScriptRules("#PBS", comments_in_block=False), "t")
+
+
+def test_dry_run_prints_the_script_and_writes_nothing(invoke, tmp_path):
+    result = invoke(*POLARIS, "--dry-run", "--", "train.py")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("#!/bin/bash -l\n#PBS -A P\n")
+    assert not (tmp_path / "hvdrun-jobs").exists()
