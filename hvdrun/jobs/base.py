@@ -1,4 +1,5 @@
-"""What every scheduler back-end provides, the one way scheduler commands are run, and job states.
+"""The job every back-end renders (:class:`JobSpec`, built by :mod:`hvdrun.jobs.spec`), what every
+scheduler back-end provides, the one way scheduler commands are run, and job states.
 
 A back-end (:mod:`hvdrun.jobs.pbs`, :mod:`~hvdrun.jobs.cobalt`, :mod:`~hvdrun.jobs.slurm`) turns a
 :class:`~hvdrun.jobs.spec.JobSpec` into directive lines and knows its scheduler's submit, status and
@@ -17,18 +18,65 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from hvdrun.config import format_hms
 from hvdrun.errors import JobError, UsageError
-
-if TYPE_CHECKING:
-    from hvdrun.jobs.spec import JobSpec
 
 # the states hvdrun reports, whatever the scheduler calls them
 QUEUED, HELD, RUNNING, EXITING, FINISHED, UNKNOWN = "QUEUED", "HELD", "RUNNING", "EXITING", "FINISHED", "UNKNOWN"
 _TRANSIENT = re.compile(r"communication failure|cannot connect to server|socket timed out|"
                         r"unable to contact slurm controller|connection refused", re.IGNORECASE)
 COMMAND_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job ready to render: every value validated, every path absolute.
+
+    ``nodes`` counts nodes, or GPUs on one node where the queue's ``unit`` is ``gpus`` (Sophia's
+    by-gpu). ``setup`` holds finished shell lines; ``launch`` is the argv of the hvdrun that runs
+    inside the allocation.
+    """
+
+    scheduler: str
+    cluster: str
+    nodes: int
+    unit: str
+    walltime_s: int | None
+    queue: str | None
+    account: str | None
+    filesystems: tuple[str, ...]
+    job_name: str
+    output: str
+    error: str | None
+    exit_file: str
+    script_path: str
+    workdir: str
+    setup: tuple[str, ...]
+    ranks_per_node: int
+    gpus_per_node: int
+    system: str | None
+    place: str | None
+    directives: tuple[str, ...]
+    skip_directives: tuple[str, ...]
+    after: tuple[str, ...]
+    launch: tuple[str, ...]
+    template: str | None
+
+    @property
+    def walltime_hms(self) -> str | None:
+        """The walltime as ``HH:MM:SS`` (PBS, Slurm)."""
+        return format_hms(self.walltime_s) if self.walltime_s else None
+
+    @property
+    def walltime_minutes(self) -> int | None:
+        """The walltime in whole minutes, rounded up (Cobalt's ``-t``)."""
+        return -(-self.walltime_s // 60) if self.walltime_s else None
+
+    @property
+    def total_ranks(self) -> int:
+        """Ranks of the job."""
+        return self.ranks_per_node * (1 if self.unit == "gpus" else self.nodes)
 
 
 @dataclass(frozen=True)
@@ -130,7 +178,7 @@ class Scheduler(ABC):
 
     kind: str
     rules: ScriptRules
-    submit_program: str
+    cancel_program: str = "qdel"
 
     @abstractmethod
     def directives(self, spec: JobSpec) -> list[str]:
@@ -169,9 +217,16 @@ class Scheduler(ABC):
     def status(self, job_id: str) -> JobStatus:
         """The job's current status (state UNKNOWN when the scheduler no longer knows it)."""
 
-    @abstractmethod
     def cancel(self, job_id: str) -> bool:
         """Cancel the job; False when it had already finished or is unknown (not an error)."""
+        if self.status(job_id).done:
+            return False
+        done = run_scheduler_command([self.cancel_program, job_id], ok_codes=range(256))
+        if done.returncode == 0:
+            return True
+        if self.status(job_id).done:  # it ended meanwhile: what the user wanted
+            return False
+        raise JobError(command_failure(f"{self.cancel_program} {job_id}", done))
 
     def submit(self, spec: JobSpec, script: str) -> str:
         """Submit ``script`` and return the job id."""

@@ -17,6 +17,7 @@ from hvdrun.jobs.base import (
     QUEUED,
     RUNNING,
     UNKNOWN,
+    JobSpec,
     JobStatus,
     Scheduler,
     ScriptRules,
@@ -25,7 +26,6 @@ from hvdrun.jobs.base import (
     quote,
     run_scheduler_command,
 )
-from hvdrun.jobs.spec import JobSpec
 
 QSTAT_HEADER = "JobID:JobName:User:WallTime:State:Nodes:Location:Queue"
 _STATES = {"queued": QUEUED, "starting": QUEUED, "running": RUNNING, "exiting": EXITING, "killing": EXITING,
@@ -39,7 +39,6 @@ class Cobalt(Scheduler):
 
     kind = "cobalt"
     rules = ScriptRules("#COBALT", blank_line_ends_block=True)
-    submit_program = "qsub"
     example_directive = "--attrs mig-mode=True"
 
     def directives(self, spec: JobSpec) -> list[str]:
@@ -71,13 +70,4 @@ class Cobalt(Scheduler):
             raise JobError(command_failure(f"qstat {job_id}", done))
         return JobStatus(job_id, UNKNOWN, reason="Cobalt lists only queued and running jobs")
 
-    def cancel(self, job_id: str) -> bool:
-        if self.status(job_id).done:
-            return False
-        done = run_scheduler_command(["qdel", job_id], ok_codes=range(256))
-        if done.returncode == 0:
-            return True
-        if self.status(job_id).done:
-            return False
-        raise JobError(command_failure(f"qdel {job_id}", done))
 

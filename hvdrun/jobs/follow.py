@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hvdrun.errors import JobError, JobInterrupted, UsageError
-from hvdrun.jobs.base import FINISHED, UNKNOWN, JobStatus, Scheduler
+from hvdrun.jobs.base import FINISHED, UNKNOWN, JobSpec, JobStatus, Scheduler
 from hvdrun.jobs.render import BACKENDS, scheduler_for
-from hvdrun.jobs.spec import JobSpec
 
 JOBS_DIR_VAR = "HVDRUN_JOBS_DIR"
-_FIRST_POLL_S, _MAX_POLL_S = 0.25, 5.0
+_FIRST_POLL_S, _MAX_POLL_S = 0.25, 30.0  # polls every tenth of the job's age: quick for short jobs, gentle on
+# the scheduler for long ones
 _GRACE_UNKNOWN_S = 15.0  # a job just submitted may not be visible yet (PBS routing queues)
 Echo = Callable[[str], None]
 
@@ -124,11 +124,13 @@ def follow(job: SubmittedJob, echo: Echo, sleep: Callable[[float], None] = time.
         JobInterrupted: Ctrl-C (the job keeps running).
     """
     scheduler = scheduler_for(job.scheduler)
-    interval, last, started = _FIRST_POLL_S, "", time.monotonic()
+    last, started = "", time.monotonic()
     try:
         while True:
             status = current_status(scheduler, job.job_id, job.exit_file)
-            if status.state == UNKNOWN and time.monotonic() - started < _GRACE_UNKNOWN_S:
+            age = time.monotonic() - started
+            interval = min(max(_FIRST_POLL_S, age / 10), _MAX_POLL_S)
+            if status.state == UNKNOWN and age < _GRACE_UNKNOWN_S:
                 sleep(interval)
                 continue
             description = status.describe()
@@ -138,7 +140,6 @@ def follow(job: SubmittedJob, echo: Echo, sleep: Callable[[float], None] = time.
             if status.done:
                 return _final_code(job, status)
             sleep(interval)
-            interval = min(interval * 1.5, _MAX_POLL_S)
     except KeyboardInterrupt:
         raise JobInterrupted(f"stopped following job {job.job_id}; it keeps running "
                              f"('hvdrun qdel {job.job_id}' cancels it)", 130) from None

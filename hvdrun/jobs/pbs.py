@@ -17,6 +17,7 @@ from hvdrun.jobs.base import (
     QUEUED,
     RUNNING,
     UNKNOWN,
+    JobSpec,
     JobStatus,
     Scheduler,
     ScriptRules,
@@ -25,7 +26,6 @@ from hvdrun.jobs.base import (
     quote,
     run_scheduler_command,
 )
-from hvdrun.jobs.spec import JobSpec
 
 _STATES = {"Q": QUEUED, "W": QUEUED, "T": QUEUED, "M": QUEUED, "H": HELD, "S": HELD, "U": HELD,
            "R": RUNNING, "B": RUNNING, "E": EXITING, "F": FINISHED, "X": FINISHED, "C": FINISHED}
@@ -40,7 +40,6 @@ class Pbs(Scheduler):
 
     kind = "pbs"
     rules = ScriptRules("#PBS", comments_in_block=False)
-    submit_program = "qsub"
 
     def directives(self, spec: JobSpec) -> list[str]:
         select = f"select={spec.nodes}" + (f":system={spec.system}" if spec.system else "")
@@ -83,15 +82,6 @@ class Pbs(Scheduler):
             return JobStatus(job_id, UNKNOWN, reason="qstat: unknown job id")
         return _from_text(job_id, text.stdout)
 
-    def cancel(self, job_id: str) -> bool:
-        if self.status(job_id).done:
-            return False
-        done = run_scheduler_command(["qdel", job_id], ok_codes=range(256))
-        if done.returncode == 0:
-            return True
-        if _UNKNOWN_JOB.search(done.stderr + done.stdout) or self.status(job_id).done:
-            return False
-        raise JobError(command_failure(f"qdel {job_id}", done))
 
 
 def _exit_code(value: object) -> int | None:

@@ -12,11 +12,10 @@ import shlex
 from pathlib import Path
 
 from hvdrun.errors import UsageError
-from hvdrun.jobs.base import Scheduler, ScriptRules, quote
+from hvdrun.jobs.base import JobSpec, Scheduler, ScriptRules, quote
 from hvdrun.jobs.cobalt import Cobalt
 from hvdrun.jobs.pbs import Pbs
 from hvdrun.jobs.slurm import Slurm
-from hvdrun.jobs.spec import JobSpec
 from hvdrun.resources import data_dir
 
 BACKENDS: dict[str, type[Scheduler]] = {"pbs": Pbs, "cobalt": Cobalt, "slurm": Slurm}

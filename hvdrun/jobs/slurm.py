@@ -16,6 +16,7 @@ from hvdrun.jobs.base import (
     QUEUED,
     RUNNING,
     UNKNOWN,
+    JobSpec,
     JobStatus,
     Scheduler,
     ScriptRules,
@@ -24,7 +25,6 @@ from hvdrun.jobs.base import (
     quote,
     run_scheduler_command,
 )
-from hvdrun.jobs.spec import JobSpec
 
 _STATES = {"PENDING": QUEUED, "CONFIGURING": QUEUED, "REQUEUED": QUEUED, "REQUEUE_HOLD": HELD,
            "REQUEUE_FED": QUEUED, "RESV_DEL_HOLD": HELD, "SUSPENDED": HELD, "STOPPED": HELD,
@@ -40,7 +40,7 @@ class Slurm(Scheduler):
 
     kind = "slurm"
     rules = ScriptRules("#SBATCH")
-    submit_program = "sbatch"
+    cancel_program = "scancel"
     example_directive = "--constraint=a100"
 
     def directives(self, spec: JobSpec) -> list[str]:
@@ -72,15 +72,6 @@ class Slurm(Scheduler):
             raise JobError(command_failure(f"scontrol show job -o {job_id}", done))
         return _from_sacct(job_id)
 
-    def cancel(self, job_id: str) -> bool:
-        if self.status(job_id).done:
-            return False
-        done = run_scheduler_command(["scancel", job_id], ok_codes=range(256))
-        if done.returncode == 0:
-            return True
-        if self.status(job_id).done:
-            return False
-        raise JobError(command_failure(f"scancel {job_id}", done))
 
 
 def _exit_code(text: str, raw_state: str) -> int:

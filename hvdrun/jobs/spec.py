@@ -28,7 +28,7 @@ from hvdrun.config import (
     parse_walltime,
 )
 from hvdrun.errors import UsageError
-from hvdrun.jobs.base import quote
+from hvdrun.jobs.base import JobSpec, quote
 
 DEFAULT_OUTPUT_DIR = "hvdrun-jobs"
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}")
@@ -65,56 +65,6 @@ class JobRequest:
     template: str | None = None
     python: str | None = None
     run_args: str | None = None
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """A job ready to render: every value validated, every path absolute.
-
-    ``nodes`` counts nodes, or GPUs on one node where the queue's ``unit`` is ``gpus`` (Sophia's
-    by-gpu). ``setup`` holds finished shell lines; ``launch`` is the argv of the hvdrun that runs
-    inside the allocation.
-    """
-
-    scheduler: str
-    cluster: str
-    nodes: int
-    unit: str
-    walltime_s: int | None
-    queue: str | None
-    account: str | None
-    filesystems: tuple[str, ...]
-    job_name: str
-    output: str
-    error: str | None
-    exit_file: str
-    script_path: str
-    workdir: str
-    setup: tuple[str, ...]
-    ranks_per_node: int
-    gpus_per_node: int
-    system: str | None
-    place: str | None
-    directives: tuple[str, ...]
-    skip_directives: tuple[str, ...]
-    after: tuple[str, ...]
-    launch: tuple[str, ...]
-    template: str | None
-
-    @property
-    def walltime_hms(self) -> str | None:
-        """The walltime as ``HH:MM:SS`` (PBS, Slurm)."""
-        return format_hms(self.walltime_s) if self.walltime_s else None
-
-    @property
-    def walltime_minutes(self) -> int | None:
-        """The walltime in whole minutes, rounded up (Cobalt's ``-t``)."""
-        return -(-self.walltime_s // 60) if self.walltime_s else None
-
-    @property
-    def total_ranks(self) -> int:
-        """Ranks of the job."""
-        return self.ranks_per_node * (1 if self.unit == "gpus" else self.nodes)
 
 
 def load_job_config(request: JobRequest) -> tuple[ClusterConfig | None, list[str]]:
