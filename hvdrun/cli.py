@@ -89,28 +89,40 @@ def cli() -> None:
     """Launch data-parallel PyTorch jobs on many hosts and GPUs (Horovod's horovodrun, rebuilt)."""
 
 
+def _host_options(command: Any) -> Any:
+    """The options that say where ranks run and how they are started (run, check, bench)."""
+    options = [
+        click.option("-np", "--num-proc", "num_proc", type=click.IntRange(min=1),
+                     help="Number of ranks (default: all slots)."),
+        click.option("-H", "--hosts", help="Hosts and slots: 'a:4,b:4' (user@host:N, [ipv6]:N)."),
+        click.option("--hostfile", type=click.Path(dir_okay=False), help="File with one 'host slots=N' per line."),
+        click.option("--cluster", help="A cluster from cluster_configs/ (localhost, polaris, ...)."),
+        click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A cluster YAML file."),
+        click.option("--gpus-per-node", type=click.IntRange(min=0), help="GPUs per host; pins CUDA_VISIBLE_DEVICES."),
+        click.option("--gpus-per-rank", type=click.IntRange(min=1), help="GPUs each rank gets (default 1)."),
+        click.option("--ranks-per-node", type=click.IntRange(min=1),
+                     help="Ranks on every host (default: its slots; in an allocation one per GPU, or per node)."),
+        click.option("--launcher", type=click.Choice(["local", "ssh", "mpiexec", "srun"]),
+                     help="How to start workers (default: the cluster's, else local or ssh)."),
+        click.option("-p", "--ssh-port", type=click.IntRange(1, 65535), help="SSH port of every remote host."),
+        click.option("-i", "--ssh-identity-file", type=click.Path(exists=True, dir_okay=False),
+                     help="Private key for SSH (also tried: ~/.ssh/config IdentityFile, default keys, agent)."),
+        click.option("--ssh-known-hosts", type=click.Path(exists=True, dir_okay=False),
+                     help="known_hosts file that vouches for host keys (default ~/.ssh/known_hosts)."),
+        click.option("--network-interface", help="Interface whose address rank 0 advertises to the other hosts."),
+        click.option("--mpi-flavour", type=click.Choice(["mpich", "openmpi", "pals"]),
+                     help="The MPI of --launcher mpiexec (default: from 'mpiexec --version')."),
+        click.option("--mpi-args", help="Extra arguments for mpiexec, e.g. --mpi-args='--cpu-bind depth'."),
+        click.option("-x", "env_specs", multiple=True, metavar="VAR[=VALUE]", help="Forward or set a variable."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @cli.command(context_settings={"allow_interspersed_args": False})
-@click.option("-np", "--num-proc", "num_proc", type=click.IntRange(min=1), help="Number of ranks (default: all slots).")
-@click.option("-H", "--hosts", help="Hosts and slots: 'a:4,b:4' (user@host:N, [ipv6]:N).")
-@click.option("--hostfile", type=click.Path(dir_okay=False), help="File with one 'host slots=N' per line.")
-@click.option("--cluster", help="A cluster from cluster_configs/ (localhost, polaris, ...).")
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A cluster YAML file.")
-@click.option("--gpus-per-node", type=click.IntRange(min=0), help="GPUs per host; pins CUDA_VISIBLE_DEVICES.")
-@click.option("--gpus-per-rank", type=click.IntRange(min=1), help="GPUs each rank gets (default 1).")
-@click.option("--ranks-per-node", type=click.IntRange(min=1),
-              help="Ranks on every host (default: its slots; in an allocation one per GPU, or per node).")
-@click.option("--launcher", type=click.Choice(["local", "ssh", "mpiexec", "srun"]),
-              help="How to start workers (default: the cluster's, else local or ssh).")
-@click.option("-p", "--ssh-port", type=click.IntRange(1, 65535), help="SSH port of every remote host.")
-@click.option("-i", "--ssh-identity-file", type=click.Path(exists=True, dir_okay=False),
-              help="Private key for SSH (also tried: ~/.ssh/config IdentityFile, default keys, agent).")
-@click.option("--ssh-known-hosts", type=click.Path(exists=True, dir_okay=False),
-              help="known_hosts file that vouches for host keys (default ~/.ssh/known_hosts).")
-@click.option("--network-interface", help="Interface whose address rank 0 advertises to the other hosts.")
-@click.option("--mpi-flavour", type=click.Choice(["mpich", "openmpi", "pals"]),
-              help="The MPI of --launcher mpiexec (default: from 'mpiexec --version').")
-@click.option("--mpi-args", help="Extra arguments for mpiexec, e.g. --mpi-args='--cpu-bind depth'.")
-@click.option("-x", "env_specs", multiple=True, metavar="VAR[=VALUE]", help="Forward or set a variable.")
+@_host_options
+@click.option("-m", "--module", is_flag=True, help="COMMAND is a module: every rank runs 'python -m COMMAND'.")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank]<stream>:.")
 @click.option("--output-dir", "--output-filename", "output_dir", type=click.Path(file_okay=False),
               help="Also write DIR/rank.N/stdout and stderr.")
@@ -130,6 +142,63 @@ def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:
     if options["verbose"]:
         click.echo(describe_plan(plan), err=True)
     run_job(plan)
+
+
+class _Size(click.ParamType):
+    """A byte count: ``4096``, ``4K``, ``64M``, ``1G`` (binary units)."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        from hvdrun.health.timing import parse_size
+
+        try:
+            return value if isinstance(value, int) else parse_size(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+@cli.command()
+@_host_options
+@click.option("--timeout", "timeout_s", type=_Seconds(positive=True), default=30.0, show_default=True,
+              help="Seconds each host has to answer (connect and probe).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema hvdrun-check/1).")
+@click.option("--min-disk-gb", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Free space the working directory needs on every host.")
+@click.option("--latency-size", "latency_bytes", type=_Size(), default="4K", show_default=True,
+              help="Allreduce size whose latency is measured.")
+@click.option("--bandwidth-size", "bandwidth_bytes", type=_Size(), default="64M", show_default=True,
+              help="Allreduce size whose bus bandwidth is measured.")
+@click.option("--link-size", "link_bytes", type=_Size(), default="16M", show_default=True,
+              help="Bytes sent over each ring link to time it.")
+def check(timeout_s: float, as_json: bool, min_disk_gb: float, latency_bytes: int, bandwidth_bytes: int,
+          link_bytes: int, **options: Any) -> int:
+    """Prove that the hosts can run a job: reach, versions, GPUs, disk, port, a real allreduce."""
+    from rich.console import Console
+
+    from hvdrun.health.check import CheckOptions, check_targets, plan_check, run_check
+    from hvdrun.health.report import HostProgress, print_check
+    from hvdrun.launch.job import RunOptions
+
+    check_options = CheckOptions(RunOptions(command=(), **options), timeout_s, min_disk_gb, latency_bytes,
+                                 bandwidth_bytes, link_bytes)
+    targets = check_targets(plan_check(check_options, os.environ))  # bad options: exit 2 before any contact
+    progress = HostProgress(Console(stderr=True), [t.host.name for t in targets])
+    with progress.shown():
+        report = run_check(check_options, os.environ, progress.host_done, progress.phase)
+    if as_json:
+        click.echo(report.to_json())
+    else:
+        print_check(report, _stdout_console())
+    return 0 if report.ok else 1
+
+
+def _stdout_console() -> Any:
+    """rich's console on stdout; wide enough for the tables when stdout is a file or a pipe."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
 
 
 def _job_options(command: Any) -> Any:

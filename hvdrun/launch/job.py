@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from hvdrun.config import ClusterConfig, load_cluster, load_config
 from hvdrun.envvars import (
@@ -34,6 +35,9 @@ from hvdrun.hosts import Host, detect_allocation, is_local_host, parse_host_stri
 from hvdrun.launch.base import Launcher, WorkerGroup, WorkerSpec
 from hvdrun.launch.output import OutputRouter
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, total_slots
+
+if TYPE_CHECKING:
+    from hvdrun.launch.connections import SshOptions
 
 DEFAULT_START_TIMEOUT_S = 60.0
 
@@ -65,6 +69,7 @@ class RunOptions:
     mpi_flavour: str | None = None
     mpi_args: str | None = None
     ranks_per_node: int | None = None
+    module: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,9 @@ class JobPlan:
         return host.python or self.default_python
 
     def argv_for(self, host: Host) -> tuple[str, ...]:
-        """The command on ``host``: ``train.py ...`` runs under that host's Python."""
+        """The command on ``host``: ``train.py ...`` (or a module, with ``--module``) runs under that host's Python."""
+        if self.options.module:
+            return (self.python_for(host), "-u", "-m", *self.command)
         if self.command[0].endswith(".py"):
             return (self.python_for(host), "-u", *self.command)
         return self.command
@@ -138,8 +145,9 @@ def _gpu_layout(options: RunOptions, config: ClusterConfig | None) -> GpuLayout:
     return GpuLayout(gpus_per_node=gpus_per_node, gpu_order=order, gpus_per_rank=gpus_per_rank)
 
 
-def resolve_command(command: Sequence[str], check_program: bool = True) -> tuple[str, ...]:
-    """Check ``command``: a ``train.py`` must exist; another program must be on PATH (when ``check_program``).
+def resolve_command(command: Sequence[str], check_program: bool = True, module: bool = False) -> tuple[str, ...]:
+    """Check ``command``: a ``train.py`` must exist; another program must be on PATH (when ``check_program``);
+    a module (``module``) must be a dotted name.
 
     Raises:
         UsageError: no command, a missing script, or a program not on PATH.
@@ -147,6 +155,10 @@ def resolve_command(command: Sequence[str], check_program: bool = True) -> tuple
     if not command:
         raise UsageError("no command given; expected e.g. 'hvdrun -np 2 train.py'")
     program = command[0]
+    if module:
+        if not all(part.isidentifier() for part in program.split(".")):
+            raise UsageError(f"--module {program!r} is not a module name (e.g. mypackage.train)")
+        return tuple(command)
     if program.endswith(".py"):
         if not Path(program).is_file():
             raise UsageError(f"script '{program}' not found (working directory {os.getcwd()})")
@@ -180,7 +192,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
         hosts = tuple(replace(host, slots=ranks_per_node) for host in hosts)
     slots = assign_slots(hosts, options.num_proc or total_slots(hosts), layout)
     launcher = _choose_launcher(options, config, hosts, source)
-    command = resolve_command(options.command, check_program=launcher == "local")
+    command = resolve_command(options.command, check_program=launcher == "local", module=options.module)
     base_env = {**environ, **(config.env if config else {}), **forwarded_env(options.env_specs, environ)}
     base_env.update(interface_env(options.network_interface, base_env))
     check_tuning(base_env)
@@ -224,11 +236,7 @@ def make_launcher(plan: JobPlan) -> Launcher:
         from hvdrun.launch.local import LocalLauncher
 
         return LocalLauncher(grace_s=options.grace_s)
-    from hvdrun.launch.connections import SshOptions
-
-    ssh = SshOptions(port=options.ssh_port, identity_file=options.ssh_identity_file,
-                     known_hosts=options.ssh_known_hosts, default_port=plan.ssh_port,
-                     connect_timeout_s=min(10.0, _start_timeout(options)))
+    ssh = ssh_options(plan)
     if plan.launcher in ("mpiexec", "srun"):
         from hvdrun.launch.mpiexec import SRUN, MpiexecLauncher
 
@@ -239,6 +247,16 @@ def make_launcher(plan: JobPlan) -> Launcher:
 
     return SshLauncher(options.grace_s, ssh, plan.cwd, plan.python_for, options.network_interface,
                        everywhere=options.launcher == "ssh")
+
+
+def ssh_options(plan: JobPlan) -> SshOptions:
+    """How ``plan``'s launcher reaches remote hosts (``-p``, ``-i``, known_hosts, the YAML's port)."""
+    from hvdrun.launch.connections import SshOptions
+
+    options = plan.options
+    return SshOptions(port=options.ssh_port, identity_file=options.ssh_identity_file,
+                      known_hosts=options.ssh_known_hosts, default_port=plan.ssh_port,
+                      connect_timeout_s=min(10.0, _start_timeout(options)))
 
 
 def remove_files(pattern: str) -> int:
@@ -254,8 +272,10 @@ def _start_timeout(options: RunOptions) -> float:
     return options.start_timeout_s or DEFAULT_START_TIMEOUT_S
 
 
-def run_job(plan: JobPlan) -> None:
+def run_job(plan: JobPlan, console: dict[str, TextIO] | None = None) -> None:
     """Reach the hosts, start every rank of ``plan`` and supervise them until the job ends.
+
+    ``console`` replaces hvdrun's stdout and stderr as the destination of the ranks' output.
 
     Raises:
         LaunchError: a host cannot run ranks (nothing was started anywhere).
@@ -263,7 +283,8 @@ def run_job(plan: JobPlan) -> None:
         JobInterrupted: hvdrun was interrupted.
     """
     options = plan.options
-    router = OutputRouter(len(plan.slots), prefix=options.prefix_output, output_dir=options.output_dir)
+    router = OutputRouter(len(plan.slots), prefix=options.prefix_output, output_dir=options.output_dir,
+                          console=console)
     launcher = make_launcher(plan)
     secret, job_id = secrets.token_hex(32), secrets.token_hex(4)
     try:

@@ -39,7 +39,7 @@ from hvdrun.launch.connections import SshOptions, SshTarget, connect_all, peer_a
 from hvdrun.launch.guard import KILL, TERMINATE
 from hvdrun.launch.local import LOOPBACK, LocalLauncher
 from hvdrun.launch.output import OutputRouter
-from hvdrun.launch.probe import NO_PYTHON, NO_WORKDIR, HostFacts, free_ports, interface_address, probe_command
+from hvdrun.launch.probe import HostFacts, explain_probe_failure, free_ports, interface_address, probe_command
 from hvdrun.ranks import Slot
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class SshLauncher(Launcher):
         except Exception as e:  # noqa: BLE001 - a timeout or a dropped connection, named below
             raise LaunchError(f"{remote.target.describe()} did not answer hvdrun's probe: {e}") from e
         if status != 0:
-            raise LaunchError(_probe_failure(remote.target, status, err, self.workdir, python))
+            raise LaunchError(explain_probe_failure(remote.target.describe(), status, err, self.workdir, python))
         remote.facts = HostFacts.from_json(out.strip().splitlines()[-1])
         if self.network_interface and remote.facts.interface_addr is None:
             raise LaunchError(f"{remote.target.describe()} has no IPv4 address on --network-interface "
@@ -205,20 +205,6 @@ def worker_command(spec: WorkerSpec, grace_s: float) -> str:
              spec.python, "-m", "hvdrun.launch.guard", f"{grace_s:g}", "--signal-as-code", *guard_options(spec.env),
              "--", *spec.argv]
     return f"cd -- {shlex.quote(spec.cwd)} && exec {shlex.join(words)}"
-
-
-def _probe_failure(target: SshTarget, status: int, stderr: str, workdir: str, python: str) -> str:
-    where = target.describe()
-    if status == NO_WORKDIR:
-        return (f"working directory {workdir} does not exist on {where}; hvdrun starts every rank in the "
-                "launcher's working directory (use a shared filesystem or create it there)")
-    if status == NO_PYTHON:
-        return (f"Python {python} not found on {where}; install it there or set 'python:' or 'venv:' for that host "
-                "in the cluster YAML")
-    if "No module named" in stderr and "hvdrun" in stderr:
-        return f"hvdrun is not installed for {python} on {where}; install it there (pip install hvdrun)"
-    tail = " | ".join(stderr.strip().splitlines()[-3:]) or "no output"
-    return f"hvdrun's probe failed on {where} with exit code {status}: {tail}"
 
 
 def _reader(receive: Callable[[int], bytes]) -> Callable[[], bytes]:

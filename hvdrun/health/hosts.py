@@ -1,0 +1,372 @@
+"""Per-host checks of ``hvdrun check``: reach every host at once, ask it about itself, test the port.
+
+Phase 1 runs in parallel, one thread per host, each bounded by the per-host timeout: reach the
+host (this machine, or SSH with its host key verified), run ``python -m hvdrun.health.probe
+facts`` under the Python the ranks will use, and compare the answer with the launcher's own
+(Python, hvdrun and torch versions), the GPUs the config promises and the free disk. A host that
+does not answer is reported by name when its timeout passes; the others go on.
+
+Phase 2 proves the rendezvous port: rank 0's host serves a fresh TCP port (as the real job would)
+and every host that answered connects to it and reads back a per-check token.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hvdrun import __version__
+from hvdrun.errors import LaunchError
+from hvdrun.health.probe import HealthFacts, ask_token, serve_token, torch_facts
+from hvdrun.hosts import Host
+from hvdrun.launch.connections import SshOptions, SshTarget, connect, peer_address, resolve_targets, run_command
+from hvdrun.launch.local import LOOPBACK
+from hvdrun.launch.probe import explain_probe_failure, interface_address, module_command
+
+if TYPE_CHECKING:
+    import paramiko
+
+PROBE = "hvdrun.health.probe"
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class Check:
+    """One verdict: what was expected, what was found, and how to fix a failure (or a warning).
+
+    A warning (``warn``) passes: the job would run, but something deserves a look (a slow link).
+    """
+
+    name: str
+    ok: bool
+    expected: str
+    found: str
+    fix: str | None = None
+    warn: bool = False
+
+
+@dataclass
+class HostReport:
+    """Everything checked on one host."""
+
+    host: str
+    via: str
+    checks: list[Check] = field(default_factory=list)
+    seconds: float = 0.0
+    facts: HealthFacts | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every check passed (and there was at least one)."""
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    @property
+    def reached(self) -> bool:
+        """The host answered the probe."""
+        return self.facts is not None
+
+
+@dataclass(frozen=True)
+class Expectations:
+    """What every host must match: the launcher's versions, the GPUs promised, the disk wanted."""
+
+    python: str
+    hvdrun: str
+    torch: str | None
+    gpus: int = 0
+    gpus_from: str = ""
+    min_disk_bytes: int = int(_GB)
+
+    @classmethod
+    def of_launcher(cls, gpus: int, gpus_from: str, min_disk_bytes: int) -> Expectations:
+        """The launcher's own Python, hvdrun and torch (torch as ``import torch`` reports it)."""
+        return cls(python=sys.version.split()[0], hvdrun=__version__, torch=torch_facts()[0], gpus=gpus,
+                   gpus_from=gpus_from, min_disk_bytes=min_disk_bytes)
+
+
+@dataclass(frozen=True)
+class CheckTarget:
+    """A host to check and how: its Python, the working directory, SSH or this machine."""
+
+    host: Host
+    python: str
+    remote: bool
+
+
+class HostChecker:
+    """Runs phase 1 and 2 over ``targets``; ``on_report`` hears each host as it answers.
+
+    Args:
+        targets: the hosts, rank 0's host first.
+        workdir: the ranks' working directory (the probe runs there).
+        ssh: how to reach remote hosts.
+        timeout_s: the bound on each host's answer (connect + probe), and on the port test.
+        expect: what the answers must match.
+        interface: ``--network-interface``, whose address rank 0 would advertise.
+    """
+
+    def __init__(self, targets: Sequence[CheckTarget], workdir: str, ssh: SshOptions, timeout_s: float,
+                 expect: Expectations, interface: str | None = None) -> None:
+        self.targets, self.workdir, self.ssh = list(targets), workdir, ssh
+        self.timeout_s, self.expect, self.interface = timeout_s, expect, interface
+        self._clients: dict[str, paramiko.SSHClient] = {}
+        self._ssh_targets = dict(zip([t.host.name for t in self.targets if t.remote],
+                                     resolve_targets([t.host for t in self.targets if t.remote], ssh), strict=True))
+
+    def run(self, on_report: Callable[[HostReport], None] = lambda r: None) -> list[HostReport]:
+        """Check every host; returns the reports in target order."""
+        try:
+            reports = self._facts_phase(on_report)
+            self._port_phase(reports)
+            return reports
+        finally:
+            for client in self._clients.values():
+                client.close()
+
+    # -- phase 1 -----------------------------------------------------------------------------------
+
+    def _facts_phase(self, on_report: Callable[[HostReport], None]) -> list[HostReport]:
+        answers: queue.Queue[tuple[int, HostReport]] = queue.Queue()
+        for index, target in enumerate(self.targets):
+            threading.Thread(target=lambda i=index, t=target: answers.put((i, self._check_one(t))),
+                             name=f"hvdrun-check-{target.host.name}", daemon=True).start()
+        reports: dict[int, HostReport] = {}
+        deadline = time.monotonic() + self.timeout_s + 2.0  # each thread is bounded by timeout_s itself
+        while len(reports) < len(self.targets):
+            try:
+                index, report = answers.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                break
+            reports[index] = report
+            on_report(report)
+        for index, target in enumerate(self.targets):
+            if index not in reports:  # a thread stuck past every bound: report it, leave it behind
+                reports[index] = self._unreached(target, f"no answer within {self.timeout_s:g} s", 0.0)
+                on_report(reports[index])
+        return [reports[i] for i in range(len(self.targets))]
+
+    def _check_one(self, target: CheckTarget) -> HostReport:
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        try:
+            via, status, out, err = self._probe(target, deadline)
+        except LaunchError as e:
+            return self._unreached(target, str(e), time.monotonic() - started)
+        except Exception as e:  # noqa: BLE001 - a timeout or a dropped connection, named in the report
+            return self._unreached(target, f"no answer to hvdrun's probe: {e or type(e).__name__}",
+                                   time.monotonic() - started)
+        report = HostReport(target.host.name, via, seconds=time.monotonic() - started)
+        report.checks.append(Check("reach", True, _reach_expected(target, self._ssh_targets),
+                                   "ssh, host key verified" if target.remote else "this machine"))
+        if status != 0:
+            report.checks.append(Check("python", False, f"{target.python} running hvdrun {self.expect.hvdrun}",
+                                       explain_probe_failure(self._where(target), status, err, self.workdir,
+                                                             target.python),
+                                       _FIX_PYTHON.format(host=target.host.name)))
+            return report
+        report.facts = HealthFacts.from_json(out.strip().splitlines()[-1])
+        report.checks += compare(report.facts, self.expect, target.host.name)
+        return report
+
+    def _probe(self, target: CheckTarget, deadline: float) -> tuple[str, int, str, str]:
+        args = ["facts"] + (["--interface", self.interface] if self.interface else [])
+        command = module_command(self.workdir, target.python, PROBE, args)
+        if not target.remote:
+            done = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True,
+                                  timeout=max(deadline - time.monotonic(), 0.1))
+            return "local", done.returncode, done.stdout, done.stderr
+        ssh_target = self._ssh_targets[target.host.name]
+        client = connect(ssh_target, self.ssh, deadline)
+        self._clients[target.host.name] = client
+        status, out, err = run_command(client, command, max(deadline - time.monotonic(), 0.1))
+        return "ssh", status, out, err
+
+    def _unreached(self, target: CheckTarget, why: str, seconds: float) -> HostReport:
+        fix = ("check that the host is up and sshd runs there, that its key is in known_hosts "
+               "(ssh-keyscan HOST >> ~/.ssh/known_hosts) and that your key is authorised there"
+               if target.remote else "check that this machine can run the Python the ranks use")
+        return HostReport(target.host.name, "ssh" if target.remote else "local", seconds=seconds,
+                          checks=[Check("reach", False, _reach_expected(target, self._ssh_targets), why, fix)])
+
+    def _where(self, target: CheckTarget) -> str:
+        ssh_target = self._ssh_targets.get(target.host.name)
+        return ssh_target.describe() if ssh_target else f"this machine ({target.host.name})"
+
+    # -- phase 2 -----------------------------------------------------------------------------------
+
+    def _port_phase(self, reports: list[HostReport]) -> None:
+        """Rank 0's host serves a port; every host that answered connects to it."""
+        reached = [(t, r) for t, r in zip(self.targets, reports, strict=True) if r.reached]
+        if not reached or not reports[0].reached:
+            return
+        token = secrets.token_hex(8)
+        rank0 = self.targets[0]
+        try:
+            with self._listener(rank0, reports[0], token) as (addr, port):
+                expected = f"TCP {addr}:{port} on {rank0.host.name} (rank 0's rendezvous) reachable"
+                results = _parallel([functools.partial(self._connect_from, t, addr, port) for t, _ in reached],
+                                    self.timeout_s + 2.0)
+                for (target, report), answer in zip(reached, results, strict=True):
+                    report.checks.append(_port_check(expected, answer, token, rank0.host.name, target.host.name))
+        except (OSError, LaunchError, TimeoutError) as e:
+            reports[0].checks.append(Check("port", False, f"a TCP port served on {rank0.host.name}",
+                                           f"could not serve one: {e}", "check the host's ephemeral port range"))
+
+    def _listener(self, target: CheckTarget, report: HostReport, token: str) -> _Listener:
+        if target.remote:
+            client = self._clients[target.host.name]
+            addr = (report.facts.base.interface_addr if report.facts else None) or peer_address(client)[1]
+            command = module_command(self.workdir, target.python, PROBE, ["listen", "--token", token])
+            return _RemoteListener(client, command, addr, self.timeout_s)
+        route = next((peer_address(c)[0] for c in self._clients.values()), LOOPBACK)
+        addr = (interface_address(self.interface) if self.interface else None) or route
+        return _LocalListener(addr, token)
+
+    def _connect_from(self, target: CheckTarget, addr: str, port: int) -> str:
+        """The token read from ``addr:port`` by ``target``, or ``error: ...``."""
+        if not target.remote:
+            try:
+                return ask_token(addr, port, min(self.timeout_s, 5.0))
+            except OSError as e:
+                return f"error: {e.strerror or e}"
+        command = module_command(self.workdir, target.python, PROBE, ["connect", addr, str(port)])
+        try:
+            status, out, err = run_command(self._clients[target.host.name], command, self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - a timeout or a dropped connection
+            return f"error: {e or type(e).__name__}"
+        return out.strip() if status == 0 else f"error: {err.strip() or f'exit code {status}'}"
+
+
+def compare(facts: HealthFacts, expect: Expectations, host: str) -> list[Check]:
+    """The version, GPU and disk verdicts of one host's facts."""
+    checks = [
+        _equal("python", expect.python, facts.base.python, f"Python {facts.base.executable}",
+               _FIX_PYTHON.format(host=host)),
+        _equal("hvdrun", expect.hvdrun, facts.base.hvdrun, "hvdrun",
+               f"install hvdrun {expect.hvdrun} for {facts.base.executable} on {host}"),
+    ]
+    if facts.torch_version is None:
+        checks.append(Check("torch", False, expect.torch or "importable", f"not importable ({facts.torch_error})",
+                            f"pip install torch=={expect.torch} for {facts.base.executable} on {host}"))
+    else:
+        checks.append(_equal("torch", expect.torch or facts.torch_version, facts.torch_version, "torch",
+                             f"install torch {expect.torch} for {facts.base.executable} on {host}"))
+    checks.append(_gpu_check(facts, expect, host))
+    free_gb = facts.disk_free_bytes / _GB
+    checks.append(Check("disk", facts.disk_free_bytes >= expect.min_disk_bytes,
+                        f">= {expect.min_disk_bytes / _GB:.1f} GB free in {facts.workdir}", f"{free_gb:.1f} GB free",
+                        f"free space in {facts.workdir} on {host} (checkpoints and logs are written there)"))
+    return checks
+
+
+_FIX_PYTHON = ("use the same Python everywhere: install it on {host} or set 'python:' or 'venv:' for {host} in the "
+               "cluster YAML")
+
+
+def _equal(name: str, expected: str, found: str, what: str, fix: str) -> Check:
+    ok = expected == found
+    return Check(name, ok, expected, found if ok else f"{found} ({what}; the launcher has {expected})",
+                 None if ok else fix)
+
+
+def _gpu_check(facts: HealthFacts, expect: Expectations, host: str) -> Check:
+    names = sorted({g.name for g in facts.gpus})
+    found = f"{len(facts.gpus)} ({', '.join(names)}; {facts.gpu_source})" if facts.gpus else "0"
+    if facts.gpu_error:
+        found += f"; {facts.gpu_error}"
+    if not expect.gpus:
+        return Check("gpus", True, "any (no gpus_per_node given)", found)
+    ok = len(facts.gpus) >= expect.gpus
+    return Check("gpus", ok, f"{expect.gpus} ({expect.gpus_from})", found,
+                 None if ok else f"check the GPU driver on {host} (nvidia-smi), or set gpus_per_node to "
+                                 f"what the nodes have")
+
+
+def _port_check(expected: str, answer: str, token: str, rank0: str, host: str) -> Check:
+    if answer == token:
+        return Check("port", True, expected, "connected")
+    found = answer if answer.startswith("error") else f"another service answered ({answer[:40]!r})"
+    return Check("port", False, expected, found,
+                 f"let {host} open TCP connections to {rank0} (firewall, ephemeral ports), or give "
+                 "--network-interface with an interface the hosts share")
+
+
+def _reach_expected(target: CheckTarget, ssh_targets: dict[str, SshTarget]) -> str:
+    if not target.remote:
+        return "this machine"
+    return f"ssh {ssh_targets[target.host.name].describe()} with a known host key"
+
+
+def _parallel(tasks: Sequence[Callable[[], str]], timeout_s: float) -> list[str]:
+    results: list[str] = [f"error: no answer within {timeout_s:g} s"] * len(tasks)
+
+    def run(index: int) -> None:
+        results[index] = tasks[index]()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(tasks))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    return results
+
+
+class _Listener:
+    """A context manager serving the token; enters as (address, port)."""
+
+    def __enter__(self) -> tuple[str, int]:
+        raise NotImplementedError
+
+    def __exit__(self, *exc: object) -> None:
+        raise NotImplementedError
+
+
+class _LocalListener(_Listener):
+    def __init__(self, addr: str, token: str) -> None:
+        self.addr, self.token = addr, token
+        self.stop = threading.Event()
+
+    def __enter__(self) -> tuple[str, int]:
+        self.server = socket.create_server(("", 0))
+        self.thread = threading.Thread(target=serve_token, args=(self.server, self.token.encode(), self.stop),
+                                       daemon=True)
+        self.thread.start()
+        return self.addr, int(self.server.getsockname()[1])
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.server.close()
+
+
+class _RemoteListener(_Listener):
+    def __init__(self, client: paramiko.SSHClient, command: str, addr: str, timeout_s: float) -> None:
+        self.client, self.command, self.addr, self.timeout_s = client, command, addr, timeout_s
+
+    def __enter__(self) -> tuple[str, int]:
+        transport = self.client.get_transport()
+        assert transport is not None
+        self.channel = transport.open_session(timeout=self.timeout_s)
+        self.channel.settimeout(self.timeout_s)
+        self.channel.exec_command(self.command)
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = self.channel.recv(64)  # raises socket.timeout past timeout_s
+            if not chunk:
+                raise LaunchError(f"the port listener ended early: {self.channel.recv_stderr(4096).decode()}")
+            line += chunk
+        return self.addr, int(line)
+
+    def __exit__(self, *exc: object) -> None:
+        self.channel.shutdown_write()  # the listener ends at EOF on stdin
+        self.channel.close()

@@ -1,0 +1,179 @@
+"""What ``hvdrun check`` asks a host: ``python -m hvdrun.health.probe facts|listen|connect``.
+
+* ``facts``: one JSON line: the launch probe's facts (:mod:`hvdrun.launch.probe`), the torch
+  that ``import torch`` really loads (or why it fails), the GPUs (``nvidia-smi``, else
+  ``torch.cuda``) and the free disk of the working directory.
+* ``listen --token T``: serve a TCP port (printed first, on its own line) that answers every
+  connection with ``T``, until stdin closes: the rendezvous port of rank 0's host.
+* ``connect ADDR PORT``: connect there and print what the listener said (the token).
+
+Runs under the host's Python, in the job's working directory; it needs hvdrun, never torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+
+from hvdrun.launch.probe import HostFacts, facts
+
+_NVIDIA_SMI_TIMEOUT_S = 10.0
+_CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU a host has."""
+
+    index: int
+    name: str
+    memory_mib: int | None = None
+
+
+@dataclass(frozen=True)
+class HealthFacts:
+    """A host's answer to ``probe facts``."""
+
+    base: HostFacts
+    torch_version: str | None
+    torch_error: str | None
+    gpus: tuple[Gpu, ...] = ()
+    gpu_source: str = "none"
+    disk_free_bytes: int = 0
+    workdir: str = ""
+    gpu_error: str | None = field(default=None)
+
+    def to_json(self) -> str:
+        """One JSON line."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> HealthFacts:
+        """Parse :meth:`to_json`'s line."""
+        data = json.loads(text)
+        base = data.pop("base")
+        return cls(base=HostFacts(**{**base, "ports": tuple(base["ports"])}),
+                   gpus=tuple(Gpu(**g) for g in data.pop("gpus")), **data)
+
+
+def torch_facts() -> tuple[str | None, str | None, list[Gpu]]:
+    """(torch.__version__, why it cannot be imported, its CUDA GPUs)."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 - any import failure is the answer
+        return None, f"{type(e).__name__}: {e}", []
+    gpus = []
+    try:
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            gpus.append(Gpu(index, str(props.name), int(props.total_memory) >> 20))
+    except Exception:  # noqa: BLE001,S110 - a broken CUDA runtime shows as no GPU (nvidia-smi says more)
+        pass
+    return str(torch.__version__), None, gpus
+
+
+def nvidia_smi_gpus() -> tuple[list[Gpu] | None, str | None]:
+    """The GPUs nvidia-smi lists (None when there is no nvidia-smi), and its error if it failed."""
+    program = shutil.which("nvidia-smi")
+    if program is None:
+        return None, None
+    try:
+        done = subprocess.run([program, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=_NVIDIA_SMI_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return [], f"nvidia-smi did not answer within {_NVIDIA_SMI_TIMEOUT_S:g} s"
+    if done.returncode != 0:
+        return [], f"nvidia-smi failed ({done.returncode}): {(done.stdout + done.stderr).strip()[:200]}"
+    gpus = []
+    for line in done.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 2 and parts[0].isdigit():
+            memory = int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
+            gpus.append(Gpu(int(parts[0]), parts[1], memory))
+    return gpus, None
+
+
+def health_facts(interface: str | None = None) -> HealthFacts:
+    """Everything ``hvdrun check`` wants to know about this host (and the address of ``interface``)."""
+    version, error, cuda_gpus = torch_facts()
+    smi_gpus, gpu_error = nvidia_smi_gpus()
+    gpus, source = (smi_gpus, "nvidia-smi") if smi_gpus else (cuda_gpus, "torch.cuda" if cuda_gpus else "none")
+    workdir = os.getcwd()
+    return HealthFacts(base=facts(interface, 0), torch_version=version, torch_error=error, gpus=tuple(gpus),
+                       gpu_source=source, disk_free_bytes=shutil.disk_usage(workdir).free, workdir=workdir,
+                       gpu_error=gpu_error)
+
+
+def serve_token(server: socket.socket, token: bytes, stop: threading.Event) -> None:
+    """Answer every connection to ``server`` with ``token`` until ``stop`` is set."""
+    server.settimeout(0.2)
+    while not stop.is_set():
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        with conn:
+            try:
+                conn.sendall(token + b"\n")
+            except OSError:
+                pass
+
+
+def ask_token(addr: str, port: int, timeout_s: float = _CONNECT_TIMEOUT_S) -> str:
+    """Connect to a :func:`serve_token` listener and return its token (raises OSError on failure)."""
+    with socket.create_connection((addr, port), timeout=timeout_s) as conn:
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(256)
+            if not chunk:
+                break
+            data += chunk
+    return data.decode(errors="replace").strip()
+
+
+def _listen(token: str) -> None:
+    server = socket.create_server(("", 0))
+    stop = threading.Event()
+    thread = threading.Thread(target=serve_token, args=(server, token.encode(), stop), daemon=True)
+    thread.start()
+    print(server.getsockname()[1], flush=True)
+    sys.stdin.read()  # until the checker closes the channel
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry: ``facts``, ``listen`` or ``connect``."""
+    parser = argparse.ArgumentParser(prog="python -m hvdrun.health.probe")
+    sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("facts").add_argument("--interface")
+    listen = sub.add_parser("listen")
+    listen.add_argument("--token", required=True)
+    connect = sub.add_parser("connect")
+    connect.add_argument("addr")
+    connect.add_argument("port", type=int)
+    args = parser.parse_args(argv)
+    if args.action == "facts":
+        print(health_facts(args.interface).to_json(), flush=True)
+    elif args.action == "listen":
+        _listen(args.token)
+    else:
+        try:
+            print(ask_token(args.addr, args.port), flush=True)
+        except OSError as e:
+            print(f"{type(e).__name__}: {e.strerror or e}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

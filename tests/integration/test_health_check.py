@@ -1,0 +1,130 @@
+"""``hvdrun check`` against real SSH hosts (network namespaces) and real virtualenvs on them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+SCHEMA = json.loads((REPO / "docs" / "check-schema.json").read_text())
+SMALL = ("--bandwidth-size", "1M", "--link-size", "256K")
+SITE = Path(sysconfig.get_paths()["purelib"]).relative_to(sysconfig.get_paths()["data"])
+
+
+def _venv(directory: Path) -> Path:
+    """A bare virtualenv (no pip); returns its site-packages."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(directory)], check=True, timeout=120)
+    return directory / SITE
+
+
+@pytest.fixture(scope="module")
+def venvs(tmp_path_factory) -> dict[str, Path]:
+    """Two Pythons a host may have instead of the launcher's: one without torch (hvdrun from the source
+    tree only) and one with the launcher's packages but another hvdrun release installed over them."""
+    root = tmp_path_factory.mktemp("venvs")
+    no_torch = _venv(root / "no-torch")
+    (no_torch / "hvdrun-src.pth").write_text(f"{REPO}\n")
+    other = _venv(root / "other-hvdrun")
+    shutil.copytree(REPO / "hvdrun", other / "hvdrun", ignore=shutil.ignore_patterns("__pycache__"))
+    init = other / "hvdrun" / "__init__.py"
+    init.write_text(init.read_text().replace('__version__ = "0.1.0"', '__version__ = "0.0.9"'))
+    (other / "launcher-packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return {"no-torch": root / "no-torch" / "bin" / "python", "other-hvdrun": root / "other-hvdrun" / "bin" / "python"}
+
+
+def check_json(run_hvdrun, *args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess[str], dict]:
+    done = run_hvdrun("check", "--json", *SMALL, *args, timeout=timeout)
+    assert done.returncode in (0, 1), done.stderr
+    report = json.loads(done.stdout)
+    jsonschema.validate(report, SCHEMA)
+    return done, report
+
+
+def checks_of(report: dict, host: str) -> dict[str, dict]:
+    entry = next(h for h in report["hosts"] if h["host"] == host)
+    return {c["name"]: c for c in entry["checks"]}
+
+
+def test_healthy_hosts_pass_every_check_and_the_allreduce(run_hvdrun, ssh_hosts):
+    done, report = check_json(run_hvdrun, "-H", f"localhost:1,{ssh_hosts.addrs[0]}:2,{ssh_hosts.addrs[1]}:1",
+                              *ssh_hosts.args())
+    assert done.returncode == 0 and report["ok"], done.stdout
+    assert [h["host"] for h in report["hosts"]] == ["localhost", *ssh_hosts.addrs[:2]]
+    for host in report["hosts"]:
+        assert host["ok"] and host["facts"]["hvdrun"] == report["launcher"]["hvdrun"]
+        assert set(checks_of(report, host["host"])) == {"reach", "python", "hvdrun", "torch", "gpus", "disk", "port"}
+    assert report["hosts"][1]["via"] == "ssh" and report["hosts"][1]["facts"]["hostname"] == "h1"
+    job = report["job"]["result"]
+    assert report["job"]["ok"] and job["verified"] and job["ranks"] == 4
+    assert job["hosts"][1:] == ["h1", "h1", "h2"] and job["latency_s"] > 0 and job["bus_bandwidth"] > 0
+    assert [(link["src"], link["dst"]) for link in job["links"]] == [(0, 1), (1, 2), (2, 3), (3, 0)]
+    assert all(link["bandwidth"] > 0 for link in job["links"])
+    table = run_hvdrun("check", *SMALL, "-H", ssh_hosts.hosts(1, 2), *ssh_hosts.args(), timeout=120)
+    assert table.returncode == 0, table.stderr
+    assert "hvdrun check: all checks passed" in table.stdout and "link 1->0" in table.stdout
+
+
+def test_a_host_that_is_down_is_named_while_the_others_are_checked(run_hvdrun, ssh_hosts):
+    down = ssh_hosts.unused_addr()
+    done, report = check_json(run_hvdrun, "-H", f"{ssh_hosts.addrs[0]}:1,{down}:1,{ssh_hosts.addrs[1]}:1",
+                              "--timeout", "3", *ssh_hosts.args())
+    assert done.returncode == 1 and not report["ok"]
+    reach = checks_of(report, down)["reach"]
+    assert not reach["ok"] and f"root@{down}" in reach["found"] and reach["fix"]
+    assert [h["ok"] for h in report["hosts"]] == [True, False, True]  # the others were fully checked
+    assert report["job"] == {"ran": False, "ok": False, "skipped": f"host checks failed on {down}", "error": None,
+                             "checks": [], "result": None}
+    table = run_hvdrun("check", "-H", f"{ssh_hosts.addrs[0]}:1,{down}:1", "--timeout", "3", *ssh_hosts.args())
+    assert table.returncode == 1
+    assert f"{down}: reach: expected ssh root@{down}" in table.stdout
+    assert "fix: check that the host is up" in table.stdout
+
+
+def test_a_python_without_torch_is_named_with_the_fix(run_hvdrun, ssh_hosts, venvs, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"hosts:\n  - {ssh_hosts.addrs[0]}:1\n"
+                      f"  - {{name: {ssh_hosts.addrs[1]}, slots: 1, python: {venvs['no-torch']}}}\n")
+    done, report = check_json(run_hvdrun, "--config", str(config), *ssh_hosts.args())
+    assert done.returncode == 1
+    torch = checks_of(report, ssh_hosts.addrs[1])["torch"]
+    assert not torch["ok"] and "No module named 'torch'" in torch["found"]
+    assert torch["fix"] == f"pip install torch=={report['launcher']['torch']} for {venvs['no-torch']} on " \
+                           f"{ssh_hosts.addrs[1]}"
+    assert checks_of(report, ssh_hosts.addrs[0])["torch"]["ok"] and not report["job"]["ran"]
+
+
+def test_another_hvdrun_release_on_a_host_names_both_versions(run_hvdrun, ssh_hosts, venvs, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"hosts:\n  - {{name: {ssh_hosts.addrs[0]}, slots: 1, python: {venvs['other-hvdrun']}}}\n"
+                      f"  - {ssh_hosts.addrs[1]}:1\n")
+    done, report = check_json(run_hvdrun, "--config", str(config), *ssh_hosts.args())
+    assert done.returncode == 1
+    found = checks_of(report, ssh_hosts.addrs[0])
+    assert not found["hvdrun"]["ok"] and found["hvdrun"]["expected"] == "0.1.0"
+    assert found["hvdrun"]["found"].startswith("0.0.9 (hvdrun; the launcher has 0.1.0)")
+    assert found["torch"]["ok"] and found["python"]["ok"]  # the same torch and Python, through the .pth
+    assert checks_of(report, ssh_hosts.addrs[1])["hvdrun"]["ok"]
+
+
+def test_gpus_promised_by_the_config_are_counted(run_hvdrun):
+    done, report = check_json(run_hvdrun, "-np", "1", "--gpus-per-node", "4")
+    assert done.returncode == 1
+    gpus = checks_of(report, "localhost")["gpus"]
+    assert gpus["expected"] == "4 (--gpus-per-node)" and gpus["found"].startswith("0") and gpus["fix"]
+
+
+def test_bad_host_options_are_usage_errors(run_hvdrun):
+    done = run_hvdrun("check", "-H", "a;reboot:1")
+    assert done.returncode == 2 and done.stderr.startswith("hvdrun: error:") and len(done.stderr.splitlines()) == 1
+    done = run_hvdrun("check", "--bandwidth-size", "lots")
+    assert done.returncode == 2 and "'lots' is not a size" in done.stderr
