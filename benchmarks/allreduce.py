@@ -16,37 +16,21 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from hvdrun.health.timing import batch_plan, median_seconds
+from hvdrun.health.timing import bus_bandwidth as ring_bus_bandwidth
 
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
 LIBRARIES = ("hvdrun", "gloo", "mpi")
 
 
-def plan(nbytes: int, library: str) -> tuple[int, int]:
-    """(repeats, batch length): long batches of back-to-back ops for latency, a few ops for bandwidth."""
-    if nbytes <= 64 << 10:
-        return 7, (100 if library == "gloo" else 1000)
-    if nbytes <= 1 << 20:
-        return 7, 20
-    return (7, 2) if nbytes <= 64 << 20 else (3, 1)
-
-
 def measure(allreduce, barrier, nbytes: int, library: str) -> float:  # noqa: ANN001 - the libraries' callables
-    repeats, batch = plan(nbytes, library)
-    for _ in range(2):
-        allreduce()
-    times = []
-    for _ in range(repeats):
-        barrier()
-        start = time.perf_counter()
-        for _ in range(batch):
-            allreduce()
-        times.append((time.perf_counter() - start) / batch)
-    return statistics.median(times)
+    """Median of batch means, batches as long as :func:`hvdrun.health.timing.batch_plan` says."""
+    repeats, batch = batch_plan(nbytes, slow=library == "gloo")
+    return median_seconds(allreduce, barrier, repeats, batch)
 
 
 def worker(library: str, sizes: list[int]) -> None:
@@ -108,7 +92,7 @@ def run_job(library: str, ranks: int, sizes: list[int]) -> list[dict]:
 
 def bus_bandwidth(row: dict) -> float:
     """GB/s carried by each rank's ring link."""
-    return row["bytes"] / row["seconds"] * 2 * (row["ranks"] - 1) / row["ranks"] / 1e9
+    return ring_bus_bandwidth(row["bytes"], row["seconds"], row["ranks"]) / 1e9
 
 
 def human(nbytes: int) -> str:

@@ -89,11 +89,13 @@ def cli() -> None:
     """Launch data-parallel PyTorch jobs on many hosts and GPUs (Horovod's horovodrun, rebuilt)."""
 
 
-def _host_options(command: Any) -> Any:
-    """The options that say where ranks run and how they are started (run, check, bench)."""
+def _host_options(with_np: bool = True) -> Any:
+    """The options that say where ranks run and how they are started (run, check; bench without -np)."""
     options = [
         click.option("-np", "--num-proc", "num_proc", type=click.IntRange(min=1),
                      help="Number of ranks (default: all slots)."),
+    ] if with_np else []
+    options += [
         click.option("-H", "--hosts", help="Hosts and slots: 'a:4,b:4' (user@host:N, [ipv6]:N)."),
         click.option("--hostfile", type=click.Path(dir_okay=False), help="File with one 'host slots=N' per line."),
         click.option("--cluster", help="A cluster from cluster_configs/ (localhost, polaris, ...)."),
@@ -115,13 +117,17 @@ def _host_options(command: Any) -> Any:
         click.option("--mpi-args", help="Extra arguments for mpiexec, e.g. --mpi-args='--cpu-bind depth'."),
         click.option("-x", "env_specs", multiple=True, metavar="VAR[=VALUE]", help="Forward or set a variable."),
     ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+
+    def decorate(command: Any) -> Any:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
 
 
 @cli.command(context_settings={"allow_interspersed_args": False})
-@_host_options
+@_host_options()
 @click.option("-m", "--module", is_flag=True, help="COMMAND is a module: every rank runs 'python -m COMMAND'.")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank]<stream>:.")
 @click.option("--output-dir", "--output-filename", "output_dir", type=click.Path(file_okay=False),
@@ -159,7 +165,7 @@ class _Size(click.ParamType):
 
 
 @cli.command()
-@_host_options
+@_host_options()
 @click.option("--timeout", "timeout_s", type=_Seconds(positive=True), default=30.0, show_default=True,
               help="Seconds each host has to answer (connect and probe).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema hvdrun-check/1).")
@@ -191,6 +197,76 @@ def check(timeout_s: float, as_json: bool, min_disk_gb: float, latency_bytes: in
     else:
         print_check(report, _stdout_console())
     return 0 if report.ok else 1
+
+
+class _IntList(click.ParamType):
+    """Comma-separated positive integers: ``1,2,4``."""
+
+    name = "list"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            numbers = tuple(int(v) for v in str(value).split(","))
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of rank counts, e.g. 1,2,4", param, ctx)
+        if min(numbers) < 1:
+            self.fail(f"{value!r}: rank counts must be at least 1", param, ctx)
+        return numbers
+
+
+class _SizeList(click.ParamType):
+    """Comma-separated sizes: ``4K,64K,1M``."""
+
+    name = "sizes"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        return tuple(_Size().convert(v, param, ctx) for v in str(value).split(","))
+
+
+@cli.command()
+@_host_options(with_np=False)
+@click.option("-np", "--np", "rank_counts", type=_IntList(),
+              help="Rank counts to run, e.g. 1,2,4 (default: 1, 2, 4, ... up to all slots).")
+@click.option("--sizes", type=_SizeList(), default="4K,64K,1M,16M,64M,256M", show_default=True,
+              help="Message sizes.")
+@click.option("--libraries", help="Some of hvdrun,gloo,mpi (default: all that are installed).")
+@click.option("--iterations", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed batches per size; the median is reported.")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed ops first.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the results here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default="hvdrun-bench.png", show_default=True,
+              help="The PNG of bus bandwidth vs size.")
+@click.option("--no-plot", is_flag=True, help="Do not draw the PNG.")
+def bench(rank_counts: tuple[int, ...] | None, sizes: tuple[int, ...], libraries: str | None, iterations: int,
+          warmup: int, json_path: str | None, plot_path: str, no_plot: bool, **options: Any) -> int:
+    """Time the allreduce over sizes and rank counts: hvdrun vs gloo (and MPI), with a table, JSON and a plot."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from hvdrun.health.bench import BenchOptions, plan_bench, run_bench
+    from hvdrun.health.report import print_bench
+    from hvdrun.launch.job import RunOptions
+
+    bench_options = BenchOptions(RunOptions(command=(), **options), rank_counts, sizes,
+                                 tuple(libraries.split(",")) if libraries else None, iterations, warmup)
+    plan_bench(bench_options, os.environ)  # bad options: exit 2 before anything runs
+    status = Console(stderr=True)
+    report = run_bench(bench_options, os.environ, lambda text: status.print(f"hvdrun bench: {text}", style="dim"))
+    print_bench(report, _stdout_console())
+    if json_path:
+        Path(json_path).write_text(report.to_json())
+        click.echo(f"hvdrun bench: wrote {json_path}", err=True)
+    if not no_plot and report.rows:
+        from hvdrun.health.plot import plot_bench
+
+        plot_bench(report, plot_path)
+        click.echo(f"hvdrun bench: wrote {plot_path}", err=True)
+    return 0 if report.rows and not report.skipped else 1
 
 
 def _stdout_console() -> Any:

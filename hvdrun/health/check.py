@@ -9,7 +9,6 @@ is checked at once (:mod:`hvdrun.health.hosts`); when all pass, a real job runs 
 
 from __future__ import annotations
 
-import io
 import json
 import socket
 import statistics
@@ -17,11 +16,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from hvdrun.errors import HvdrunError
+from hvdrun.health.capture import run_captured
 from hvdrun.health.collective import RESULT_TAG
 from hvdrun.health.hosts import Check, CheckTarget, Expectations, HostChecker, HostReport
 from hvdrun.hosts import is_local_host
-from hvdrun.launch.job import JobPlan, RunOptions, plan_job, run_job, ssh_options
+from hvdrun.launch.job import JobPlan, RunOptions, plan_job, ssh_options
 
 SCHEMA = "hvdrun-check/1"
 SLOW_LINK_FRACTION = 0.5  # a link below this fraction of the median link is named slow
@@ -146,19 +145,15 @@ def run_check(options: CheckOptions, environ: Mapping[str, str],
 
 def run_check_job(plan: JobPlan) -> JobReport:
     """Run the check worker on every slot of ``plan`` and judge what rank 0 measured."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    try:
-        run_job(plan, console={"stdout": stdout, "stderr": stderr})
-    except HvdrunError as e:
-        tail = [line for line in stderr.getvalue().splitlines() if line.strip()][-6:]
-        return JobReport(ran=True, error=str(e) + ("\n" + "\n".join(tail) if tail else ""),
+    job = run_captured(plan)
+    if job.error:
+        return JobReport(ran=True, error=job.error,
                          checks=[Check("allreduce", False, f"a job of {len(plan.slots)} ranks runs", "it failed",
                                        "see the error; run the same hosts with 'hvdrun --verbose' to see the plan")])
-    line = next((ln for ln in stdout.getvalue().splitlines() if ln.startswith(f"[0]<stdout>:{RESULT_TAG}")), None)
-    if line is None:
+    results = job.rank0_results(RESULT_TAG)
+    if not results:
         return JobReport(ran=True, error="rank 0 printed no result", checks=[])
-    result = json.loads(line.split(RESULT_TAG, 1)[1])
-    return JobReport(ran=True, checks=judge(result), result=result)
+    return JobReport(ran=True, checks=judge(results[0]), result=results[0])
 
 
 def judge(result: dict[str, Any]) -> list[Check]:

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -141,6 +142,19 @@ def _exit_like(returncode: int, signal_as_code: bool) -> None:
     sys.exit(128 + signum)
 
 
+def inherited_fds(environ: Mapping[str, str]) -> tuple[int, ...]:
+    """File descriptors the command must inherit: MPICH's PMI-1 connection (``PMI_FD``), which
+    mpiexec's proxy opened for the rank and which ``MPI_Init`` reads back by number."""
+    fd = environ.get("PMI_FD", "")
+    if fd.isdigit():
+        try:
+            os.fstat(int(fd))
+            return (int(fd),)
+        except OSError:
+            pass
+    return ()
+
+
 def main(argv: list[str]) -> None:
     """Run the guard; ``argv`` is ``[GRACE_S, OPTIONS..., "--", COMMAND...]``."""
     try:
@@ -154,7 +168,7 @@ def main(argv: list[str]) -> None:
     for signum in _STOP_SIGNALS:
         signal.signal(signum, lambda *_: None)
     try:
-        worker = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        worker = subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=inherited_fds(os.environ))
     except OSError as e:
         sys.stderr.write(f"hvdrun: cannot start {command[0]!r}: {e.strerror}\n")
         sys.exit(127)

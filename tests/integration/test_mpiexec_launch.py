@@ -45,6 +45,27 @@ def test_mpiexec_on_this_machine_runs_the_ring(run_hvdrun, tmp_path):
     assert [r["ok"] for r in results(done.stdout)] == [True] * 3
 
 
+MPI_WORLD = """
+import json
+from mpi4py import MPI
+import numpy as np
+comm = MPI.COMM_WORLD
+total = np.array([comm.rank + 1.0])
+comm.Allreduce(MPI.IN_PLACE, total)
+print("RESULT " + json.dumps({"rank": comm.rank, "size": comm.size, "sum": float(total[0])}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["local", "hosts"])
+def test_mpi_programs_run_as_one_world_under_the_guard(run_hvdrun, ssh_hosts, tmp_path, where):
+    """The guard between mpiexec's proxy and the rank hands MPICH's PMI_FD down: MPI_Init connects."""
+    worker = script(tmp_path, "world.py", MPI_WORLD)
+    hosts = ["-np", "2"] if where == "local" else ["-H", ssh_hosts.hosts(1), *ssh_hosts.args()]
+    done = run_hvdrun("--launcher", "mpiexec", *hosts, worker)
+    assert done.returncode == 0, done.stderr
+    assert [(r["rank"], r["size"], r["sum"]) for r in results(done.stdout)] == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
 def test_mpiexec_names_the_failed_rank_and_stops_the_others(run_hvdrun, ssh_hosts, tmp_path):
     sleeper = script(tmp_path, "sleeper.py", SLEEPER)
     start = time.monotonic()
