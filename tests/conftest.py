@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -168,8 +169,9 @@ def start_ssh_hosts(directory: Path, count: int, env: dict[str, str] | None = No
 
 
 def stop_ssh_hosts(directory: Path, env: dict[str, str] | None = None) -> None:
-    """Stop the hosts and everything still running on them."""
+    """Stop the hosts and everything still running on them, and remove their directory."""
     _fixture_command("stop", directory, "--purge", env=env)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -201,8 +203,6 @@ class SlurmCluster:
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     """Slurm (with the Torque-style qsub/qstat/qdel wrappers) on two SSH hosts, for the whole session."""
-    import shutil
-
     if os.geteuid() != 0:
         pytest.skip("the Slurm cluster needs root (slurmd, network namespaces)")
     if not shutil.which("slurmctld") or not shutil.which("qsub"):
@@ -222,4 +222,5 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         yield SlurmCluster(env, env["HVD_SLURM_NODES"].split(","), hosts)
     finally:
         subprocess.run(["bash", str(SLURM_FIXTURE), "stop", "-d", str(slurm_dir)], capture_output=True, timeout=90)
+        shutil.rmtree(slurm_dir, ignore_errors=True)
         stop_ssh_hosts(ssh_dir, names)
