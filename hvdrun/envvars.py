@@ -46,6 +46,12 @@ TORCH_WORLD_SIZE = "WORLD_SIZE"
 TORCH_LOCAL_RANK = "LOCAL_RANK"
 TORCH_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 TORCH_GROUP_RANK = "GROUP_RANK"
+TORCH_GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+TORCH_ROLE_RANK = "ROLE_RANK"
+TORCH_ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+# torchrun's job-wide variables: frameworks test TORCHELASTIC_RUN_ID (is_torchelastic_launched())
+TORCHELASTIC = {"ROLE_NAME": "default", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 TORCH_MASTER_ADDR = "MASTER_ADDR"
 TORCH_MASTER_PORT = "MASTER_PORT"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -84,7 +90,7 @@ def job_env(rendezvous: Rendezvous) -> dict[str, str]:
         RENDEZVOUS_ADDR: rendezvous.addr, RENDEZVOUS_PORT: str(rendezvous.port),
         SECRET: rendezvous.secret, JOB_ID: rendezvous.job_id,
         TORCH_MASTER_ADDR: rendezvous.addr, TORCH_MASTER_PORT: str(rendezvous.master_port),
-        PYTHONUNBUFFERED: "1",
+        PYTHONUNBUFFERED: "1", TORCHELASTIC_RUN_ID: rendezvous.job_id, **TORCHELASTIC,
     }
 
 
@@ -104,7 +110,8 @@ def worker_env(slot: Slot, rendezvous: Rendezvous) -> dict[str, str]:
         HOSTNAME: slot.hostname, HOROVOD_HOSTNAME: slot.hostname,
         TORCH_RANK: str(slot.rank), TORCH_WORLD_SIZE: str(slot.size),
         TORCH_LOCAL_RANK: str(slot.local_rank), TORCH_LOCAL_WORLD_SIZE: str(slot.local_size),
-        TORCH_GROUP_RANK: str(slot.host_index),
+        TORCH_GROUP_RANK: str(slot.host_index), TORCH_GROUP_WORLD_SIZE: str(slot.host_count),
+        TORCH_ROLE_RANK: str(slot.rank), TORCH_ROLE_WORLD_SIZE: str(slot.size),
     })
     if slot.devices:
         env[CUDA_VISIBLE_DEVICES] = ",".join(slot.devices)
@@ -115,7 +122,8 @@ def rank_variable_names() -> frozenset[str]:
     """Names whose values differ from rank to rank (set by the launcher or the mpiexec rank shim)."""
     return frozenset({*(name for names in _TOPOLOGY.values() for name in names), HOSTNAME, HOROVOD_HOSTNAME,
                       TORCH_RANK, TORCH_WORLD_SIZE, TORCH_LOCAL_RANK, TORCH_LOCAL_WORLD_SIZE, TORCH_GROUP_RANK,
-                      CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS})
+                      TORCH_GROUP_WORLD_SIZE, TORCH_ROLE_RANK, TORCH_ROLE_WORLD_SIZE, CUDA_VISIBLE_DEVICES,
+                      OMP_NUM_THREADS})
 
 
 def thread_env(slot: Slot, cpus: int, environ: Mapping[str, str]) -> dict[str, str]:

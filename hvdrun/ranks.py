@@ -94,6 +94,7 @@ class Slot(Topology):
     host: Host
     host_index: int
     devices: tuple[str, ...] = ()
+    host_count: int = 1
 
     @property
     def hostname(self) -> str:
@@ -141,5 +142,5 @@ def assign_slots(hosts: Sequence[Host], num_proc: int, gpus: GpuLayout | None = 
     used = [host for host, count in zip(hosts, counts, strict=True) for _ in range(count)]
     host_index = {host: index for index, host in enumerate(dict.fromkeys(used))}
     return [Slot(**vars(topology), host=host, host_index=host_index[host],
-                 devices=layout.devices_for(topology.local_rank, host.name))
+                 devices=layout.devices_for(topology.local_rank, host.name), host_count=len(host_index))
             for topology, host in zip(topologies(used), used, strict=True)]

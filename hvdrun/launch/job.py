@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from hvdrun.config import ClusterConfig, load_cluster, load_config
 from hvdrun.envvars import (
+    BACKEND,
     START_TIMEOUT,
     TIMELINE,
     Rendezvous,
@@ -196,6 +197,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     base_env = {**environ, **(config.env if config else {}), **forwarded_env(options.env_specs, environ)}
     base_env.update(interface_env(options.network_interface, base_env))
     check_tuning(base_env)
+    _check_backend(base_env, launcher)
     _prepare_output_dir(options.output_dir)
     if options.start_timeout_s is not None:
         base_env[START_TIMEOUT] = str(options.start_timeout_s)
@@ -205,6 +207,14 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
                    cwd=os.getcwd(), default_python=(config.python if config else None) or sys.executable,
                    ssh_port=config.ssh_port if config else None, layout=layout,
                    mpi_flavour=options.mpi_flavour or (config.mpi_flavour if config else None))
+
+
+def _check_backend(env: Mapping[str, str], launcher: str) -> None:
+    """HVDRUN_BACKEND=mpi needs ranks that MPI started: under the local or SSH launcher each rank would be a
+    world of its own."""
+    if env.get(BACKEND, "").lower() == "mpi" and launcher in ("local", "ssh"):
+        raise UsageError(f"{BACKEND}=mpi needs ranks started by MPI, and the {launcher} launcher does not start "
+                         "them that way: use --launcher mpiexec (or drop HVDRUN_BACKEND to use hvdrun's ring)")
 
 
 def _prepare_output_dir(path: str | None) -> None:

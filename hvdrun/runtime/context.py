@@ -65,7 +65,12 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
     if name == "mpi":
         from hvdrun.runtime.backends.mpi import MpiBackend
 
-        return MpiBackend.connect(), None
+        backend = MpiBackend.connect()
+        if backend.world.size != launch.size:
+            raise UsageError(f"rank {launch.rank}: {envvars.BACKEND}=mpi, but MPI sees {backend.world.size} rank(s) "
+                             f"where the job has {launch.size}: the ranks were not started by MPI; use "
+                             "'hvdrun --launcher mpiexec' (or mpiexec itself) for the MPI backend")
+        return backend, None
     if launch.size == 1 and launch.launcher == "single":
         from hvdrun.runtime.backends.ring import RingBackend
 
@@ -103,6 +108,34 @@ def _device_collectives(name: str | None, store: Any, backend: Backend, launch: 
     return DeviceCollectives(name, store, f"hvdrun-device{generation}", launch.rank, launch.size, timeout_s)
 
 
+_usage_hook_installed = False
+
+
+def _engine_settings(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The engine's tuning from ``HOROVOD_*``/``HVDRUN_*`` variables (UsageError names a bad one)."""
+    return {
+        "fusion_threshold": int(envvars.env_number(environ, envvars.FUSION_THRESHOLD, DEFAULT_FUSION_BYTES)),
+        "stall_warning_s": envvars.env_number(environ, envvars.STALL_WARNING_S, 60.0),
+        "stall_error_s": envvars.env_number(environ, envvars.STALL_ERROR_S, 300.0),
+        "cycle_time_s": envvars.env_number(environ, envvars.CYCLE_TIME_MS, 1.0) / 1000,
+        "eager_bytes": int(envvars.env_number(environ, envvars.EAGER_BYTES, DEFAULT_EAGER_BYTES)),
+    }
+
+
+def usage_error_hook(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``sys.excepthook``: an uncaught :class:`UsageError` (a bad variable, a backend that cannot work
+    here) is one line ``hvdrun: error: ...``, not a traceback."""
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        if isinstance(value, UsageError):
+            sys.stderr.write(f"hvdrun: error: {value}\n")
+            sys.stderr.flush()
+            return
+        previous(kind, value, traceback)
+
+    return hook
+
+
 def init(environ: Mapping[str, str] | None = None) -> Runtime:
     """Join the job (idempotent): rendezvous, backend, engine thread.
 
@@ -117,26 +150,23 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
     with _lock:
         if _runtime is not None:
             return _runtime
+        global _usage_hook_installed
+        if not _usage_hook_installed:
+            sys.excepthook = usage_error_hook(sys.excepthook)
+            _usage_hook_installed = True
         environ = os.environ if environ is None else environ
         launch = envvars.read_launch_info(environ)
         abort = AbortFlag()
         device_backend = device_backend_name(environ) if launch.size > 1 else None
         timeout_s = envvars.env_number(environ, (envvars.START_TIMEOUT,), DEFAULT_START_TIMEOUT_S)
+        tuning = _engine_settings(environ)  # a bad value stops every rank the same way, before any connection
         store = (open_store(0, launch.size, timeout_s, launch.rendezvous_addr or "")
                  if device_backend and launch.rank == 0 else None)
         backend, rendezvous = _connect(launch, environ, abort, _generation, store.port if store else 0, timeout_s)
         device = _device_collectives(device_backend, store, backend, launch, timeout_s, _generation)
         _generation += 1
-        engine = Engine(
-            backend,
-            fusion_threshold=int(envvars.env_number(environ, envvars.FUSION_THRESHOLD, DEFAULT_FUSION_BYTES)),
-            stall_warning_s=envvars.env_number(environ, envvars.STALL_WARNING_S, 60.0),
-            stall_error_s=envvars.env_number(environ, envvars.STALL_ERROR_S, 300.0),
-            report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),
-            cycle_time_s=envvars.env_number(environ, envvars.CYCLE_TIME_MS, 1.0) / 1000,
-            eager_bytes=int(envvars.env_number(environ, envvars.EAGER_BYTES, DEFAULT_EAGER_BYTES)),
-            device=device,
-        )
+        engine = Engine(backend, report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),
+                        device=device, **tuning)
         _runtime = Runtime(launch, backend, engine, rendezvous, device)
         _start_configured_timeline(_runtime, environ)
         if not _atexit_registered:

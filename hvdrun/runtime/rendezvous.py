@@ -94,7 +94,7 @@ class _Server:
         self._handshakes = threading.BoundedSemaphore(max(2 * size, 16))
         self.clients: dict[int, tuple[socket.socket, Peer]] = {}
         self._lock = threading.Lock()
-        self._closing = False
+        self._closing = self._closed = False
         self._said_bye: set[int] = set()
         self._monitor: threading.Thread | None = None
         self._wake_read, self._wake_write = os.pipe()
@@ -212,8 +212,11 @@ class _Server:
                     pass
 
     def close(self) -> None:
-        """Stop watching and close every client socket (the listener stays for the next init)."""
-        self._closing = True
+        """Stop watching and close every client socket (the listener stays for the next init). Idempotent:
+        a failed gather closes before the caller's cleanup closes again."""
+        if self._closed:
+            return
+        self._closed = self._closing = True
         os.write(self._wake_write, b"\0")
         if self._monitor is not None:
             self._monitor.join(2.0)

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from hvdrun.errors import CollectiveError as HorovodInternalError
 from hvdrun.runtime import context
-from hvdrun.torch.autograd import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
+from hvdrun.torch.autograd import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    reducescatter,
+)
 from hvdrun.torch.build import (
     ccl_built,
     cuda_built,
@@ -48,12 +57,10 @@ from hvdrun.torch.ops import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    grouped_allgather,
     grouped_allgather_async,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    grouped_reducescatter,
     grouped_reducescatter_async,
     join,
     poll,

@@ -166,3 +166,25 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
         return _Reducescatter.apply(tensor, name, op, prescale_factor, postscale_factor, process_set)
     return ops.reducescatter(tensor, name, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                              process_set=process_set)
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: Any = None) -> list[torch.Tensor]:
+    """Every tensor of the list allgathered as one group; differentiable tensor by tensor."""
+    if not _tracks_grad(*tensors):
+        return ops.grouped_allgather(tensors, name, process_set)
+    base = name if name is not None else context.current().engine.auto_name("grouped_allgather")
+    return [allgather(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)]
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None, compression: Any = None,
+                          op: int | None = None, process_set: Any = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Every tensor of the list reduced and scattered as one group (default Average); differentiable tensor
+    by tensor."""
+    if not _tracks_grad(*tensors):
+        return ops.grouped_reducescatter(tensors, name, compression, op, process_set, prescale_factor,
+                                         postscale_factor)
+    base = name if name is not None else context.current().engine.auto_name("grouped_reducescatter")
+    return [reducescatter(t, f"{base}.{i}", op=op, process_set=process_set, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor) for i, t in enumerate(tensors)]

@@ -52,13 +52,17 @@ def ccl_built() -> bool:
 
 
 def mpi_enabled() -> bool:
-    """The running job uses the ``mpi`` backend."""
-    return context.current().backend.name == "mpi"
+    """The running job uses the ``mpi`` backend (False before ``init()``, as in Horovod)."""
+    return context.is_initialized() and context.current().backend.name == "mpi"
 
 
 def gloo_enabled() -> bool:
-    """The running job uses the ``gloo`` backend."""
-    return context.current().backend.name == "gloo"
+    """The running job's controller is not MPI (False before ``init()``).
+
+    Horovod answers True when its gloo controller runs (``horovodrun --gloo``, the default without
+    MPI); in hvdrun that place is taken by the ring (or torch.distributed gloo): TCP, no MPI.
+    """
+    return context.is_initialized() and context.current().backend.name != "mpi"
 
 
 def mpi_threads_supported() -> bool:

@@ -41,23 +41,33 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         synchronize(handle)
 
 
+def _part(name: str | None, part: str) -> str | None:
+    """The name of one of a helper's ops: ``NAME.part``, or None (named in call order, on every rank alike:
+    never from the object, whose type may differ on a non-root rank)."""
+    return f"{name}.{part}" if name is not None else None
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
-    """Root's ``obj`` on every rank (pickled; ranks of one job trust each other)."""
-    name = name or type(obj).__name__
+    """Root's ``obj`` on every rank of ``process_set`` (pickled; ranks of one job trust each other).
+
+    ``root_rank`` is a global rank, a member of the set.
+    """
     payload = pickle.dumps(obj) if _rank() == root_rank else b""
-    length = broadcast_(torch.tensor([len(payload)], dtype=torch.int64), root_rank, name=f"{name}.length")
+    length = broadcast_(torch.tensor([len(payload)], dtype=torch.int64), root_rank, name=_part(name, "length"),
+                        process_set=process_set)
     buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(
         int(length.item()), dtype=torch.uint8)
-    broadcast_(buffer, root_rank, name=f"{name}.bytes")
+    broadcast_(buffer, root_rank, name=_part(name, "bytes"), process_set=process_set)
     return obj if _rank() == root_rank else pickle.loads(buffer.numpy().tobytes())
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Every rank's ``obj``, indexed by rank."""
-    name = name or type(obj).__name__
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
+    """Every member's ``obj``, in the order of the set's ranks (every rank's, by rank, for the global set)."""
     payload = pickle.dumps(obj)
-    sizes = allgather(torch.tensor([len(payload)], dtype=torch.int64), name=f"{name}.sizes").tolist()
-    data = allgather(torch.frombuffer(bytearray(payload), dtype=torch.uint8), name=f"{name}.bytes").numpy()
+    sizes = allgather(torch.tensor([len(payload)], dtype=torch.int64), name=_part(name, "sizes"),
+                      process_set=process_set).tolist()
+    data = allgather(torch.frombuffer(bytearray(payload), dtype=torch.uint8), name=_part(name, "bytes"),
+                     process_set=process_set).numpy()
     objects, start = [], 0
     for size in sizes:
         objects.append(pickle.loads(data[start:start + size].tobytes()))
@@ -100,13 +110,15 @@ def _params_by_index(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor
 
 
 def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    """A step of the base optimizer on zero gradients creates its state. The zero gradients stay, as in
+    Horovod (sparse ones for SparseAdam), so ``hvd.broadcast(p.grad, 0)`` works afterwards."""
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.requires_grad and param.grad is None:
-                param.grad = torch.zeros_like(param)
+                param.grad = torch.zeros_like(param).to_sparse() if sparse else torch.zeros_like(param)
     base_step = getattr(optimizer, "_base_step", optimizer.step)  # bypass DistributedOptimizer's allreduce
     base_step()
-    optimizer.zero_grad()
 
 
 _TEMP_MARK = "hvdrun-tmp."

@@ -81,6 +81,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]  # the wrapped class takes params
         self._parameter_names = _names(self, named_parameters)
         self._compression, self.op, self.sparse_as_dense = compression, op, sparse_as_dense
+        self._densified: set[torch.Tensor] = set()
         self.backward_passes_per_step = backward_passes_per_step
         self._predivide = gradient_predivide_factor
         all_params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
@@ -143,11 +144,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                           process_set=self._process_set, _progress_now=self._overlap)
         self._group_handles[index] = (handle, compressed)
 
-    @staticmethod
-    def _dense_grad(param: torch.Tensor) -> torch.Tensor:
+    def _dense_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """``param.grad``, made dense (created as zeros if missing); a sparse one is remembered so that the
+        averaged gradient is made sparse again before the step (``sparse_as_dense``, as Horovod does)."""
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         if param.grad.is_sparse:
+            self._densified.add(param)
             param.grad = param.grad.to_dense()
         return param.grad
 
@@ -178,6 +181,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for param, output, (_, ctx) in zip(self._groups[index], synchronize(handle), compressed, strict=True):
                 if output is not param.grad:
                     self._dense_grad(param).copy_(self._compression.decompress(output, ctx))
+        for param in self._densified:
+            param.grad = cast(torch.Tensor, param.grad).to_sparse()
+        self._densified.clear()
         self._handles.clear()
         self._group_handles.clear()
         self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
