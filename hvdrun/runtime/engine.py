@@ -40,6 +40,10 @@ _NO_DATA = np.empty(0, np.uint8)
 # After a caller stopped driving, the background thread waits this long before taking over,
 # so a loop of blocking collectives keeps the progress on its own thread.
 _TAKEOVER_GRACE_S = 0.002
+# A rank blocked this long starts a cycle (at most one per period) in which every rank says what it waits
+# for: if every rank of a wait-for cycle is blocked, they all learn it together and fail those ops.
+DEADLOCK_PROBE_S = 1.0
+_SHUTDOWN = "__shutdown__"
 
 
 class Engine:
@@ -68,6 +72,8 @@ class Engine:
         self._lock = threading.Lock()
         self._new: list[LocalOp] = []
         self._inflight: dict[str, LocalOp] = {}
+        self._taken: set[str] = set()  # names submitted and not yet synchronized (a superset of _inflight's)
+        self._waiting: list[str] = []  # names that threads of this rank are blocked on (drive_until)
         self._counters: defaultdict[str, int] = defaultdict(int)
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -93,7 +99,7 @@ class Engine:
             return f"{kind}.noname.{self._counters[kind]}"
 
     def submit(self, request: Request, array: np.ndarray | None = None, wake: bool = True) -> Handle:
-        """Queue a collective; raises ValueError for a name already in flight.
+        """Queue a collective; raises ValueError for a name submitted and not yet synchronized on this rank.
 
         Args:
             request: what to run.
@@ -106,20 +112,22 @@ class Engine:
         """Queue several collectives at once: they reach the other ranks in the same announcement
         (a grouped op's tensors are negotiated together). Nothing is queued if one name is in flight."""
         buffers = [(request, _NO_DATA if array is None else array) for request, array in items]
-        ops = [LocalOp(request, array, Handle(self), self._eager_payload(request, array)) for request, array in buffers]
+        ops = [LocalOp(request, array, Handle(self, request.name), self._eager_payload(request, array))
+               for request, array in buffers]
         with self._lock:
             if self._failure is not None:
                 raise CollectiveError(self._failure)
             if self._stopped:
                 raise CollectiveError("hvdrun has been shut down on this rank")
             names = [op.request.name for op in ops]
-            taken = next((name for name in names if name in self._inflight), None)
+            taken = next((name for name in names if name in self._taken), None)
             if taken is not None or len(set(names)) < len(names):
                 taken = taken or next(name for name in names if names.count(name) > 1)
                 raise ValueError(f"a collective named '{taken}' is already in progress on this rank; "
                                  "names must be unique among collectives in flight")
             for op in ops:
                 self._inflight[op.request.name] = op
+                self._taken.add(op.request.name)
                 self._new.append(op)
                 if self.timeline is not None and op.request.kind != "shutdown":
                     self.timeline.negotiate_start(op.request.name, op.request.kind)
@@ -128,6 +136,11 @@ class Engine:
         if wake:
             os.write(self._wake_write, b"\0")
         return [op.handle for op in ops]
+
+    def release_name(self, name: str) -> None:
+        """The handle of ``name`` was synchronized: the name may be used again on this rank."""
+        with self._lock:
+            self._taken.discard(name)
 
     def _eager_payload(self, request: Request, array: np.ndarray) -> bytes | None:
         """The prescaled data of a small allreduce, sent with its announcement."""
@@ -164,7 +177,7 @@ class Engine:
     def stop(self, timeout_s: float) -> None:
         """Negotiate a shutdown with every rank (bounded by ``timeout_s``), then stop the thread."""
         try:
-            self.submit(Request("__shutdown__", "shutdown")).wait(timeout_s)
+            self.submit(Request(_SHUTDOWN, "shutdown")).wait(timeout_s)
         except (CollectiveError, TimeoutError):
             pass
         with self._lock:
@@ -182,31 +195,38 @@ class Engine:
     def _cycle_once(self) -> None:
         with self._lock:
             new, self._new, self._async_new = self._new, [], False
-        self._cycle(new)
+            waiting = list(self._waiting)
+        self._cycle(new, waiting)
         self._last_cycle = time.monotonic()
 
     def drive_until(self, handle: Handle, timeout_s: float | None) -> None:
         """Run cycles on the caller's thread until ``handle`` is done; the background thread stands down."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        awaited = handle.name if handle.name != _SHUTDOWN else None
         with self._lock:
             self._waiters += 1
+            if awaited is not None:
+                self._waiting.append(awaited)
+        started = time.monotonic()
         try:
             while not handle.done() and (deadline is None or time.monotonic() < deadline):
                 if not (self._progress.acquire(blocking=False) or self._progress.acquire(timeout=0.001)):
                     continue  # the background thread is finishing a cycle
                 try:
-                    self._drive_locked(handle, deadline)
+                    self._drive_locked(handle, deadline, started)
                 finally:
                     self._progress.release()
         finally:
             with self._lock:
                 self._waiters -= 1
                 self._last_driven = time.monotonic()
+                if awaited is not None:
+                    self._waiting.remove(awaited)
 
-    def _drive_locked(self, handle: Handle, deadline: float | None) -> None:
+    def _drive_locked(self, handle: Handle, deadline: float | None, started: float) -> None:
         try:
             while not handle.done() and not self._stopped and (deadline is None or time.monotonic() < deadline):
-                if self._has_work():
+                if self._has_work() or self._probe_due(started):
                     self._cycle_once()
                     self.backend.progressed()
                 else:
@@ -214,6 +234,11 @@ class Engine:
                     self._check_stalls()
         except CollectiveError as e:
             self.fail(str(e))
+
+    def _probe_due(self, waiting_since: float) -> bool:
+        """Blocked for a while, and no cycle for as long: ask every rank what it waits for."""
+        now = time.monotonic()
+        return now - waiting_since >= DEADLOCK_PROBE_S and now - self._last_cycle >= DEADLOCK_PROBE_S
 
     def _run(self) -> None:
         try:
@@ -271,20 +296,54 @@ class Engine:
             self._sleeping = False
             self._drain_wake_pipe()
 
-    def _cycle(self, new: list[LocalOp]) -> None:
-        messages = self.backend.allgather_messages(marshal.dumps([(op.request.wire(), op.payload) for op in new]))
+    def _cycle(self, new: list[LocalOp], waiting: list[str]) -> None:
+        """One round: every rank's new requests and the names it is blocked on, then whatever became ready."""
+        announcement = ([(op.request.wire(), op.payload) for op in new], waiting)
+        decoded = [marshal.loads(m) for m in self.backend.allgather_messages(marshal.dumps(announcement))]
         if self.timeline is not None:
             self.timeline.cycle()
-        if self._fast_path(new, messages):
+        if self._fast_path(new, decoded):
             return
-        for rank, message in enumerate(messages):
-            for values, payload in marshal.loads(message):
+        for rank, (items, _) in enumerate(decoded):
+            for values, payload in items:
                 self.table.add(rank, Request.from_wire(values), payload)
         self._fail_entries_of_departed_ranks()
         for batch in plan(self.table.pop_ready(), self.fusion_threshold):
             self._execute(batch)
+        blocked = {rank: names for rank, (_, names) in enumerate(decoded) if names}
+        if blocked:
+            self._fail_deadlock(blocked)
 
-    def _fast_path(self, new: list[LocalOp], messages: list[bytes]) -> bool:
+    def _fail_deadlock(self, blocked: dict[int, list[str]]) -> None:
+        """Fail, on every rank alike, the ops that ranks wait for in a wait-for cycle (identical tables and
+        announcements give every rank the same verdict); the next collective works again."""
+        stuck = self.table.deadlocked(blocked)
+        if not stuck:
+            return
+        parts = []
+        for rank, entries in stuck.items():
+            submitted = sorted(e.name for e in self.table.entries.values() if rank in e.requests)
+            waits = ", ".join(f"'{e.name}' (which rank{'s' if len(self.table.awaited_ranks(e)) > 1 else ''} "
+                              f"{', '.join(map(str, sorted(self.table.awaited_ranks(e))))} never submitted)"
+                              for e in entries)
+            parts.append(f"rank {rank} waits for {waits} and has submitted {', '.join(submitted) or 'nothing'}")
+        error = CollectiveError("deadlock: every rank involved is blocked waiting for a collective that another "
+                                "of them has not submitted, so none can complete: " + "; ".join(parts))
+        for entries in stuck.values():
+            for entry in entries:
+                if self.table.entries.pop(entry.name, None) is not None and self.world.rank in entry.requests:
+                    self._finish_local(entry.name, error)
+                    self._give_back_auto_name(entry.name)
+
+    def _give_back_auto_name(self, name: str) -> None:
+        """An unnamed op that the other ranks never submitted fails: its number was never used by them, so
+        this rank's next unnamed op of that kind takes it again and the ranks' names stay in step."""
+        kind, sep, number = name.rpartition(".noname.")
+        with self._lock:
+            if sep and number.isdigit() and self._counters.get(kind) == int(number):
+                self._counters[kind] -= 1
+
+    def _fast_path(self, new: list[LocalOp], decoded: list[Any]) -> bool:
         """Every rank announced the same single eager allreduce and nothing else is pending: run it now.
 
         The condition depends only on data every rank has (identical tables and messages), so
@@ -292,23 +351,22 @@ class Engine:
         """
         if self.table.entries or len(new) != 1 or new[0].payload is None:
             return False
-        decoded = [marshal.loads(message) for message in messages]
         mine = new[0].request.wire()
-        if any(len(items) != 1 or items[0][0] != mine or items[0][1] is None for items in decoded):
+        if any(len(items) != 1 or items[0][0] != mine or items[0][1] is None for items, _ in decoded):
             return False
         op, timeline = new[0], self.timeline
         with self._lock:
             del self._inflight[op.request.name]
         if timeline is not None:
             timeline.execute_start(op.request.name, "allreduce")
-        op.handle.finish(reduce_contributions(self.world.size, op.request, [items[0][1] for items in decoded],
+        op.handle.finish(reduce_contributions(self.world.size, op.request, [items[0][1] for items, _ in decoded],
                                               op.array))
         if timeline is not None:
             timeline.execute_end(op.request.name, "allreduce")
         return True
 
     def _fail_entries_of_departed_ranks(self) -> None:
-        departed = self.table.entries.get("__shutdown__")
+        departed = self.table.entries.get(_SHUTDOWN)
         if departed is None:
             return
         for entry in list(self.table.entries.values()):

@@ -35,14 +35,18 @@ class Engine(Protocol):
         """Run cycles on the caller's thread until ``handle`` is done."""
         ...
 
+    def release_name(self, name: str) -> None:
+        """The handle of ``name`` was synchronized: its name is free again."""
+        ...
+
 
 class Handle:
     """The future of one submitted collective."""
 
-    __slots__ = ("_done", "_gate", "_result", "_error", "_engine")
+    __slots__ = ("_done", "_gate", "_result", "_error", "_engine", "_name")
 
-    def __init__(self, engine: Engine | None = None) -> None:
-        self._engine = engine
+    def __init__(self, engine: Engine | None = None, name: str | None = None) -> None:
+        self._engine, self._name = engine, name
         self._done = False
         self._gate = threading.Lock()  # held until finish(): waiters block on it
         self._gate.acquire()
@@ -60,19 +64,30 @@ class Handle:
         """True once the collective finished (successfully or not)."""
         return self._done
 
+    @property
+    def name(self) -> str | None:
+        """The name of the collective (None for handles the engine makes for itself)."""
+        return self._name
+
     def block(self, timeout_s: float) -> None:
         """Sleep until finished or ``timeout_s`` passed, without driving communication."""
         if not self._done and self._gate.acquire(timeout=timeout_s):
             self._gate.release()
 
     def wait(self, timeout_s: float | None = None) -> Any:
-        """Block until finished (driving communication meanwhile); return the result or raise its error."""
+        """Block until finished (driving communication meanwhile); return the result or raise its error.
+
+        Once it has finished, its name is free again on this rank (Horovod's rule: a name is taken from
+        submission until the handle is synchronized).
+        """
         if not self._done and self._engine is not None:
             self._engine.drive_until(self, timeout_s)
         if not self._done:
             self.block(-1 if timeout_s is None else timeout_s)
         if not self._done:
             raise TimeoutError("collective did not finish in time")
+        if self._engine is not None and self._name is not None:
+            self._engine.release_name(self._name)
         if self._error is not None:
             raise CollectiveError(str(self._error)) from self._error
         return self._result

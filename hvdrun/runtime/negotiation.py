@@ -199,6 +199,34 @@ class Table:
                     siblings.append(sibling)
         return siblings
 
+    def awaited_ranks(self, entry: Entry) -> frozenset[int]:
+        """The ranks ``entry`` still needs a request from (members of its set that neither requested it
+        nor joined)."""
+        members = self.sets.get(entry.first.process_set, ())
+        joined = self.joined() if entry.first.process_set == GLOBAL_SET and entry.name != JOIN else frozenset()
+        return frozenset(members) - set(entry.requests) - joined
+
+    def deadlocked(self, waiting: dict[int, list[str]]) -> dict[int, list[Entry]]:
+        """The ranks that can never go on, with the entries they wait for.
+
+        ``waiting`` maps each rank blocked in a synchronous wait to the names it waits for. A blocked
+        rank is stuck when each entry it waits for still needs a request from some rank that is
+        itself stuck; the stuck ranks are the largest set closed under that rule (a rank that is
+        computing, not waiting, may still submit, so it frees every rank that waits for it).
+        """
+        blocked = {rank: [self.entries[name] for name in names if name in self.entries]
+                   for rank, names in waiting.items()}
+        stuck = {rank for rank, entries in blocked.items() if entries and len(entries) == len(waiting[rank])}
+        changed = True
+        while changed:
+            changed = False
+            for rank in sorted(stuck):
+                if any(not self.awaited_ranks(entry) or not self.awaited_ranks(entry) <= stuck
+                       for entry in blocked[rank]):
+                    stuck.discard(rank)
+                    changed = True
+        return {rank: blocked[rank] for rank in sorted(stuck)}
+
     def stalled(self, older_than_s: float) -> list[Entry]:
         """Incomplete entries waiting for longer than ``older_than_s``."""
         now = time.monotonic()

@@ -238,7 +238,18 @@ class _GroupHandle:
         return all(h.done() for h in self.handles)
 
     def wait(self) -> list[Any]:
-        return [h.wait() for h in self.handles]
+        """Every output; every handle is waited (and its name freed) even when an earlier one failed."""
+        results: list[Any] = []
+        error: BaseException | None = None
+        for handle in self.handles:
+            try:
+                results.append(handle.wait())
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the others
+                error = error or e
+                results.append(None)
+        if error is not None:
+            raise error
+        return results
 
 
 # -- allgather, broadcast, alltoall, reducescatter, barrier -----------------------------------------

@@ -1,0 +1,109 @@
+"""Horovod's semantics where hvdrun used to differ: names, deadlocks, start-up errors, backends, the API."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_local_launch import script
+
+pytestmark = pytest.mark.integration
+WORKERS = Path(__file__).parent / "workers"
+
+
+def test_horovod_api_details_match(run_hvdrun):
+    """*_enabled() before/after init, torchrun's variables, object helpers in process sets, optimizer state
+    grads, sparse_as_dense, differentiable grouped allgather/reducescatter."""
+    done = run_hvdrun("-np", "2", str(WORKERS / "fidelity.py"), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[0]<stdout>:rank 0: fidelity ok" in done.stdout and "[1]<stdout>:rank 1: fidelity ok" in done.stdout
+    assert done.stdout.count("CHECK sparse_as_dense with SparseAdam ok") == 2
+
+
+def test_a_duplicate_name_is_refused_every_time(run_hvdrun):
+    done = run_hvdrun("-np", "2", str(WORKERS / "duplicate_names.py"), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[0]<stdout>:rank 0 caught 40" in done.stdout and "[1]<stdout>:rank 1 caught 0" in done.stdout
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_silent_deadlock_is_reported_on_every_rank(run_hvdrun, size):
+    done = run_hvdrun("-np", str(size), str(WORKERS / "deadlock.py"), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = re.findall(r"rank (\d+) raised: deadlock: (.*)", done.stdout)
+    assert sorted(int(rank) for rank, _ in reports) == list(range(size))
+    message = reports[0][1]
+    assert "rank 0 waits for 'barrier.noname.1' (which rank" in message and "has submitted barrier.noname.1" in message
+    assert "rank 1 waits for 'x' (which rank 0 never submitted) and has submitted x" in message
+    assert done.stdout.count("deadlock ok") == size
+
+
+def test_one_job_runs_a_whole_suite_past_failures(run_hvdrun):
+    """Horovod's CI way: pytest in every rank of one job; failures on purpose leave later tests unharmed."""
+    suite = WORKERS / "one_job_suite.py"
+    done = run_hvdrun("-np", "2", sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                      "--noconftest", "-o", "addopts=", str(suite), timeout=180)
+    assert done.returncode == 1, done.stderr[-3000:]  # failures on purpose, nothing worse
+    names = re.findall(r"^def (test_\w+)", suite.read_text(), re.M)
+    many = [f"test_many_more_collectives[{n}]" for n in range(20)]
+    expected = [n for n in names if n != "test_many_more_collectives"] + many
+    for rank in range(2):
+        passed = set(re.findall(rf"^\[{rank}\]<stdout>:PASSED \S*::(\S+)", done.stdout, re.M))
+        failed = set(re.findall(rf"^\[{rank}\]<stdout>:FAILED \S*::(\S+)", done.stdout, re.M))
+        on_purpose = {n for n in expected if n.startswith("test_fails_on_purpose")}
+        if rank == 1:
+            on_purpose.discard("test_fails_on_purpose_duplicate_name")  # only rank 0 duplicates
+        assert failed == on_purpose, (rank, failed)
+        assert passed == set(expected) - on_purpose, (rank, set(expected) - on_purpose - passed)
+
+
+def test_a_late_rank_gives_the_rendezvous_timeout_not_a_bad_descriptor(run_hvdrun, tmp_path):
+    late = script(tmp_path, "late.py", """
+        import os, time
+        import hvdrun.torch as hvd
+        if os.environ["RANK"] == "1":
+            time.sleep(6)
+        hvd.init()
+    """)
+    done = run_hvdrun("-np", "2", "--start-timeout", "2", late)
+    assert done.returncode == 1
+    assert "rendezvous timed out: ranks 1 never joined rank 0" in done.stderr
+    assert "Bad file descriptor" not in done.stderr
+
+
+def test_the_mpi_backend_needs_ranks_that_mpi_started(run_hvdrun, hvdrun_env, tmp_path):
+    program = script(tmp_path, "mpi.py", """
+        import os
+        os.environ["HVDRUN_BACKEND"] = "mpi"
+        import hvdrun.torch as hvd
+        hvd.init()
+        print("size", hvd.size(), flush=True)
+    """)
+    inside = run_hvdrun("-np", "2", program)  # set inside the script: the runtime notices
+    assert inside.returncode == 1 and "size 1" not in inside.stdout
+    assert "HVDRUN_BACKEND=mpi, but MPI sees 1 rank(s) where the job has 2" in inside.stderr
+    assert "Traceback" not in inside.stderr
+    hvdrun_env["HVDRUN_BACKEND"] = "mpi"  # set for the launch: refused before anything starts
+    outside = run_hvdrun("-np", "2", program)
+    assert outside.returncode == 2 and outside.stdout == ""
+    assert "HVDRUN_BACKEND=mpi needs ranks started by MPI, and the local launcher" in outside.stderr
+    assert "--launcher mpiexec" in outside.stderr
+
+
+@pytest.mark.parametrize("variable, value, fragment", [
+    ("HOROVOD_FUSION_THRESHOLD", "abc", "HOROVOD_FUSION_THRESHOLD='abc' is not a number"),
+    ("HOROVOD_CYCLE_TIME", "-5", "HOROVOD_CYCLE_TIME='-5': expected a finite number of at least 0"),
+])
+def test_a_bad_tuning_variable_set_in_the_script_is_one_line(run_hvdrun, tmp_path, variable, value, fragment):
+    program = script(tmp_path, "tune.py", f"""
+        import os
+        os.environ[{variable!r}] = {value!r}
+        import hvdrun.torch as hvd
+        hvd.init()
+    """)
+    done = run_hvdrun("-np", "2", program)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.count(f"<stderr>:hvdrun: error: {fragment}") == 2
