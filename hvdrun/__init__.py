@@ -5,3 +5,12 @@ modules that need them.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``hvdrun.run`` (Horovod's ``horovod.run``), imported on first use."""
+    if name == "run":
+        from hvdrun.launch.function import run
+
+        return run
+    raise AttributeError(f"module 'hvdrun' has no attribute {name!r}")

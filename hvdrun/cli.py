@@ -50,7 +50,7 @@ class _DefaultRunGroup(click.Group):
     """A group whose default subcommand is ``run``; every error is one ``hvdrun: error:`` line."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if not args or args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
+        if not args or args[0] not in self.commands and args[0] not in ("--help", "-h", "--version", "-v"):
             args = ["run", *args]
         return super().parse_args(ctx, args)
 
@@ -63,6 +63,8 @@ class _DefaultRunGroup(click.Group):
             if not standalone_mode:
                 raise
             message = e.format_message()
+            if isinstance(e, click.NoSuchOption):
+                message = _no_such_option(e)
             if isinstance(e, click.UsageError):  # click's own: one line, with where to look
                 message = " ".join(message.split()) + "; see 'hvdrun --help'"
             click.echo(f"hvdrun: error: {message}", err=True)
@@ -76,6 +78,20 @@ class _DefaultRunGroup(click.Group):
             sys.exit(result if isinstance(result, int) else 0)
         return result
 
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """``hvdrun --help``: the run options (a command line is a run by default), the subcommands and the
+        environment variables hvdrun reads or sets."""
+        formatter.write_usage("hvdrun", "[RUN OPTIONS] COMMAND [ARGS]...")
+        formatter.write_usage("hvdrun", "check|bench|qsub|qstat|qdel|run [OPTIONS] [ARGS]...", prefix="   or: ")
+        self.format_help_text(ctx, formatter)
+        run_command = self.commands["run"]
+        records = [r for p in run_command.get_params(ctx) if (r := p.get_help_record(ctx)) is not None]
+        with formatter.section("Run options (hvdrun run)"):
+            formatter.write_dl(records)
+        self.format_commands(ctx, formatter)
+        with formatter.section("Environment"):
+            formatter.write_dl(_ENVIRONMENT_HELP)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -84,9 +100,55 @@ class _DefaultRunGroup(click.Group):
 
 
 @click.group(cls=_DefaultRunGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="hvdrun")
+@click.version_option(__version__, "-v", "--version", prog_name="hvdrun")
 def cli() -> None:
     """Launch data-parallel PyTorch jobs on many hosts and GPUs (Horovod's horovodrun, rebuilt)."""
+
+
+# foreign launchers' options: what to type instead (click's own guess would be a near spelling)
+_FOREIGN_OPTIONS = {
+    "--nproc-per-node": "-np N (ranks in total) or --ranks-per-node N (ranks on every host)",
+    "--nproc_per_node": "-np N (ranks in total) or --ranks-per-node N (ranks on every host)",
+    "--nnodes": "-H host1:N,host2:N or --hostfile FILE (hvdrun starts every host's ranks itself)",
+    "--node-rank": "nothing: hvdrun starts the ranks of every host from one command",
+    "--node_rank": "nothing: hvdrun starts the ranks of every host from one command",
+    "--master-addr": "--network-interface IF (hvdrun advertises rank 0's address on it)",
+    "--master_addr": "--network-interface IF (hvdrun advertises rank 0's address on it)",
+    "--master-port": "nothing: hvdrun picks free ports", "--master_port": "nothing: hvdrun picks free ports",
+    "--rdzv-endpoint": "-H or --hostfile", "--rdzv_endpoint": "-H or --hostfile",
+    "--standalone": "nothing: without hosts, hvdrun runs -np ranks on this machine",
+    "--ntasks": "-np N", "-n": "-np N", "--host": "-H host1:N,host2:N",
+    "--network-interfaces": "--network-interface IF",
+}
+
+_ENVIRONMENT_HELP = [
+    ("HOROVOD_FUSION_THRESHOLD", "bytes fused into one allreduce (--fusion-threshold-mb)"),
+    ("HOROVOD_CYCLE_TIME", "ms between negotiation cycles of the mpi/gloo backends (--cycle-time-ms)"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "warn about ops some ranks have not submitted after this long"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "fail them after this long"),
+    ("HOROVOD_STALL_CHECK_DISABLE", "1: no stall warning or shutdown (--no-stall-check)"),
+    ("HOROVOD_TIMELINE", "Chrome-trace timeline file of rank 0, or DYNAMIC (--timeline-filename)"),
+    ("HOROVOD_LOG_LEVEL", "ERROR or FATAL silence the runtime's warnings (--log-level)"),
+    ("HVDRUN_BACKEND", "ring (default), mpi (under mpiexec) or gloo (torch.distributed)"),
+    ("HVDRUN_START_TIMEOUT", "seconds the ranks wait for each other in init() (--start-timeout)"),
+    ("HVDRUN_MPIEXEC", "the mpiexec of --launcher mpiexec"),
+    ("HVDRUN_JOBS_DIR", "where hvdrun qsub records submitted jobs (~/.hvdrun/jobs)"),
+    ("set for every rank", "HVDRUN_RANK/SIZE/LOCAL_RANK/..., HOROVOD_RANK/..., RANK, WORLD_SIZE, LOCAL_RANK, "
+                           "MASTER_ADDR/PORT, GROUP_RANK, TORCHELASTIC_RUN_ID, CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS"),
+]
+
+
+def _no_such_option(error: click.NoSuchOption) -> str:
+    """One line: the unknown option, and a suggestion that means the same thing here."""
+    import difflib
+
+    name = error.option_name
+    if name in _FOREIGN_OPTIONS:
+        return f"no such option '{name}'; in hvdrun use {_FOREIGN_OPTIONS[name]}"
+    known = [o for p in (error.ctx.command.params if error.ctx else []) for o in getattr(p, "opts", [])]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    return f"no such option '{name}'" + (f"; did you mean '{close[0]}'" if close else "")
+
 
 
 def _host_options(with_np: bool = True) -> Any:
@@ -97,7 +159,8 @@ def _host_options(with_np: bool = True) -> Any:
     ] if with_np else []
     options += [
         click.option("-H", "--hosts", help="Hosts and slots: 'a:4,b:4' (user@host:N, [ipv6]:N)."),
-        click.option("--hostfile", type=click.Path(dir_okay=False), help="File with one 'host slots=N' per line."),
+        click.option("-hostfile", "--hostfile", type=click.Path(dir_okay=False),
+                     help="File with one 'host slots=N' per line."),
         click.option("--cluster", help="A cluster from cluster_configs/ (localhost, polaris, ...)."),
         click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A cluster YAML file."),
         click.option("--gpus-per-node", type=click.IntRange(min=0), help="GPUs per host; pins CUDA_VISIBLE_DEVICES."),
@@ -126,6 +189,73 @@ def _host_options(with_np: bool = True) -> Any:
     return decorate
 
 
+_REFUSED_FLAGS = ("--autotune", "--hierarchical-allreduce", "--hierarchical-allgather", "--torus-allreduce", "--jsrun")
+
+
+def _refuse(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """A horovodrun option that cannot apply here: refused, saying why."""
+    if value:
+        from hvdrun.horovodrun import REFUSED
+
+        name = param.opts[0]
+        raise click.UsageError(f"{name} cannot apply in hvdrun: {REFUSED[name]}", ctx)
+
+
+def _horovodrun_options(command: Any) -> Any:
+    """horovodrun's options (see hvdrun/horovodrun.py): tuning, controller, config file, check-build, output."""
+    options = [
+        click.option("--fusion-threshold-mb", type=click.FloatRange(min=0), help="Fusion buffer size in MB."),
+        click.option("--cycle-time-ms", type=click.FloatRange(min=0), help="Negotiation cycle in ms (mpi/gloo)."),
+        click.option("--cache-capacity", type=click.IntRange(min=0),
+                     help="Accepted for horovodrun's scripts; hvdrun negotiates every op (no response cache)."),
+        click.option("--disable-cache", is_flag=True, help="Accepted: hvdrun caches no launch checks."),
+        click.option("--timeline-mark-cycles", is_flag=True, default=None, help="Mark cycles in the timeline."),
+        click.option("--no-stall-check", is_flag=True, default=None, help="No stall warning or shutdown."),
+        click.option("--stall-check-warning-time-seconds", type=click.FloatRange(min=0),
+                     help="Warn about ops some ranks have not submitted after this long (60)."),
+        click.option("--stall-check-shutdown-time-seconds", type=click.FloatRange(min=0),
+                     help="Fail them after this long (300; 0: never)."),
+        click.option("--log-level", type=click.Choice(["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"],
+                                                      case_sensitive=False), help="Runtime log level."),
+        click.option("--mpi", "controller", flag_value="mpi", default=None,
+                     help="Ranks under mpiexec with the MPI backend (horovodrun --mpi)."),
+        click.option("--gloo", "controller", flag_value="gloo", help="hvdrun's own ring (horovodrun --gloo)."),
+        click.option("--config-file", "horovod_config_file", type=click.Path(dir_okay=False),
+                     help="horovodrun's YAML of parameters (options given here win)."),
+        click.option("-cb", "--check-build", is_flag=True, help="Show what this hvdrun can use, then exit."),
+        click.option("-prefix-timestamp", "--prefix-timestamp", "--prefix-output-with-timestamp", "prefix_timestamp",
+                     is_flag=True, help="Prefix every output line with the time."),
+        *[click.option(flag, is_flag=True, hidden=True, expose_value=False, callback=_refuse)
+          for flag in _REFUSED_FLAGS],
+        click.option("--binding-args", hidden=True, expose_value=False, callback=_refuse),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+_HOROVODRUN_NAMES = ("fusion_threshold_mb", "cycle_time_ms", "cache_capacity", "disable_cache",
+                     "timeline_mark_cycles", "no_stall_check", "stall_check_warning_time_seconds",
+                     "stall_check_shutdown_time_seconds", "log_level", "controller", "horovod_config_file",
+                     "check_build")
+
+
+def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[str | None, dict[str, str]]:
+    """(launcher, worker variables) from horovodrun's options, over its --config-file."""
+    from hvdrun.horovodrun import HorovodTuning, check_controller, load_config_file
+
+    config_file = values.pop("horovod_config_file")
+    values.pop("disable_cache")
+    if values["log_level"]:
+        values["log_level"] = values["log_level"].upper()
+    tuning = HorovodTuning(**values)
+    if config_file:
+        tuning = tuning.overlaid(load_config_file(config_file))
+    launcher, controller_env = check_controller(tuning.controller, launcher)
+    return launcher, {**tuning.worker_env(), **controller_env}
+
+
+
 @cli.command(context_settings={"allow_interspersed_args": False})
 @_host_options()
 @click.option("-m", "--module", is_flag=True, help="COMMAND is a module: every rank runs 'python -m COMMAND'.")
@@ -139,11 +269,22 @@ def _host_options(with_np: bool = True) -> Any:
               help="Write a Chrome-trace timeline of the collectives (rank 0) to this file.")
 @click.option("--grace-period", "grace_s", type=_Seconds(), default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping workers.")
+@click.option("--horovod-compat", is_flag=True,
+              help="'import horovod' and 'import horovod.torch' in the ranks resolve to hvdrun.")
+@_horovodrun_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:
     """Run COMMAND on every rank (a .py file runs under this Python)."""
     from hvdrun.launch.job import RunOptions, describe_plan, plan_job, run_job
 
+    horovod = {name: options.pop(name) for name in _HOROVODRUN_NAMES}
+    if horovod.pop("check_build"):
+        from hvdrun.horovodrun import check_build
+
+        click.echo(check_build())
+        return
+    launcher, extra_env = _horovodrun_settings(horovod, options["launcher"])
+    options.update(launcher=launcher, extra_env=tuple(extra_env.items()))
     plan = plan_job(RunOptions(command=command, prefix_output=not no_prefix, **options), os.environ)
     if options["verbose"]:
         click.echo(describe_plan(plan), err=True)

@@ -155,6 +155,17 @@ def inherited_fds(environ: Mapping[str, str]) -> tuple[int, ...]:
     return ()
 
 
+def command_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The command's environment: the guard's, with the ``horovod`` shim package first on ``PYTHONPATH``
+    when the job asked for it (``hvdrun --horovod-compat``); the shim of this host's hvdrun."""
+    env = dict(environ)
+    if env.get("HVDRUN_HOROVOD_COMPAT") == "1":
+        from hvdrun.compat import compat_path
+
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (compat_path(), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def main(argv: list[str]) -> None:
     """Run the guard; ``argv`` is ``[GRACE_S, OPTIONS..., "--", COMMAND...]``."""
     try:
@@ -168,7 +179,8 @@ def main(argv: list[str]) -> None:
     for signum in _STOP_SIGNALS:
         signal.signal(signum, lambda *_: None)
     try:
-        worker = subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=inherited_fds(os.environ))
+        worker = subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=inherited_fds(os.environ),
+                                  env=command_env(os.environ))
     except OSError as e:
         sys.stderr.write(f"hvdrun: cannot start {command[0]!r}: {e.strerror}\n")
         sys.exit(127)

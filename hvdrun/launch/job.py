@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, TextIO
 from hvdrun.config import ClusterConfig, load_cluster, load_config
 from hvdrun.envvars import (
     BACKEND,
+    HOROVOD_COMPAT,
     START_TIMEOUT,
     TIMELINE,
     Rendezvous,
@@ -71,6 +72,9 @@ class RunOptions:
     mpi_args: str | None = None
     ranks_per_node: int | None = None
     module: bool = False
+    extra_env: tuple[tuple[str, str], ...] = ()  # worker variables from horovodrun's options
+    prefix_timestamp: bool = False
+    horovod_compat: bool = False
 
 
 @dataclass(frozen=True)
@@ -194,7 +198,10 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     slots = assign_slots(hosts, options.num_proc or total_slots(hosts), layout)
     launcher = _choose_launcher(options, config, hosts, source)
     command = resolve_command(options.command, check_program=launcher == "local", module=options.module)
-    base_env = {**environ, **(config.env if config else {}), **forwarded_env(options.env_specs, environ)}
+    base_env = {**environ, **(config.env if config else {}), **dict(options.extra_env),
+                **forwarded_env(options.env_specs, environ)}
+    if options.horovod_compat:
+        base_env[HOROVOD_COMPAT] = "1"
     base_env.update(interface_env(options.network_interface, base_env))
     check_tuning(base_env)
     _check_backend(base_env, launcher)
@@ -294,7 +301,7 @@ def run_job(plan: JobPlan, console: dict[str, TextIO] | None = None) -> None:
     """
     options = plan.options
     router = OutputRouter(len(plan.slots), prefix=options.prefix_output, output_dir=options.output_dir,
-                          console=console)
+                          console=console, timestamp=options.prefix_timestamp)
     launcher = make_launcher(plan)
     secret, job_id = secrets.token_hex(32), secrets.token_hex(4)
     try:

@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -128,11 +129,12 @@ class OutputRouter:
         output_dir: also write ``DIR/rank.N/{stdout,stderr}``; None for console only.
         tail_lines: how many stderr lines to keep per rank for failure reports.
         console: where console lines go per stream (default hvdrun's stdout and stderr).
+        timestamp: start each console line with the time (horovodrun's ``--prefix-timestamp``).
     """
 
     def __init__(self, size: int, prefix: bool = True, output_dir: str | Path | None = None,
-                 tail_lines: int = 20, console: dict[str, TextIO] | None = None) -> None:
-        self.size, self.prefix = size, prefix
+                 tail_lines: int = 20, console: dict[str, TextIO] | None = None, timestamp: bool = False) -> None:
+        self.size, self.prefix, self.timestamp = size, prefix, timestamp
         self.output_dir = Path(output_dir) if output_dir else None
         self._console = console or {"stdout": sys.stdout, "stderr": sys.stderr}
         self._lock = threading.Lock()
@@ -251,6 +253,8 @@ class OutputRouter:
         if stream == "stderr":
             self._tails[rank].extend(lines)
         tag = f"[{rank}]<{stream}>:".encode() if self.prefix else b""
+        if self.timestamp:
+            tag = time.asctime().encode() + b" " + tag
         self._write_console(stream, b"".join(tag + _with_newline(line) for line in lines))
 
     def _write_console(self, stream: str, data: bytes) -> None:

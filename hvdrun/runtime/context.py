@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import sys
 import threading
@@ -113,10 +114,13 @@ _usage_hook_installed = False
 
 def _engine_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     """The engine's tuning from ``HOROVOD_*``/``HVDRUN_*`` variables (UsageError names a bad one)."""
+    no_stall_check = envvars.env_text(environ, envvars.STALL_CHECK_DISABLE) in ("1", "true", "True")
+    quiet = (envvars.env_text(environ, envvars.LOG_LEVEL) or "").upper() in ("ERROR", "FATAL")
+    warning_s = envvars.env_number(environ, envvars.STALL_WARNING_S, 60.0)
     return {
         "fusion_threshold": int(envvars.env_number(environ, envvars.FUSION_THRESHOLD, DEFAULT_FUSION_BYTES)),
-        "stall_warning_s": envvars.env_number(environ, envvars.STALL_WARNING_S, 60.0),
-        "stall_error_s": envvars.env_number(environ, envvars.STALL_ERROR_S, 300.0),
+        "stall_warning_s": math.inf if no_stall_check or quiet else warning_s,
+        "stall_error_s": 0.0 if no_stall_check else envvars.env_number(environ, envvars.STALL_ERROR_S, 300.0),
         "cycle_time_s": envvars.env_number(environ, envvars.CYCLE_TIME_MS, 1.0) / 1000,
         "eager_bytes": int(envvars.env_number(environ, envvars.EAGER_BYTES, DEFAULT_EAGER_BYTES)),
     }

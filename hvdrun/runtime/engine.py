@@ -380,8 +380,11 @@ class Engine:
     def _execute(self, batch: list[Entry]) -> None:
         rank = self.world.rank
         with self._lock:  # a joined rank takes part in others' allreduces with zeros
-            ops = [stand_in(entry, rank) if rank in entry.absent else self._inflight.pop(entry.name)
-                   for entry in batch]
+            found = [stand_in(entry, rank) if rank in entry.absent else self._inflight.pop(entry.name, None)
+                     for entry in batch]
+        if any(op is None for op in found):  # fail() ran on another thread meanwhile: its reason stands
+            raise CollectiveError(self._failure or f"'{batch[0].name}' was cancelled on rank {rank}")
+        ops = [op for op in found if op is not None]
         if batch[0].error:
             for op in ops:
                 op.handle.finish(error=CollectiveError(batch[0].error))

@@ -223,6 +223,10 @@ class _Server:
         os.close(self._wake_read)
         os.close(self._wake_write)
         for sock, _ in self.clients.values():
+            try:  # rank 0 leaves after the negotiated shutdown: not a crash the others must report
+                send_frame(sock, ("bye",))
+            except OSError:
+                pass
             sock.close()
 
 
@@ -292,6 +296,8 @@ class _Client:
                 kind, body = recv_frame(self.sock)
                 if kind == "abort":
                     self.abort.set(body)
+                    return
+                if kind == "bye":  # rank 0 shut down cleanly; our own shutdown is finishing
                     return
         except (OSError, ConnectionError, EOFError, ValueError):
             if not self._closing:

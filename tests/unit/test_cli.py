@@ -38,7 +38,7 @@ START = ("touch", "started")
     (("-H", "a;reboot:1"), ["invalid host name 'a;reboot'"]),
     (("-np", "5", "-H", "localhost:2"), ["-np 5 is more than the 2 slots"]),
     (("-np", "0"), ["Invalid value for '-np'"]),
-    (("--bogus",), ["No such option '--bogus'"]),
+    (("--bogus",), ["no such option '--bogus'"]),
     (("-H", "localhost:1", "--hostfile", "h"), ["either -H or --hostfile"]),
     (("--cluster", "frontier"), ["unknown cluster 'frontier'"]),
     (("--cluster", "localhost", "--config", "x.yaml"), ["either --cluster NAME or --config FILE"]),
@@ -83,9 +83,9 @@ def test_no_command(invoke, tmp_path):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (("--bogus",), ["No such option '--bogus'", "see 'hvdrun --help'"]),
+    (("--bogus",), ["no such option '--bogus'", "see 'hvdrun --help'"]),
     (("-np", "0"), ["Invalid value for '-np' / '--num-proc': 0 is not in the range x>=1"]),
-    (("--hostfile", "."), ["Invalid value for '--hostfile'", "is a directory"]),
+    (("--hostfile", "."), ["'--hostfile': File '.' is a directory", "is a directory"]),
     (("-H", "localhost:99999999999999999999"), ["slots must be a positive integer", "at most 4096 per host"]),
     (("-H", "localhost:5000"), ["at most 4096 per host"]),
     (("--start-timeout", "nan"), ["'nan' must be a finite number of seconds above 0"]),
@@ -150,3 +150,46 @@ def test_verbose_prints_the_rank_plan_and_start_timeout_reaches_the_ranks(invoke
     assert "hvdrun: 2 ranks, launcher local" in result.output
     assert "  1     localhost             1/2    0/1    -" in result.output
     assert result.output.count("timeout 7.0") == 2
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (("--nproc-per-node", "2", "t.py"), ["no such option '--nproc-per-node'; in hvdrun use -np N"]),
+    (("--nnodes", "2", "t.py"), ["no such option '--nnodes'; in hvdrun use -H host1:N,host2:N"]),
+    (("--gpus-per-nod", "2", "t.py"), ["no such option '--gpus-per-nod'; did you mean '--gpus-per-node'"]),
+    (("--autotune", "t.py"), ["--autotune cannot apply in hvdrun: hvdrun has no autotuner"]),
+    (("--hierarchical-allreduce", "t.py"), ["--hierarchical-allreduce cannot apply in hvdrun"]),
+    (("--binding-args", "-bind-to core", "t.py"), ["--binding-args cannot apply in hvdrun: give binding options"]),
+    (("--mpi", "--launcher", "ssh", "t.py"), ["--mpi runs the ranks under MPI, but --launcher ssh does not"]),
+    (("--fusion-threshold-mb", "-1", "t.py"), ["Invalid value for '--fusion-threshold-mb'"]),
+    (("--log-level", "loud", "t.py"), ["Invalid value for '--log-level'"]),
+])
+def test_horovodrun_options_refused_or_redirected(invoke, tmp_path, args, fragments):
+    assert_usage_error(invoke(*args), tmp_path, *fragments)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("params: {fusion_threshold_mb: lots}\n", "'params.fusion_threshold_mb' must be float, got 'lots'"),
+    ("params: {hierarchical_allreduce: true}\n", "'params.hierarchical_allreduce: true' cannot apply"),
+    ("autotune: {enabled: true}\n", "'autotune.enabled: true' cannot apply: hvdrun has no autotuner"),
+    ("params: {fusion_mb: 1}\n", "unknown key 'params.fusion_mb'; allowed: fusion_threshold_mb"),
+    ("tuning: {}\n", "unknown section 'tuning'"),
+    ("controller: nccl\n", "'controller' is 'nccl'; expected gloo or mpi"),
+    ("stall_check: {warning_time_seconds: -3}\n", "must be a finite number >= 0"),
+])
+def test_config_file_errors_name_the_key(invoke, tmp_path, text, fragment):
+    (tmp_path / "horovod.yaml").write_text(text)
+    assert_usage_error(invoke("--config-file", "horovod.yaml", *START), tmp_path, "horovod.yaml", fragment)
+
+
+def test_check_build_and_short_version(invoke):
+    report = invoke("-cb").output
+    assert "Available Controllers:" in report and "[X] PyTorch (" in report and "[X] Gloo" in report
+    assert invoke("-v").output.startswith("hvdrun, version")
+
+
+def test_help_shows_run_options_subcommands_and_environment(invoke):
+    text = invoke("--help").output
+    for fragment in ("Run options (hvdrun run):", "-np, --num-proc", "--fusion-threshold-mb", "--horovod-compat",
+                     "Commands:", "check", "bench", "qsub", "Environment:", "HOROVOD_FUSION_THRESHOLD",
+                     "HVDRUN_BACKEND"):
+        assert fragment in text, fragment
