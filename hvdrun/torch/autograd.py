@@ -113,7 +113,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               compression: Any = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
     """A new tensor reduced across ranks (default Average), differentiable; ``compression`` applies on the wire."""
-    op = ops._resolve_op(op, average)
+    op = ops._resolve_op(op, average, adasum=True)
     compressed, ctx = compression.compress(tensor)
     if _tracks_grad(compressed):
         reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)

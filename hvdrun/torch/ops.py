@@ -23,6 +23,7 @@ from hvdrun.runtime.executors import Handle
 from hvdrun.runtime.negotiation import (
     ADASUM,
     AVERAGE,
+    GLOBAL_SET,
     JOIN,
     MAX,
     MIN,
@@ -32,6 +33,7 @@ from hvdrun.runtime.negotiation import (
     SUM,
     Request,
 )
+from hvdrun.torch import adasum
 from hvdrun.torch.process_sets import set_id, set_size
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
@@ -76,7 +78,8 @@ def _as_tensor(result: Any) -> torch.Tensor:
     return result if isinstance(result, torch.Tensor) else torch.from_numpy(result)
 
 
-def _resolve_op(op: int | None, average: bool | None, default: int = AVERAGE) -> int:
+def _resolve_op(op: int | None, average: bool | None, default: int = AVERAGE, adasum: bool = False) -> int:
+    """The reduction op from ``op``/``average``; Adasum only where ``adasum`` (allreduces) says it applies."""
     if op is not None and average is not None:
         raise ValueError("op and average cannot both be given")
     if average is not None:
@@ -84,9 +87,9 @@ def _resolve_op(op: int | None, average: bool | None, default: int = AVERAGE) ->
                       DeprecationWarning, stacklevel=3)
         return AVERAGE if average else SUM
     op = default if op is None else op
-    if op == ADASUM:
-        raise ValueError("Adasum is not supported by hvdrun; use Average or Sum")
-    if op not in (AVERAGE, SUM, MIN, MAX, PRODUCT):
+    if op == ADASUM and not adasum:
+        raise RuntimeError("Adasum applies to allreduce only (as in Horovod); use Average or Sum here")
+    if op not in (AVERAGE, SUM, MIN, MAX, PRODUCT, ADASUM):
         raise ValueError(f"unknown reduction op {op}; expected hvd.Average, Sum, Min, Max or Product")
     return op
 
@@ -159,9 +162,12 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 
     ``_progress_now=False`` (DistributedOptimizer on CPU) leaves the progress to whoever waits.
     """
+    op = _resolve_op(op, average, adasum=True)
+    if op == ADASUM:
+        return _adasum_start([tensor], name, prescale_factor, postscale_factor, process_set, _progress_now,
+                             single=True)
     array = _check(tensor, REDUCTION_DTYPES)
-    request = _reduce_request(array, name, _resolve_op(op, average), prescale_factor, postscale_factor,
-                              process_set)
+    request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set)
     return _start(request, array, lambda _: tensor, wake=_progress_now)
 
 
@@ -176,9 +182,11 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
     """Allreduce ``tensor`` in place (default op Average) and return it."""
+    op = _resolve_op(op, average, adasum=True)
+    if op == ADASUM:
+        return synchronize(allreduce_async_(tensor, None, name, op, prescale_factor, postscale_factor, process_set))
     array = _check(tensor, REDUCTION_DTYPES)
-    request = _reduce_request(array, name, _resolve_op(op, average), prescale_factor, postscale_factor,
-                              process_set)
+    request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set)
     _engine().run(request, array)
     return tensor
 
@@ -195,7 +203,9 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = None, *, _progress_now: bool = True) -> int:
     """Start an in-place allreduce of a list of tensors, reduced as one fused group."""
-    op = _resolve_op(op, average)
+    op = _resolve_op(op, average, adasum=True)
+    if op == ADASUM:
+        return _adasum_start(tensors, name, prescale_factor, postscale_factor, process_set, _progress_now)
     arrays = [_check(t, REDUCTION_DTYPES) for t in tensors]
     base = name if name is not None else _engine().auto_name("grouped_allreduce")
     group = next(_groups)
@@ -226,6 +236,29 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     """New tensors: every tensor of the list reduced across ranks, as one fused group."""
     return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
                                                process_set))
+
+
+def _adasum_start(tensors: Sequence[torch.Tensor], name: str | None, prescale: float, postscale: float,
+                  process_set: Any, wake: bool, single: bool = False) -> int:
+    """Adasum allreduce of each tensor (in place): an allgather, then every rank combines the same rows in the
+    same order (:mod:`hvdrun.torch.adasum`), so every rank gets identical bits."""
+    if process_set is not None and set_id(process_set) != GLOBAL_SET:
+        raise ValueError("Adasum runs on the global process set only (as in Horovod)")
+    for tensor in tensors:
+        if not tensor.is_floating_point():
+            raise ValueError(f"Adasum needs floating-point tensors, got {tensor.dtype}")
+    base = name if name is not None else _engine().auto_name("adasum")
+    flat = [t.detach().reshape(1, -1) for t in tensors]
+    items = [_allgather_item(f, base if single else f"{base}.{i}", None, 0 if single else len(flat))
+             for i, f in enumerate(flat)]
+
+    def finish(gathered: list[torch.Tensor]) -> Any:
+        for tensor, rows in zip(tensors, gathered, strict=True):
+            combined = adasum.tree(list(rows.numpy().astype(np.float64) * prescale)) * postscale
+            tensor.copy_(torch.from_numpy(combined.reshape(tuple(tensor.shape))).to(tensor.dtype))
+        return tensors[0] if single else list(tensors)
+
+    return _grouped(_start_group(items, wake=wake), finish)
 
 
 class _GroupHandle:

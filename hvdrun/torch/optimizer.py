@@ -21,9 +21,11 @@ from hvdrun.envvars import OVERLAP
 from hvdrun.runtime import context
 from hvdrun.torch.compression import Compression
 from hvdrun.torch.ops import (
+    Adasum,
     Average,
     allgather,
     allreduce_async_,
+    grouped_allreduce,
     grouped_allreduce_async_,
     synchronize,
 )
@@ -235,6 +237,38 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay = dict.fromkeys(self._delay, passes)
 
 
+class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+    """``op=hvd.Adasum``, as Horovod: each rank takes the wrapped optimizer's step on its own gradients, and
+    the parameters' changes (not the gradients) are combined with Adasum, then applied to the starting values."""
+
+    def __init__(self, params: Any, named_parameters: Any, compression: Any) -> None:
+        super(self.__class__, self).__init__(params)  # type: ignore[call-arg]  # the wrapped class takes params
+        self._parameter_names = _names(self, named_parameters)
+        self._compression = compression
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the changes are combined inside ``step()``."""
+
+    def skip_synchronize(self) -> None:
+        """Refused, as in Horovod: Adasum combines inside ``step()``."""
+        raise AssertionError("Skipping synchronization is not supported when using Adasum optimizer.")
+
+    def step(self, closure: Any = None) -> Any:
+        """Local step, then the Adasum of every parameter's change across ranks, applied to its start."""
+        params = sorted((p for group in self.param_groups for p in group["params"] if p.requires_grad),
+                        key=lambda p: self._parameter_names[p])
+        start = [p.detach().clone() for p in params]
+        loss = super(self.__class__, self).step(closure)
+        if context.current().world.size == 1 or not params:
+            return loss
+        compressed = [self._compression.compress(p.detach() - s) for p, s in zip(params, start, strict=True)]
+        combined = grouped_allreduce([c for c, _ in compressed], name="adasum.step.deltas", op=Adasum)
+        with torch.no_grad():
+            for param, begin, change, (_, ctx) in zip(params, start, combined, compressed, strict=True):
+                param.copy_(begin + self._compression.decompress(change, ctx))
+        return loss
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802 - Horovod
                          compression: Any = Compression.none, backward_passes_per_step: int = 1, op: int = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
@@ -247,7 +281,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         named_parameters: ``model.named_parameters()``; names match the allreduces across ranks.
         compression: ``Compression.none`` or ``Compression.fp16``.
         backward_passes_per_step: backward passes accumulated locally before each allreduce.
-        op: ``Average`` (default), ``Sum``, ...
+        op: ``Average`` (default), ``Sum``, ...; ``Adasum`` combines each rank's parameter change instead.
         gradient_predivide_factor: with Average, divide by this before the sum and multiply after.
         num_groups: deprecated spelling of an integer ``groups``.
         groups: N (fuse parameters into N groups) or lists of parameters fused together.
@@ -260,6 +294,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         raise ValueError(f"backward_passes_per_step must be positive, got {backward_passes_per_step}")
     if process_set is not None and process_set.process_set_id is None:
         set_id(process_set)  # raises: not registered
+    if op == Adasum:
+        if process_set is not None and set_id(process_set) != 0:
+            raise ValueError("op=Adasum runs on the global process set only (as in Horovod)")
+        adasum_cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+                          dict(_DistributedAdasumOptimizer.__dict__))
+        return adasum_cls(optimizer.param_groups, named_parameters, compression)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups or num_groups, sparse_as_dense, process_set)

@@ -50,6 +50,15 @@ def check_json(run_hvdrun, *args: str, timeout: float = 120) -> tuple[subprocess
     return done, report
 
 
+def check_with_python(run_hvdrun, ssh_hosts, tmp_path, index: int, python: Path) -> tuple[object, dict]:
+    """Check the first two hosts, host ``index`` running ``python`` (the cluster YAML's ``python:``)."""
+    lines = [f"  - {{name: {addr}, slots: 1{f', python: {python}' if i == index else ''}}}\n"
+             for i, addr in enumerate(ssh_hosts.addrs[:2])]
+    config = tmp_path / "c.yaml"
+    config.write_text("hosts:\n" + "".join(lines))
+    return check_json(run_hvdrun, "--config", str(config), *ssh_hosts.args())
+
+
 def checks_of(report: dict, host: str) -> dict[str, dict]:
     entry = next(h for h in report["hosts"] if h["host"] == host)
     return {c["name"]: c for c in entry["checks"]}
@@ -91,10 +100,7 @@ def test_a_host_that_is_down_is_named_while_the_others_are_checked(run_hvdrun, s
 
 
 def test_a_python_without_torch_is_named_with_the_fix(run_hvdrun, ssh_hosts, venvs, tmp_path):
-    config = tmp_path / "c.yaml"
-    config.write_text(f"hosts:\n  - {ssh_hosts.addrs[0]}:1\n"
-                      f"  - {{name: {ssh_hosts.addrs[1]}, slots: 1, python: {venvs['no-torch']}}}\n")
-    done, report = check_json(run_hvdrun, "--config", str(config), *ssh_hosts.args())
+    done, report = check_with_python(run_hvdrun, ssh_hosts, tmp_path, 1, venvs["no-torch"])
     assert done.returncode == 1
     torch = checks_of(report, ssh_hosts.addrs[1])["torch"]
     assert not torch["ok"] and "No module named 'torch'" in torch["found"]
@@ -104,10 +110,7 @@ def test_a_python_without_torch_is_named_with_the_fix(run_hvdrun, ssh_hosts, ven
 
 
 def test_another_hvdrun_release_on_a_host_names_both_versions(run_hvdrun, ssh_hosts, venvs, tmp_path):
-    config = tmp_path / "c.yaml"
-    config.write_text(f"hosts:\n  - {{name: {ssh_hosts.addrs[0]}, slots: 1, python: {venvs['other-hvdrun']}}}\n"
-                      f"  - {ssh_hosts.addrs[1]}:1\n")
-    done, report = check_json(run_hvdrun, "--config", str(config), *ssh_hosts.args())
+    done, report = check_with_python(run_hvdrun, ssh_hosts, tmp_path, 0, venvs["other-hvdrun"])
     assert done.returncode == 1
     found = checks_of(report, ssh_hosts.addrs[0])
     assert not found["hvdrun"]["ok"] and found["hvdrun"]["expected"] == "0.1.0"

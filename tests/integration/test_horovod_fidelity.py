@@ -107,3 +107,12 @@ def test_a_bad_tuning_variable_set_in_the_script_is_one_line(run_hvdrun, tmp_pat
     done = run_hvdrun("-np", "2", program)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.count(f"<stderr>:hvdrun: error: {fragment}") == 2
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_adasum_matches_a_numpy_reference(run_hvdrun, size):
+    """Power-of-two counts as Horovod; 3 ranks by the documented generalisation (an unpaired value moves up)."""
+    done = run_hvdrun("-np", str(size), str(WORKERS / "adasum.py"), timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(map(int, re.findall(r"rank (\d+): adasum ok", done.stdout))) == list(range(size))
+    assert "reducescatter refused: Adasum applies to allreduce only" in done.stdout
