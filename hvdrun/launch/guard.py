@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,6 +110,9 @@ def _kill_others(options: _Options) -> None:
 def _remove_files(options: _Options) -> None:
     for pattern in options.remove:
         for path in glob.glob(pattern):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+                continue
             try:
                 os.unlink(path)
             except OSError:

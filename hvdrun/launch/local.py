@@ -6,6 +6,7 @@ import fcntl
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 
 from hvdrun.envvars import guard_options
 from hvdrun.errors import LaunchError
@@ -61,9 +62,11 @@ class LocalLauncher(Launcher):
         port, master_port = free_ports(2)
         return Endpoint(LOOPBACK, port, master_port)
 
-    def spawn(self, spec: WorkerSpec) -> subprocess.Popen[bytes]:
-        """Start ``spec`` under its guard, with piped stdout and stderr."""
-        argv = [sys.executable, GUARD_SCRIPT, str(self.grace_s), *guard_options(spec.env), "--", *spec.argv]
+    def spawn(self, spec: WorkerSpec, remove: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        """Start ``spec`` under its guard, with piped stdout and stderr; the guard deletes the paths in
+        ``remove`` (files or directories) when the command ends, however hvdrun ends."""
+        extra = [word for path in remove for word in ("--remove", path)]
+        argv = [sys.executable, GUARD_SCRIPT, str(self.grace_s), *guard_options(spec.env), *extra, "--", *spec.argv]
         try:
             process = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

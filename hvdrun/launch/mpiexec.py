@@ -291,8 +291,9 @@ class MpiexecLauncher(Launcher):
     def start_all(self, specs: Sequence[WorkerSpec], router: OutputRouter) -> Iterator[Worker]:
         command = self.command(specs)
         first = specs[0]
+        assert self._tmp is not None
         process = self._local.spawn(WorkerSpec(first.slot, tuple(command.argv()), command.process_env(os.environ),
-                                               first.cwd))
+                                               first.cwd), remove=[self._tmp.name])  # even if hvdrun is killed
         worker = MpiexecWorker([spec.slot for spec in specs], process, self.grace_s)
         assert process.stdout is not None and process.stderr is not None
         stdout = router.attach_multiplexed("stdout", os.dup(process.stdout.fileno()), worker.record_exit)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -86,12 +89,19 @@ def test_interrupting_hvdrun_stops_mpiexec_everywhere(ssh_hosts, hvdrun_env, tmp
     assert wait_until(lambda: not proxies_left(), 10), proxies_left()
 
 
+def launcher_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "hvdrun-mpiexec-*")))
+
+
 def test_sigkill_of_hvdrun_stops_mpiexec_everywhere(ssh_hosts, hvdrun_env, tmp_path, token):
+    before = launcher_dirs()
     proc = start_and_wait_ready(ssh_hosts, hvdrun_env, tmp_path, "--launcher", "mpiexec", "--grace-period", "1")
+    assert launcher_dirs() - before  # mpiexec's hostfile and ssh agent script
     proc.kill()
     proc.wait(timeout=10)
     assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
     assert wait_until(lambda: not proxies_left(), 10), proxies_left()
+    assert wait_until(lambda: not launcher_dirs() - before, 10), launcher_dirs() - before  # the guard removed it
 
 
 def test_unknown_mpiexec_flavour_is_a_usage_error(run_hvdrun, tmp_path):
