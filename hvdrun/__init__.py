@@ -4,7 +4,9 @@
 modules that need them.
 """
 
-__version__ = "0.1.0"
+from hvdrun.version import __version__
+
+__all__ = ["__version__", "run"]
 
 
 def __getattr__(name: str) -> object:

@@ -12,8 +12,8 @@ from typing import Any
 
 import click
 
-from hvdrun import __version__
 from hvdrun.errors import HvdrunError
+from hvdrun.version import __version__
 
 
 class _HvdrunFailure(click.ClickException):

@@ -182,7 +182,7 @@ def check_build() -> str:
     has_mpi = importlib.util.find_spec("mpi4py") is not None
     dist = torch.distributed.is_available()
     nccl = bool(dist and torch.cuda.is_available() and torch.distributed.is_nccl_available())
-    from hvdrun import __version__
+    from hvdrun.version import __version__
 
     gloo = bool(dist and torch.distributed.is_gloo_available())
     return "\n".join([

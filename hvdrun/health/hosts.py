@@ -24,13 +24,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hvdrun import __version__
 from hvdrun.errors import LaunchError
 from hvdrun.health.probe import HealthFacts, ask_token, serve_token, torch_facts
 from hvdrun.hosts import Host
 from hvdrun.launch.connections import SshOptions, SshTarget, connect, peer_address, resolve_targets, run_command
 from hvdrun.launch.local import LOOPBACK
 from hvdrun.launch.probe import explain_probe_failure, interface_address, module_command
+from hvdrun.version import __version__
 
 if TYPE_CHECKING:
     import paramiko

@@ -164,9 +164,8 @@ def command_env(environ: Mapping[str, str]) -> dict[str, str]:
     when the job asked for it (``hvdrun --horovod-compat``); the shim of this host's hvdrun."""
     env = dict(environ)
     if env.get("HVDRUN_HOROVOD_COMPAT") == "1":
-        from hvdrun.compat import compat_path
-
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (compat_path(), env.get("PYTHONPATH")) if p)
+        shim = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "compat")  # hvdrun/compat
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, env.get("PYTHONPATH")) if p)
     return env
 
 

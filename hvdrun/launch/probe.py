@@ -77,7 +77,7 @@ def _version(package: str) -> str | None:
 
 def facts(interface: str | None, ports: int) -> HostFacts:
     """Collect this host's facts."""
-    from hvdrun import __version__
+    from hvdrun.version import __version__
 
     return HostFacts(hostname=socket.gethostname(), python=sys.version.split()[0], executable=sys.executable,
                      hvdrun=__version__, torch=_version("torch"), cpus=os.cpu_count() or 1,

@@ -36,8 +36,8 @@ def venvs(tmp_path_factory) -> dict[str, Path]:
     (no_torch / "hvdrun-src.pth").write_text(f"{REPO}\n")
     other = _venv(root / "other-hvdrun")
     shutil.copytree(REPO / "hvdrun", other / "hvdrun", ignore=shutil.ignore_patterns("__pycache__"))
-    init = other / "hvdrun" / "__init__.py"
-    init.write_text(init.read_text().replace('__version__ = "0.1.0"', '__version__ = "0.0.9"'))
+    version = other / "hvdrun" / "version.py"
+    version.write_text(version.read_text().replace('__version__ = "0.1.0"', '__version__ = "0.0.9"'))
     (other / "launcher-packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return {"no-torch": root / "no-torch" / "bin" / "python", "other-hvdrun": root / "other-hvdrun" / "bin" / "python"}
 
