@@ -43,6 +43,10 @@ _TAKEOVER_GRACE_S = 0.002
 # A rank blocked this long starts a cycle (at most one per period) in which every rank says what it waits
 # for: if every rank of a wait-for cycle is blocked, they all learn it together and fail those ops.
 DEADLOCK_PROBE_S = 1.0
+# A rank counts as blocked only after waiting this long: a rank that just began to wait may have another
+# thread about to submit what its peers wait for. Each rank measures its own wait and announces only
+# the waits past this age, so every rank still decides from the same data.
+DEADLOCK_CONFIRM_S = 0.5
 _SHUTDOWN = "__shutdown__"
 
 
@@ -73,7 +77,7 @@ class Engine:
         self._new: list[LocalOp] = []
         self._inflight: dict[str, LocalOp] = {}
         self._taken: set[str] = set()  # names submitted and not yet synchronized (a superset of _inflight's)
-        self._waiting: list[str] = []  # names that threads of this rank are blocked on (drive_until)
+        self._waiting: list[tuple[str, float]] = []  # (name, since) that threads of this rank are blocked on
         self._counters: defaultdict[str, int] = defaultdict(int)
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -195,19 +199,20 @@ class Engine:
     def _cycle_once(self) -> None:
         with self._lock:
             new, self._new, self._async_new = self._new, [], False
-            waiting = list(self._waiting)
+            now = time.monotonic()
+            waiting = [name for name, since in self._waiting if now - since >= DEADLOCK_CONFIRM_S]
         self._cycle(new, waiting)
         self._last_cycle = time.monotonic()
 
     def drive_until(self, handle: Handle, timeout_s: float | None) -> None:
         """Run cycles on the caller's thread until ``handle`` is done; the background thread stands down."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        awaited = handle.name if handle.name != _SHUTDOWN else None
+        started = time.monotonic()
+        awaited = (handle.name, started) if handle.name is not None and handle.name != _SHUTDOWN else None
         with self._lock:
             self._waiters += 1
             if awaited is not None:
                 self._waiting.append(awaited)
-        started = time.monotonic()
         try:
             while not handle.done() and (deadline is None or time.monotonic() < deadline):
                 if not (self._progress.acquire(blocking=False) or self._progress.acquire(timeout=0.001)):
