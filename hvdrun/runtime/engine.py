@@ -149,7 +149,7 @@ class Engine:
     def _eager_payload(self, request: Request, array: np.ndarray) -> bytes | None:
         """The prescaled data of a small allreduce, sent with its announcement."""
         if (request.kind != "allreduce" or request.device != "cpu" or array.nbytes > self.eager_bytes
-                or self.world.size == 1):
+                or self.world.size == 1 or request.group_size > 1):  # a group goes fused through the ring
             return None
         if request.prescale == 1.0:
             return array.tobytes()

@@ -93,6 +93,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay = {p: backward_passes_per_step for p in all_params}
         self._handles: dict[torch.Tensor, tuple[int | None, Any]] = {}
         self._group_handles: dict[int, tuple[int, list[Any]]] = {}
+        self._together: tuple[int, list[torch.Tensor], list[Any]] | None = None
         self._synchronized = False
         self._should_synchronize = True
         self._process_set = process_set
@@ -111,7 +112,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                      "locally.")
             self._delay[param] -= 1
             self._handles[param] = (None, None)
-            if self._delay[param] == 0:
+            if self._delay[param] == 0 and self._overlap:
                 self._submit(param)
         return hook
 
@@ -134,6 +135,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                   prescale_factor=prescale, postscale_factor=postscale, process_set=self._process_set,
                                   _progress_now=self._overlap)
         self._handles[param] = (handle, (compressed, ctx))
+
+    def _submit_together(self, params: list[torch.Tensor]) -> None:
+        """Without overlap (CPU), every gradient waits for ``step()``: they go out as one grouped allreduce
+        (one negotiation, one fused buffer), not one op each; sparse ones keep their allgather."""
+        dense = []
+        for param in params:
+            if cast(torch.Tensor, param.grad).is_sparse and not self.sparse_as_dense:
+                self._handles[param] = (None, "sparse")
+            else:
+                dense.append(param)
+                self._handles.pop(param, None)
+        if not dense:
+            return
+        compressed = [self._compression.compress(self._dense_grad(p)) for p in dense]
+        prescale, postscale = self._scales()
+        handle = grouped_allreduce_async_([c for c, _ in compressed], name="allreduce.step", op=self.op,
+                                          prescale_factor=prescale, postscale_factor=postscale,
+                                          process_set=self._process_set, _progress_now=False)
+        self._together = (handle, dense, compressed)
 
     def _submit_group_if_complete(self, index: int, force: bool = False) -> None:
         group = self._groups[index]
@@ -163,12 +183,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if context.current().world.size == 1 or outsider:
             self._synchronized = True
             return
-        for param in sorted(self._requires_update - set(self._group_of), key=lambda p: self._parameter_names[p]):
-            handle, ctx = self._handles.get(param, (None, None))
-            if handle is None and ctx is None:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
+        waiting = [p for p in sorted(self._requires_update - set(self._group_of), key=self._parameter_names.__getitem__)
+                   if self._handles.get(p, (None, None)) == (None, None)]
+        for param in waiting:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        if self._overlap:
+            for param in waiting:
                 self._submit(param)
+        else:
+            self._submit_together(waiting)
         for index in range(len(self._groups)):
             self._submit_group_if_complete(index, force=True)
         for param, (handle, ctx) in list(self._handles.items()):
@@ -179,6 +203,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 compressed, compression_ctx = ctx
                 if output is not param.grad:
                     self._dense_grad(param).copy_(self._compression.decompress(output, compression_ctx))
+        if self._together is not None:
+            handle, params, compressed = self._together
+            for param, output, (_, ctx) in zip(params, synchronize(handle), compressed, strict=True):
+                if output is not param.grad:
+                    self._dense_grad(param).copy_(self._compression.decompress(output, ctx))
+            self._together = None
         for index, (handle, compressed) in self._group_handles.items():
             for param, output, (_, ctx) in zip(self._groups[index], synchronize(handle), compressed, strict=True):
                 if output is not param.grad:
