@@ -38,29 +38,37 @@ def main() -> None:
     parser.add_argument("--num-batches-per-iter", type=int, default=5)
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--fp16-allreduce", action="store_true")
+    parser.add_argument("--no-cuda", action="store_true", help="stay on the CPU even where CUDA is available")
     args = parser.parse_args()
 
     hvd.init()
     torch.manual_seed(0)
-    model = SmallConvNet()
+    cuda = torch.cuda.is_available() and not args.no_cuda
+    if cuda:  # one GPU per rank: the pinned one, or the local rank's where nothing was pinned
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    device = torch.device("cuda" if cuda else "cpu")
+    model = SmallConvNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    data = torch.randn(args.batch_size, 3, 64, 64)
-    target = torch.randint(0, 100, (args.batch_size,))
+    data = torch.randn(args.batch_size, 3, 64, 64, device=device)
+    target = torch.randint(0, 100, (args.batch_size,), device=device)
 
     def benchmark_step() -> None:
         optimizer.zero_grad()
         F.cross_entropy(model(data), target).backward()
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
 
     def log(text: str) -> None:
         if hvd.rank() == 0:
             print(text, flush=True)
 
-    log(f"Model: SmallConvNet\nBatch size: {args.batch_size}\nNumber of CPUs: {hvd.size()}")
+    unit = "GPU" if cuda else "CPU"
+    log(f"Model: SmallConvNet\nBatch size: {args.batch_size}\nNumber of {unit}s: {hvd.size()}")
     log("Running warmup...")
     timeit.timeit(benchmark_step, number=args.num_warmup_batches)
     log("Running benchmark...")
@@ -68,10 +76,10 @@ def main() -> None:
     for iteration in range(args.num_iters):
         seconds = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
         rates.append(args.batch_size * args.num_batches_per_iter / seconds)
-        log(f"Iter #{iteration}: {rates[-1]:.1f} img/sec per CPU")
+        log(f"Iter #{iteration}: {rates[-1]:.1f} img/sec per {unit}")
     mean, spread = statistics.mean(rates), 1.96 * statistics.pstdev(rates)
-    log(f"Img/sec per CPU: {mean:.1f} +-{spread:.1f}")
-    log(f"Total img/sec on {hvd.size()} CPU(s): {hvd.size() * mean:.1f} +-{hvd.size() * spread:.1f}")
+    log(f"Img/sec per {unit}: {mean:.1f} +-{spread:.1f}")
+    log(f"Total img/sec on {hvd.size()} {unit}(s): {hvd.size() * mean:.1f} +-{hvd.size() * spread:.1f}")
     hvd.shutdown()
 
 

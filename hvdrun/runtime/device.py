@@ -146,9 +146,32 @@ class DeviceCollectives:
         if self._group is None and self.size == 1:
             self._group = LocalGroup()
         if self._group is None:
+            if self.backend == "nccl" and self._shared_gpu():
+                self.backend = "gloo"
             self._group = TorchGroup.create(self.backend, self._store, self.prefix, self.rank, self.size,
                                             self.timeout_s)
         return self._group
+
+    def _shared_gpu(self) -> bool:
+        """Whether two ranks use the same GPU (NCCL refuses that), warned once by rank 0.
+
+        Every rank publishes its current device's UUID under the group's prefix and reads all of
+        them, so every rank reaches the same verdict and builds the same kind of group.
+        """
+        import torch
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(self.prefix + "/gpus", self._store)
+        store.set(str(self.rank), str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid))
+        owners: dict[str, list[int]] = {}
+        for rank in range(self.size):
+            owners.setdefault(store.get(str(rank)).decode(), []).append(rank)
+        shared = [ranks for ranks in owners.values() if len(ranks) > 1]
+        if shared and self.rank == 0:
+            print(f"hvdrun: ranks {', '.join(map(str, shared[0]))} share one GPU, which NCCL refuses; device "
+                  "tensors go through gloo instead (slower). Give each rank its own GPU with --gpus-per-node, "
+                  f"or set {DEVICE_BACKEND}=gloo to choose this yourself.", file=sys.stderr, flush=True)
+        return bool(shared)
 
     def execute(self, kind: str, batch: list[Entry], tensors: list[Any]) -> list[Any]:
         """One result per tensor of ``batch`` (device ops are never fused)."""
