@@ -234,6 +234,29 @@ def _horovodrun_options(command: Any) -> Any:
     return command
 
 
+def _elastic_options(command: Any) -> Any:
+    """Elastic training (Horovod's): workers that leave or join while the job goes on."""
+    options = [
+        click.option("--min-np", "--min-num-proc", "min_np", type=click.IntRange(min=1),
+                     help="Elastic: keep training while at least this many workers remain (default -np)."),
+        click.option("--max-np", "--max-num-proc", "max_np", type=click.IntRange(min=1),
+                     help="Elastic: never more workers than this (default: every slot discovery offers)."),
+        click.option("--host-discovery-script", type=click.Path(exists=True, dir_okay=False),
+                     help="Elastic: prints 'host' or 'host:slots' per line; run again every second."),
+        click.option("--slots-per-host", "--slots", "slots_per_host", type=click.IntRange(min=1),
+                     help="Elastic: slots of a discovery line without ':slots' (default 1)."),
+        click.option("--elastic-timeout", "elastic_timeout_s", type=_Seconds(positive=True),
+                     help="Elastic: seconds to wait for --min-np workers before the job stops (600)."),
+        click.option("--reset-limit", type=click.IntRange(min=0), help="Elastic: fail after this many resets."),
+        click.option("--blacklist-cooldown-range", "cooldown_range", nargs=2, type=_Seconds(),
+                     help="Elastic: a failed host takes no new worker for MIN s, doubling per failure up to MAX "
+                          "(default 60 3600)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 _HOROVODRUN_NAMES = ("fusion_threshold_mb", "cycle_time_ms", "cache_capacity", "disable_cache",
                      "timeline_mark_cycles", "no_stall_check", "stall_check_warning_time_seconds",
                      "stall_check_shutdown_time_seconds", "log_level", "controller", "horovod_config_file",
@@ -271,6 +294,7 @@ def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[
               help="Seconds between SIGTERM and SIGKILL when stopping workers.")
 @click.option("--horovod-compat", is_flag=True,
               help="'import horovod' and 'import horovod.torch' in the ranks resolve to hvdrun.")
+@_elastic_options
 @_horovodrun_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:

@@ -30,6 +30,11 @@ JOB_ID = "HVDRUN_JOB_ID"
 BACKEND = "HVDRUN_BACKEND"
 MPIEXEC = "HVDRUN_MPIEXEC"  # the mpiexec --launcher mpiexec runs (default: beside this Python, then PATH)
 MPI_PLAN = "HVDRUN_MPI_PLAN"  # hosts, -np and GPU layout, for ranks started by mpiexec (launch/mpirank.py)
+# elastic jobs: where the launcher's membership service listens, and which worker this process is
+ELASTIC_ADDR = "HVDRUN_ELASTIC_ADDR"
+ELASTIC_PORT = "HVDRUN_ELASTIC_PORT"
+WORKER_ID = "HVDRUN_WORKER_ID"
+ELASTIC_TIMEOUT = "HVDRUN_ELASTIC_TIMEOUT"  # how long a worker waits for its next round to form
 
 _TOPOLOGY = {
     "rank": (RANK, "HOROVOD_RANK"),
@@ -100,18 +105,26 @@ def rendezvous_of(environ: Mapping[str, str]) -> Rendezvous:
                       environ[SECRET], environ[JOB_ID])
 
 
+def topology_env(place: Any) -> dict[str, str]:
+    """The variables that give a rank's place: ``place`` is a :class:`Slot` or the runtime's world
+    (anything with rank, size, local_rank, local_size, cross_rank and cross_size)."""
+    env = {name: str(getattr(place, attr)) for attr, names in _TOPOLOGY.items() for name in names}
+    env.update({
+        TORCH_RANK: str(place.rank), TORCH_WORLD_SIZE: str(place.size),
+        TORCH_LOCAL_RANK: str(place.local_rank), TORCH_LOCAL_WORLD_SIZE: str(place.local_size),
+        TORCH_GROUP_RANK: str(place.cross_rank), TORCH_GROUP_WORLD_SIZE: str(place.cross_size),
+        TORCH_ROLE_RANK: str(place.rank), TORCH_ROLE_WORLD_SIZE: str(place.size),
+    })
+    return env
+
+
 def worker_env(slot: Slot, rendezvous: Rendezvous) -> dict[str, str]:
     """The variables one rank gets on top of the forwarded environment."""
     env = job_env(rendezvous)
-    for attr, names in _TOPOLOGY.items():
-        for name in names:
-            env[name] = str(getattr(slot, attr))
+    env.update(topology_env(slot))
     env.update({
         HOSTNAME: slot.hostname, HOROVOD_HOSTNAME: slot.hostname,
-        TORCH_RANK: str(slot.rank), TORCH_WORLD_SIZE: str(slot.size),
-        TORCH_LOCAL_RANK: str(slot.local_rank), TORCH_LOCAL_WORLD_SIZE: str(slot.local_size),
         TORCH_GROUP_RANK: str(slot.host_index), TORCH_GROUP_WORLD_SIZE: str(slot.host_count),
-        TORCH_ROLE_RANK: str(slot.rank), TORCH_ROLE_WORLD_SIZE: str(slot.size),
     })
     if slot.devices:
         env[CUDA_VISIBLE_DEVICES] = ",".join(slot.devices)

@@ -11,13 +11,13 @@ is reported as the root cause. SIGINT / SIGTERM to hvdrun tear the job down the 
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,17 +196,7 @@ class WorkerGroup:
         return first
 
     def _teardown(self) -> None:
-        alive = [w for w in self.workers if w.poll() is None]
-        for worker in alive:
-            worker.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + self.launcher.grace_s
-        while any(w.poll() is None for w in alive) and time.monotonic() < deadline:
-            time.sleep(_POLL_INTERVAL_S)
-        for worker in self.workers:
-            worker.signal_group(signal.SIGKILL)
-        for worker in self.workers:
-            while worker.poll() is None:
-                time.sleep(_POLL_INTERVAL_S)
+        stop_workers(self.workers, self.launcher.grace_s)
 
     def _raise_for(self, failure: Failure | None, ranks: int) -> None:
         if self._interrupt is not None:
@@ -225,19 +215,40 @@ class WorkerGroup:
             lines.extend(f"    {line}" for line in tail)
         raise WorkerFailed("\n".join(lines), failure.exit_code)
 
-    @contextmanager
-    def _stop_signals_handled(self) -> Iterator[None]:
-        def on_signal(signum: int, _frame: object) -> None:
+    def _stop_signals_handled(self) -> contextlib.AbstractContextManager[None]:
+        def on_signal(signum: int) -> None:
             if self._interrupt is None:
                 self._interrupt = signum
             self._wakeup.set()
 
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        try:
-            yield
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+        return stop_signals_handled(on_signal)
+
+
+def stop_workers(workers: Sequence[Worker], grace_s: float) -> None:
+    """SIGTERM every live worker's process group, SIGKILL after ``grace_s``, and reap them all."""
+    alive = [w for w in workers if w.poll() is None]
+    for worker in alive:
+        worker.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(w.poll() is None for w in alive) and time.monotonic() < deadline:
+        time.sleep(_POLL_INTERVAL_S)
+    for worker in workers:
+        worker.signal_group(signal.SIGKILL)
+    for worker in workers:
+        while worker.poll() is None:
+            time.sleep(_POLL_INTERVAL_S)
+
+
+@contextlib.contextmanager
+def stop_signals_handled(on_signal: Callable[[int], None]) -> Iterator[None]:
+    """Call ``on_signal(signum)`` for SIGINT, SIGTERM and SIGHUP while inside (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, lambda signum, _frame: on_signal(signum))
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, TextIO
 from hvdrun.config import ClusterConfig, load_cluster, load_config
 from hvdrun.envvars import (
     BACKEND,
+    ELASTIC_ADDR,
+    ELASTIC_PORT,
     HOROVOD_COMPAT,
     START_TIMEOUT,
     TIMELINE,
@@ -35,6 +37,15 @@ from hvdrun.envvars import (
 from hvdrun.errors import JobInterrupted, UsageError
 from hvdrun.hosts import Host, detect_allocation, is_local_host, parse_host_string, parse_hostfile
 from hvdrun.launch.base import Launcher, WorkerGroup, WorkerSpec
+from hvdrun.launch.discovery import FixedHosts, ScriptDiscovery
+from hvdrun.launch.elastic import (
+    DEFAULT_COOLDOWN_S,
+    DEFAULT_ELASTIC_TIMEOUT_S,
+    ElasticDriver,
+    ElasticSettings,
+    check_settings,
+    make_discovery,
+)
 from hvdrun.launch.output import OutputRouter
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, total_slots
 
@@ -75,6 +86,18 @@ class RunOptions:
     extra_env: tuple[tuple[str, str], ...] = ()  # worker variables from horovodrun's options
     prefix_timestamp: bool = False
     horovod_compat: bool = False
+    min_np: int | None = None
+    max_np: int | None = None
+    host_discovery_script: str | None = None
+    slots_per_host: int | None = None
+    elastic_timeout_s: float | None = None
+    reset_limit: int | None = None
+    cooldown_range: tuple[float, float] | None = None
+
+    @property
+    def elastic(self) -> bool:
+        """Horovod's rule: elastic when discovery, --min-np or --max-np is given."""
+        return bool(self.host_discovery_script or self.min_np or self.max_np)
 
 
 @dataclass(frozen=True)
@@ -91,6 +114,7 @@ class JobPlan:
     ssh_port: int | None = None
     layout: GpuLayout = GpuLayout()
     mpi_flavour: str | None = None
+    elastic: ElasticPlan | None = None
 
     def python_for(self, host: Host) -> str:
         """The Python of ``host``: its own from the cluster YAML, else the launcher's."""
@@ -104,13 +128,30 @@ class JobPlan:
             return (self.python_for(host), "-u", *self.command)
         return self.command
 
+    def spec(self, slot: Slot, rendezvous: Rendezvous, cpus: Callable[[Host], int],
+             extra_env: Mapping[str, str] | None = None) -> WorkerSpec:
+        """The spec of the rank in ``slot``."""
+        return WorkerSpec(slot=slot, argv=self.argv_for(slot.host), cwd=self.cwd, python=self.python_for(slot.host),
+                          env={**self.base_env, **thread_env(slot, cpus(slot.host), self.base_env),
+                               **worker_env(slot, rendezvous), **(extra_env or {})})
+
     def specs(self, rendezvous: Rendezvous, cpus: Callable[[Host], int]) -> tuple[WorkerSpec, ...]:
         """Every rank's spec, once rank 0's rendezvous endpoint is known."""
-        return tuple(WorkerSpec(slot=slot, argv=self.argv_for(slot.host), cwd=self.cwd,
-                                python=self.python_for(slot.host),
-                                env={**self.base_env, **thread_env(slot, cpus(slot.host), self.base_env),
-                                     **worker_env(slot, rendezvous)})
-                     for slot in self.slots)
+        return tuple(self.spec(slot, rendezvous, cpus) for slot in self.slots)
+
+
+@dataclass(frozen=True)
+class ElasticPlan:
+    """An elastic job's hosts (fixed, or a discovery script) and settings."""
+
+    settings: ElasticSettings
+    hosts: tuple[Host, ...]
+    script: str | None = None
+    slots_per_host: int | None = None
+
+    def discovery(self) -> FixedHosts | ScriptDiscovery:
+        """Where the job finds its hosts while it runs."""
+        return make_discovery(self.script, self.slots_per_host, self.hosts)
 
 
 def _load_cluster_config(options: RunOptions) -> ClusterConfig | None:
@@ -191,12 +232,18 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     """
     config = _load_cluster_config(options)
     layout = _gpu_layout(options, config)
-    hosts, source = _resolve_hosts(options, config, layout, environ)
+    if options.host_discovery_script:
+        hosts, source = make_discovery(options.host_discovery_script, options.slots_per_host, ()).find(), "discovery"
+    else:
+        hosts, source = _resolve_hosts(options, config, layout, environ)
     ranks_per_node = options.ranks_per_node or (config.ranks_per_node if config else None)
     if ranks_per_node:
         hosts = tuple(replace(host, slots=ranks_per_node) for host in hosts)
-    slots = assign_slots(hosts, options.num_proc or total_slots(hosts), layout)
+    elastic = _elastic_plan(options, hosts) if options.elastic else None
+    slots = () if elastic else assign_slots(hosts, options.num_proc or total_slots(hosts), layout)
     launcher = _choose_launcher(options, config, hosts, source)
+    if elastic:
+        check_settings(elastic.settings, launcher)
     command = resolve_command(options.command, check_program=launcher == "local", module=options.module)
     base_env = {**environ, **(config.env if config else {}), **dict(options.extra_env),
                 **forwarded_env(options.env_specs, environ)}
@@ -213,7 +260,17 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     return JobPlan(slots=tuple(slots), command=command, launcher=launcher, options=options, base_env=base_env,
                    cwd=os.getcwd(), default_python=(config.python if config else None) or sys.executable,
                    ssh_port=config.ssh_port if config else None, layout=layout,
-                   mpi_flavour=options.mpi_flavour or (config.mpi_flavour if config else None))
+                   mpi_flavour=options.mpi_flavour or (config.mpi_flavour if config else None), elastic=elastic)
+
+
+def _elastic_plan(options: RunOptions, hosts: tuple[Host, ...]) -> ElasticPlan:
+    """The elastic settings: --min-np defaults to -np; with a fixed host list -np also caps the workers."""
+    cap = options.max_np or (options.num_proc if not options.host_discovery_script else None)
+    settings = ElasticSettings(min_np=options.min_np or options.num_proc or 1, max_np=cap,
+                               timeout_s=options.elastic_timeout_s or DEFAULT_ELASTIC_TIMEOUT_S,
+                               reset_limit=options.reset_limit,
+                               cooldown_s=tuple(options.cooldown_range or DEFAULT_COOLDOWN_S))  # type: ignore[arg-type]
+    return ElasticPlan(settings, hosts, options.host_discovery_script, options.slots_per_host)
 
 
 def _check_backend(env: Mapping[str, str], launcher: str) -> None:
@@ -300,6 +357,8 @@ def run_job(plan: JobPlan, console: dict[str, TextIO] | None = None) -> None:
         JobInterrupted: hvdrun was interrupted.
     """
     options = plan.options
+    if plan.elastic is not None:
+        return run_elastic_job(plan, plan.elastic, console)
     router = OutputRouter(len(plan.slots), prefix=options.prefix_output, output_dir=options.output_dir,
                           console=console, timestamp=options.prefix_timestamp)
     launcher = make_launcher(plan)
@@ -314,3 +373,30 @@ def run_job(plan: JobPlan, console: dict[str, TextIO] | None = None) -> None:
     finally:
         launcher.close()
         remove_files(shm_files_glob(job_id))  # left by ranks killed during init() (their guards remove them too)
+
+
+def run_elastic_job(plan: JobPlan, elastic: ElasticPlan, console: dict[str, TextIO] | None = None) -> None:
+    """Run an elastic job: workers follow discovery, failures shrink the job, new hosts grow it.
+
+    Raises:
+        WorkerFailed: the job could not keep --min-np workers, or passed --reset-limit.
+        JobInterrupted: hvdrun was interrupted.
+    """
+    options = plan.options
+    capacity = elastic.settings.max_np or max(total_slots(elastic.hosts), 1)
+    router = OutputRouter(capacity, prefix=options.prefix_output, output_dir=options.output_dir, console=console,
+                          timestamp=options.prefix_timestamp)
+    launcher = make_launcher(plan)
+    secret, job_id = secrets.token_hex(32), secrets.token_hex(4)
+
+    def spec_for(slot: Slot, extra_env: dict[str, str]) -> WorkerSpec:
+        service = Rendezvous(extra_env[ELASTIC_ADDR], int(extra_env[ELASTIC_PORT]), 0, secret, job_id)
+        return plan.spec(slot, service, launcher.cpus, extra_env)
+
+    driver = ElasticDriver(launcher, router, elastic.discovery(), elastic.settings, spec_for, secret, plan.layout)
+    try:
+        driver.run()
+    finally:
+        router.drain(5.0)
+        launcher.close()
+        remove_files(shm_files_glob(job_id))

@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hvdrun import envvars
@@ -17,6 +17,7 @@ from hvdrun.runtime.backends.base import Backend, World
 from hvdrun.runtime.backends.torchdist import open_store
 from hvdrun.runtime.device import DeviceCollectives, device_backend_name
 from hvdrun.runtime.engine import Engine
+from hvdrun.runtime.membership import Assignment, is_elastic, join_round
 from hvdrun.runtime.rendezvous import Rendezvous
 from hvdrun.runtime.timeline import Timeline
 from hvdrun.runtime.transport.base import AbortFlag
@@ -38,6 +39,7 @@ class Runtime:
     rendezvous: Rendezvous | None
     device: DeviceCollectives | None = None
     timeline_dynamic: bool = False
+    assignment: Assignment | None = None  # this process's round of an elastic job
 
     @property
     def world(self) -> World:
@@ -160,18 +162,26 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
             _usage_hook_installed = True
         environ = os.environ if environ is None else environ
         launch = envvars.read_launch_info(environ)
+        generation, assignment = _generation, None
+        if is_elastic(environ):
+            assignment = join_round(environ, envvars.env_number(environ, (envvars.ELASTIC_TIMEOUT,), 600.0))
+            launch = replace(launch, rank=assignment.rank, size=assignment.size,
+                             rendezvous_addr=assignment.rendezvous_addr, rendezvous_port=assignment.rendezvous_port)
+            generation = assignment.round
         abort = AbortFlag()
         device_backend = device_backend_name(environ) if launch.size > 1 else None
         timeout_s = envvars.env_number(environ, (envvars.START_TIMEOUT,), DEFAULT_START_TIMEOUT_S)
         tuning = _engine_settings(environ)  # a bad value stops every rank the same way, before any connection
         store = (open_store(0, launch.size, timeout_s, launch.rendezvous_addr or "")
                  if device_backend and launch.rank == 0 else None)
-        backend, rendezvous = _connect(launch, environ, abort, _generation, store.port if store else 0, timeout_s)
-        device = _device_collectives(device_backend, store, backend, launch, timeout_s, _generation)
+        backend, rendezvous = _connect(launch, environ, abort, generation, store.port if store else 0, timeout_s)
+        device = _device_collectives(device_backend, store, backend, launch, timeout_s, generation)
         _generation += 1
         engine = Engine(backend, report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),
                         device=device, **tuning)
-        _runtime = Runtime(launch, backend, engine, rendezvous, device)
+        _runtime = Runtime(launch, backend, engine, rendezvous, device, assignment=assignment)
+        if assignment is not None and environ is os.environ:  # scripts that read RANK etc. see this round's
+            os.environ.update(envvars.topology_env(backend.world))
         _start_configured_timeline(_runtime, environ)
         if not _atexit_registered:
             atexit.register(shutdown)

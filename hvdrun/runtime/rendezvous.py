@@ -59,6 +59,11 @@ def listen(addr: str, port: int, backlog: int) -> socket.socket:
             time.sleep(0.1)
 
 
+def reserve_listener(addr: str, port: int, sock: socket.socket) -> None:
+    """Keep ``sock`` (listening on ``addr:port``) for a later rank 0 of this process to serve on."""
+    _listeners[(addr, port)] = sock
+
+
 def _listener(addr: str, port: int, size: int) -> socket.socket:
     sock = _listeners.get((addr, port))
     if sock is None or sock.fileno() < 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from hvdrun.errors import CollectiveError as HorovodInternalError
 from hvdrun.runtime import context
+from hvdrun.torch import elastic  # hvd.elastic
 from hvdrun.torch.autograd import (
     allgather,
     allreduce,
@@ -143,7 +144,7 @@ __all__ = [
     "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async",
     "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
     "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
+    "broadcast_object", "broadcast_optimizer_state", "elastic", "broadcast_parameters", "ccl_built", "cross_rank",
     "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",

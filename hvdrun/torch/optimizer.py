@@ -99,7 +99,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._process_set = process_set
         self._overlap = _overlap_policy(all_params)
         member = process_set is None or process_set.included()
-        if context.current().world.size > 1 and member:
+        if (context.current().world.size > 1 or context.current().assignment is not None) and member:
             for param in all_params:
                 param.register_post_accumulate_grad_hook(self._make_hook())
 
@@ -220,6 +220,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._group_handles.clear()
         self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
         self._synchronized = True
+
+    def reset_pending(self) -> None:
+        """Forget gradients submitted to a runtime that failed (elastic reset): the next backward starts afresh."""
+        self._handles.clear()
+        self._group_handles.clear()
+        self._together = None
+        for param in self._densified:
+            if param.grad is not None and not param.grad.is_sparse:
+                param.grad = param.grad.to_sparse()
+        self._densified.clear()
+        self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
+        self._synchronized = False
 
     def _sparse_allreduce(self, param: torch.Tensor) -> torch.Tensor:
         grad = cast(torch.Tensor, param.grad).coalesce()
