@@ -34,7 +34,6 @@ MPI_PLAN = "HVDRUN_MPI_PLAN"  # hosts, -np and GPU layout, for ranks started by 
 ELASTIC_ADDR = "HVDRUN_ELASTIC_ADDR"
 ELASTIC_PORT = "HVDRUN_ELASTIC_PORT"
 WORKER_ID = "HVDRUN_WORKER_ID"
-ELASTIC_TIMEOUT = "HVDRUN_ELASTIC_TIMEOUT"  # how long a worker waits for its next round to form
 
 _TOPOLOGY = {
     "rank": (RANK, "HOROVOD_RANK"),

@@ -231,7 +231,7 @@ class ElasticDriver:
         number, self._next_number = self._next_number, self._next_number + 1
         slot = self._slot(host, index, number)
         env = {envvars.ELASTIC_ADDR: self.service[0], envvars.ELASTIC_PORT: str(self.service[1]),
-               envvars.WORKER_ID: str(number), envvars.ELASTIC_TIMEOUT: str(self.settings.timeout_s)}
+               envvars.WORKER_ID: str(number)}
         worker = self.launcher.start(self.spec_for(slot, env), self.router)
         self._state.members[number] = _Member(number, host, index, worker, time.monotonic())
 

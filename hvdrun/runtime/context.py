@@ -164,7 +164,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         launch = envvars.read_launch_info(environ)
         generation, assignment = _generation, None
         if is_elastic(environ):
-            assignment = join_round(environ, envvars.env_number(environ, (envvars.ELASTIC_TIMEOUT,), 600.0))
+            assignment = join_round(environ)
             launch = replace(launch, rank=assignment.rank, size=assignment.size,
                              rendezvous_addr=assignment.rendezvous_addr, rendezvous_port=assignment.rendezvous_port)
             generation = assignment.round

@@ -83,24 +83,26 @@ def _rendezvous_port(local_addr: str) -> int:
     return port
 
 
-def join_round(environ: Mapping[str, str], timeout_s: float) -> Assignment:
-    """Wait (up to ``timeout_s``) for the next round to form and return this worker's place in it.
+def join_round(environ: Mapping[str, str]) -> Assignment:
+    """Wait for the next round to form and return this worker's place in it.
+
+    The launcher decides how long a round may take (``--elastic-timeout``) and answers every
+    waiting worker when it gives up, so the wait has no clock of its own; a launcher that dies
+    closes the connection (and its guard stops this worker anyway).
 
     Raises:
         WorkerRemoved: the launcher has no place for this worker any more.
-        MembershipError: the service is gone or the round did not form in time.
+        MembershipError: the service is gone.
     """
     sock = _connect(environ)
     try:
         local_addr = sock.getsockname()[0]
         worker = int(environ[envvars.WORKER_ID])
         send_frame(sock, ("join", worker, local_addr, _rendezvous_port(local_addr), os.getpid()))
-        sock.settimeout(timeout_s)
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         try:
             kind, body = recv_frame(sock)
-        except TimeoutError as e:
-            raise MembershipError(f"worker {worker}: no round of the elastic job formed within {timeout_s:g} s") \
-                from e
         except (OSError, ConnectionError, EOFError) as e:
             raise MembershipError(f"worker {worker}: the launcher's membership service closed: {e}") from e
     finally:
