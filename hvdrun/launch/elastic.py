@@ -169,6 +169,7 @@ class ElasticDriver:
                 self._rediscover()
                 last_discovery = time.monotonic()
             self._check_minimum()
+            self._stop_stuck_starters()
             self._form_round()
             self._wakeup.wait(_TICK_S)
             self._wakeup.clear()
@@ -294,9 +295,27 @@ class ElasticDriver:
                 if started >= room:
                     return started > 0
                 if (host.name, index) not in busy:
-                    self._start(host, index)
+                    try:
+                        self._start(host, index)
+                    except LaunchError as e:
+                        self.log(f"hvdrun: elastic: warning: {e}; host {host.name} cools down")
+                        self._cool_down(host.name)
+                        break
                     started += 1
         return started > 0
+
+    def _stop_stuck_starters(self) -> None:
+        """A new worker that has not joined a round within ``--elastic-timeout`` of its start is stopped
+        (it then counts as failed): a round must not wait for it forever."""
+        with self._lock:
+            joined = set(self._state.joins)
+        now = time.monotonic()
+        for member in self._serving():
+            if member.last_rank is None and member.number not in joined and \
+                    now - member.started > self.settings.timeout_s:
+                self.log(f"hvdrun: elastic: worker {member.number} on host {member.host.name} did not join within "
+                         f"{self.settings.timeout_s:g} s of its start (--elastic-timeout); stopping it")
+                member.worker.signal_group(signal.SIGKILL)
 
     # -- minimum and rounds ----------------------------------------------------------------------
     def _check_minimum(self) -> None:
@@ -336,6 +355,10 @@ class ElasticDriver:
             raise WorkerFailed(f"elastic job stopped: it needs reset {self._state.round}, and --reset-limit is "
                                f"{limit}", 1)
         order = sorted(serving, key=lambda m: (m.last_rank is None, m.last_rank or 0, m.number))
+        if self._state.round > 0 and order[0].last_rank is None:
+            raise WorkerFailed("elastic job stopped: no worker of the last round is left, so the committed state "
+                               f"went with them; the {len(order)} new worker(s) would start training from scratch",
+                               self._failures[-1][1].exit_code if self._failures else 1)
         with self._lock:
             self._state.round += 1
             round_number, updates = self._state.round, self._state.updates
