@@ -81,6 +81,15 @@ def test_killed_rank_mid_epoch_leaves_three_ranks_with_the_reference_model(run_h
         assert "FINAL" in (tmp_path / "logs" / f"rank.{worker}" / "stdout").read_text()
 
 
+def test_three_deaths_in_one_job_rank_zero_among_them(run_hvdrun, hvdrun_env):
+    hvdrun_env.update(ELASTIC_STEPS="30", ELASTIC_KILLS="2:5,0:13,4:21", OMP_NUM_THREADS="1")
+    done = run_hvdrun("-np", "5", "-H", "localhost:5", "--min-np", "2", TRAIN, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    survivors = assert_trained_to_reference(done.stdout, 2)
+    assert sorted(f["worker"] for f in survivors) == [1, 3] and all(f["resets"] == 3 for f in survivors)
+    assert [int(n) for n in re.findall(r"round \d+: (\d+) rank", done.stderr)] == [5, 4, 3, 2]
+
+
 def test_single_machine_survives_a_rank_death_and_refills_the_slot_after_its_cooldown(run_hvdrun, hvdrun_env,
                                                                                       tmp_path):
     script, _ = discovery_script(tmp_path, "localhost:3")

@@ -1,14 +1,14 @@
 """An elastic training whose result does not depend on the world size: the test compares it with a
 single-process reference.
 
-Every step uses one global batch of GLOBAL rows (divisible by 1..4 ranks), split evenly; the
+Every step uses one global batch of GLOBAL rows (divisible by 1..6 ranks), split evenly; the
 averaged gradient is the global batch's. With float64 the trajectory equals single-process
 full-batch descent, however many ranks take part and whatever step the job resumed from.
 
 Environment (set by the tests):
     ELASTIC_STEPS: steps in all; ELASTIC_COMMIT_EVERY: steps between commits.
     ELASTIC_KILL_WORKER / ELASTIC_KILL_STEP: that worker SIGKILLs itself in the middle of that step
-        (after its backward, before the optimizer's allreduce).
+        (after its backward, before the optimizer's allreduce); ELASTIC_KILLS="W:S,W:S" for several.
     ELASTIC_STEP_SLEEP: seconds each step sleeps (so a test can change discovery mid-training).
     ELASTIC_MARK_DIR: rank 0 touches STEP files there, for tests that wait for progress.
 """
@@ -25,7 +25,7 @@ import torch
 
 import hvdrun.torch as hvd
 
-GLOBAL = 12
+GLOBAL = 60
 FEATURES = 4
 LR = 0.05
 
@@ -54,8 +54,10 @@ def reference(steps: int) -> list[float]:
 def main() -> None:
     steps = int(os.environ.get("ELASTIC_STEPS", "40"))
     commit_every = int(os.environ.get("ELASTIC_COMMIT_EVERY", "4"))
-    kill_worker = os.environ.get("ELASTIC_KILL_WORKER")
-    kill_step = int(os.environ.get("ELASTIC_KILL_STEP", "-1"))
+    listed = [item.split(":") for item in os.environ.get("ELASTIC_KILLS", "").split(",") if item]
+    kills = {int(worker): int(step) for worker, step in listed}
+    if os.environ.get("ELASTIC_KILL_WORKER"):
+        kills[int(os.environ["ELASTIC_KILL_WORKER"])] = int(os.environ["ELASTIC_KILL_STEP"])
     sleep_s = float(os.environ.get("ELASTIC_STEP_SLEEP", "0"))
     marks = Path(os.environ["ELASTIC_MARK_DIR"]) if os.environ.get("ELASTIC_MARK_DIR") else None
     me = os.environ.get("HVDRUN_WORKER_ID")
@@ -81,7 +83,7 @@ def main() -> None:
             rows = slice(hvd.rank() * share, (hvd.rank() + 1) * share)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-            if me == kill_worker and state.step == kill_step:
+            if me is not None and kills.get(int(me)) == state.step:
                 print(f"worker {me}: killing myself at step {state.step} t={time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             optimizer.step()
