@@ -200,15 +200,25 @@ def test_bad_discovery_output_is_a_usage_error_naming_the_line(run_hvdrun, tmp_p
     assert f"--host-discovery-script {script}, line 2" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_rank_death_on_a_remote_host_over_ssh(run_hvdrun, hvdrun_env, ssh_hosts, tmp_path):
-    script, _ = discovery_script(tmp_path, "\n".join(f"{addr}:1" for addr in ssh_hosts.addrs[:3]))
-    hvdrun_env.update(ELASTIC_STEPS="24", ELASTIC_KILL_WORKER="1", ELASTIC_KILL_STEP="9", OMP_NUM_THREADS="1")
-    done = run_hvdrun("--min-np", "2", "--host-discovery-script", str(script), *ssh_hosts.args(), TRAIN,
-                      timeout=150)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert_trained_to_reference(done.stdout, 2)
-    assert f"worker 1 (rank 1) on host {ssh_hosts.addrs[1]} was killed by signal 9 (SIGKILL)" in done.stderr
-    assert "round 2: 2 rank(s) on 2 host(s)" in done.stderr
+def test_over_ssh_a_remote_rank_dies_and_a_new_host_joins(hvdrun_env, ssh_hosts, tmp_path, token):
+    first, fourth = ssh_hosts.addrs[:3], ssh_hosts.addrs[3]
+    script, listing = discovery_script(tmp_path, "\n".join(f"{addr}:1" for addr in first))
+    hvdrun_env.update(ELASTIC_STEPS="80", ELASTIC_KILL_WORKER="1", ELASTIC_KILL_STEP="9", ELASTIC_STEP_SLEEP="0.1",
+                      ELASTIC_MARK_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    job = start(hvdrun_env, tmp_path, "--min-np", "2", "--host-discovery-script", str(script), *ssh_hosts.args(),
+                TRAIN)
+    try:  # rank 0 runs on h1 and marks its steps in tmp_path, which every namespace host shares
+        assert wait_until(lambda: (tmp_path / "step16").exists(), 90), "training did not go on after the death"
+        listing.write_text("\n".join(f"{addr}:1" for addr in [*first, fourth]) + "\n")
+        stdout, stderr = job.communicate(timeout=150)
+    finally:
+        job.kill()
+    assert job.returncode == 0, stderr[-3000:]
+    assert f"worker 1 (rank 1) on host {first[1]} was killed by signal 9 (SIGKILL)" in stderr
+    assert [int(n) for n in re.findall(r"round \d+: (\d+) rank", stderr)] == [3, 2, 3], stderr[-2000:]
+    final = assert_trained_to_reference(stdout, 3)
+    assert sorted(f["worker"] for f in final) == [0, 2, 3]  # worker 3 is the one started on h4
+    assert wait_until(lambda: not job_processes(token))
 
 
 def test_no_process_outlives_an_interrupted_elastic_job(hvdrun_env, tmp_path, token):
