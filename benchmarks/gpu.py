@@ -20,9 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hvdrun.health.timing import batch_plan, median_seconds
+from hvdrun.health.timing import batch_plan, median_seconds, parse_size
 
-SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
 LIBRARIES = ("hvdrun", "nccl")
 
 
@@ -99,14 +98,13 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", help="comma-separated rank counts (default: 1 .. the GPUs there are)")
-    parser.add_argument("--sizes", default=",".join(SIZES))
+    parser.add_argument("--sizes", default="4K,64K,1M,16M,64M,256M", help="sizes: 4096, 4K, 64M, 1G")
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--worker", choices=LIBRARIES, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sizes = [SIZES[s] if s in SIZES else int(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
     if args.worker:
-        worker(args.worker, sizes)
-        return
+        return worker(args.worker, sizes)
     import torch
 
     gpus = torch.cuda.device_count()

@@ -105,40 +105,36 @@ def test_single_machine_survives_a_rank_death_and_refills_the_slot_after_its_coo
     assert 1 not in [f["worker"] for f in final] and 3 in [f["worker"] for f in final]
 
 
-def test_host_added_to_discovery_joins_and_the_world_grows(hvdrun_env, tmp_path, token):
-    script, listing = discovery_script(tmp_path, "localhost:2")
+def change_discovery_mid_training(hvdrun_env: dict[str, str], tmp_path: Path, before: str, after: str,
+                                  token: str) -> tuple[str, str]:
+    """Train from a discovery listing ``before``; once step 4 is done, the listing becomes ``after``."""
+    script, listing = discovery_script(tmp_path, before)
     hvdrun_env.update(ELASTIC_STEPS="60", ELASTIC_STEP_SLEEP="0.1", ELASTIC_MARK_DIR=str(tmp_path),
                       OMP_NUM_THREADS="1")
     job = start(hvdrun_env, tmp_path, "--min-np", "2", "--host-discovery-script", str(script), TRAIN)
     try:
         assert wait_until(lambda: (tmp_path / "step4").exists(), 60), "training did not start"
-        listing.write_text("localhost:3\n")
+        listing.write_text(after + "\n")
         stdout, stderr = job.communicate(timeout=120)
     finally:
         job.kill()
     assert job.returncode == 0, stderr[-3000:]
+    assert wait_until(lambda: not job_processes(token))
+    return stdout, stderr
+
+
+def test_host_added_to_discovery_joins_and_the_world_grows(hvdrun_env, tmp_path, token):
+    stdout, stderr = change_discovery_mid_training(hvdrun_env, tmp_path, "localhost:2", "localhost:3", token)
     final = assert_trained_to_reference(stdout, 3)
     assert {f["worker"] for f in final} == {0, 1, 2}
     assert re.search(r"round 2: 3 rank\(s\)", stderr)
-    assert wait_until(lambda: not job_processes(token))
 
 
 def test_host_removed_from_discovery_leaves_cleanly(hvdrun_env, tmp_path, token):
-    script, listing = discovery_script(tmp_path, "localhost:3")
-    hvdrun_env.update(ELASTIC_STEPS="60", ELASTIC_STEP_SLEEP="0.1", ELASTIC_MARK_DIR=str(tmp_path),
-                      OMP_NUM_THREADS="1")
-    job = start(hvdrun_env, tmp_path, "--min-np", "2", "--host-discovery-script", str(script), TRAIN)
-    try:
-        assert wait_until(lambda: (tmp_path / "step4").exists(), 60), "training did not start"
-        listing.write_text("localhost:2\n")
-        stdout, stderr = job.communicate(timeout=120)
-    finally:
-        job.kill()
-    assert job.returncode == 0, stderr[-3000:]
+    stdout, stderr = change_discovery_mid_training(hvdrun_env, tmp_path, "localhost:3", "localhost:2", token)
     assert_trained_to_reference(stdout, 2)
     assert "[2]<stderr>:hvdrun: elastic: this worker leaves the job: host localhost has 2 slot(s) now" in stderr
     assert "killed" not in stderr and "Traceback" not in stderr
-    assert wait_until(lambda: not job_processes(token))
 
 
 def test_below_min_np_past_the_timeout_ends_the_job_naming_why(run_hvdrun, hvdrun_env):
