@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hvdrun.envvars import OVERLAP
 from hvdrun.runtime import context
@@ -90,10 +92,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = _split_groups(all_params, groups)
         self._group_of = {p: index for index, group in enumerate(self._groups) for p in group}
         self._requires_update = set(all_params)
+        # gradients outside any group, in name order (every rank submits them in the same order)
+        self._ungrouped = sorted(set(all_params) - set(self._group_of), key=self._parameter_names.__getitem__)
+        self._digests: dict[tuple[tuple[int, ...], ...], int] = {}
         self._delay = {p: backward_passes_per_step for p in all_params}
         self._handles: dict[torch.Tensor, tuple[int | None, Any]] = {}
         self._group_handles: dict[int, tuple[int, list[Any]]] = {}
-        self._together: tuple[int, list[torch.Tensor], list[Any]] | None = None
+        # submitted at step() without overlap: (handle, params, (compressed, ctx) pairs, flattened tensors or None)
+        self._together: list[tuple[Any, list[torch.Tensor], list[Any], list[torch.Tensor] | None]] = []
         self._synchronized = False
         self._should_synchronize = True
         self._process_set = process_set
@@ -137,8 +143,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles[param] = (handle, (compressed, ctx))
 
     def _submit_together(self, params: list[torch.Tensor]) -> None:
-        """Without overlap (CPU), every gradient waits for ``step()``: they go out as one grouped allreduce
-        (one negotiation, one fused buffer), not one op each; sparse ones keep their allgather."""
+        """Without overlap (CPU), every gradient waits for ``step()``: they go out flattened into one buffer per
+        dtype, one allreduce each (per-op overhead paid once, not per tensor); sparse ones keep their allgather.
+
+        The name carries a digest of the shapes, so ranks whose models differ wait on different names and the
+        deadlock check names them, instead of summing mismatched layouts. Adasum combines tensor by tensor: it
+        goes as a grouped allreduce.
+        """
         dense = []
         for param in params:
             if cast(torch.Tensor, param.grad).is_sparse and not self.sparse_as_dense:
@@ -150,10 +161,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         compressed = [self._compression.compress(self._dense_grad(p)) for p in dense]
         prescale, postscale = self._scales()
-        handle = grouped_allreduce_async_([c for c, _ in compressed], name="allreduce.step", op=self.op,
-                                          prescale_factor=prescale, postscale_factor=postscale,
-                                          process_set=self._process_set, _progress_now=False)
-        self._together = (handle, dense, compressed)
+        options = {"op": self.op, "prescale_factor": prescale, "postscale_factor": postscale,
+                   "process_set": self._process_set, "_progress_now": False}
+        if self.op == Adasum:
+            handle = grouped_allreduce_async_([c for c, _ in compressed], name="allreduce.step", **options)
+            self._together = [(handle, dense, compressed, None)]
+            return
+        self._together = []
+        for kind in dict.fromkeys((c.dtype, c.device) for c, _ in compressed):
+            members = [i for i, (c, _) in enumerate(compressed) if (c.dtype, c.device) == kind]
+            tensors = [compressed[i][0] for i in members]
+            flat = _flatten_dense_tensors(tensors)
+            shapes = tuple(tuple(t.shape) for t in tensors)
+            digest = self._digests.get(shapes)
+            if digest is None:
+                digest = self._digests[shapes] = zlib.crc32(repr(shapes).encode())
+            handle = allreduce_async_(flat, name=f"allreduce.step.{str(kind[0]).replace('torch.', '')}.{digest:08x}",
+                                      **options)
+            self._together.append((handle, [dense[i] for i in members], [compressed[i] for i in members], tensors))
 
     def _submit_group_if_complete(self, index: int, force: bool = False) -> None:
         group = self._groups[index]
@@ -183,8 +208,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if context.current().world.size == 1 or outsider:
             self._synchronized = True
             return
-        waiting = [p for p in sorted(self._requires_update - set(self._group_of), key=self._parameter_names.__getitem__)
-                   if self._handles.get(p, (None, None)) == (None, None)]
+        waiting = [p for p in self._ungrouped if self._handles.get(p, (None, None)) == (None, None)]
         for param in waiting:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -203,12 +227,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 compressed, compression_ctx = ctx
                 if output is not param.grad:
                     self._dense_grad(param).copy_(self._compression.decompress(output, compression_ctx))
-        if self._together is not None:
-            handle, params, compressed = self._together
-            for param, output, (_, ctx) in zip(params, synchronize(handle), compressed, strict=True):
-                if output is not param.grad:
-                    self._dense_grad(param).copy_(self._compression.decompress(output, ctx))
-            self._together = None
+        for handle, params, compressed, flattened in self._together:
+            self._take_results(synchronize(handle), params, compressed, flattened)
+        self._together = []
         for index, (handle, compressed) in self._group_handles.items():
             for param, output, (_, ctx) in zip(self._groups[index], synchronize(handle), compressed, strict=True):
                 if output is not param.grad:
@@ -221,11 +242,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
         self._synchronized = True
 
+    def _take_results(self, output: Any, params: list[torch.Tensor], compressed: list[Any],
+                      flattened: list[torch.Tensor] | None) -> None:
+        """Write the reduced gradients of one submission back into ``param.grad``."""
+        outputs = output if flattened is None else _unflatten_dense_tensors(output, flattened)
+        if flattened is not None and self._compression is Compression.none:  # one copy for all of them
+            torch._foreach_copy_([self._dense_grad(p) for p in params], list(outputs))
+            return
+        for param, piece, (_, ctx) in zip(params, outputs, compressed, strict=True):
+            if piece is not param.grad:
+                self._dense_grad(param).copy_(self._compression.decompress(piece, ctx))
+
     def reset_pending(self) -> None:
         """Forget gradients submitted to a runtime that failed (elastic reset): the next backward starts afresh."""
         self._handles.clear()
         self._group_handles.clear()
-        self._together = None
+        self._together = []
         for param in self._densified:
             if param.grad is not None and not param.grad.is_sparse:
                 param.grad = param.grad.to_sparse()
