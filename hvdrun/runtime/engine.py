@@ -239,6 +239,8 @@ class Engine:
                     self._check_stalls()
         except CollectiveError as e:
             self.fail(str(e))
+        except Exception as e:  # the backend's own error (gloo: a peer closed its connection): every op fails
+            self.fail(f"the {self.backend.name} backend failed on rank {self.world.rank}: {e}")
 
     def _probe_due(self, waiting_since: float) -> bool:
         """Blocked for a while, and no cycle for as long: ask every rank what it waits for."""
