@@ -34,6 +34,7 @@ MPI_PLAN = "HVDRUN_MPI_PLAN"  # hosts, -np and GPU layout, for ranks started by 
 ELASTIC_ADDR = "HVDRUN_ELASTIC_ADDR"
 ELASTIC_PORT = "HVDRUN_ELASTIC_PORT"
 WORKER_ID = "HVDRUN_WORKER_ID"
+FAST_LANE = "HVDRUN_FAST_LANE"  # 0: blocking small allreduces of a one-host job take the engine's path too
 
 _TOPOLOGY = {
     "rank": (RANK, "HOROVOD_RANK"),

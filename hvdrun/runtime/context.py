@@ -178,7 +178,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         device = _device_collectives(device_backend, store, backend, launch, timeout_s, generation)
         _generation += 1
         engine = Engine(backend, report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),
-                        device=device, **tuning)
+                        device=device, lane=getattr(backend, "lane", None), **tuning)
         _runtime = Runtime(launch, backend, engine, rendezvous, device, assignment=assignment)
         if assignment is not None and environ is os.environ:  # scripts that read RANK etc. see this round's
             os.environ.update(envvars.topology_env(backend.world))

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from hvdrun.errors import CollectiveError
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.executors import EXECUTORS, Handle, LocalOp, reduce_contributions, scale, stand_in
+from hvdrun.runtime.lane import FastLane, suits_lane
 from hvdrun.runtime.negotiation import Entry, Request, Table, plan
 from hvdrun.runtime.timeline import Timeline
 
@@ -66,8 +67,11 @@ class Engine:
 
     def __init__(self, backend: Backend, fusion_threshold: int, stall_warning_s: float, stall_error_s: float,
                  report_failure: Callable[[str], None], cycle_time_s: float = 0.001,
-                 eager_bytes: int = 0, device: DeviceCollectives | None = None) -> None:
-        self.backend, self.world, self.device = backend, backend.world, device
+                 eager_bytes: int = 0, device: DeviceCollectives | None = None, lane: FastLane | None = None) -> None:
+        self.backend, self.world, self.device, self.lane = backend, backend.world, device, lane
+        self.cycles = 0  # negotiation cycles run on this rank (the fast lane watches it for engine traffic)
+        if lane is not None:
+            lane.configure(stall_warning_s, stall_error_s)
         self.timeline: Timeline | None = None
         self.fusion_threshold, self.cycle_time_s, self.eager_bytes = fusion_threshold, cycle_time_s, eager_bytes
         self.stall_warning_s, self.stall_error_s = stall_warning_s, stall_error_s
@@ -81,6 +85,7 @@ class Engine:
         self._counters: defaultdict[str, int] = defaultdict(int)
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
+        self._idle_fds = [self._wake_read] + ([lane.bell_fd] if lane is not None and self.world.rank == 0 else [])
         self._sleeping = False
         self._progress = threading.Lock()
         self._waiters = 0  # threads inside drive_until: the background thread stands down
@@ -175,8 +180,23 @@ class Engine:
                 self._holds -= 1
 
     def run(self, request: Request, array: np.ndarray | None = None) -> Any:
-        """Submit and wait on the calling thread: the blocking collectives."""
+        """Submit and wait on the calling thread: the blocking collectives (a small allreduce may take the
+        fast lane when this rank has nothing else in flight; see :mod:`hvdrun.runtime.lane`)."""
+        if self.lane is not None and suits_lane(request, array) and self._idle_for_lane():
+            cycles = self.cycles
+            try:
+                if self.lane.allreduce(request, cast(np.ndarray, array), lambda: self.cycles != cycles):
+                    return array
+            except CollectiveError as e:  # a dead peer or a stall: every rank hears of it, as in the engine
+                self.fail(str(e))
+                raise
         return self.submit(request, array, wake=False).wait()
+
+    def _idle_for_lane(self) -> bool:
+        with self._lock:
+            return (not self._inflight and not self._new and not self._waiters and not self._holds
+                    and self._failure is None and not self._stopped and self.timeline is None
+                    and not self.table.joined())
 
     def stop(self, timeout_s: float) -> None:
         """Negotiate a shutdown with every rank (bounded by ``timeout_s``), then stop the thread."""
@@ -197,6 +217,7 @@ class Engine:
             not self.backend.wakeable and time.monotonic() - self._last_cycle >= self.cycle_time_s)
 
     def _cycle_once(self) -> None:
+        self.cycles += 1
         with self._lock:
             new, self._new, self._async_new = self._new, [], False
             now = time.monotonic()
@@ -229,18 +250,25 @@ class Engine:
                     self._waiting.remove(awaited)
 
     def _drive_locked(self, handle: Handle, deadline: float | None, started: float) -> None:
+        if self.lane is not None:
+            self.lane.engine_wait(True)
         try:
             while not handle.done() and not self._stopped and (deadline is None or time.monotonic() < deadline):
+                if self.lane is not None:
+                    self.lane.service()  # rank 0 in this path aborts fast-lane attempts peers wait on
                 if self._has_work() or self._probe_due(started):
                     self._cycle_once()
                     self.backend.progressed()
                 else:
-                    self.backend.idle_wait([self._wake_read])
+                    self.backend.idle_wait(self._idle_fds)
                     self._check_stalls()
         except CollectiveError as e:
             self.fail(str(e))
         except Exception as e:  # the backend's own error (gloo: a peer closed its connection): every op fails
             self.fail(f"the {self.backend.name} backend failed on rank {self.world.rank}: {e}")
+        finally:
+            if self.lane is not None:
+                self.lane.engine_wait(False)
 
     def _probe_due(self, waiting_since: float) -> bool:
         """Blocked for a while, and no cycle for as long: ask every rank what it waits for."""

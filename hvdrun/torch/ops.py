@@ -49,9 +49,17 @@ def _engine():  # noqa: ANN202 - internal
     return context.current().engine
 
 
+_cpu_via_device: bool | None = None  # HVDRUN_CPU_VIA_DEVICE_BACKEND, read once per process
+
+
 def _via_device(tensor: torch.Tensor) -> bool:
     """Device tensors go to the device path (torch.distributed); CPU tensors too when so configured."""
-    return not tensor.is_cpu or os.environ.get(CPU_VIA_DEVICE) == "1"
+    global _cpu_via_device
+    if not tensor.is_cpu:
+        return True
+    if _cpu_via_device is None:
+        _cpu_via_device = os.environ.get(CPU_VIA_DEVICE) == "1"
+    return _cpu_via_device
 
 
 def _check(tensor: torch.Tensor, kinds: tuple[str, ...]) -> Any:

@@ -73,6 +73,18 @@ def test_async_ops_in_different_orders(run_hvdrun):
     assert ranks_reporting(result.stdout, r"rank \d+: order ok") == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("lane", ["1", "0"], ids=["fast-lane", "engine-only"])
+def test_fast_lane_exact_ordered_mismatched_joined_and_long(run_hvdrun, hvdrun_env, lane):
+    hvdrun_env["HVDRUN_FAST_LANE"] = lane
+    result = run_hvdrun("-np", "2", worker("fast_lane.py"), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checks = re.findall(r"CHECK (\S+) rank (\d): (.*)", result.stdout)
+    assert len(checks) == 2 * 10 and all(verdict == "ok" for _, _, verdict in checks), checks
+    used = [int(n) for n in re.findall(r"LANE rank \d used (-?\d+)", result.stdout)]
+    # the lane took the blocking small allreduces (and the same ones on both ranks); off, it is never built
+    assert (used[0] > 300 and used[0] == used[1]) if lane == "1" else used == [-1, -1], used
+
+
 def test_mismatches_raise_on_every_rank_naming_op_and_ranks(run_hvdrun):
     result = run_hvdrun("-np", "3", worker("mismatch.py"))
     assert result.returncode == 0, result.stderr[-3000:]

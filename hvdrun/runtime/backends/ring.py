@@ -19,6 +19,7 @@ import numpy as np
 
 from hvdrun.errors import RendezvousError
 from hvdrun.runtime.backends.base import Backend, World, topology
+from hvdrun.runtime.lane import Board, FastLane, lane_enabled
 from hvdrun.runtime.rendezvous import Peer, Rendezvous, bind_host
 from hvdrun.runtime.ring import ReduceFn, Ring
 from hvdrun.runtime.transport.base import DEFAULT_SPIN_S, AbortFlag, RxChannel, TxChannel, Waiter
@@ -45,6 +46,7 @@ class RingBackend(Backend):
 
     def __init__(self, world: World, ring: Ring, segments: Sequence[ShmSegment], peers: Sequence[Peer] = ()) -> None:
         self.world, self.ring, self._segments, self.peers = world, ring, list(segments), list(peers)
+        self.lane: FastLane | None = None  # one-host jobs: blocking small allreduces on a shared board
 
     @classmethod
     def connect(cls, rendezvous: Rendezvous, hostname: str, job_key: str, secret: bytes, abort: AbortFlag,
@@ -57,6 +59,9 @@ class RingBackend(Backend):
         deadline = time.monotonic() + timeout_s
         use_shm = use_shm and shm_supported()
         own = ShmSegment(job_key, rank, SHM_CAPACITY_BYTES, create=True) if use_shm and size > 1 else None
+        # the fast lane's board (rank 0 creates it; used when every rank turns out to be on this host)
+        board = Board(job_key, size, create=True) if own is not None and rank == 0 and lane_enabled() else None
+        lane: FastLane | None = None
         listener = None
         try:
             address = rendezvous.local_address(deadline)  # the data port listens where the others reach us
@@ -70,13 +75,23 @@ class RingBackend(Backend):
             spin = DEFAULT_SPIN_S if world.local_size <= (os.cpu_count() or 1) else 0.0
             tx, rx, segments = _channels(me, peers, own, listener, job_key, secret)
             ring = Ring(rank, size, tx, rx, Waiter(own.bell if own else None, abort, spin))
-            ring.allgather_messages(b"")  # every peer has opened our ring: names may go
-            return cls(world, ring, segments, peers)
+            # the lane spins while it waits: only where every rank has a core of its own
+            if world.local_size == size and spin > 0 and (board is not None or (rank != 0 and use_shm
+                                                                               and lane_enabled())):
+                lane = FastLane(board or Board(job_key, size, create=False), rank, size, abort)
+            elif board is not None:
+                board.close()
+            ring.allgather_messages(b"")  # every peer has opened our ring (and the board): names may go
+            backend = cls(world, ring, segments, peers)
+            backend.lane = lane
+            return backend
         finally:
             if listener is not None:
                 listener.close()
             if own is not None:
                 own.unlink()
+            if board is not None:
+                board.unlink()
 
     @classmethod
     def single(cls, hostname: str, abort: AbortFlag) -> RingBackend:
@@ -121,6 +136,8 @@ class RingBackend(Backend):
         self.ring.waiter.sleep([self.ring.rx], extra_fds, timeout_s)
 
     def close(self) -> None:
+        if self.lane is not None:
+            self.lane.close()
         for channel in (self.ring.tx, self.ring.rx):
             if channel is not None:
                 channel.close()

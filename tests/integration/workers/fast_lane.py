@@ -1,0 +1,106 @@
+"""The fast lane under everything that can go wrong around it, in one job; prints one line per check.
+
+Run by tests/integration/test_runtime.py with 2 and 3 ranks on one host.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+import hvdrun.torch as hvd
+from hvdrun.runtime import context
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+lane = context.current().engine.lane
+
+
+def report(name: str, ok: bool, detail: str = "") -> None:
+    print(f"CHECK {name} rank {rank}: {'ok' if ok else 'FAILED ' + detail}", flush=True)
+
+
+def used() -> int:
+    return lane.used if lane is not None else -1
+
+
+# 1. exact results for every op, dtype and scale, and the lane really took them
+before = used()
+values = torch.arange(1000, dtype=torch.float64) + rank
+total = hvd.allreduce(values, op=hvd.Sum)
+expected = size * torch.arange(1000, dtype=torch.float64) + sum(range(size))
+ok = bool(torch.equal(total, expected))
+ok &= bool(torch.equal(hvd.allreduce(torch.full((7,), rank + 1.0), op=hvd.Average), torch.full((7,), (size + 1) / 2)))
+product = hvd.allreduce(torch.tensor([rank + 2], dtype=torch.int64), op=hvd.Product)
+ok &= int(product) == int(np.prod(range(2, size + 2)))
+ok &= int(hvd.allreduce(torch.tensor([rank], dtype=torch.int32), op=hvd.Max)) == size - 1
+ok &= int(hvd.allreduce(torch.tensor([rank], dtype=torch.int32), op=hvd.Min)) == 0
+scaled = hvd.allreduce(torch.ones(3), op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+ok &= bool(torch.equal(scaled, torch.full((3,), float(size))))
+half = hvd.allreduce(torch.full((5,), 0.5, dtype=torch.float16), op=hvd.Sum)
+ok &= bool(torch.equal(half, torch.full((5,), 0.5 * size, dtype=torch.float16)))
+report("exact", ok and (lane is None or used() - before >= 7), f"used {used() - before}")
+
+# 2. the same bits on every rank (rank-order reduction)
+noisy = torch.from_numpy(np.random.default_rng(rank).standard_normal(4096).astype(np.float32))
+mine = hvd.allreduce(noisy, op=hvd.Sum)
+everyone = hvd.allgather(mine.unsqueeze(0))
+report("identical", all(torch.equal(everyone[0], row) for row in everyone))
+
+# 3. ops in different orders: an async op pending on one rank, a blocking one first on the other
+handle = None
+if rank == 0:
+    handle = hvd.allreduce_async(torch.ones(10), name="later", op=hvd.Sum)
+first = hvd.allreduce(torch.ones(10), name="first", op=hvd.Sum)
+if rank != 0:
+    handle = hvd.allreduce_async(torch.ones(10), name="later", op=hvd.Sum)
+later = hvd.synchronize(handle)
+report("orders", bool(torch.equal(first, torch.full((10,), float(size))) and torch.equal(later, first)))
+
+# 4. a rank that arrives late (computing) and a rank that arrives early
+if rank == 1:
+    time.sleep(0.5)
+late = hvd.allreduce(torch.ones(4), name="late", op=hvd.Sum)
+report("late", bool(torch.equal(late, torch.full((4,), float(size)))))
+
+# 5. different names: the engine's deadlock check names them, then the next op works
+try:
+    hvd.allreduce(torch.ones(4), name=f"mine{rank}", op=hvd.Sum)
+    report("mismatch", False, "no error")
+except hvd.HorovodInternalError as e:
+    report("mismatch", "deadlock" in str(e) or "never submitted" in str(e), str(e)[:200])
+after = hvd.allreduce(torch.ones(4), name="after-mismatch", op=hvd.Sum)
+report("after-mismatch", bool(torch.equal(after, torch.full((4,), float(size)))))
+
+# 6. different sizes under one name: a mismatch error on every rank, then the next op works
+try:
+    hvd.allreduce(torch.ones(4 + rank), name="sizes", op=hvd.Sum)
+    report("sizes", False, "no error")
+except (hvd.HorovodInternalError, ValueError) as e:
+    report("sizes", "shape" in str(e) or "size" in str(e), str(e)[:200])
+report("after-sizes", bool(torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(size)))))
+
+# 7. a joined rank contributes zeros (join goes through the engine; the others must leave the lane)
+ok = True
+if rank == size - 1:
+    hvd.join()
+else:
+    for index in range(3):
+        got = hvd.allreduce(torch.ones(3), op=hvd.Sum, name=f"while-joined-{index}")
+        ok &= bool(torch.equal(got, torch.full((3,), float(size - 1))))
+    hvd.join()
+report("join", ok)
+
+# 8. many ops in a row, mixed with barriers and broadcasts
+ok = True
+for step in range(300):
+    x = hvd.allreduce(torch.full((256,), float(rank + step)), op=hvd.Sum)
+    ok &= float(x[0]) == sum(r + step for r in range(size))
+    if step % 50 == 0:
+        hvd.barrier()
+        ok &= int(hvd.broadcast(torch.tensor([rank]), root_rank=0)) == 0
+report("long-run", ok)
+print(f"LANE rank {rank} used {used()}", flush=True)
+hvd.shutdown()
