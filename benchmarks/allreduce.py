@@ -7,7 +7,8 @@ Each library runs as its own job on this machine (hvdrun and gloo started by ``h
 the mpich wheel's ``mpiexec``), in-place float32 sum of zeros, rank 0 timing. A size's time is
 the median over repeats of (batch time / batch length), batches of back-to-back ops (1000 for
 small sizes; 100 for gloo, 25x slower there); bus bandwidth is ``bytes / time * 2 (N - 1) / N``,
-the traffic each rank's link carries in a ring.
+the traffic each rank's link carries in a ring. The last column times one op right after a barrier and
+2 ms of computation (a training step's pattern), median of 200 (10 above 1 MB).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hvdrun.health.timing import batch_plan, median_seconds
+from hvdrun.health.timing import after_pause_seconds, batch_plan, median_seconds
 from hvdrun.health.timing import bus_bandwidth as ring_bus_bandwidth
 
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
@@ -62,10 +63,12 @@ def worker(library: str, sizes: list[int]) -> None:
             barrier = hvd.barrier
             make = lambda n: (lambda t=torch.zeros(n // 4): hvd.allreduce_(t, op=hvd.Sum, name=f"b{n}"))  # noqa
     for nbytes in sizes:
-        seconds = measure(make(nbytes), barrier, nbytes, library)
+        op = make(nbytes)
+        seconds = measure(op, barrier, nbytes, library)
+        paused = after_pause_seconds(op, barrier, 200 if nbytes <= (1 << 20) else 10)
         if rank == 0:
-            print("RESULT " + json.dumps({"library": library, "ranks": size, "bytes": nbytes, "seconds": seconds}),
-                  flush=True)
+            print("RESULT " + json.dumps({"library": library, "ranks": size, "bytes": nbytes, "seconds": seconds,
+                                          "after_pause": paused}), flush=True)
     barrier()
     if library == "gloo":
         dist.destroy_process_group()  # gloo aborts at exit without it
@@ -102,7 +105,7 @@ def human(nbytes: int) -> str:
 def table(rows: list[dict]) -> str:
     """Markdown: per ranks and size, time and bus bandwidth of each library, and hvdrun's ratios."""
     lines = ["| ranks | size | hvdrun time | hvdrun busbw | gloo time | gloo busbw | MPI time | MPI busbw "
-             "| hvdrun/gloo | hvdrun/MPI |", "|" + "---|" * 10]
+             "| hvdrun/gloo | hvdrun/MPI | after a 2 ms pause: hvdrun / gloo / MPI |", "|" + "---|" * 11]
     index = {(r["library"], r["ranks"], r["bytes"]): r for r in rows}
     for ranks, nbytes in sorted({(r["ranks"], r["bytes"]) for r in rows}):
         cells = [str(ranks), human(nbytes)]
@@ -116,6 +119,8 @@ def table(rows: list[dict]) -> str:
             cells += [f"{row['seconds'] * 1e6:,.1f} µs", f"{bw[library]:.2f} GB/s"]
         for other in ("gloo", "mpi"):
             cells.append(f"{bw['hvdrun'] / bw[other]:.2f}x" if "hvdrun" in bw and other in bw else "-")
+        paused = [index.get((library, ranks, nbytes), {}).get("after_pause") for library in LIBRARIES]
+        cells.append(" / ".join(f"{p * 1e6:,.1f} µs" if p else "-" for p in paused))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

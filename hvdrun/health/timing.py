@@ -37,6 +37,23 @@ def median_seconds(op: Callable[[], object], barrier: Callable[[], object], repe
     return statistics.median(times)
 
 
+def after_pause_seconds(op: Callable[[], object], barrier: Callable[[], object], repeats: int,
+                        pause_s: float = 0.002) -> float:
+    """Median time of one op right after ``pause_s`` of computation that follows a barrier: a training
+    step's pattern (compute, then an allreduce), where back-to-back batches hide wake-up and cold costs."""
+    op()
+    times = []
+    for _ in range(repeats):
+        barrier()
+        until = time.perf_counter() + pause_s
+        while time.perf_counter() < until:  # busy, like a forward/backward pass
+            pass
+        start = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def bus_bandwidth(nbytes: int, seconds: float, ranks: int) -> float:
     """Bytes per second each rank's link carries in a ring allreduce: ``bytes / time * 2 (N - 1) / N``."""
     return nbytes / seconds * 2 * (ranks - 1) / ranks if seconds > 0 else 0.0

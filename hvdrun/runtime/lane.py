@@ -90,7 +90,8 @@ class Board:
         finally:
             os.close(fd)
         self.bell_fd = os.open(self.bell_path, os.O_RDWR | os.O_NONBLOCK)
-        self.words = [np.frombuffer(self.map, np.int64, _HEADER_WORDS, r * _SLOT_BYTES) for r in range(size)]
+        self.words = [memoryview(self.map)[r * _SLOT_BYTES:r * _SLOT_BYTES + _HEADER_WORDS * 8].cast("q")
+                      for r in range(size)]
         self.buffers = [[np.frombuffer(self.map, np.uint8, CAPACITY, r * _SLOT_BYTES + _HEADER_WORDS * 8 + p * CAPACITY)
                          for p in (0, 1)] for r in range(size)]
 
@@ -102,6 +103,8 @@ class Board:
     def close(self) -> None:
         """Unmap (left to the garbage collector while views remain)."""
         os.close(self.bell_fd)
+        for words in self.words:
+            words.release()
         self.words, self.buffers = [], []
         try:
             self.map.close()
@@ -146,7 +149,7 @@ class FastLane:
 
         ``engine_busy()`` says whether a peer used the engine since this attempt began.
         """
-        g = int(self.head[_COUNT])
+        g = self.head[_COUNT]
         parity = g % 2
         self._wait_buffer_free(g)
         flat = array.reshape(-1).view(np.uint8)
@@ -177,9 +180,9 @@ class FastLane:
         if g < 2 or self._readers_done_to >= g - 1 or self._verdict(g - 2) != _GO:
             return
         spins = 0
-        while any(int(words[_DONE]) < g - 1 for words in self.board.words):
+        while any(words[_DONE] < g - 1 for words in self.board.words):
             spins = self._pause(spins)
-        self._readers_done_to = min(int(words[_DONE]) for words in self.board.words)
+        self._readers_done_to = min(words[_DONE] for words in self.board.words)
 
     def _await_verdict(self, g: int, name: str, engine_busy: Callable[[], bool]) -> int:
         spins, withdrawn, warned = 0, False, False
@@ -193,7 +196,7 @@ class FastLane:
                 self.me[_WITHDRAW] = g + 1  # ask rank 0 to abort; the verdict still decides
                 withdrawn = True
                 self._ring_coordinator()
-            if int(self.head[_COUNT]) > g:
+            if self.head[_COUNT] > g:
                 return self._verdict(g)
             if waited > self.stall_warning_s and not warned:
                 warned = True
@@ -231,8 +234,8 @@ class FastLane:
         if self.rank != 0:
             return
         self._drain_bell()
-        g = int(self.head[_COUNT])
-        if any(int(words[_POST]) == g + 1 for words in self.board.words[1:]):
+        g = self.head[_COUNT]
+        if any(words[_POST] == g + 1 for words in self.board.words[1:]):
             self._judge(g, own_post=False, engine_seen=True)
 
     @property
@@ -241,10 +244,15 @@ class FastLane:
         return self.board.bell_fd
 
     def _judge(self, g: int, own_post: bool, engine_seen: bool) -> None:
+        if own_post and not engine_seen:  # the common case, cheaply: wait until everyone posted
+            tag = g + 1
+            for words in self.board.words:
+                if words[_POST] != tag and words[_WITHDRAW] != tag:
+                    return
         with self._decide:
-            if int(self.head[_COUNT]) != g:
+            if self.head[_COUNT] != g:
                 return
-            posts = [(int(words[_POST]), int(words[_SIG]), int(words[_WITHDRAW])) for words in self.board.words]
+            posts = [(words[_POST], words[_SIG], words[_WITHDRAW]) for words in self.board.words]
             mine = posts[0][1]
             current = [p for p in posts if p[0] == g + 1]
             clash = any(sig != mine for _, sig, _ in current) or any(w == g + 1 for _, _, w in posts)
@@ -259,7 +267,7 @@ class FastLane:
             self.head[_COUNT] = g + 1
 
     def _verdict(self, g: int) -> int:
-        value = int(self.head[_VERDICTS + g % _HISTORY])
+        value = self.head[_VERDICTS + g % _HISTORY]
         if value // 4 != g + 1:
             raise CollectiveError(f"fast lane: verdict {g} was overwritten before this rank read it")
         return value % 4
