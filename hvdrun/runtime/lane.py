@@ -69,15 +69,16 @@ def suits_lane(request: Request, array: np.ndarray | None) -> bool:
 
 
 def board_path(job_key: str) -> Path:
-    """``/dev/shm/hvdrun-JOB-GEN-lane.board`` (the launcher's cleanup glob matches it)."""
-    return Path(envvars.shm_segment_base(job_key, "lane") + ".board")  # type: ignore[arg-type]
+    """``/dev/shm/hvdrun-JOB-GEN-0.lane``: a file of rank 0, which creates it, so rank 0's guard removes it
+    even when the launcher is killed."""
+    return Path(envvars.shm_segment_base(job_key, 0) + ".lane")
 
 
 class Board:
     """The shared board of one job generation; rank 0 creates it, the others open it."""
 
     def __init__(self, job_key: str, size: int, create: bool) -> None:
-        self.path, self.bell_path = board_path(job_key), board_path(job_key).with_suffix(".bell")
+        self.path, self.bell_path = board_path(job_key), board_path(job_key).with_suffix(".lanebell")
         length = size * _SLOT_BYTES
         if create:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
