@@ -23,7 +23,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -31,8 +31,8 @@ from hvdrun.errors import CollectiveError
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.executors import EXECUTORS, Handle, LocalOp, reduce_contributions, scale, stand_in
-from hvdrun.runtime.lane import FastLane, suits_lane
-from hvdrun.runtime.negotiation import Entry, Request, Table, plan
+from hvdrun.runtime.lane import FastLane, fits_lane
+from hvdrun.runtime.negotiation import JOIN, Entry, Request, Table, plan
 from hvdrun.runtime.timeline import Timeline
 
 _IDLE_TIMEOUT_S = 0.5
@@ -180,23 +180,31 @@ class Engine:
                 self._holds -= 1
 
     def run(self, request: Request, array: np.ndarray | None = None) -> Any:
-        """Submit and wait on the calling thread: the blocking collectives (a small allreduce may take the
-        fast lane when this rank has nothing else in flight; see :mod:`hvdrun.runtime.lane`)."""
-        if self.lane is not None and suits_lane(request, array) and self._idle_for_lane():
-            cycles = self.cycles
-            try:
-                if self.lane.allreduce(request, cast(np.ndarray, array), lambda: self.cycles != cycles):
-                    return array
-            except CollectiveError as e:  # a dead peer or a stall: every rank hears of it, as in the engine
-                self.fail(str(e))
-                raise
+        """Submit and wait on the calling thread: the blocking collectives."""
         return self.submit(request, array, wake=False).wait()
 
-    def _idle_for_lane(self) -> bool:
-        with self._lock:
-            return (not self._inflight and not self._new and not self._waiters and not self._holds
-                    and self._failure is None and not self._stopped and self.timeline is None
-                    and not self.table.joined())
+    def lane_allreduce(self, array: np.ndarray, name: str, op: int, prescale: float, postscale: float) -> bool:
+        """A blocking allreduce of the whole job on the fast lane (see :mod:`hvdrun.runtime.lane`), in place;
+        False when it did not happen there (no lane, too big, something else in flight on this rank, another
+        thread in the lane, or the ranks did not all come): the caller then takes the engine's path under the
+        same ``name``."""
+        lane = self.lane
+        if lane is None or not fits_lane(array, op) or not self._idle_for_lane(name) or not lane.enter():
+            return False
+        cycles = self.cycles
+        try:
+            return lane.allreduce(array, name, op, prescale, postscale, lambda: self.cycles != cycles)
+        except CollectiveError as e:  # a dead peer or a stall: every rank hears of it, as in the engine
+            self.fail(str(e))
+            raise
+        finally:
+            lane.leave()
+
+    def _idle_for_lane(self, name: str) -> bool:
+        """No name of this rank's in flight or unsynchronized (read without the lock: the lane's verdict, not
+        this check, keeps ranks in step)."""
+        return (not self._taken and not self._holds and self._failure is None and not self._stopped
+                and self.timeline is None and JOIN not in self.table.entries)
 
     def stop(self, timeout_s: float) -> None:
         """Negotiate a shutdown with every rank (bounded by ``timeout_s``), then stop the thread."""

@@ -39,17 +39,18 @@ import numpy as np
 from hvdrun import envvars
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime.executors import scale
-from hvdrun.runtime.negotiation import AVERAGE, GLOBAL_SET, MAX, MIN, PRODUCT, REDUCE_FNS, SUM, Request
+from hvdrun.runtime.negotiation import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM
 from hvdrun.runtime.transport.base import AbortFlag, fence
 
 CAPACITY = 64 << 10  # bytes of one post: larger allreduces are the ring's
 _HEADER_WORDS = 128
-_POST, _SIG, _WITHDRAW, _DONE = 0, 1, 2, 3  # header words of every slot
+_POST, _WITHDRAW, _DONE = 0, 2, 3  # header words of every slot; a post is attempt << 32 | signature
 _COUNT, _ENGINE_WAIT = 4, 5  # rank 0's: verdicts issued; 1 while rank 0 waits in the engine's path
 _VERDICTS, _HISTORY = 16, 64  # rank 0: verdicts[g % 64] at words 16..79
 _GO, _ABORT = 1, 2
 _SLOT_BYTES = _HEADER_WORDS * 8 + 2 * CAPACITY
-_SPIN_BEFORE_YIELD = 200
+SPINS_BEFORE_YIELD = 200
+_MAX_PLANS = 4096  # layouts (and names per layout) remembered
 # a rank that waits this long for the others leaves the lane (through the verdict): a late rank, a stall
 # or a deadlock is then the engine's to handle, with its warnings, probes and errors
 WITHDRAW_AFTER_S = 0.02
@@ -61,11 +62,9 @@ def lane_enabled() -> bool:
     return os.environ.get(envvars.FAST_LANE, "1") != "0"
 
 
-def suits_lane(request: Request, array: np.ndarray | None) -> bool:
-    """A dense CPU allreduce of the whole job, small enough for a post (what the op itself decides)."""
-    return (array is not None and request.kind == "allreduce" and request.device == "cpu"
-            and request.process_set == GLOBAL_SET and request.group_size == 0 and request.op in LANE_OPS
-            and 0 < array.nbytes <= CAPACITY and array.flags.c_contiguous)
+def fits_lane(array: np.ndarray, op: int) -> bool:
+    """A non-empty buffer small enough for one post, reduced by an op the lane knows."""
+    return 0 < array.nbytes <= CAPACITY and op in LANE_OPS
 
 
 def board_path(job_key: str) -> Path:
@@ -113,10 +112,29 @@ class Board:
             pass
 
 
-def signature(request: Request, nbytes: int) -> int:
-    """What every rank's post must agree on, as one number (never 0)."""
-    text = f"{request.name}|{request.dtype}|{nbytes}|{request.op}|{request.prescale}|{request.postscale}"
-    return zlib.crc32(text.encode()) + 1
+def signature(name: str, dtype: np.dtype, shape: tuple[int, ...], op: int, prescale: float,
+              postscale: float) -> int:
+    """What every rank's post must agree on, as one number of 32 bits (never 0)."""
+    text = f"{name}|{dtype.str}|{shape}|{op}|{prescale}|{postscale}"
+    return zlib.crc32(text.encode()) % 0xFFFFFFFF + 1
+
+
+class _Plan:
+    """Everything an allreduce of one layout (dtype, shape, op, scales) needs, made once: the board's
+    buffers viewed as the tensor, the combining function and the final factor."""
+
+    __slots__ = ("mine", "posts", "combine", "factor", "prescale", "signatures")
+
+    def __init__(self, board: Board, rank: int, size: int, dtype: np.dtype, shape: tuple[int, ...], op: int,
+                 prescale: float, postscale: float) -> None:
+        nbytes = math.prod(shape) * dtype.itemsize
+        self.posts = [[board.buffers[r][parity][:nbytes].view(dtype).reshape(shape) for r in range(size)]
+                      for parity in (0, 1)]
+        self.mine = [self.posts[parity][rank] for parity in (0, 1)]
+        self.combine = REDUCE_FNS[op]
+        self.factor = postscale / size if op == AVERAGE else postscale
+        self.prescale = prescale
+        self.signatures: dict[str, int] = {}
 
 
 class FastLane:
@@ -127,58 +145,89 @@ class FastLane:
         rank: this rank; rank 0 writes the verdicts.
         size: ranks in the job (all on this host).
         abort: the job's failure flag (a dead peer ends every wait).
+        spins_before_yield: busy polls before each wait also yields the core (0 where ranks share cores).
     """
 
-    def __init__(self, board: Board, rank: int, size: int, abort: AbortFlag) -> None:
+    def __init__(self, board: Board, rank: int, size: int, abort: AbortFlag,
+                 spins_before_yield: int = SPINS_BEFORE_YIELD) -> None:
         self.board, self.rank, self.size, self.abort = board, rank, size, abort
+        self.spins_before_yield = spins_before_yield
         self.me = board.words[rank]
         self.head = board.words[0]
         self._decide = threading.Lock()  # rank 0: one verdict at a time, from any thread
-        self._signatures: dict[tuple[Request, int], int] = {}
-        self._views: dict[tuple[int, str, int], list[np.ndarray]] = {}  # (parity, dtype, bytes) -> every post
+        self._slot = threading.Lock()  # one thread of this rank in the lane at a time
+        self._plans: dict[tuple, _Plan] = {}
         self._readers_done_to = 0  # every rank has finished reading attempts below this
+        self._last_go = -1  # this rank's last attempt that went through: every rank posted it, so none still
+        # reads the attempt before it (whose buffers the next attempt reuses)
         self.used = 0  # attempts that went through (tests read it)
         self.stall_warning_s, self.stall_error_s = math.inf, 0.0  # the engine's settings (configure())
+
+    def enter(self) -> bool:
+        """Claim this rank's slot for one attempt (False: another thread of this rank is in the lane)."""
+        return self._slot.acquire(blocking=False)
+
+    def leave(self) -> None:
+        """Release the slot claimed by :meth:`enter`."""
+        self._slot.release()
 
     def configure(self, stall_warning_s: float, stall_error_s: float) -> None:
         """The engine's stall settings: a rank waiting on rank 0 that never comes warns, then fails."""
         self.stall_warning_s, self.stall_error_s = stall_warning_s, stall_error_s
 
     # -- a rank's attempt -----------------------------------------------------------------------
-    def allreduce(self, request: Request, array: np.ndarray, engine_busy: Callable[[], bool]) -> bool:
-        """Try ``request`` on the board; True when ``array`` holds the result, False: take the engine's path.
-
-        ``engine_busy()`` says whether a peer used the engine since this attempt began.
-        """
-        g = self.head[_COUNT]
-        parity = g % 2
-        self._wait_buffer_free(g)
-        flat = array.reshape(-1).view(np.uint8)
-        mine = self.board.buffers[self.rank][parity][:flat.size]
-        mine[:] = flat
-        if request.prescale != 1.0:
-            scale(mine.view(array.dtype), request.prescale)
-        key = (request, flat.size)
-        sig = self._signatures.get(key)
-        if sig is None:
-            sig = self._signatures[key] = signature(request, flat.size)
-            if len(self._signatures) > 4096:
-                self._signatures.clear()
-        self.me[_SIG] = sig
-        fence()
-        self.me[_POST] = g + 1
-        self._ring_coordinator()
-        verdict = self._await_verdict(g, request.name, engine_busy)
+    def allreduce(self, array: np.ndarray, name: str, op: int, prescale: float, postscale: float,
+                  engine_busy: Callable[[], bool]) -> bool:
+        """Try an allreduce of ``array`` (see :func:`fits_lane`) on the board; True when ``array`` holds the
+        result, False: take the engine's path. ``engine_busy()`` says whether a peer used the engine since
+        this attempt began."""
+        plan = self._plan(array.dtype, array.shape, op, prescale, postscale)
+        sig = plan.signatures.get(name) or self._sign(plan, name, array, op, prescale, postscale)
+        head, me = self.head, self.me
+        g = head[_COUNT]
+        parity = g & 1
+        if g >= 2 and self._last_go != g - 1 and self._readers_done_to < g - 1:
+            self._wait_buffer_free(g)
+        mine = plan.mine[parity]
+        np.copyto(mine, array)
+        if prescale != 1.0:
+            scale(mine, prescale)
+        me[_POST] = (g + 1) << 32 | sig  # one store: the attempt and what it is
+        if self.rank:
+            self._ring_coordinator()
+        verdict = self._await_verdict(g, name, engine_busy)
         if verdict == _GO:
-            self._reduce(request, array, parity, flat.size)
+            posts, combine = plan.posts[parity], plan.combine
+            combine(posts[0], posts[1], array)
+            for post in posts[2:]:
+                combine(array, post, array)
+            if plan.factor != 1.0:
+                scale(array, plan.factor)
             self.used += 1
+            self._last_go = g
         fence()
-        self.me[_DONE] = g + 1
+        me[_DONE] = g + 1
         return verdict == _GO
+
+    def _plan(self, dtype: np.dtype, shape: tuple[int, ...], op: int, prescale: float, postscale: float) -> _Plan:
+        key = (dtype, shape, op, prescale, postscale)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            plan = self._plans[key] = _Plan(self.board, self.rank, self.size, dtype, shape, op, prescale, postscale)
+        return plan
+
+    @staticmethod
+    def _sign(plan: _Plan, name: str, array: np.ndarray, op: int, prescale: float, postscale: float) -> int:
+        if len(plan.signatures) >= _MAX_PLANS:
+            plan.signatures.clear()
+        sig = plan.signatures[name] = signature(name, array.dtype, array.shape, op, prescale, postscale)
+        return sig
 
     def _wait_buffer_free(self, g: int) -> None:
         """Attempt ``g`` reuses the buffers of attempt ``g - 2``: wait until every reader of it is done."""
-        if g < 2 or self._readers_done_to >= g - 1 or self._verdict(g - 2) != _GO:
+        if self._verdict(g - 2) != _GO:
             return
         spins = 0
         while any(words[_DONE] < g - 1 for words in self.board.words):
@@ -186,19 +235,27 @@ class FastLane:
         self._readers_done_to = min(words[_DONE] for words in self.board.words)
 
     def _await_verdict(self, g: int, name: str, engine_busy: Callable[[], bool]) -> int:
+        head, judge = self.head, self.rank == 0
         spins, withdrawn, warned = 0, False, False
         started = time.monotonic()
-        while True:
-            waited = time.monotonic() - started if spins % 64 == 63 else 0.0
-            leave = engine_busy() or waited > WITHDRAW_AFTER_S
-            if self.rank == 0:
-                self._judge(g, own_post=True, engine_seen=leave)
-            elif leave and not withdrawn:
-                self.me[_WITHDRAW] = g + 1  # ask rank 0 to abort; the verdict still decides
+        while head[_COUNT] <= g:
+            if judge:
+                self._judge(g, own_post=True, engine_seen=False)
+            spins += 1
+            if spins & 63:
+                if spins > self.spins_before_yield:
+                    os.sched_yield()
+                continue
+            # every 64 polls: the abort flag, the engine, the clock
+            self.abort.check()
+            waited = time.monotonic() - started
+            if (engine_busy() or waited > WITHDRAW_AFTER_S) and not withdrawn:
                 withdrawn = True
-                self._ring_coordinator()
-            if self.head[_COUNT] > g:
-                return self._verdict(g)
+                if judge:
+                    self._judge(g, own_post=True, engine_seen=True)
+                else:
+                    self.me[_WITHDRAW] = g + 1  # ask rank 0 to abort; the verdict still decides
+                    self._ring_coordinator()
             if waited > self.stall_warning_s and not warned:
                 warned = True
                 print(f"hvdrun: warning: '{name}' has waited more than {self.stall_warning_s:g} s for rank 0",
@@ -206,28 +263,14 @@ class FastLane:
             if self.stall_error_s and waited > self.stall_error_s:
                 raise CollectiveError(f"stalled: '{name}' waited more than {self.stall_error_s:g} s for rank 0, "
                                       "which never reached it")
-            spins = self._pause(spins)
+            os.sched_yield()
+        return self._verdict(g)
 
     def _pause(self, spins: int) -> int:
         self.abort.check()
-        if spins >= _SPIN_BEFORE_YIELD:
+        if spins >= self.spins_before_yield:
             os.sched_yield()
         return spins + 1
-
-    def _reduce(self, request: Request, array: np.ndarray, parity: int, nbytes: int) -> None:
-        """Everyone's posts, combined in rank order (identical bits on every rank), into ``array``."""
-        dtype, out = array.dtype, array.reshape(-1)
-        key = (parity, dtype.str, nbytes)
-        posts = self._views.get(key)
-        if posts is None:
-            posts = self._views[key] = [self.board.buffers[r][parity][:nbytes].view(dtype) for r in range(self.size)]
-        combine = REDUCE_FNS[request.op]
-        combine(posts[0], posts[1], out)
-        for post in posts[2:]:
-            combine(out, post, out)
-        factor = request.postscale / self.size if request.op == AVERAGE else request.postscale
-        if factor != 1.0:
-            scale(out, factor)
 
     # -- rank 0: verdicts -------------------------------------------------------------------------
     def service(self) -> None:
@@ -236,7 +279,7 @@ class FastLane:
             return
         self._drain_bell()
         g = self.head[_COUNT]
-        if any(words[_POST] == g + 1 for words in self.board.words[1:]):
+        if any(words[_POST] >> 32 == g + 1 for words in self.board.words[1:]):
             self._judge(g, own_post=False, engine_seen=True)
 
     @property
@@ -245,24 +288,25 @@ class FastLane:
         return self.board.bell_fd
 
     def _judge(self, g: int, own_post: bool, engine_seen: bool) -> None:
-        if own_post and not engine_seen:  # the common case, cheaply: wait until everyone posted
-            tag = g + 1
-            for words in self.board.words:
-                if words[_POST] != tag and words[_WITHDRAW] != tag:
-                    return
+        """Issue attempt ``g``'s verdict when it is due: GO once every rank posted the same op as rank 0
+        (a rank that asked to withdraw meanwhile still obeys it); ABORT on a different op, a withdrawal of a
+        rank that did not post, engine traffic, or rank 0 not posting at all."""
+        tag, mine = g + 1, self.head[_POST]
+        everyone, clash = True, not own_post or engine_seen
+        for words in self.board.words:
+            post = words[_POST]
+            if post != mine:
+                everyone = False
+                clash = clash or post >> 32 == tag or words[_WITHDRAW] == tag
+        if everyone and not clash:
+            self._issue(g, _GO)
+        elif clash:
+            self._issue(g, _ABORT)
+
+    def _issue(self, g: int, verdict: int) -> None:
         with self._decide:
             if self.head[_COUNT] != g:
-                return
-            posts = [(words[_POST], words[_SIG], words[_WITHDRAW]) for words in self.board.words]
-            mine = posts[0][1]
-            current = [p for p in posts if p[0] == g + 1]
-            clash = any(sig != mine for _, sig, _ in current) or any(w == g + 1 for _, _, w in posts)
-            if not own_post or engine_seen or clash:
-                verdict = _ABORT
-            elif len(current) == self.size:
-                verdict = _GO
-            else:
-                return
+                return  # another thread of rank 0 decided it
             self.head[_VERDICTS + g % _HISTORY] = (g + 1) * 4 + verdict
             fence()
             self.head[_COUNT] = g + 1

@@ -190,13 +190,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
     """Allreduce ``tensor`` in place (default op Average) and return it."""
-    op = _resolve_op(op, average, adasum=True)
-    if op == ADASUM:
-        return synchronize(allreduce_async_(tensor, None, name, op, prescale_factor, postscale_factor, process_set))
-    array = _check(tensor, REDUCTION_DTYPES)
-    request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set)
-    _engine().run(request, array)
-    return tensor
+    return _allreduce_in_place(tensor, average, name, op, prescale_factor, postscale_factor, process_set, True)
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, compression: Any = None,
@@ -204,7 +198,51 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               process_set: Any = None) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced across ranks (default op Average); the input is untouched."""
     output = tensor.detach().clone(memory_format=torch.contiguous_format)
-    return allreduce_(output, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _allreduce_in_place(output, average, name, op, prescale_factor, postscale_factor, process_set, False)
+
+
+def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | None, op: int | None,
+                        prescale_factor: float, postscale_factor: float, process_set: Any,
+                        remember: bool) -> torch.Tensor:
+    """The blocking allreduce: the fast lane first (a small CPU tensor of the whole job), else the engine."""
+    op = _resolve_op(op, average, adasum=True)
+    if op == ADASUM:
+        return synchronize(allreduce_async_(tensor, None, name, op, prescale_factor, postscale_factor, process_set))
+    if process_set is None:
+        name = _scoped_name("allreduce", name, GLOBAL_SET)  # the same name on either path
+        array = _lane_view(tensor, remember)
+        if array is not None and _engine().lane_allreduce(array, name, op, float(prescale_factor),
+                                                          float(postscale_factor)):
+            return tensor
+    array = _check(tensor, REDUCTION_DTYPES)
+    request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set)
+    _engine().run(request, array)
+    return tensor
+
+
+_LANE_DTYPES = frozenset(getattr(torch, name) for name in REDUCTION_DTYPES)
+_lane_views: dict[int, tuple[int, torch.Size, torch.dtype, np.ndarray]] = {}
+_MAX_LANE_VIEWS = 64
+
+
+def _lane_view(tensor: torch.Tensor, remember: bool) -> np.ndarray | None:
+    """The numpy view of a contiguous CPU tensor of a reducible dtype, else None (the engine's path checks and
+    names the problem). ``t.numpy()`` costs about a microsecond, so views of tensors reduced in place again
+    and again are remembered by identity, checked against the tensor's address, shape and dtype; a view holds
+    the tensor's storage (not the tensor), so a matching address is this memory."""
+    entry = _lane_views.get(id(tensor))
+    if (entry is not None and entry[0] == tensor.data_ptr() and entry[1] == tensor.shape and entry[2] == tensor.dtype
+            and tensor.is_contiguous()):
+        return entry[3]
+    if (not isinstance(tensor, torch.Tensor) or _via_device(tensor) or tensor.dtype not in _LANE_DTYPES
+            or not tensor.is_contiguous()):
+        return None
+    array = tensor.detach().numpy()
+    if remember:
+        if len(_lane_views) >= _MAX_LANE_VIEWS:
+            _lane_views.clear()
+        _lane_views[id(tensor)] = (tensor.data_ptr(), tensor.shape, tensor.dtype, array)
+    return array
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -401,7 +439,13 @@ def join(device: int = -1) -> int:
 def barrier(process_set: Any = None) -> None:
     """Block until every rank reached the barrier."""
     scope = set_id(process_set)
-    _engine().run(Request(_scoped_name("barrier", None, scope), "barrier", process_set=scope))
+    name = _scoped_name("barrier", None, scope)
+    if scope == GLOBAL_SET and _engine().lane_allreduce(_BARRIER_TOKEN, name, SUM, 1.0, 1.0):
+        return  # every rank posted it on the fast lane
+    _engine().run(Request(name, "barrier", process_set=scope))
+
+
+_BARRIER_TOKEN = np.zeros(1, np.int32)  # what a barrier posts on the fast lane (stays zero: a sum of zeros)
 
 
 def _grouped(starts: list[int], finish: Callable[[Any], Any] = lambda results: results) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 
 from hvdrun.errors import RendezvousError
 from hvdrun.runtime.backends.base import Backend, World, topology
-from hvdrun.runtime.lane import Board, FastLane, lane_enabled
+from hvdrun.runtime.lane import SPINS_BEFORE_YIELD, Board, FastLane, lane_enabled
 from hvdrun.runtime.rendezvous import Peer, Rendezvous, bind_host
 from hvdrun.runtime.ring import ReduceFn, Ring
 from hvdrun.runtime.transport.base import DEFAULT_SPIN_S, AbortFlag, RxChannel, TxChannel, Waiter
@@ -75,10 +75,10 @@ class RingBackend(Backend):
             spin = DEFAULT_SPIN_S if world.local_size <= (os.cpu_count() or 1) else 0.0
             tx, rx, segments = _channels(me, peers, own, listener, job_key, secret)
             ring = Ring(rank, size, tx, rx, Waiter(own.bell if own else None, abort, spin))
-            # the lane spins while it waits: only where every rank has a core of its own
-            if world.local_size == size and spin > 0 and (board is not None or (rank != 0 and use_shm
-                                                                               and lane_enabled())):
-                lane = FastLane(board or Board(job_key, size, create=False), rank, size, abort)
+            # the lane's waits spin a while where every rank has a core of its own, else yield at once
+            if world.local_size == size and (board is not None or (rank != 0 and use_shm and lane_enabled())):
+                lane = FastLane(board or Board(job_key, size, create=False), rank, size, abort,
+                                SPINS_BEFORE_YIELD if spin > 0 else 0)
             elif board is not None:
                 board.close()
             ring.allgather_messages(b"")  # every peer has opened our ring (and the board): names may go
