@@ -31,7 +31,8 @@ from hvdrun.errors import CollectiveError
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.executors import EXECUTORS, Handle, LocalOp, reduce_contributions, scale, stand_in
-from hvdrun.runtime.lane import FastLane, fits_lane
+from hvdrun.runtime.lane import CAPACITY as LANE_CAPACITY
+from hvdrun.runtime.lane import LANE_OPS, FastLane
 from hvdrun.runtime.negotiation import JOIN, Entry, Request, Table, plan
 from hvdrun.runtime.timeline import Timeline
 
@@ -189,22 +190,20 @@ class Engine:
         thread in the lane, or the ranks did not all come): the caller then takes the engine's path under the
         same ``name``."""
         lane = self.lane
-        if lane is None or not fits_lane(array, op) or not self._idle_for_lane(name) or not lane.enter():
+        # nothing of this rank's in flight or unsynchronized (read without the lock: the lane's verdict, not
+        # this check, keeps ranks in step), and no other thread of this rank in the lane
+        if (lane is None or not 0 < array.nbytes <= LANE_CAPACITY or op not in LANE_OPS or self._taken
+                or self._holds or self._failure is not None or self._stopped or self.timeline is not None
+                or JOIN in self.table.entries or not lane.enter()):
             return False
         cycles = self.cycles
         try:
-            return lane.allreduce(array, name, op, prescale, postscale, lambda: self.cycles != cycles)
+            return lane.allreduce(array, name, op, float(prescale), float(postscale), lambda: self.cycles != cycles)
         except CollectiveError as e:  # a dead peer or a stall: every rank hears of it, as in the engine
             self.fail(str(e))
             raise
         finally:
             lane.leave()
-
-    def _idle_for_lane(self, name: str) -> bool:
-        """No name of this rank's in flight or unsynchronized (read without the lock: the lane's verdict, not
-        this check, keeps ranks in step)."""
-        return (not self._taken and not self._holds and self._failure is None and not self._stopped
-                and self.timeline is None and JOIN not in self.table.entries)
 
     def stop(self, timeout_s: float) -> None:
         """Negotiate a shutdown with every rank (bounded by ``timeout_s``), then stop the thread."""

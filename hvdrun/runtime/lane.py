@@ -54,17 +54,12 @@ _MAX_PLANS = 4096  # layouts (and names per layout) remembered
 # a rank that waits this long for the others leaves the lane (through the verdict): a late rank, a stall
 # or a deadlock is then the engine's to handle, with its warnings, probes and errors
 WITHDRAW_AFTER_S = 0.02
-LANE_OPS = (SUM, AVERAGE, MIN, MAX, PRODUCT)
+LANE_OPS = frozenset((SUM, AVERAGE, MIN, MAX, PRODUCT))  # what the lane reduces
 
 
 def lane_enabled() -> bool:
     """``HVDRUN_FAST_LANE=0`` keeps every op on the engine's path (for comparisons)."""
     return os.environ.get(envvars.FAST_LANE, "1") != "0"
-
-
-def fits_lane(array: np.ndarray, op: int) -> bool:
-    """A non-empty buffer small enough for one post, reduced by an op the lane knows."""
-    return 0 < array.nbytes <= CAPACITY and op in LANE_OPS
 
 
 def board_path(job_key: str) -> Path:
@@ -178,10 +173,12 @@ class FastLane:
     # -- a rank's attempt -----------------------------------------------------------------------
     def allreduce(self, array: np.ndarray, name: str, op: int, prescale: float, postscale: float,
                   engine_busy: Callable[[], bool]) -> bool:
-        """Try an allreduce of ``array`` (see :func:`fits_lane`) on the board; True when ``array`` holds the
-        result, False: take the engine's path. ``engine_busy()`` says whether a peer used the engine since
-        this attempt began."""
-        plan = self._plan(array.dtype, array.shape, op, prescale, postscale)
+        """Try an allreduce of ``array`` (up to CAPACITY bytes, an op of LANE_OPS) on the board; True when
+        ``array`` holds the result, False: take the engine's path. ``engine_busy()`` says whether a peer used
+        the engine since this attempt began."""
+        plan = self._plans.get((array.dtype, array.shape, op, prescale, postscale))
+        if plan is None:
+            plan = self._plan(array.dtype, array.shape, op, prescale, postscale)
         sig = plan.signatures.get(name) or self._sign(plan, name, array, op, prescale, postscale)
         head, me = self.head, self.me
         g = head[_COUNT]
@@ -210,12 +207,10 @@ class FastLane:
         return verdict == _GO
 
     def _plan(self, dtype: np.dtype, shape: tuple[int, ...], op: int, prescale: float, postscale: float) -> _Plan:
-        key = (dtype, shape, op, prescale, postscale)
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= _MAX_PLANS:
-                self._plans.clear()
-            plan = self._plans[key] = _Plan(self.board, self.rank, self.size, dtype, shape, op, prescale, postscale)
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        plan = _Plan(self.board, self.rank, self.size, dtype, shape, op, prescale, postscale)
+        self._plans[(dtype, shape, op, prescale, postscale)] = plan
         return plan
 
     @staticmethod

@@ -209,10 +209,11 @@ def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | 
     if op == ADASUM:
         return synchronize(allreduce_async_(tensor, None, name, op, prescale_factor, postscale_factor, process_set))
     if process_set is None:
-        name = _scoped_name("allreduce", name, GLOBAL_SET)  # the same name on either path
+        engine = _engine()
+        if name is None:
+            name = engine.auto_name("allreduce")  # the same name on either path
         array = _lane_view(tensor, remember)
-        if array is not None and _engine().lane_allreduce(array, name, op, float(prescale_factor),
-                                                          float(postscale_factor)):
+        if array is not None and engine.lane_allreduce(array, name, op, prescale_factor, postscale_factor):
             return tensor
     array = _check(tensor, REDUCTION_DTYPES)
     request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set)
