@@ -10,6 +10,7 @@ firings the gradient's allreduce starts asynchronously, overlapping the rest of 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import warnings
 import zlib
@@ -17,7 +18,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hvdrun.envvars import OVERLAP
 from hvdrun.runtime import context
@@ -67,6 +67,9 @@ def _overlap_policy(params: list[torch.Tensor]) -> bool:
     return any(not p.is_cpu for p in params)
 
 
+_Flat = tuple[list[int], str, torch.Tensor, list[torch.Tensor]]  # positions, name, buffer, views of the positions
+
+
 def _split_groups(params: list[torch.Tensor], groups: Any) -> list[list[torch.Tensor]]:
     if not groups:
         return []
@@ -94,11 +97,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update = set(all_params)
         # gradients outside any group, in name order (every rank submits them in the same order)
         self._ungrouped = sorted(set(all_params) - set(self._group_of), key=self._parameter_names.__getitem__)
-        self._digests: dict[tuple[tuple[int, ...], ...], int] = {}
-        self._delay = {p: backward_passes_per_step for p in all_params}
+        self._position = {p: i for i, p in enumerate(all_params)}
+        self._fired = [0] * len(all_params)  # backward passes that reached each parameter since synchronize()
+        self._layouts: dict[tuple[int, ...], list[_Flat]] = {}  # see _layout
         self._handles: dict[torch.Tensor, tuple[int | None, Any]] = {}
         self._group_handles: dict[int, tuple[int, list[Any]]] = {}
-        # submitted at step() without overlap: (handle, params, (compressed, ctx) pairs, flattened tensors or None)
+        # submitted at step() without overlap: (handle, params, (compressed, ctx) pairs, views into the flat buffer)
         self._together: list[tuple[Any, list[torch.Tensor], list[Any], list[torch.Tensor] | None]] = []
         self._synchronized = False
         self._should_synchronize = True
@@ -106,21 +110,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._overlap = _overlap_policy(all_params)
         member = process_set is None or process_set.included()
         if (context.current().world.size > 1 or context.current().assignment is not None) and member:
-            for param in all_params:
-                param.register_post_accumulate_grad_hook(self._make_hook())
+            for index, param in enumerate(all_params):
+                param.register_post_accumulate_grad_hook(self._make_hook(index))
 
     # -- hooks and submission ------------------------------------------------------------------
-    def _make_hook(self) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            if param in self._handles and self._delay[param] <= 0:
+    def _make_hook(self, index: int) -> Any:
+        fired = self._fired
+
+        def hook(param: torch.Tensor) -> None:  # runs once per parameter and backward: kept cheap
+            passes = fired[index] + 1
+            if passes > self.backward_passes_per_step:
                 raise AssertionError("Gradients were computed more than backward_passes_per_step times before "
                                      "call to step(). Increase backward_passes_per_step to accumulate gradients "
                                      "locally.")
-            self._delay[param] -= 1
-            self._handles[param] = (None, None)
-            if self._delay[param] == 0 and self._overlap:
+            fired[index] = passes
+            if passes == self.backward_passes_per_step and self._overlap:
                 self._submit(param)
         return hook
+
+    def _reset_passes(self) -> None:
+        self._fired[:] = [0] * len(self._fired)
 
     def _scales(self) -> tuple[float, float]:
         if self.op == Average:
@@ -150,16 +159,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         deadlock check names them, instead of summing mismatched layouts. Adasum combines tensor by tensor: it
         goes as a grouped allreduce.
         """
-        dense = []
+        dense, grads = [], []
         for param in params:
-            if cast(torch.Tensor, param.grad).is_sparse and not self.sparse_as_dense:
-                self._handles[param] = (None, "sparse")
-            else:
-                dense.append(param)
-                self._handles.pop(param, None)
+            grad = cast(torch.Tensor, param.grad)
+            if grad.is_sparse:
+                if not self.sparse_as_dense:
+                    self._handles[param] = (None, "sparse")
+                    continue
+                grad = self._dense_grad(param)
+            dense.append(param)
+            grads.append(grad)
         if not dense:
             return
-        compressed = [self._compression.compress(self._dense_grad(p)) for p in dense]
+        if self._compression is Compression.none:
+            compressed: list[Any] = [(grad, None) for grad in grads]
+        else:
+            compressed = [self._compression.compress(grad) for grad in grads]
         prescale, postscale = self._scales()
         options = {"op": self.op, "prescale_factor": prescale, "postscale_factor": postscale,
                    "process_set": self._process_set, "_progress_now": False}
@@ -168,21 +183,40 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._together = [(handle, dense, compressed, None)]
             return
         self._together = []
-        for kind in dict.fromkeys((c.dtype, c.device) for c, _ in compressed):
-            members = [i for i, (c, _) in enumerate(compressed) if (c.dtype, c.device) == kind]
+        for members, name, buffer, views in self._layout(dense, [c for c, _ in compressed]):
             tensors = [compressed[i][0] for i in members]
-            flat = _flatten_dense_tensors(tensors)
-            shapes = tuple(tuple(t.shape) for t in tensors)
-            digest = self._digests.get(shapes)
-            if digest is None:
-                digest = self._digests[shapes] = zlib.crc32(repr(shapes).encode())
-            handle = allreduce_async_(flat, name=f"allreduce.step.{str(kind[0]).replace('torch.', '')}.{digest:08x}",
-                                      **options)
-            self._together.append((handle, [dense[i] for i in members], [compressed[i] for i in members], tensors))
+            torch._foreach_copy_(views, tensors)  # into this layout's buffer: one allreduce for all of them
+            handle = allreduce_async_(buffer, name=name, **options)
+            self._together.append((handle, [dense[i] for i in members], [compressed[i] for i in members], views))
+
+    def _layout(self, params: list[torch.Tensor],
+                tensors: list[torch.Tensor]) -> list[_Flat]:
+        """One flat buffer per dtype and device of ``tensors``: the positions of its members, its name, the
+        buffer and the members' views into it. Worked out once for a given set of parameters (their gradients'
+        shapes, dtypes and devices follow theirs; compression maps a dtype the same way every step)."""
+        key = tuple(map(id, params))
+        known = self._layouts.get(key)
+        if known is not None:
+            return known
+        layout: list[_Flat] = []
+        for kind in dict.fromkeys((t.dtype, t.device) for t in tensors):
+            members = [i for i, t in enumerate(tensors) if (t.dtype, t.device) == kind]
+            shapes = [tuple(tensors[i].shape) for i in members]
+            digest = zlib.crc32(repr(tuple(shapes)).encode())
+            buffer = torch.empty(sum(math.prod(shape) for shape in shapes), dtype=kind[0], device=kind[1])
+            views = [piece.view(shape) for piece, shape in
+                     zip(buffer.split([math.prod(shape) for shape in shapes]), shapes, strict=True)]
+            layout.append((members, f"allreduce.step.{str(kind[0]).replace('torch.', '')}.{digest:08x}", buffer, views))
+        if len(self._layouts) > 16:
+            self._layouts.clear()
+        self._layouts[key] = layout
+        return layout
 
     def _submit_group_if_complete(self, index: int, force: bool = False) -> None:
         group = self._groups[index]
-        if index in self._group_handles or not (force or all(self._delay[p] <= 0 for p in group)):
+        passes = self.backward_passes_per_step
+        if index in self._group_handles or not (force or all(self._fired[self._position[p]] >= passes
+                                                               for p in group)):
             return
         compressed = [self._compression.compress(self._dense_grad(p)) for p in group]
         prescale, postscale = self._scales()
@@ -208,7 +242,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if context.current().world.size == 1 or outsider:
             self._synchronized = True
             return
-        waiting = [p for p in self._ungrouped if self._handles.get(p, (None, None)) == (None, None)]
+        waiting = [p for p in self._ungrouped if p not in self._handles] if self._handles else list(self._ungrouped)
         for param in waiting:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -227,8 +261,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 compressed, compression_ctx = ctx
                 if output is not param.grad:
                     self._dense_grad(param).copy_(self._compression.decompress(output, compression_ctx))
-        for handle, params, compressed, flattened in self._together:
-            self._take_results(synchronize(handle), params, compressed, flattened)
+        for handle, params, compressed, views in self._together:
+            self._take_results(synchronize(handle), params, compressed, views)
         self._together = []
         for index, (handle, compressed) in self._group_handles.items():
             for param, output, (_, ctx) in zip(self._groups[index], synchronize(handle), compressed, strict=True):
@@ -239,15 +273,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._densified.clear()
         self._handles.clear()
         self._group_handles.clear()
-        self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
+        self._reset_passes()
         self._synchronized = True
 
     def _take_results(self, output: Any, params: list[torch.Tensor], compressed: list[Any],
-                      flattened: list[torch.Tensor] | None) -> None:
+                      views: list[torch.Tensor] | None) -> None:
         """Write the reduced gradients of one submission back into ``param.grad``."""
-        outputs = output if flattened is None else _unflatten_dense_tensors(output, flattened)
-        if flattened is not None and self._compression is Compression.none:  # one copy for all of them
-            torch._foreach_copy_([self._dense_grad(p) for p in params], list(outputs))
+        outputs = output if views is None else views
+        if views is not None and self._compression is Compression.none:  # one copy for all of them
+            torch._foreach_copy_([c for c, _ in compressed], views)  # uncompressed, these are the grads
             return
         for param, piece, (_, ctx) in zip(params, outputs, compressed, strict=True):
             if piece is not param.grad:
@@ -262,7 +296,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if param.grad is not None and not param.grad.is_sparse:
                 param.grad = param.grad.to_sparse()
         self._densified.clear()
-        self._delay = dict.fromkeys(self._delay, self.backward_passes_per_step)
+        self._reset_passes()
         self._synchronized = False
 
     def _sparse_allreduce(self, param: torch.Tensor) -> torch.Tensor:
@@ -308,7 +342,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate before each allreduce."""
         self.backward_passes_per_step = passes
-        self._delay = dict.fromkeys(self._delay, passes)
+        self._reset_passes()
 
 
 class _DistributedAdasumOptimizer(torch.optim.Optimizer):
