@@ -62,6 +62,23 @@ for kind in ("sgd", "adam"):
         assert difference < tolerance, f"{kind} {label}: parameters differ by {difference}"
         print(f"rank {RANK} {kind} {label}: max |diff| {difference:.2e}", flush=True)
 
+# more backward passes than backward_passes_per_step before step(): Horovod's AssertionError, on every rank
+for passes in (1, 2) if SIZE > 1 else ():  # as in Horovod, a job of one rank installs no hooks
+    model = copy.deepcopy(base_model)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(), backward_passes_per_step=passes)
+    for _ in range(passes):
+        torch.nn.functional.mse_loss(model(inputs[shard]), targets[shard]).backward()
+    try:
+        torch.nn.functional.mse_loss(model(inputs[shard]), targets[shard]).backward()
+        raise SystemExit(f"a backward pass beyond backward_passes_per_step={passes} was accepted")
+    except AssertionError as e:
+        assert "more than backward_passes_per_step" in str(e), e
+    optimizer.step()  # the passes that were counted are reduced; the count starts again
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(inputs[shard]), targets[shard]).backward()
+    optimizer.step()
+
 # broadcast of parameters and optimizer state (including state not created yet and non-tensor entries)
 torch.manual_seed(100 + RANK)
 model = torch.nn.Linear(4, 3).double()
