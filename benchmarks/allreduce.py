@@ -7,8 +7,10 @@ Each library runs as its own job on this machine (hvdrun and gloo started by ``h
 the mpich wheel's ``mpiexec``), in-place float32 sum of zeros, rank 0 timing. A size's time is
 the median over repeats of (batch time / batch length), batches of back-to-back ops (1000 for
 small sizes; 100 for gloo, 25x slower there); bus bandwidth is ``bytes / time * 2 (N - 1) / N``,
-the traffic each rank's link carries in a ring. The last column times one op right after a barrier and
-2 ms of computation (a training step's pattern), median of 200 (10 above 1 MB).
+the traffic each rank's link carries in a ring. The last columns time one op right after a barrier and
+2 ms of computation (a training step's pattern), median of 200 (10 above 1 MB). Every library runs
+``--rounds`` jobs (3), alternating with the others so that the host's drifts hit all of them; the
+table gives the median of the rounds.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +96,17 @@ def run_job(library: str, ranks: int, sizes: list[int]) -> list[dict]:
     return [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
 
 
+def medians(runs: list[dict]) -> list[dict]:
+    """One row per library, ranks and size: the median of the rounds' times (each itself a median)."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["library"], run["ranks"], run["bytes"]), []).append(run)
+    return [{"library": library, "ranks": ranks, "bytes": nbytes, "rounds": len(group),
+             "seconds": statistics.median(r["seconds"] for r in group),
+             "after_pause": statistics.median(r["after_pause"] for r in group)}
+            for (library, ranks, nbytes), group in groups.items()]
+
+
 def bus_bandwidth(row: dict) -> float:
     """GB/s carried by each rank's ring link."""
     return ring_bus_bandwidth(row["bytes"], row["seconds"], row["ranks"]) / 1e9
@@ -105,7 +119,8 @@ def human(nbytes: int) -> str:
 def table(rows: list[dict]) -> str:
     """Markdown: per ranks and size, time and bus bandwidth of each library, and hvdrun's ratios."""
     lines = ["| ranks | size | hvdrun time | hvdrun busbw | gloo time | gloo busbw | MPI time | MPI busbw "
-             "| hvdrun/gloo | hvdrun/MPI | after a 2 ms pause: hvdrun / gloo / MPI |", "|" + "---|" * 11]
+             "| hvdrun/gloo | hvdrun/MPI | after a 2 ms pause: hvdrun / gloo / MPI | after a pause: hvdrun/MPI |",
+             "|" + "---|" * 12]
     index = {(r["library"], r["ranks"], r["bytes"]): r for r in rows}
     for ranks, nbytes in sorted({(r["ranks"], r["bytes"]) for r in rows}):
         cells = [str(ranks), human(nbytes)]
@@ -121,6 +136,7 @@ def table(rows: list[dict]) -> str:
             cells.append(f"{bw['hvdrun'] / bw[other]:.2f}x" if "hvdrun" in bw and other in bw else "-")
         paused = [index.get((library, ranks, nbytes), {}).get("after_pause") for library in LIBRARIES]
         cells.append(" / ".join(f"{p * 1e6:,.1f} µs" if p else "-" for p in paused))
+        cells.append(f"{paused[2] / paused[0]:.2f}x" if paused[0] and paused[2] else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -130,18 +146,22 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,4", help="comma-separated rank counts")
     parser.add_argument("--sizes", default=",".join(SIZES), help="sizes: 4K,64K,1M,16M,64M,256M or bytes")
     parser.add_argument("--libraries", default=",".join(LIBRARIES))
-    parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--rounds", type=int, default=3, help="jobs per library, alternating; medians reported")
+    parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", choices=LIBRARIES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [SIZES[s] if s in SIZES else int(s) for s in args.sizes.split(",")]
     if args.worker:
         worker(args.worker, sizes)
         return
-    rows = []
+    runs = []
     for ranks in (int(r) for r in args.ranks.split(",")):
-        for library in args.libraries.split(","):
-            print(f"running {library} with {ranks} ranks...", file=sys.stderr, flush=True)
-            rows += run_job(library, ranks, sizes)
+        for round_index in range(args.rounds):  # libraries alternate, so the host's drifts hit them alike
+            for library in args.libraries.split(","):
+                print(f"running {library} with {ranks} ranks (round {round_index + 1} of {args.rounds})...",
+                      file=sys.stderr, flush=True)
+                runs += run_job(library, ranks, sizes)
+    rows = medians(runs)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

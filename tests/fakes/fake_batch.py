@@ -31,8 +31,15 @@ def state_dir() -> Path:
 def next_id(start: int) -> int:
     counter = state_dir() / "counter"
     value = int(counter.read_text()) + 1 if counter.exists() else start
-    counter.write_text(str(value))
+    write(counter, str(value))
     return value
+
+
+def write(path: Path, text: str) -> None:
+    """Replace ``path`` atomically: a qstat that reads it meanwhile sees the old text or the new, never ''."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
 def job_dir(job_id: str) -> Path:
@@ -48,8 +55,8 @@ def start(job_id: str, job: dict) -> None:
     """Record ``job`` (script, env, outputs, cwd) and start its detached runner."""
     directory = job_dir(job_id)
     directory.mkdir(parents=True)
-    (directory / "job.json").write_text(json.dumps(job))
-    (directory / "state").write_text("queued")
+    write(directory / "job.json", json.dumps(job))
+    write(directory / "state", "queued")
     subprocess.Popen([sys.executable, __file__, "run", str(directory)], start_new_session=True,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -83,7 +90,7 @@ def stop(job_id: str) -> bool:
 
 def run(directory: Path) -> None:
     job = json.loads((directory / "job.json").read_text())
-    (directory / "runner.pid").write_text(str(os.getpid()))
+    write(directory / "runner.pid", str(os.getpid()))
     child: list[subprocess.Popen[bytes]] = []
 
     def on_term(_signum: int, _frame: object) -> None:
@@ -93,21 +100,21 @@ def run(directory: Path) -> None:
                 child[0].wait(10)
             except (OSError, subprocess.TimeoutExpired):
                 os.killpg(child[0].pid, signal.SIGKILL)
-        (directory / "exit").write_text(KILLED)
-        (directory / "state").write_text("done")
+        write(directory / "exit", KILLED)
+        write(directory / "state", "done")
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
     time.sleep(float(job.get("hold_s") or 0))
-    (directory / "started").write_text(str(time.time()))
+    write(directory / "started", str(time.time()))
     out = open(job["output"], "ab")
     err = open(job["error"], "ab") if job.get("error") else out
     child.append(subprocess.Popen(job["argv"], cwd=job["cwd"], env={**os.environ, **job["env"]},
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True))
-    (directory / "state").write_text("running")
+    write(directory / "state", "running")
     code = child[0].wait()
-    (directory / "exit").write_text(str(code))
-    (directory / "state").write_text("done")
+    write(directory / "exit", str(code))
+    write(directory / "state", "done")
 
 
 if __name__ == "__main__":
