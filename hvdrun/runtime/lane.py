@@ -114,22 +114,31 @@ def signature(name: str, dtype: np.dtype, shape: tuple[int, ...], op: int, presc
     return zlib.crc32(text.encode()) % 0xFFFFFFFF + 1
 
 
+_Layout = tuple[np.dtype, tuple[int, ...], int, float, float]  # dtype, shape, op, prescale, postscale
+
+
 class _Plan:
-    """Everything an allreduce of one layout (dtype, shape, op, scales) needs, made once: the board's
-    buffers viewed as the tensor, the combining function and the final factor."""
+    """Everything an allreduce of one layout needs, made once: the board's buffers viewed as the tensor, the
+    combining function, the final factor, and the signatures of the names seen with it."""
 
-    __slots__ = ("mine", "posts", "combine", "factor", "prescale", "signatures")
+    __slots__ = ("layout", "mine", "posts", "combine", "factor", "signatures")
 
-    def __init__(self, board: Board, rank: int, size: int, dtype: np.dtype, shape: tuple[int, ...], op: int,
-                 prescale: float, postscale: float) -> None:
+    def __init__(self, board: Board, rank: int, size: int, layout: _Layout) -> None:
+        dtype, shape, op, _, postscale = self.layout = layout
         nbytes = math.prod(shape) * dtype.itemsize
         self.posts = [[board.buffers[r][parity][:nbytes].view(dtype).reshape(shape) for r in range(size)]
                       for parity in (0, 1)]
         self.mine = [self.posts[parity][rank] for parity in (0, 1)]
         self.combine = REDUCE_FNS[op]
         self.factor = postscale / size if op == AVERAGE else postscale
-        self.prescale = prescale
         self.signatures: dict[str, int] = {}
+
+    def sign(self, name: str) -> int:
+        """The signature of ``name`` with this layout, remembered."""
+        if len(self.signatures) >= _MAX_PLANS:
+            self.signatures.clear()
+        sig = self.signatures[name] = signature(name, *self.layout)
+        return sig
 
 
 class FastLane:
@@ -151,7 +160,7 @@ class FastLane:
         self.head = board.words[0]
         self._decide = threading.Lock()  # rank 0: one verdict at a time, from any thread
         self._slot = threading.Lock()  # one thread of this rank in the lane at a time
-        self._plans: dict[tuple, _Plan] = {}
+        self._plans: dict[_Layout, _Plan] = {}
         self._readers_done_to = 0  # every rank has finished reading attempts below this
         self._last_go = -1  # this rank's last attempt that went through: every rank posted it, so none still
         # reads the attempt before it (whose buffers the next attempt reuses)
@@ -176,10 +185,9 @@ class FastLane:
         """Try an allreduce of ``array`` (up to CAPACITY bytes, an op of LANE_OPS) on the board; True when
         ``array`` holds the result, False: take the engine's path. ``engine_busy()`` says whether a peer used
         the engine since this attempt began."""
-        plan = self._plans.get((array.dtype, array.shape, op, prescale, postscale))
-        if plan is None:
-            plan = self._plan(array.dtype, array.shape, op, prescale, postscale)
-        sig = plan.signatures.get(name) or self._sign(plan, name, array, op, prescale, postscale)
+        layout = (array.dtype, array.shape, op, prescale, postscale)
+        plan = self._plans.get(layout) or self._plan(layout)
+        sig = plan.signatures.get(name) or plan.sign(name)
         head, me = self.head, self.me
         g = head[_COUNT]
         parity = g & 1
@@ -206,19 +214,11 @@ class FastLane:
         me[_DONE] = g + 1
         return verdict == _GO
 
-    def _plan(self, dtype: np.dtype, shape: tuple[int, ...], op: int, prescale: float, postscale: float) -> _Plan:
+    def _plan(self, layout: _Layout) -> _Plan:
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
-        plan = _Plan(self.board, self.rank, self.size, dtype, shape, op, prescale, postscale)
-        self._plans[(dtype, shape, op, prescale, postscale)] = plan
+        plan = self._plans[layout] = _Plan(self.board, self.rank, self.size, layout)
         return plan
-
-    @staticmethod
-    def _sign(plan: _Plan, name: str, array: np.ndarray, op: int, prescale: float, postscale: float) -> int:
-        if len(plan.signatures) >= _MAX_PLANS:
-            plan.signatures.clear()
-        sig = plan.signatures[name] = signature(name, array.dtype, array.shape, op, prescale, postscale)
-        return sig
 
     def _wait_buffer_free(self, g: int) -> None:
         """Attempt ``g`` reuses the buffers of attempt ``g - 2``: wait until every reader of it is done."""

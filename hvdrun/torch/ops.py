@@ -231,12 +231,13 @@ def _lane_view(tensor: torch.Tensor, remember: bool) -> np.ndarray | None:
     names the problem). ``t.numpy()`` costs about a microsecond, so views of tensors reduced in place again
     and again are remembered by identity, checked against the tensor's address, shape and dtype; a view holds
     the tensor's storage (not the tensor), so a matching address is this memory."""
+    if not isinstance(tensor, torch.Tensor):  # an id of a freed tensor may now name anything
+        return None
     entry = _lane_views.get(id(tensor))
     if (entry is not None and entry[0] == tensor.data_ptr() and entry[1] == tensor.shape and entry[2] == tensor.dtype
             and tensor.is_contiguous()):
         return entry[3]
-    if (not isinstance(tensor, torch.Tensor) or _via_device(tensor) or tensor.dtype not in _LANE_DTYPES
-            or not tensor.is_contiguous()):
+    if _via_device(tensor) or tensor.dtype not in _LANE_DTYPES or not tensor.is_contiguous():
         return None
     array = tensor.detach().numpy()
     if remember:

@@ -189,8 +189,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             handle = allreduce_async_(buffer, name=name, **options)
             self._together.append((handle, [dense[i] for i in members], [compressed[i] for i in members], views))
 
-    def _layout(self, params: list[torch.Tensor],
-                tensors: list[torch.Tensor]) -> list[_Flat]:
+    def _layout(self, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[_Flat]:
         """One flat buffer per dtype and device of ``tensors``: the positions of its members, its name, the
         buffer and the members' views into it. Worked out once for a given set of parameters (their gradients'
         shapes, dtypes and devices follow theirs; compression maps a dtype the same way every step)."""
@@ -202,10 +201,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for kind in dict.fromkeys((t.dtype, t.device) for t in tensors):
             members = [i for i, t in enumerate(tensors) if (t.dtype, t.device) == kind]
             shapes = [tuple(tensors[i].shape) for i in members]
+            sizes = [math.prod(shape) for shape in shapes]
             digest = zlib.crc32(repr(tuple(shapes)).encode())
-            buffer = torch.empty(sum(math.prod(shape) for shape in shapes), dtype=kind[0], device=kind[1])
-            views = [piece.view(shape) for piece, shape in
-                     zip(buffer.split([math.prod(shape) for shape in shapes]), shapes, strict=True)]
+            buffer = torch.empty(sum(sizes), dtype=kind[0], device=kind[1])
+            views = [piece.view(shape) for piece, shape in zip(buffer.split(sizes), shapes, strict=True)]
             layout.append((members, f"allreduce.step.{str(kind[0]).replace('torch.', '')}.{digest:08x}", buffer, views))
         if len(self._layouts) > 16:
             self._layouts.clear()
