@@ -29,12 +29,15 @@ SECRET = "HVDRUN_SECRET"
 JOB_ID = "HVDRUN_JOB_ID"
 BACKEND = "HVDRUN_BACKEND"
 MPIEXEC = "HVDRUN_MPIEXEC"  # the mpiexec --launcher mpiexec runs (default: beside this Python, then PATH)
-MPI_PLAN = "HVDRUN_MPI_PLAN"  # hosts, -np and GPU layout, for ranks started by mpiexec (launch/mpirank.py)
+MPI_PLAN = "HVDRUN_MPI_PLAN"  # hosts, -np and GPU layout, for ranks started by mpiexec (launch/remote/mpirank.py)
 # elastic jobs: where the launcher's membership service listens, and which worker this process is
 ELASTIC_ADDR = "HVDRUN_ELASTIC_ADDR"
 ELASTIC_PORT = "HVDRUN_ELASTIC_PORT"
 WORKER_ID = "HVDRUN_WORKER_ID"
 FAST_LANE = "HVDRUN_FAST_LANE"  # 0: blocking small allreduces of a one-host job take the engine's path too
+# device tensors: the torch.distributed backend that runs them (nccl|gloo), and 1 to route CPU tensors there too
+DEVICE_BACKEND = "HVDRUN_DEVICE_BACKEND"
+CPU_VIA_DEVICE = "HVDRUN_CPU_VIA_DEVICE_BACKEND"
 
 _TOPOLOGY = {
     "rank": (RANK, "HOROVOD_RANK"),
@@ -235,6 +238,37 @@ CYCLE_TIME_MS = ("HVDRUN_CYCLE_TIME", "HOROVOD_CYCLE_TIME")
 STALL_CHECK_DISABLE = ("HVDRUN_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE")
 LOG_LEVEL = ("HVDRUN_LOG_LEVEL", "HOROVOD_LOG_LEVEL")
 HOROVOD_COMPAT = "HVDRUN_HOROVOD_COMPAT"  # "1": the guard puts the 'horovod' shim package first on PYTHONPATH
+
+# -- launcher-side names (hvdrun/horovodrun.py, hvdrun/jobs, `hvdrun --help`) -------------------------
+# Horovod's spelling of the tuning variables above: horovodrun's options set these, as Horovod's launcher does
+HOROVOD_FUSION_THRESHOLD = FUSION_THRESHOLD[1]
+HOROVOD_CYCLE_TIME = CYCLE_TIME_MS[1]
+HOROVOD_TIMELINE = TIMELINE[1]
+HOROVOD_TIMELINE_MARK_CYCLES = TIMELINE_MARK_CYCLES[1]
+HOROVOD_STALL_CHECK_DISABLE = STALL_CHECK_DISABLE[1]
+HOROVOD_STALL_CHECK_TIME_SECONDS = STALL_WARNING_S[1]
+HOROVOD_STALL_SHUTDOWN_TIME_SECONDS = STALL_ERROR_S[1]
+HOROVOD_LOG_LEVEL = LOG_LEVEL[1]
+HOROVOD_CACHE_CAPACITY = "HOROVOD_CACHE_CAPACITY"  # horovodrun --cache-capacity, passed on (hvdrun has no cache)
+JOBS_DIR = "HVDRUN_JOBS_DIR"  # where `hvdrun qsub` records submitted jobs (default ~/.hvdrun/jobs)
+LC_ALL = "LC_ALL"  # scheduler commands run with LC_ALL=C: their output is parsed
+# the Environment section of `hvdrun --help`: (name, what it does)
+HELP = (
+    (HOROVOD_FUSION_THRESHOLD, "bytes fused into one allreduce (--fusion-threshold-mb)"),
+    (HOROVOD_CYCLE_TIME, "ms between negotiation cycles of the mpi/gloo backends (--cycle-time-ms)"),
+    (HOROVOD_STALL_CHECK_TIME_SECONDS, "warn about ops some ranks have not submitted after this long"),
+    (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, "fail them after this long"),
+    (HOROVOD_STALL_CHECK_DISABLE, "1: no stall warning or shutdown (--no-stall-check)"),
+    (HOROVOD_TIMELINE, "Chrome-trace timeline file of rank 0, or DYNAMIC (--timeline-filename)"),
+    (HOROVOD_LOG_LEVEL, "ERROR or FATAL silence the runtime's warnings (--log-level)"),
+    (BACKEND, "ring (default), mpi (under mpiexec) or gloo (torch.distributed)"),
+    (START_TIMEOUT, "seconds the ranks wait for each other in init() (--start-timeout)"),
+    (MPIEXEC, "the mpiexec of --launcher mpiexec"),
+    (JOBS_DIR, "where hvdrun qsub records submitted jobs (~/.hvdrun/jobs)"),
+    ("set for every rank", "HVDRUN_RANK/SIZE/LOCAL_RANK/..., HOROVOD_RANK/..., RANK, WORLD_SIZE, LOCAL_RANK, "
+                           "MASTER_ADDR/PORT, GROUP_RANK, TORCHELASTIC_RUN_ID, CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS"),
+)
+# -- end of launcher-side names ---------------------------------------------------------------------
 
 # (rank, size) variables of the launchers we recognise, in order of preference
 _MPI_RANKS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"), ("PALS_RANKID", "PMI_SIZE"))

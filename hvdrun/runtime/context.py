@@ -75,9 +75,9 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
                              "'hvdrun --launcher mpiexec' (or mpiexec itself) for the MPI backend")
         return backend, None
     if launch.size == 1 and launch.launcher == "single":
-        from hvdrun.runtime.backends.ring import RingBackend
+        from hvdrun.runtime.backends.native import NativeBackend
 
-        return RingBackend.single(launch.hostname, abort), None
+        return NativeBackend.single(launch.hostname, abort), None
     if not launch.secret or launch.rendezvous_addr is None or launch.rendezvous_port is None:
         raise UsageError(f"rank {launch.rank}: {envvars.SECRET} and the rendezvous address are required; "
                          "start workers with hvdrun")
@@ -88,10 +88,10 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
             from hvdrun.runtime.backends.torchdist import TorchBackend
 
             return TorchBackend.connect(launch, rendezvous, timeout_s, generation, store_port), rendezvous
-        from hvdrun.runtime.backends.ring import RingBackend
+        from hvdrun.runtime.backends.native import NativeBackend
 
         use_shm = environ.get(envvars.TRANSPORT, "").lower() != "tcp"
-        return RingBackend.connect(rendezvous, launch.hostname, f"{launch.job_id}-{generation}",
+        return NativeBackend.connect(rendezvous, launch.hostname, f"{launch.job_id}-{generation}",
                                    launch.secret.encode(), abort, timeout_s, use_shm, store_port), rendezvous
     except BaseException:
         rendezvous.close()
@@ -178,7 +178,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         device = _device_collectives(device_backend, store, backend, launch, timeout_s, generation)
         _generation += 1
         engine = Engine(backend, report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),
-                        device=device, lane=getattr(backend, "lane", None), **tuning)
+                        device=device, **tuning)
         _runtime = Runtime(launch, backend, engine, rendezvous, device, assignment=assignment)
         if assignment is not None and environ is os.environ:  # scripts that read RANK etc. see this round's
             os.environ.update(envvars.topology_env(backend.world))

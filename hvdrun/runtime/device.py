@@ -19,12 +19,10 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from hvdrun.envvars import DEVICE_BACKEND
 from hvdrun.errors import UsageError
-from hvdrun.runtime.negotiation import AVERAGE, MAX, MIN, PRODUCT, SUM, Entry, Request
-from hvdrun.runtime.ring import chunk_bounds
-
-DEVICE_BACKEND = "HVDRUN_DEVICE_BACKEND"
-CPU_VIA_DEVICE = "HVDRUN_CPU_VIA_DEVICE_BACKEND"
+from hvdrun.runtime.negotiation import Entry, Request
+from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, SUM, chunk_bounds, final_factor, scale_tensor
 
 
 def device_backend_name(environ: Mapping[str, str]) -> str | None:
@@ -118,20 +116,6 @@ def as_rows_of_bytes(tensor: Any) -> Any:
     return tensor.reshape(rows, per_row).view(torch.uint8)
 
 
-def scale_tensor(tensor: Any, factor: float) -> None:
-    """Multiply in place with Horovod's rules: integers through float64, float16 through float32."""
-    import torch
-
-    if factor == 1.0:
-        return
-    if tensor.dtype in (torch.float32, torch.float64, torch.bfloat16):
-        tensor.mul_(factor)
-    elif tensor.dtype == torch.float16:
-        tensor.copy_((tensor.float() * factor).half())
-    else:
-        tensor.copy_((tensor.double() * factor).to(tensor.dtype))
-
-
 class DeviceCollectives:
     """Executes negotiated ops whose tensors live on a device (or CPU, when routed here for tests)."""
 
@@ -181,7 +165,7 @@ class DeviceCollectives:
         request = entry.first
         scale_tensor(tensor, request.prescale)
         self.group.allreduce(tensor, request.op)
-        scale_tensor(tensor, request.postscale / self.size if request.op == AVERAGE else request.postscale)
+        scale_tensor(tensor, final_factor(request.op, request.postscale, self.size))
         return tensor
 
     def _broadcast(self, entry: Entry, tensor: Any) -> Any:
@@ -213,7 +197,7 @@ class DeviceCollectives:
         self.group.allreduce(work, request.op)
         first, last = chunk_bounds(tensor.shape[0], self.size)[self.rank]
         out = work[first:last].clone()
-        scale_tensor(out, request.postscale / self.size if request.op == AVERAGE else request.postscale)
+        scale_tensor(out, final_factor(request.op, request.postscale, self.size))
         return out
 
 

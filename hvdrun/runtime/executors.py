@@ -1,27 +1,33 @@
 """Execution of negotiated collectives on numpy buffers, one function per kind.
 
-Each executor takes the engine (its world, backend and fusion buffers), the batch of ready
-entries and this rank's ops, and returns one result per op. Also home of the handle and op
-records the engine hands out, and of Horovod's scaling rules.
+Each executor takes the engine's cycle (its world, backend, table and fusion buffers), the batch of
+ready entries and this rank's ops, and returns one result per op. The reduction rules they apply
+live in :mod:`hvdrun.runtime.reduce`; the algorithms, in the backend.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from hvdrun.errors import CollectiveError
 from hvdrun.runtime.backends.base import Backend, World
-from hvdrun.runtime.negotiation import AVERAGE, MIN, PRODUCT, REDUCE_FNS, SUM, Entry, Request, Table
-from hvdrun.runtime.ring import as_bytes, chunk_bounds
+from hvdrun.runtime.handles import Handle, LocalOp
+from hvdrun.runtime.negotiation import Entry, Request, Table
+from hvdrun.runtime.reduce import (
+    REDUCE_FNS,
+    as_bytes,
+    chunk_bounds,
+    final_factor,
+    identity,
+    reduce_in_rank_order,
+    scale,
+)
 
 
 class Engine(Protocol):
-    """What handles and executors need of the engine (``hvdrun.runtime.engine.Engine`` provides it)."""
+    """What executors need of the engine's cycle (``hvdrun.runtime.cycle.Cycle`` provides it)."""
 
     world: World
     backend: Backend
@@ -31,99 +37,12 @@ class Engine(Protocol):
         """A reusable flat buffer of at least ``count`` elements of ``dtype``."""
         ...
 
-    def drive_until(self, handle: Handle, timeout_s: float | None) -> None:
-        """Run cycles on the caller's thread until ``handle`` is done."""
-        ...
-
-    def release_name(self, name: str) -> None:
-        """The handle of ``name`` was synchronized: its name is free again."""
-        ...
-
-
-class Handle:
-    """The future of one submitted collective."""
-
-    __slots__ = ("_done", "_gate", "_result", "_error", "_engine", "_name")
-
-    def __init__(self, engine: Engine | None = None, name: str | None = None) -> None:
-        self._engine, self._name = engine, name
-        self._done = False
-        self._gate = threading.Lock()  # held until finish(): waiters block on it
-        self._gate.acquire()
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
-        """Record the outcome and wake waiters (engine side)."""
-        if self._done:
-            return
-        self._result, self._error, self._done = result, error, True
-        self._gate.release()
-
-    def done(self) -> bool:
-        """True once the collective finished (successfully or not)."""
-        return self._done
-
-    @property
-    def name(self) -> str | None:
-        """The name of the collective (None for handles the engine makes for itself)."""
-        return self._name
-
-    def block(self, timeout_s: float) -> None:
-        """Sleep until finished or ``timeout_s`` passed, without driving communication."""
-        if not self._done and self._gate.acquire(timeout=timeout_s):
-            self._gate.release()
-
-    def wait(self, timeout_s: float | None = None) -> Any:
-        """Block until finished (driving communication meanwhile); return the result or raise its error.
-
-        Once it has finished, its name is free again on this rank (Horovod's rule: a name is taken from
-        submission until the handle is synchronized).
-        """
-        if not self._done and self._engine is not None:
-            self._engine.drive_until(self, timeout_s)
-        if not self._done:
-            self.block(-1 if timeout_s is None else timeout_s)
-        if not self._done:
-            raise TimeoutError("collective did not finish in time")
-        if self._engine is not None and self._name is not None:
-            self._engine.release_name(self._name)
-        if self._error is not None:
-            raise CollectiveError(str(self._error)) from self._error
-        return self._result
-
-
-@dataclass
-class LocalOp:
-    """A request of this rank and the buffer it works on."""
-
-    request: Request
-    array: Any  # a numpy array (empty for barriers), or a torch tensor for device ops
-    handle: Handle
-    payload: bytes | None = None
-
-
-def scale(buffer: np.ndarray, factor: float) -> None:
-    """Multiply in place: integers through float64, float16 through float32 (Horovod's rules)."""
-    if factor == 1.0 or buffer.size == 0:
-        return
-    if buffer.dtype in (np.float32, np.float64):
-        np.multiply(buffer, factor, out=buffer)
-    elif buffer.dtype == np.float16:
-        buffer[...] = (buffer.astype(np.float32) * factor).astype(np.float16)
-    else:
-        buffer[...] = (buffer.astype(np.float64) * factor).astype(buffer.dtype)
-
 
 def identity_of(request: Request) -> float | int:
     """The element that leaves ``request``'s reduction unchanged (what a rank outside its set contributes)."""
-    dtype = np.dtype(request.dtype or np.uint8)
-    if request.kind not in ("allreduce", "reducescatter") or request.op in (AVERAGE, SUM):
+    if request.kind not in ("allreduce", "reducescatter"):
         return 0
-    if request.op == PRODUCT:
-        return 1
-    limits = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
-    return limits.max if request.op == MIN else limits.min
+    return identity(request.op, np.dtype(request.dtype or np.uint8))
 
 
 def stand_in(entry: Entry, rank: int) -> LocalOp:
@@ -135,8 +54,7 @@ def stand_in(entry: Entry, rank: int) -> LocalOp:
 
 
 def _postscale(request: Request, set_size: int) -> float:
-    """Average divides by the number of ranks in the op's set."""
-    return request.postscale / set_size if request.op == AVERAGE else request.postscale
+    return final_factor(request.op, request.postscale, set_size)
 
 
 # -- executors: (engine, batch, ops) -> one result per op ---------------------------------------
@@ -151,11 +69,8 @@ def _eager_allreduce(engine: Engine, entry: Entry, array: np.ndarray) -> np.ndar
 
 def reduce_contributions(set_size: int, request: Request, payloads: list[bytes], array: np.ndarray) -> np.ndarray:
     """Reduce every rank's contribution locally, in rank order, so all ranks get identical bits."""
-    reduce, dtype = REDUCE_FNS[request.op], array.dtype
     flat = array.reshape(-1)
-    reduce(np.frombuffer(payloads[0], dtype), np.frombuffer(payloads[1], dtype), flat)
-    for rank in range(2, len(payloads)):
-        reduce(flat, np.frombuffer(payloads[rank], dtype), flat)
+    reduce_in_rank_order([np.frombuffer(payload, array.dtype) for payload in payloads], flat, request.op)
     scale(flat, _postscale(request, set_size))
     return array
 

@@ -18,13 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-# Horovod's op codes
-AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5
-OP_NAMES = {AVERAGE: "Average", SUM: "Sum", ADASUM: "Adasum", MIN: "Min", MAX: "Max", PRODUCT: "Product"}
-REDUCE_FNS = {AVERAGE: np.add, SUM: np.add, MIN: np.minimum, MAX: np.maximum, PRODUCT: np.multiply}
+from hvdrun.runtime.reduce import OP_NAMES, SUM
 
-REDUCTION_DTYPES = ("int32", "int64", "float16", "float32", "float64")
-MOVEMENT_DTYPES = REDUCTION_DTYPES + ("uint8", "int8", "int16", "bool")
 GLOBAL_SET = 0
 JOIN = "__join__"  # the name of hvd.join()'s request
 

@@ -17,22 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from hvdrun import envvars
 from hvdrun.runtime import context
-from hvdrun.runtime.device import CPU_VIA_DEVICE
-from hvdrun.runtime.executors import Handle
-from hvdrun.runtime.negotiation import (
-    ADASUM,
-    AVERAGE,
-    GLOBAL_SET,
-    JOIN,
-    MAX,
-    MIN,
-    MOVEMENT_DTYPES,
-    PRODUCT,
-    REDUCTION_DTYPES,
-    SUM,
-    Request,
-)
+from hvdrun.runtime.handles import Handle
+from hvdrun.runtime.lane import try_allreduce as try_lane
+from hvdrun.runtime.negotiation import GLOBAL_SET, JOIN, Request
+from hvdrun.runtime.reduce import ADASUM, AVERAGE, MAX, MIN, MOVEMENT_DTYPES, PRODUCT, REDUCTION_DTYPES, SUM
 from hvdrun.torch import adasum
 from hvdrun.torch.process_sets import set_id, set_size
 
@@ -58,7 +48,7 @@ def _via_device(tensor: torch.Tensor) -> bool:
     if not tensor.is_cpu:
         return True
     if _cpu_via_device is None:
-        _cpu_via_device = os.environ.get(CPU_VIA_DEVICE) == "1"
+        _cpu_via_device = os.environ.get(envvars.CPU_VIA_DEVICE) == "1"
     return _cpu_via_device
 
 
@@ -213,7 +203,7 @@ def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | 
         if name is None:
             name = engine.auto_name("allreduce")  # the same name on either path
         array = _lane_view(tensor, remember)
-        if array is not None and engine.lane_allreduce(array, name, op, prescale_factor, postscale_factor):
+        if array is not None and try_lane(engine, array, name, op, prescale_factor, postscale_factor):
             return tensor
     array = _check(tensor, REDUCTION_DTYPES)
     request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set)
@@ -442,7 +432,7 @@ def barrier(process_set: Any = None) -> None:
     """Block until every rank reached the barrier."""
     scope = set_id(process_set)
     name = _scoped_name("barrier", None, scope)
-    if scope == GLOBAL_SET and _engine().lane_allreduce(_BARRIER_TOKEN, name, SUM, 1.0, 1.0):
+    if scope == GLOBAL_SET and try_lane(_engine(), _BARRIER_TOKEN, name, SUM, 1.0, 1.0):
         return  # every rank posted it on the fast lane
     _engine().run(Request(name, "barrier", process_set=scope))
 

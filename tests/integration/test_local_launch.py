@@ -194,13 +194,13 @@ def test_torchrun_style_env_script_runs_unchanged(run_hvdrun):
 def test_shared_memory_of_ranks_killed_during_init_is_removed(run_hvdrun, tmp_path):
     path = script(tmp_path, "die_in_init.py", """
         import os, signal
-        import hvdrun.runtime.backends.ring as ring
-        original = ring._channels
+        import hvdrun.runtime.backends.native as native
+        original = native._channels
         def die_after_creating_the_segment(*args, **kwargs):
             if os.environ["RANK"] == "1":
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(*args, **kwargs)
-        ring._channels = die_after_creating_the_segment
+        native._channels = die_after_creating_the_segment
         from hvdrun.runtime import context
         context.init()
     """)

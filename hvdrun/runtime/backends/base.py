@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hvdrun.ranks import Topology, topologies
-from hvdrun.runtime.ring import ReduceFn
+from hvdrun.runtime.lane import FastLane
+from hvdrun.runtime.reduce import ReduceFn
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Backend(abc.ABC):
     name: str = "?"
     wakeable: bool = False
     world: World
+    lane: FastLane | None = None  # the fast lane of a one-host job (the native backend's)
 
     @abc.abstractmethod
     def allgather_messages(self, payload: bytes) -> list[bytes]:

@@ -9,7 +9,7 @@ import numpy as np
 
 from hvdrun.errors import UsageError
 from hvdrun.runtime.backends.base import Backend, World
-from hvdrun.runtime.ring import ReduceFn
+from hvdrun.runtime.reduce import ReduceFn
 
 
 def _mpi():  # noqa: ANN202 - imported lazily: mpi4py initialises MPI on import

@@ -18,9 +18,8 @@ import numpy as np
 from hvdrun.envvars import LaunchInfo
 from hvdrun.runtime.backends.base import Backend, World, topology
 from hvdrun.runtime.device import TorchGroup
-from hvdrun.runtime.negotiation import MAX, MIN, PRODUCT, SUM
+from hvdrun.runtime.reduce import MAX, MIN, PRODUCT, SUM, ReduceFn
 from hvdrun.runtime.rendezvous import Peer, Rendezvous, bind_host, listen
-from hvdrun.runtime.ring import ReduceFn
 
 _OP_OF: dict[Any, int] = {np.add: SUM, np.minimum: MIN, np.maximum: MAX, np.multiply: PRODUCT}
 

@@ -1,8 +1,9 @@
-"""The ring backend: hvdrun's own reduce-scatter/all-gather over shared memory and TCP.
+"""The native backend (``HVDRUN_BACKEND=ring``): hvdrun's own collectives over shared memory and TCP.
 
 Set-up, once per ``init()``: every rank creates its shared-memory receive ring and a TCP
 data listener, joins the rendezvous, then connects to the next rank (shared memory when it
-is on the same host, authenticated TCP otherwise) and accepts the previous one.
+is on the same host, authenticated TCP otherwise) and accepts the previous one. A job whose
+ranks all share one host also gets the fast lane (:mod:`hvdrun.runtime.lane`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import numpy as np
 
 from hvdrun.errors import RendezvousError
 from hvdrun.runtime.backends.base import Backend, World, topology
-from hvdrun.runtime.lane import SPINS_BEFORE_YIELD, Board, FastLane, lane_enabled
+from hvdrun.runtime.collectives import Ring
+from hvdrun.runtime.lane import FastLane, create_board, open_lane
+from hvdrun.runtime.reduce import ReduceFn
 from hvdrun.runtime.rendezvous import Peer, Rendezvous, bind_host
-from hvdrun.runtime.ring import ReduceFn, Ring
 from hvdrun.runtime.transport.base import DEFAULT_SPIN_S, AbortFlag, RxChannel, TxChannel, Waiter
 from hvdrun.runtime.transport.shm import ShmRx, ShmSegment, ShmTx, shm_supported
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx, tune
@@ -38,8 +40,8 @@ def _boot_id() -> str:
         return "unknown-boot"
 
 
-class RingBackend(Backend):
-    """Collectives on hvdrun's ring (see :mod:`hvdrun.runtime.ring`)."""
+class NativeBackend(Backend):
+    """Collectives on hvdrun's own algorithms (see :mod:`hvdrun.runtime.collectives`)."""
 
     name = "ring"
     wakeable = True
@@ -50,7 +52,7 @@ class RingBackend(Backend):
 
     @classmethod
     def connect(cls, rendezvous: Rendezvous, hostname: str, job_key: str, secret: bytes, abort: AbortFlag,
-                timeout_s: float, use_shm: bool = True, store_port: int = 0) -> RingBackend:
+                timeout_s: float, use_shm: bool = True, store_port: int = 0) -> NativeBackend:
         """Join the rendezvous and build this rank's channels to its ring neighbours.
 
         ``store_port`` (rank 0) announces the device process group's store in the table.
@@ -59,9 +61,7 @@ class RingBackend(Backend):
         deadline = time.monotonic() + timeout_s
         use_shm = use_shm and shm_supported()
         own = ShmSegment(job_key, rank, SHM_CAPACITY_BYTES, create=True) if use_shm and size > 1 else None
-        # the fast lane's board (rank 0 creates it; used when every rank turns out to be on this host)
-        board = Board(job_key, size, create=True) if own is not None and rank == 0 and lane_enabled() else None
-        lane: FastLane | None = None
+        board = create_board(job_key, rank, size, own is not None)
         listener = None
         try:
             address = rendezvous.local_address(deadline)  # the data port listens where the others reach us
@@ -75,12 +75,7 @@ class RingBackend(Backend):
             spin = DEFAULT_SPIN_S if world.local_size <= (os.cpu_count() or 1) else 0.0
             tx, rx, segments = _channels(me, peers, own, listener, job_key, secret)
             ring = Ring(rank, size, tx, rx, Waiter(own.bell if own else None, abort, spin))
-            # the lane's waits spin a while where every rank has a core of its own, else yield at once
-            if world.local_size == size and (board is not None or (rank != 0 and use_shm and lane_enabled())):
-                lane = FastLane(board or Board(job_key, size, create=False), rank, size, abort,
-                                SPINS_BEFORE_YIELD if spin > 0 else 0)
-            elif board is not None:
-                board.close()
+            lane = open_lane(board, job_key, rank, size, world.local_size, abort, use_shm, own_core=spin > 0)
             ring.allgather_messages(b"")  # every peer has opened our ring (and the board): names may go
             backend = cls(world, ring, segments, peers)
             backend.lane = lane
@@ -94,7 +89,7 @@ class RingBackend(Backend):
                 board.unlink()
 
     @classmethod
-    def single(cls, hostname: str, abort: AbortFlag) -> RingBackend:
+    def single(cls, hostname: str, abort: AbortFlag) -> NativeBackend:
         """A world of one rank: every collective is local."""
         return cls(topology(0, [hostname], [hostname]), Ring(0, 1, None, None, Waiter(None, abort)), [])
 

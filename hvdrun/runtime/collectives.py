@@ -1,6 +1,10 @@
-"""Ring collectives over a pair of channels: ``tx`` to the next rank, ``rx`` from the previous one.
+"""Collective algorithms over channels between ranks.
 
-Allreduce is a reduce-scatter followed by an all-gather. The buffer is cut into N chunks
+Today: the ring, over a pair of channels (``tx`` to the next rank, ``rx`` from the previous one).
+Algorithms that are chosen by message size and host count (hierarchical, recursive doubling,
+Rabenseifner) belong here too; the reduction rules they apply live in :mod:`hvdrun.runtime.reduce`.
+
+The ring's allreduce is a reduce-scatter followed by an all-gather. The buffer is cut into N chunks
 (sizes differ by at most one element). Worked example with 4 ranks, chunks a b c d, and
 ``x+`` meaning "partially reduced"::
 
@@ -21,39 +25,17 @@ Transfers are padded to a multiple of 8 bytes so elements never straddle a ring 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds, padded
 from hvdrun.runtime.transport.base import RxChannel, TxChannel, Waiter
 
 SEGMENT_BYTES = 1 << 19
 SMALL_MESSAGE_BYTES = 256 << 10
 _ZEROS = memoryview(bytes(8))
 _LENGTH = struct.Struct("<Q")
-
-ReduceFn = Callable[[np.ndarray, np.ndarray, np.ndarray], object]  # numpy ufunc: fn(a, b, out=a)
-
-
-def padded(length: int) -> int:
-    """``length`` rounded up to a multiple of 8."""
-    return (length + 7) & ~7
-
-
-def as_bytes(array: np.ndarray) -> memoryview:
-    """A byte view of a contiguous array (no copy)."""
-    return array.data.cast("B") if array.size else memoryview(bytearray())
-
-
-def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:
-    """Split ``count`` elements into ``parts`` ranges; the first ``count % parts`` get one more."""
-    base, extra = divmod(count, parts)
-    bounds, start = [], 0
-    for index in range(parts):
-        stop = start + base + (1 if index < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 class Sink:

@@ -1,117 +1,43 @@
-"""The fast lane: a blocking small allreduce of a one-host job, exchanged on one shared board.
+"""One rank's side of the fast lane: posting an allreduce on the board, and rank 0's verdicts.
 
-The engine's path costs a negotiation cycle of Python per op (tens of µs). When every rank of a
-job on one host calls the same small blocking allreduce with nothing else in flight, the ranks
-can simply post their data on a board in ``/dev/shm`` and reduce everyone's posts in rank order.
-
-What makes it safe is that one rank decides. "Nothing else in flight" is a local fact: a rank
-with an async op still pending takes the engine's path while its peers post. So every attempt
-``g`` ends with a *verdict* that only rank 0 writes:
-
-* GO when every rank posted attempt ``g`` with the same signature (name, dtype, size, op, scales);
-* ABORT when a signature differs, a rank asked to withdraw (it saw engine traffic while it waited),
-  rank 0 itself saw engine traffic, or rank 0 is in the engine's path (it then never posts ``g``).
-
-Every poster waits for the verdict and obeys it: on ABORT it takes the engine's path, where names
-are matched, mismatches are named and deadlocks reported as always. Nobody withdraws on its own, so
-no rank can reduce an attempt that another abandoned. Verdicts are numbered; a rank posts with the
-number of the next verdict, so ranks that skipped attempts stay in step.
-
-Board layout: one slot per rank (header words, then two data buffers used by attempt parity);
-rank 0's header also holds the verdict count and a ring of the last verdicts. A buffer is reused
-two attempts later, and only once every rank finished reading the attempt that used it last.
+See :mod:`hvdrun.runtime.lane` for why one rank decides; :mod:`hvdrun.runtime.lane.board` for the layout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-import mmap
 import os
 import sys
 import threading
 import time
-import zlib
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from hvdrun import envvars
 from hvdrun.errors import CollectiveError
-from hvdrun.runtime.executors import scale
-from hvdrun.runtime.negotiation import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM
+from hvdrun.runtime.lane.board import (
+    ABORT,
+    COUNT,
+    DONE,
+    ENGINE_WAIT,
+    GO,
+    HISTORY,
+    POST,
+    VERDICTS,
+    WITHDRAW,
+    Board,
+    signature,
+)
+from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM, final_factor, scale
 from hvdrun.runtime.transport.base import AbortFlag, fence
 
-CAPACITY = 64 << 10  # bytes of one post: larger allreduces are the ring's
-_HEADER_WORDS = 128
-_POST, _WITHDRAW, _DONE = 0, 2, 3  # header words of every slot; a post is attempt << 32 | signature
-_COUNT, _ENGINE_WAIT = 4, 5  # rank 0's: verdicts issued; 1 while rank 0 waits in the engine's path
-_VERDICTS, _HISTORY = 16, 64  # rank 0: verdicts[g % 64] at words 16..79
-_GO, _ABORT = 1, 2
-_SLOT_BYTES = _HEADER_WORDS * 8 + 2 * CAPACITY
 SPINS_BEFORE_YIELD = 200
 _MAX_PLANS = 4096  # layouts (and names per layout) remembered
 # a rank that waits this long for the others leaves the lane (through the verdict): a late rank, a stall
 # or a deadlock is then the engine's to handle, with its warnings, probes and errors
 WITHDRAW_AFTER_S = 0.02
 LANE_OPS = frozenset((SUM, AVERAGE, MIN, MAX, PRODUCT))  # what the lane reduces
-
-
-def lane_enabled() -> bool:
-    """``HVDRUN_FAST_LANE=0`` keeps every op on the engine's path (for comparisons)."""
-    return os.environ.get(envvars.FAST_LANE, "1") != "0"
-
-
-def board_path(job_key: str) -> Path:
-    """``/dev/shm/hvdrun-JOB-GEN-0.lane``: a file of rank 0, which creates it, so rank 0's guard removes it
-    even when the launcher is killed."""
-    return Path(envvars.shm_segment_base(job_key, 0) + ".lane")
-
-
-class Board:
-    """The shared board of one job generation; rank 0 creates it, the others open it."""
-
-    def __init__(self, job_key: str, size: int, create: bool) -> None:
-        self.path, self.bell_path = board_path(job_key), board_path(job_key).with_suffix(".lanebell")
-        length = size * _SLOT_BYTES
-        if create:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, length)
-            os.mkfifo(self.bell_path, 0o600)
-        else:
-            fd = os.open(self.path, os.O_RDWR)
-        try:
-            self.map = mmap.mmap(fd, length)
-        finally:
-            os.close(fd)
-        self.bell_fd = os.open(self.bell_path, os.O_RDWR | os.O_NONBLOCK)
-        self.words = [memoryview(self.map)[r * _SLOT_BYTES:r * _SLOT_BYTES + _HEADER_WORDS * 8].cast("q")
-                      for r in range(size)]
-        self.buffers = [[np.frombuffer(self.map, np.uint8, CAPACITY, r * _SLOT_BYTES + _HEADER_WORDS * 8 + p * CAPACITY)
-                         for p in (0, 1)] for r in range(size)]
-
-    def unlink(self) -> None:
-        """Remove the names once every rank has mapped the board."""
-        self.path.unlink(missing_ok=True)
-        self.bell_path.unlink(missing_ok=True)
-
-    def close(self) -> None:
-        """Unmap (left to the garbage collector while views remain)."""
-        os.close(self.bell_fd)
-        for words in self.words:
-            words.release()
-        self.words, self.buffers = [], []
-        try:
-            self.map.close()
-        except BufferError:
-            pass
-
-
-def signature(name: str, dtype: np.dtype, shape: tuple[int, ...], op: int, prescale: float,
-              postscale: float) -> int:
-    """What every rank's post must agree on, as one number of 32 bits (never 0)."""
-    text = f"{name}|{dtype.str}|{shape}|{op}|{prescale}|{postscale}"
-    return zlib.crc32(text.encode()) % 0xFFFFFFFF + 1
 
 
 _Layout = tuple[np.dtype, tuple[int, ...], int, float, float]  # dtype, shape, op, prescale, postscale
@@ -130,7 +56,7 @@ class _Plan:
                       for parity in (0, 1)]
         self.mine = [self.posts[parity][rank] for parity in (0, 1)]
         self.combine = REDUCE_FNS[op]
-        self.factor = postscale / size if op == AVERAGE else postscale
+        self.factor = final_factor(op, postscale, size)
         self.signatures: dict[str, int] = {}
 
     def sign(self, name: str) -> int:
@@ -189,7 +115,7 @@ class FastLane:
         plan = self._plans.get(layout) or self._plan(layout)
         sig = plan.signatures.get(name) or plan.sign(name)
         head, me = self.head, self.me
-        g = head[_COUNT]
+        g = head[COUNT]
         parity = g & 1
         if g >= 2 and self._last_go != g - 1 and self._readers_done_to < g - 1:
             self._wait_buffer_free(g)
@@ -197,11 +123,11 @@ class FastLane:
         np.copyto(mine, array)
         if prescale != 1.0:
             scale(mine, prescale)
-        me[_POST] = (g + 1) << 32 | sig  # one store: the attempt and what it is
+        me[POST] = (g + 1) << 32 | sig  # one store: the attempt and what it is
         if self.rank:
             self._ring_coordinator()
         verdict = self._await_verdict(g, name, engine_busy)
-        if verdict == _GO:
+        if verdict == GO:
             posts, combine = plan.posts[parity], plan.combine
             combine(posts[0], posts[1], array)
             for post in posts[2:]:
@@ -211,8 +137,8 @@ class FastLane:
             self.used += 1
             self._last_go = g
         fence()
-        me[_DONE] = g + 1
-        return verdict == _GO
+        me[DONE] = g + 1
+        return verdict == GO
 
     def _plan(self, layout: _Layout) -> _Plan:
         if len(self._plans) >= _MAX_PLANS:
@@ -222,18 +148,18 @@ class FastLane:
 
     def _wait_buffer_free(self, g: int) -> None:
         """Attempt ``g`` reuses the buffers of attempt ``g - 2``: wait until every reader of it is done."""
-        if self._verdict(g - 2) != _GO:
+        if self._verdict(g - 2) != GO:
             return
         spins = 0
-        while any(words[_DONE] < g - 1 for words in self.board.words):
+        while any(words[DONE] < g - 1 for words in self.board.words):
             spins = self._pause(spins)
-        self._readers_done_to = min(words[_DONE] for words in self.board.words)
+        self._readers_done_to = min(words[DONE] for words in self.board.words)
 
     def _await_verdict(self, g: int, name: str, engine_busy: Callable[[], bool]) -> int:
         head, judge = self.head, self.rank == 0
         spins, withdrawn, warned = 0, False, False
         started = time.monotonic()
-        while head[_COUNT] <= g:
+        while head[COUNT] <= g:
             if judge:
                 self._judge(g, own_post=True, engine_seen=False)
             spins += 1
@@ -249,7 +175,7 @@ class FastLane:
                 if judge:
                     self._judge(g, own_post=True, engine_seen=True)
                 else:
-                    self.me[_WITHDRAW] = g + 1  # ask rank 0 to abort; the verdict still decides
+                    self.me[WITHDRAW] = g + 1  # ask rank 0 to abort; the verdict still decides
                     self._ring_coordinator()
             if waited > self.stall_warning_s and not warned:
                 warned = True
@@ -273,8 +199,8 @@ class FastLane:
         if self.rank != 0:
             return
         self._drain_bell()
-        g = self.head[_COUNT]
-        if any(words[_POST] >> 32 == g + 1 for words in self.board.words[1:]):
+        g = self.head[COUNT]
+        if any(words[POST] >> 32 == g + 1 for words in self.board.words[1:]):
             self._judge(g, own_post=False, engine_seen=True)
 
     @property
@@ -286,41 +212,48 @@ class FastLane:
         """Issue attempt ``g``'s verdict when it is due: GO once every rank posted the same op as rank 0
         (a rank that asked to withdraw meanwhile still obeys it); ABORT on a different op, a withdrawal of a
         rank that did not post, engine traffic, or rank 0 not posting at all."""
-        tag, mine = g + 1, self.head[_POST]
+        tag, mine = g + 1, self.head[POST]
         everyone, clash = True, not own_post or engine_seen
         for words in self.board.words:
-            post = words[_POST]
+            post = words[POST]
             if post != mine:
                 everyone = False
-                clash = clash or post >> 32 == tag or words[_WITHDRAW] == tag
+                clash = clash or post >> 32 == tag or words[WITHDRAW] == tag
         if everyone and not clash:
-            self._issue(g, _GO)
+            self._issue(g, GO)
         elif clash:
-            self._issue(g, _ABORT)
+            self._issue(g, ABORT)
 
     def _issue(self, g: int, verdict: int) -> None:
         with self._decide:
-            if self.head[_COUNT] != g:
+            if self.head[COUNT] != g:
                 return  # another thread of rank 0 decided it
-            self.head[_VERDICTS + g % _HISTORY] = (g + 1) * 4 + verdict
+            self.head[VERDICTS + g % HISTORY] = (g + 1) * 4 + verdict
             fence()
-            self.head[_COUNT] = g + 1
+            self.head[COUNT] = g + 1
 
     def _verdict(self, g: int) -> int:
-        value = self.head[_VERDICTS + g % _HISTORY]
+        value = self.head[VERDICTS + g % HISTORY]
         if value // 4 != g + 1:
             raise CollectiveError(f"fast lane: verdict {g} was overwritten before this rank read it")
         return value % 4
 
-    def engine_wait(self, waiting: bool) -> None:
-        """Rank 0 enters (True) or leaves the engine's path: while in it, posters ring its bell."""
+    @contextlib.contextmanager
+    def engine_path(self) -> Iterator[None]:
+        """A caller drives the engine: while rank 0 is in this path, posters ring its bell."""
         if self.rank == 0:
-            self.head[_ENGINE_WAIT] = int(waiting)
+            self.head[ENGINE_WAIT] = 1
             fence()
+        try:
+            yield
+        finally:
+            if self.rank == 0:
+                self.head[ENGINE_WAIT] = 0
+                fence()
 
     def _ring_coordinator(self) -> None:
         fence()
-        if self.rank != 0 and self.head[_ENGINE_WAIT]:
+        if self.rank != 0 and self.head[ENGINE_WAIT]:
             try:
                 os.write(self.board.bell_fd, b"\0")
             except (BlockingIOError, BrokenPipeError):

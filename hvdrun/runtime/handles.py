@@ -1,0 +1,90 @@
+"""What the engine hands out and keeps per op: the :class:`Handle` (a future) and the :class:`LocalOp` record.
+
+A handle finishes once, with a result or an error; a caller that waits on it drives the engine's
+progress on its own thread (:meth:`EngineLike.drive_until`) instead of sleeping, and frees the op's
+name on this rank when the wait returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from hvdrun.errors import CollectiveError
+from hvdrun.runtime.negotiation import Request
+
+
+class EngineLike(Protocol):
+    """What a handle needs of the engine (``hvdrun.runtime.engine.Engine`` provides it)."""
+
+    def drive_until(self, handle: Handle, timeout_s: float | None) -> None:
+        """Run cycles on the caller's thread until ``handle`` is done."""
+        ...
+
+    def release_name(self, name: str) -> None:
+        """The handle of ``name`` was synchronized: its name is free again."""
+        ...
+
+
+class Handle:
+    """The future of one submitted collective."""
+
+    __slots__ = ("_done", "_gate", "_result", "_error", "_engine", "_name")
+
+    def __init__(self, engine: EngineLike | None = None, name: str | None = None) -> None:
+        self._engine, self._name = engine, name
+        self._done = False
+        self._gate = threading.Lock()  # held until finish(): waiters block on it
+        self._gate.acquire()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Record the outcome and wake waiters (engine side)."""
+        if self._done:
+            return
+        self._result, self._error, self._done = result, error, True
+        self._gate.release()
+
+    def done(self) -> bool:
+        """True once the collective finished (successfully or not)."""
+        return self._done
+
+    @property
+    def name(self) -> str | None:
+        """The name of the collective (None for handles the engine makes for itself)."""
+        return self._name
+
+    def block(self, timeout_s: float) -> None:
+        """Sleep until finished or ``timeout_s`` passed, without driving communication."""
+        if not self._done and self._gate.acquire(timeout=timeout_s):
+            self._gate.release()
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        """Block until finished (driving communication meanwhile); return the result or raise its error.
+
+        Once it has finished, its name is free again on this rank (Horovod's rule: a name is taken from
+        submission until the handle is synchronized).
+        """
+        if not self._done and self._engine is not None:
+            self._engine.drive_until(self, timeout_s)
+        if not self._done:
+            self.block(-1 if timeout_s is None else timeout_s)
+        if not self._done:
+            raise TimeoutError("collective did not finish in time")
+        if self._engine is not None and self._name is not None:
+            self._engine.release_name(self._name)
+        if self._error is not None:
+            raise CollectiveError(str(self._error)) from self._error
+        return self._result
+
+
+@dataclass
+class LocalOp:
+    """A request of this rank and the buffer it works on."""
+
+    request: Request
+    array: Any  # a numpy array (empty for barriers), or a torch tensor for device ops
+    handle: Handle
+    payload: bytes | None = None

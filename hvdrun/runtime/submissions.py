@@ -1,0 +1,139 @@
+"""This rank's collectives from submission until their handles are synchronized.
+
+The ledger the engine and its cycles share: the names taken on this rank (Horovod's rule: a name is
+taken from submission until its handle is synchronized), the automatic names (``allreduce.noname.7``,
+the same on ranks that submit in the same order), the queue of requests not yet announced, the ops in
+flight, the names threads of this rank are blocked on, and the rank's failure. One lock guards all of
+it, and the engine's sleep flags too, so a submission knows whether to wake a sleeping engine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+
+from hvdrun.errors import CollectiveError
+from hvdrun.runtime.handles import EngineLike, Handle, LocalOp
+from hvdrun.runtime.negotiation import Request
+from hvdrun.runtime.reduce import scale
+
+_NO_DATA = np.empty(0, np.uint8)
+
+
+class Submissions:
+    """The ops of one rank (see the module docstring).
+
+    Args:
+        engine: what the handles drive while a caller waits on them.
+        world_size: ranks in the job (a job of one rank sends no data eagerly).
+        eager_bytes: allreduces up to this size travel inside the negotiation message.
+    """
+
+    def __init__(self, engine: EngineLike, world_size: int, eager_bytes: int) -> None:
+        self.engine, self.world_size, self.eager_bytes = engine, world_size, eager_bytes
+        self.lock = threading.Lock()
+        self.new: list[LocalOp] = []  # submitted, not yet announced
+        self.inflight: dict[str, LocalOp] = {}
+        self.taken: set[str] = set()  # names submitted and not yet synchronized (a superset of inflight's)
+        self.waiting: list[tuple[str, float]] = []  # (name, since) that threads of this rank are blocked on
+        self.async_new = False  # something was submitted for the background thread to announce
+        self.sleeping = False  # the background thread sleeps on the wake pipe (set by the engine)
+        self.failure: str | None = None
+        self.stopped = False
+        self._counters: defaultdict[str, int] = defaultdict(int)
+
+    def auto_name(self, kind: str) -> str:
+        """``allreduce.noname.7``: ranks that submit unnamed ops in the same order agree on names."""
+        with self.lock:
+            self._counters[kind] += 1
+            return f"{kind}.noname.{self._counters[kind]}"
+
+    def give_back_auto_name(self, name: str) -> None:
+        """An unnamed op that the other ranks never submitted fails: its number was never used by them, so
+        this rank's next unnamed op of that kind takes it again and the ranks' names stay in step."""
+        kind, sep, number = name.rpartition(".noname.")
+        with self.lock:
+            if sep and number.isdigit() and self._counters.get(kind) == int(number):
+                self._counters[kind] -= 1
+
+    def add(self, items: Sequence[tuple[Request, np.ndarray | None]], wake: bool) -> tuple[list[LocalOp], bool]:
+        """Queue ops (all or none); return them and whether the sleeping engine must be woken.
+
+        Raises:
+            CollectiveError: this rank failed or shut down.
+            ValueError: a name is already taken on this rank (or given twice).
+        """
+        ops = [self._local_op(request, _NO_DATA if array is None else array) for request, array in items]
+        with self.lock:
+            if self.failure is not None:
+                raise CollectiveError(self.failure)
+            if self.stopped:
+                raise CollectiveError("hvdrun has been shut down on this rank")
+            self._check_names([op.request.name for op in ops])
+            for op in ops:
+                self.inflight[op.request.name] = op
+                self.taken.add(op.request.name)
+                self.new.append(op)
+            self.async_new = self.async_new or wake
+            return ops, wake and self.sleeping
+
+    def _check_names(self, names: list[str]) -> None:
+        taken = next((name for name in names if name in self.taken), None)
+        if taken is not None or len(set(names)) < len(names):
+            taken = taken or next(name for name in names if names.count(name) > 1)
+            raise ValueError(f"a collective named '{taken}' is already in progress on this rank; "
+                             "names must be unique among collectives in flight")
+
+    def _local_op(self, request: Request, array: np.ndarray) -> LocalOp:
+        return LocalOp(request, array, Handle(self.engine, request.name), self._eager_payload(request, array))
+
+    def _eager_payload(self, request: Request, array: np.ndarray) -> bytes | None:
+        """The prescaled data of a small allreduce, sent with its announcement."""
+        if (request.kind != "allreduce" or request.device != "cpu" or array.nbytes > self.eager_bytes
+                or self.world_size == 1 or request.group_size > 1):  # a group goes fused through the ring
+            return None
+        if request.prescale == 1.0:
+            return array.tobytes()
+        copy = array.reshape(-1).copy()
+        scale(copy, request.prescale)
+        return copy.tobytes()
+
+    def release_name(self, name: str) -> None:
+        """The handle of ``name`` was synchronized: the name may be used again on this rank."""
+        with self.lock:
+            self.taken.discard(name)
+
+    def take_new(self, confirm_age_s: float) -> tuple[list[LocalOp], list[str]]:
+        """The ops to announce in the next cycle, and the names blocked on for at least ``confirm_age_s``."""
+        with self.lock:
+            new, self.new, self.async_new = self.new, [], False
+            now = time.monotonic()
+            return new, [name for name, since in self.waiting if now - since >= confirm_age_s]
+
+    def take_inflight(self, names: list[str]) -> list[LocalOp | None]:
+        """Remove and return this rank's ops of ``names`` (None for a name no longer in flight)."""
+        with self.lock:
+            return [self.inflight.pop(name, None) for name in names]
+
+    def finish_local(self, name: str, error: BaseException) -> None:
+        """Fail this rank's op ``name``, if it is still in flight."""
+        with self.lock:
+            op = self.inflight.pop(name, None)
+        if op is not None:
+            op.handle.finish(error=error)
+
+    def fail_all(self, reason: str) -> None:
+        """Record this rank's failure and fail every op in flight with it."""
+        with self.lock:
+            self.failure = reason
+            ops, self.inflight, self.new = list(self.inflight.values()), {}, []
+        for op in ops:
+            op.handle.finish(error=CollectiveError(reason))
+
+    def mark_stopped(self) -> None:
+        """The negotiated shutdown completed: no more cycles."""
+        self.stopped = True
