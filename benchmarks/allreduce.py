@@ -24,15 +24,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hvdrun.health.timing import after_pause_seconds, batch_plan, median_seconds
-from hvdrun.health.timing import bus_bandwidth as ring_bus_bandwidth
+from hvdrun.measure.timing import after_pause_seconds, batch_plan, median_seconds
+from hvdrun.measure.timing import bus_bandwidth as ring_bus_bandwidth
 
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
 LIBRARIES = ("hvdrun", "gloo", "mpi")
 
 
 def measure(allreduce, barrier, nbytes: int, library: str) -> float:  # noqa: ANN001 - the libraries' callables
-    """Median of batch means, batches as long as :func:`hvdrun.health.timing.batch_plan` says."""
+    """Median of batch means, batches as long as :func:`hvdrun.measure.timing.batch_plan` says."""
     repeats, batch = batch_plan(nbytes, slow=library == "gloo")
     return median_seconds(allreduce, barrier, repeats, batch)
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hvdrun.health.timing import batch_plan, median_seconds, parse_size
+from hvdrun.measure.timing import batch_plan, median_seconds, parse_size
 
 LIBRARIES = ("hvdrun", "nccl")
 

@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from hvdrun.errors import HvdrunError
+from hvdrun.jobs import SCHEDULERS
 from hvdrun.version import __version__
 
 
@@ -81,6 +82,8 @@ class _DefaultRunGroup(click.Group):
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """``hvdrun --help``: the run options (a command line is a run by default), the subcommands and the
         environment variables hvdrun reads or sets."""
+        from hvdrun.envvars import HELP
+
         formatter.write_usage("hvdrun", "[RUN OPTIONS] COMMAND [ARGS]...")
         formatter.write_usage("hvdrun", "check|bench|qsub|qstat|qdel|run [OPTIONS] [ARGS]...", prefix="   or: ")
         self.format_help_text(ctx, formatter)
@@ -90,7 +93,7 @@ class _DefaultRunGroup(click.Group):
             formatter.write_dl(records)
         self.format_commands(ctx, formatter)
         with formatter.section("Environment"):
-            formatter.write_dl(_ENVIRONMENT_HELP)
+            formatter.write_dl(HELP)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -120,22 +123,6 @@ _FOREIGN_OPTIONS = {
     "--ntasks": "-np N", "-n": "-np N", "--host": "-H host1:N,host2:N",
     "--network-interfaces": "--network-interface IF",
 }
-
-_ENVIRONMENT_HELP = [
-    ("HOROVOD_FUSION_THRESHOLD", "bytes fused into one allreduce (--fusion-threshold-mb)"),
-    ("HOROVOD_CYCLE_TIME", "ms between negotiation cycles of the mpi/gloo backends (--cycle-time-ms)"),
-    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "warn about ops some ranks have not submitted after this long"),
-    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "fail them after this long"),
-    ("HOROVOD_STALL_CHECK_DISABLE", "1: no stall warning or shutdown (--no-stall-check)"),
-    ("HOROVOD_TIMELINE", "Chrome-trace timeline file of rank 0, or DYNAMIC (--timeline-filename)"),
-    ("HOROVOD_LOG_LEVEL", "ERROR or FATAL silence the runtime's warnings (--log-level)"),
-    ("HVDRUN_BACKEND", "ring (default), mpi (under mpiexec) or gloo (torch.distributed)"),
-    ("HVDRUN_START_TIMEOUT", "seconds the ranks wait for each other in init() (--start-timeout)"),
-    ("HVDRUN_MPIEXEC", "the mpiexec of --launcher mpiexec"),
-    ("HVDRUN_JOBS_DIR", "where hvdrun qsub records submitted jobs (~/.hvdrun/jobs)"),
-    ("set for every rank", "HVDRUN_RANK/SIZE/LOCAL_RANK/..., HOROVOD_RANK/..., RANK, WORLD_SIZE, LOCAL_RANK, "
-                           "MASTER_ADDR/PORT, GROUP_RANK, TORCHELASTIC_RUN_ID, CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS"),
-]
 
 
 def _no_such_option(error: click.NoSuchOption) -> str:
@@ -321,7 +308,7 @@ class _Size(click.ParamType):
     name = "size"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        from hvdrun.health.timing import parse_size
+        from hvdrun.measure.timing import parse_size
 
         try:
             return value if isinstance(value, int) else parse_size(str(value))
@@ -413,8 +400,8 @@ def bench(rank_counts: tuple[int, ...] | None, sizes: tuple[int, ...], libraries
 
     from rich.console import Console
 
-    from hvdrun.health.bench import BenchOptions, plan_bench, run_bench
-    from hvdrun.health.report import print_bench
+    from hvdrun.bench.sweep import BenchOptions, plan_bench, run_bench
+    from hvdrun.bench.table import print_bench
     from hvdrun.launch.job import RunOptions
 
     bench_options = BenchOptions(RunOptions(command=(), **options), rank_counts, sizes,
@@ -427,7 +414,7 @@ def bench(rank_counts: tuple[int, ...] | None, sizes: tuple[int, ...], libraries
         Path(json_path).write_text(report.to_json())
         click.echo(f"hvdrun bench: wrote {json_path}", err=True)
     if not no_plot and report.rows:
-        from hvdrun.health.plot import plot_bench
+        from hvdrun.bench.plot import plot_bench
 
         plot_bench(report, plot_path)
         click.echo(f"hvdrun bench: wrote {plot_path}", err=True)
@@ -447,7 +434,7 @@ def _job_options(command: Any) -> Any:
         click.option("--cluster", help="A cluster from cluster_configs/ (polaris, aurora, sophia, thetagpu-cobalt, "
                      "slurm)."),
         click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A cluster YAML file."),
-        click.option("--scheduler", type=click.Choice(["pbs", "cobalt", "slurm"]),
+        click.option("--scheduler", type=click.Choice(SCHEDULERS),
                      help="The scheduler (default: the cluster's)."),
         click.option("-n", "--nodes", type=click.IntRange(min=1), help="Nodes (GPUs in Sophia's by-gpu queue)."),
         click.option("-t", "--walltime", help="Minutes (90) or HH:MM:SS."),
@@ -504,7 +491,7 @@ def qsub(dry_run: bool, submit: bool, wait: bool, **options: Any) -> int:
 
 
 @cli.command()
-@click.option("--scheduler", type=click.Choice(["pbs", "cobalt", "slurm"]),
+@click.option("--scheduler", type=click.Choice(SCHEDULERS),
               help="The job's scheduler (default: the one hvdrun submitted it to).")
 @click.argument("job_id")
 def qstat(job_id: str, scheduler: str | None) -> int:
@@ -520,7 +507,7 @@ def qstat(job_id: str, scheduler: str | None) -> int:
 
 
 @cli.command()
-@click.option("--scheduler", type=click.Choice(["pbs", "cobalt", "slurm"]),
+@click.option("--scheduler", type=click.Choice(SCHEDULERS),
               help="The job's scheduler (default: the one hvdrun submitted it to).")
 @click.argument("job_id")
 def qdel(job_id: str, scheduler: str | None) -> int:

@@ -43,11 +43,11 @@ from typing import Any
 
 from hvdrun.errors import ConfigError, HostSpecError, UsageError
 from hvdrun.hosts import Host, merge_duplicates, parse_host_item
+from hvdrun.jobs import DEFAULT_SCHEDULER, SCHEDULERS
 from hvdrun.resources import data_dir
 
 LAUNCHERS = ("local", "ssh", "mpiexec", "srun")
 MPI_FLAVOURS = ("mpich", "openmpi", "pals")
-SCHEDULERS = ("pbs", "cobalt", "slurm")
 REQUIRABLE = ("account", "walltime", "filesystems", "queue")
 
 _TOP_KEYS = ("name", "description", "launcher", "gpus_per_node", "gpu_order", "gpus_per_rank", "hosts", "env",
@@ -100,7 +100,7 @@ class QueueLimits:
 class SchedulerDefaults:
     """Defaults for job scripts of this cluster; ``hvdrun qsub`` flags override them."""
 
-    kind: str = "pbs"
+    kind: str = DEFAULT_SCHEDULER
     queue: str | None = None
     account: str | None = None
     walltime: str | None = None
@@ -238,7 +238,7 @@ def _parse_scheduler(top: _Section) -> SchedulerDefaults | None:
         if name not in REQUIRABLE:
             raise ConfigError(f"{top.source}: scheduler.required lists {name!r}; allowed: {', '.join(REQUIRABLE)}")
     return SchedulerDefaults(
-        kind=s.choice("kind", SCHEDULERS, "pbs") or "pbs",
+        kind=s.choice("kind", SCHEDULERS, DEFAULT_SCHEDULER) or DEFAULT_SCHEDULER,
         queue=s.get("queue", str), account=s.get("account", str),
         walltime=str(walltime) if walltime is not None else None,
         filesystems=s.str_list("filesystems"), template=s.get("template", str),
@@ -322,3 +322,17 @@ def load_cluster(name: str) -> ClusterConfig:
         raise ConfigError(f"unknown cluster '{name}'; available: {', '.join(available_clusters())} "
                           "(or give a file with --config)")
     return load_config(path)
+
+
+def load_cluster_config(cluster: str | None, config_file: str | Path | None) -> ClusterConfig | None:
+    """The cluster YAML that ``--cluster NAME`` or ``--config FILE`` names (None when neither is given).
+
+    Raises:
+        UsageError: both are given.
+        ConfigError: the cluster is unknown, or the file cannot be read or is not valid.
+    """
+    if cluster and config_file:
+        raise UsageError("give either --cluster NAME or --config FILE, not both")
+    if cluster:
+        return load_cluster(cluster)
+    return load_config(config_file) if config_file else None

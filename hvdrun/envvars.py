@@ -11,10 +11,12 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hvdrun.errors import UsageError
-from hvdrun.ranks import Slot
+
+if TYPE_CHECKING:  # only annotations: hosts.py reads the allocation names below, and ranks.py imports hosts.py
+    from hvdrun.ranks import Slot
 
 RANK = "HVDRUN_RANK"
 SIZE = "HVDRUN_SIZE"
@@ -223,6 +225,16 @@ def remote_env(env: Mapping[str, str]) -> dict[str, str]:
             if _VAR_NAME_RE.fullmatch(name) and name not in _SESSION_VARS and not name.startswith(_SESSION_PREFIXES)}
 
 
+# -- what a scheduler or an MPI launcher sets (read by hosts.py, the launchers and the guard) -------------
+PBS_NODEFILE = "PBS_NODEFILE"
+COBALT_NODEFILE = "COBALT_NODEFILE"
+SLURM_JOB_NODELIST = ("SLURM_JOB_NODELIST", "SLURM_NODELIST")  # the second: older Slurm
+SLURM_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
+SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_HOSTFILE = "SLURM_HOSTFILE"  # srun's host list for --distribution=arbitrary
+PMI_FD = "PMI_FD"  # hydra's PMI connection, inherited by the rank through the guard
+TASK = "HVDRUN_TASK"  # hvdrun.run(fn): the pickled call a rank runs (launch/remote/task.py)
+
 # -- the worker side: who started us? -------------------------------------------------------
 
 START_TIMEOUT = "HVDRUN_START_TIMEOUT"
@@ -369,7 +381,7 @@ def _hostname(environ: Mapping[str, str]) -> str:
 def _slurm_rendezvous_addr(environ: Mapping[str, str]) -> str | None:
     if environ.get(TORCH_MASTER_ADDR):
         return environ[TORCH_MASTER_ADDR]
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    nodelist = environ.get(SLURM_JOB_NODELIST[0]) or environ.get(SLURM_JOB_NODELIST[1])
     if not nodelist:
         return None
     from hvdrun.hosts import expand_slurm_hostlist
@@ -396,8 +408,8 @@ def read_launch_info(environ: Mapping[str, str]) -> LaunchInfo:
             return LaunchInfo(rank=env_int(environ, rank_var), size=env_int(environ, size_var), launcher="mpi",
                               **common)
     if _SLURM_RANK[0] in environ and _SLURM_RANK[1] in environ:
-        job = environ.get("SLURM_JOB_ID", "0")
-        port = env_int(environ, RENDEZVOUS_PORT, 0) or 20000 + env_int(environ, "SLURM_JOB_ID", 0) % 20000
+        job = environ.get(SLURM_JOB_ID, "0")
+        port = env_int(environ, RENDEZVOUS_PORT, 0) or 20000 + env_int(environ, SLURM_JOB_ID, 0) % 20000
         if not environ.get(SECRET):
             raise UsageError(f"running under srun without {SECRET}: export a per-job secret in the job script, "
                              f"e.g. export {SECRET}=$(python -c 'import secrets; print(secrets.token_hex(32))')")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from hvdrun import envvars
 from hvdrun.errors import ConfigError, UsageError
 
 MIB = 1 << 20
@@ -55,23 +56,23 @@ class HorovodTuning:
         """The variables Horovod's launcher would give the workers for these parameters."""
         env: dict[str, str] = {}
         if self.fusion_threshold_mb is not None:
-            env["HOROVOD_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_mb * MIB))
+            env[envvars.HOROVOD_FUSION_THRESHOLD] = str(int(self.fusion_threshold_mb * MIB))
         if self.cycle_time_ms is not None:
-            env["HOROVOD_CYCLE_TIME"] = f"{self.cycle_time_ms:g}"
+            env[envvars.HOROVOD_CYCLE_TIME] = f"{self.cycle_time_ms:g}"
         if self.cache_capacity is not None:
-            env["HOROVOD_CACHE_CAPACITY"] = str(self.cache_capacity)
+            env[envvars.HOROVOD_CACHE_CAPACITY] = str(self.cache_capacity)
         if self.timeline_filename:
-            env["HOROVOD_TIMELINE"] = str(Path(self.timeline_filename).resolve())
+            env[envvars.HOROVOD_TIMELINE] = str(Path(self.timeline_filename).resolve())
         if self.timeline_mark_cycles:
-            env["HOROVOD_TIMELINE_MARK_CYCLES"] = "1"
+            env[envvars.HOROVOD_TIMELINE_MARK_CYCLES] = "1"
         if self.no_stall_check is not None:
-            env["HOROVOD_STALL_CHECK_DISABLE"] = "1" if self.no_stall_check else "0"
+            env[envvars.HOROVOD_STALL_CHECK_DISABLE] = "1" if self.no_stall_check else "0"
         if self.stall_check_warning_time_seconds is not None:
-            env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = f"{self.stall_check_warning_time_seconds:g}"
+            env[envvars.HOROVOD_STALL_CHECK_TIME_SECONDS] = f"{self.stall_check_warning_time_seconds:g}"
         if self.stall_check_shutdown_time_seconds is not None:
-            env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = f"{self.stall_check_shutdown_time_seconds:g}"
+            env[envvars.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS] = f"{self.stall_check_shutdown_time_seconds:g}"
         if self.log_level:
-            env["HOROVOD_LOG_LEVEL"] = self.log_level
+            env[envvars.HOROVOD_LOG_LEVEL] = self.log_level
         return env
 
 
@@ -168,8 +169,8 @@ def check_controller(controller: str | None, launcher: str | None) -> tuple[str 
     if controller == "mpi":
         if launcher not in (None, "mpiexec", "srun"):
             raise UsageError(f"--mpi runs the ranks under MPI, but --launcher {launcher} does not; drop one of them")
-        return launcher or "mpiexec", {"HVDRUN_BACKEND": "mpi"}
-    return launcher, {"HVDRUN_BACKEND": "ring"}
+        return launcher or "mpiexec", {envvars.BACKEND: "mpi"}
+    return launcher, {envvars.BACKEND: "ring"}
 
 
 def check_build() -> str:

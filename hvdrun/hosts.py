@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from hvdrun import envvars
 from hvdrun.errors import HostSpecError
 
 # used with fullmatch: "$" would also accept a trailing newline
@@ -211,7 +212,7 @@ def parse_slurm_allocation(nodelist: str, tasks_per_node: str | None) -> tuple[H
     """Hosts of a Slurm allocation; slots from ``SLURM_TASKS_PER_NODE`` when set, else 1."""
     names = expand_slurm_hostlist(nodelist)
     slots = parse_tasks_per_node(tasks_per_node, len(names)) if tasks_per_node else [1] * len(names)
-    where = "SLURM_JOB_NODELIST"
+    where = envvars.SLURM_JOB_NODELIST[0]
     return merge_duplicates([Host(validate_hostname(n, where), s) for n, s in zip(names, slots, strict=True)], where)
 
 
@@ -221,13 +222,13 @@ def detect_allocation(environ: Mapping[str, str]) -> tuple[str, tuple[Host, ...]
     PBS (``PBS_NODEFILE``), Cobalt (``COBALT_NODEFILE``) and Slurm (``SLURM_JOB_NODELIST``)
     are tried in that order.
     """
-    if environ.get("PBS_NODEFILE"):
-        return "pbs", parse_nodefile(environ["PBS_NODEFILE"], "PBS")
-    if environ.get("COBALT_NODEFILE"):
-        return "cobalt", parse_nodefile(environ["COBALT_NODEFILE"], "Cobalt")
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if environ.get(envvars.PBS_NODEFILE):
+        return "pbs", parse_nodefile(environ[envvars.PBS_NODEFILE], "PBS")
+    if environ.get(envvars.COBALT_NODEFILE):
+        return "cobalt", parse_nodefile(environ[envvars.COBALT_NODEFILE], "Cobalt")
+    nodelist = environ.get(envvars.SLURM_JOB_NODELIST[0]) or environ.get(envvars.SLURM_JOB_NODELIST[1])
     if nodelist:
-        return "slurm", parse_slurm_allocation(nodelist, environ.get("SLURM_TASKS_PER_NODE"))
+        return "slurm", parse_slurm_allocation(nodelist, environ.get(envvars.SLURM_TASKS_PER_NODE))
     return None
 
 

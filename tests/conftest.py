@@ -77,7 +77,7 @@ def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
     """
     from hvdrun.envvars import Rendezvous, worker_env
     from hvdrun.hosts import Host
-    from hvdrun.launch.probe import free_ports
+    from hvdrun.launch.remote.hostfacts import free_ports
     from hvdrun.ranks import assign_slots
 
     started: list[subprocess.Popen[str]] = []

@@ -1,11 +1,11 @@
-"""The job ``hvdrun bench`` runs: ``python -m hvdrun.health.bench_worker --libraries L --sizes S``.
+"""The job ``hvdrun bench`` runs: ``python -m hvdrun.bench.bench_job --libraries L --sizes S``.
 
 Libraries are timed one after the other in the same processes, so they see the same hosts, the
 same placement and the same moment: ``hvdrun`` (this runtime's allreduce, in place, sum),
 ``gloo`` (torch.distributed's, on the same env:// rendezvous a torchrun script uses) and
 ``mpi`` (mpi4py's ``Allreduce``, in a job that mpiexec started). Every op is an in-place sum of
-float32 zeros; a size's time is :func:`hvdrun.health.timing.median_seconds` with
-:func:`hvdrun.health.timing.batch_plan`'s batch length. Rank 0 prints one line per library and
+float32 zeros; a size's time is :func:`hvdrun.measure.timing.median_seconds` with
+:func:`hvdrun.measure.timing.batch_plan`'s batch length. Rank 0 prints one line per library and
 size: ``HVDRUN-BENCH {"library", "ranks", "bytes", "seconds"}``.
 """
 
@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from hvdrun.health.timing import batch_plan, median_seconds
+from hvdrun.measure.timing import batch_plan, median_seconds
 
 RESULT_TAG = "HVDRUN-BENCH "
 LIBRARIES = ("hvdrun", "gloo", "mpi")
@@ -87,7 +87,7 @@ RUNNERS = {"hvdrun": bench_hvdrun, "gloo": bench_gloo, "mpi": bench_mpi}
 
 def main(argv: list[str] | None = None) -> None:
     """Time every library named, in order."""
-    parser = argparse.ArgumentParser(prog="python -m hvdrun.health.bench_worker")
+    parser = argparse.ArgumentParser(prog="python -m hvdrun.bench.bench_job")
     parser.add_argument("--libraries", default="hvdrun,gloo")
     parser.add_argument("--sizes", required=True, help="comma-separated byte counts")
     parser.add_argument("--iterations", type=int, default=5)

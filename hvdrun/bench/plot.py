@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hvdrun.health.bench import BenchReport
+from hvdrun.bench.sweep import BenchReport
 
 _COLOURS = {"hvdrun": "tab:blue", "gloo": "tab:orange", "mpi": "tab:green"}
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")

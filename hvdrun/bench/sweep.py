@@ -2,7 +2,7 @@
 
 For every rank count (``--np 1,2,4``; default the powers of two up to the slots, and the slots),
 one job on the first N slots of the plan times hvdrun's allreduce and then torch.distributed
-gloo's in the same processes (:mod:`hvdrun.health.bench_worker`); when mpi4py and an mpiexec are
+gloo's in the same processes (:mod:`hvdrun.bench.bench_job`); when mpi4py and an mpiexec are
 at hand, a second job started by mpiexec times MPI's. The report (:data:`SCHEMA`) has every
 (library, ranks, size) time with its algorithm and bus bandwidth, hvdrun's speed-up over the
 others, and the scaling efficiency of runs that span hosts against the largest run on one host.
@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from hvdrun.bench.bench_job import LIBRARIES, RESULT_TAG
 from hvdrun.errors import HvdrunError, UsageError
-from hvdrun.health.bench_worker import LIBRARIES, RESULT_TAG
-from hvdrun.health.capture import run_captured
-from hvdrun.health.timing import bus_bandwidth
 from hvdrun.launch.job import JobPlan, RunOptions, plan_job
+from hvdrun.measure.capture import run_captured
+from hvdrun.measure.timing import bus_bandwidth
 
 SCHEMA = "hvdrun-bench/1"
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20)
@@ -55,7 +55,7 @@ class BenchRow:
 
     @property
     def busbw(self) -> float:
-        """Bytes per second on each ring link (:func:`hvdrun.health.timing.bus_bandwidth`)."""
+        """Bytes per second on each ring link (:func:`hvdrun.measure.timing.bus_bandwidth`)."""
         return bus_bandwidth(self.bytes, self.seconds, self.ranks)
 
 
@@ -126,7 +126,7 @@ def _plan(options: BenchOptions, environ: Mapping[str, str], ranks: int | None, 
           launcher: str | None) -> JobPlan:
     args = ("--libraries", ",".join(libraries), "--sizes", ",".join(map(str, options.sizes)),
             "--iterations", str(options.iterations), "--warmup", str(options.warmup))
-    run = replace(options.run, num_proc=ranks, command=("hvdrun.health.bench_worker", *args), module=True,
+    run = replace(options.run, num_proc=ranks, command=("hvdrun.bench.bench_job", *args), module=True,
                   prefix_output=True, launcher=launcher or options.run.launcher)
     return plan_job(run, environ)
 

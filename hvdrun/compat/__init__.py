@@ -1,6 +1,6 @@
 """Holds the ``horovod`` package that ``hvdrun --horovod-compat`` puts first on the workers' import path.
 
 This directory is never imported as ``hvdrun.compat.horovod``: the guard that starts each rank
-(:func:`hvdrun.launch.guard.command_env`) prepends it to ``PYTHONPATH``, so that ``import
+(:func:`hvdrun.launch.remote.guard.command_env`) prepends it to ``PYTHONPATH``, so that ``import
 horovod.torch as hvd`` in an unchanged Horovod script resolves to :mod:`hvdrun.torch`.
 """

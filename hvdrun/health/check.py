@@ -1,8 +1,8 @@
 """``hvdrun check``: prove that the hosts of a job can run it, before an allocation is spent.
 
 The hosts come from the same options as a launch (:func:`hvdrun.launch.job.plan_job`). Every host
-is checked at once (:mod:`hvdrun.health.hosts`); when all pass, a real job runs on every slot
-(:mod:`hvdrun.health.collective`) through the plan's launcher. The result is a
+is checked at once (:mod:`hvdrun.health.host_checks`); when all pass, a real job runs on every slot
+(:mod:`hvdrun.health.check_job`) through the plan's launcher. The result is a
 :class:`CheckReport`, whose :meth:`CheckReport.to_dict` is the versioned JSON document
 (:data:`SCHEMA`, described in ``docs/check-schema.json``).
 """
@@ -16,11 +16,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from hvdrun.health.capture import run_captured
-from hvdrun.health.collective import RESULT_TAG
-from hvdrun.health.hosts import Check, CheckTarget, Expectations, HostChecker, HostReport
+from hvdrun.health.check_job import RESULT_TAG
+from hvdrun.health.host_checks import Check, CheckTarget, Expectations, HostChecker, HostReport
 from hvdrun.hosts import is_local_host
 from hvdrun.launch.job import JobPlan, RunOptions, plan_job, ssh_options
+from hvdrun.measure.capture import run_captured
+from hvdrun.measure.timing import human_bytes
 
 SCHEMA = "hvdrun-check/1"
 SLOW_LINK_FRACTION = 0.5  # a link below this fraction of the median link is named slow
@@ -106,7 +107,7 @@ def plan_check(options: CheckOptions, environ: Mapping[str, str]) -> JobPlan:
     """
     args = ("--latency-bytes", str(options.latency_bytes), "--bandwidth-bytes", str(options.bandwidth_bytes),
             "--link-bytes", str(options.link_bytes), "--deadline-s", str(int(max(60.0, 6 * options.timeout_s))))
-    run = replace(options.run, command=("hvdrun.health.collective", *args), module=True, prefix_output=True,
+    run = replace(options.run, command=("hvdrun.health.check_job", *args), module=True, prefix_output=True,
                   start_timeout_s=options.run.start_timeout_s or options.timeout_s)
     return plan_job(run, environ)
 
@@ -182,12 +183,3 @@ def judge(result: dict[str, Any]) -> list[Check]:
                             "check the slow host's network link (speed, errors, other traffic) or leave it out"
                             if slow else None, warn=bool(slow)))
     return checks
-
-
-def human_bytes(nbytes: int) -> str:
-    """``4 KB``, ``64 MB``, ``1.5 GB``: binary units, as the sizes are given."""
-    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:g} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{nbytes} B"

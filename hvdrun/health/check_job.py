@@ -1,4 +1,4 @@
-"""The job ``hvdrun check`` runs on every slot: ``python -m hvdrun.health.collective [OPTIONS]``.
+"""The job ``hvdrun check`` runs on every slot: ``python -m hvdrun.health.check_job [OPTIONS]``.
 
 Each rank: an allreduce whose result is checked element by element; the latency of a small
 allreduce and the bus bandwidth of a large one; then, for every ring neighbour pair in turn
@@ -16,7 +16,7 @@ import signal
 import socket
 from typing import Any
 
-from hvdrun.health.timing import bus_bandwidth, median_seconds
+from hvdrun.measure.timing import bus_bandwidth, median_seconds
 
 RESULT_TAG = "HVDRUN-CHECK-JOB "
 _phase = "start"
@@ -93,7 +93,7 @@ def run(latency_bytes: int, bandwidth_bytes: int, link_bytes: int) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the check job on this rank."""
-    parser = argparse.ArgumentParser(prog="python -m hvdrun.health.collective")
+    parser = argparse.ArgumentParser(prog="python -m hvdrun.health.check_job")
     parser.add_argument("--latency-bytes", type=int, default=4 << 10)
     parser.add_argument("--bandwidth-bytes", type=int, default=64 << 20)
     parser.add_argument("--link-bytes", type=int, default=16 << 20)

@@ -1,6 +1,6 @@
-"""What ``hvdrun check`` asks a host: ``python -m hvdrun.health.probe facts|listen|connect``.
+"""What ``hvdrun check`` asks a host: ``python -m hvdrun.health.host_agent facts|listen|connect``.
 
-* ``facts``: one JSON line: the launch probe's facts (:mod:`hvdrun.launch.probe`), the torch
+* ``facts``: one JSON line: the facts every launch asks for (:mod:`hvdrun.launch.remote.hostfacts`), the torch
   that ``import torch`` really loads (or why it fails), the GPUs (``nvidia-smi``, else
   ``torch.cuda``) and the free disk of the working directory.
 * ``listen --token T``: serve a TCP port (printed first, on its own line) that answers every
@@ -22,7 +22,7 @@ import sys
 import threading
 from dataclasses import asdict, dataclass, field
 
-from hvdrun.launch.probe import HostFacts, facts
+from hvdrun.launch.remote.hostfacts import HostFacts, facts
 
 _NVIDIA_SMI_TIMEOUT_S = 10.0
 _CONNECT_TIMEOUT_S = 5.0
@@ -39,7 +39,7 @@ class Gpu:
 
 @dataclass(frozen=True)
 class HealthFacts:
-    """A host's answer to ``probe facts``."""
+    """A host's answer to ``host_agent facts``."""
 
     base: HostFacts
     torch_version: str | None
@@ -154,7 +154,7 @@ def _listen(token: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry: ``facts``, ``listen`` or ``connect``."""
-    parser = argparse.ArgumentParser(prog="python -m hvdrun.health.probe")
+    parser = argparse.ArgumentParser(prog="python -m hvdrun.health.host_agent")
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("facts").add_argument("--interface")
     listen = sub.add_parser("listen")

@@ -1,7 +1,7 @@
 """Per-host checks of ``hvdrun check``: reach every host at once, ask it about itself, test the port.
 
 Phase 1 runs in parallel, one thread per host, each bounded by the per-host timeout: reach the
-host (this machine, or SSH with its host key verified), run ``python -m hvdrun.health.probe
+host (this machine, or SSH with its host key verified), run ``python -m hvdrun.health.host_agent
 facts`` under the Python the ranks will use, and compare the answer with the launcher's own
 (Python, hvdrun and torch versions), the GPUs the config promises and the free disk. A host that
 does not answer is reported by name when its timeout passes; the others go on.
@@ -25,17 +25,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hvdrun.errors import LaunchError
-from hvdrun.health.probe import HealthFacts, ask_token, serve_token, torch_facts
+from hvdrun.health.host_agent import HealthFacts, ask_token, serve_token, torch_facts
 from hvdrun.hosts import Host
 from hvdrun.launch.connections import SshOptions, SshTarget, connect, peer_address, resolve_targets, run_command
+from hvdrun.launch.hostprobe import explain_probe_failure, module_command
 from hvdrun.launch.local import LOOPBACK
-from hvdrun.launch.probe import explain_probe_failure, interface_address, module_command
+from hvdrun.launch.remote.hostfacts import interface_address
 from hvdrun.version import __version__
 
 if TYPE_CHECKING:
     import paramiko
 
-PROBE = "hvdrun.health.probe"
+AGENT_MODULE = "hvdrun.health.host_agent"  # run on every host (python -m)
 _GB = 1e9
 
 
@@ -179,7 +180,7 @@ class HostChecker:
 
     def _probe(self, target: CheckTarget, deadline: float) -> tuple[str, int, str, str]:
         args = ["facts"] + (["--interface", self.interface] if self.interface else [])
-        command = module_command(self.workdir, target.python, PROBE, args)
+        command = module_command(self.workdir, target.python, AGENT_MODULE, args)
         if not target.remote:
             done = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True,
                                   timeout=max(deadline - time.monotonic(), 0.1))
@@ -225,7 +226,7 @@ class HostChecker:
         if target.remote:
             client = self._clients[target.host.name]
             addr = (report.facts.base.interface_addr if report.facts else None) or peer_address(client)[1]
-            command = module_command(self.workdir, target.python, PROBE, ["listen", "--token", token])
+            command = module_command(self.workdir, target.python, AGENT_MODULE, ["listen", "--token", token])
             return _RemoteListener(client, command, addr, self.timeout_s)
         route = next((peer_address(c)[0] for c in self._clients.values()), LOOPBACK)
         addr = (interface_address(self.interface) if self.interface else None) or route
@@ -238,7 +239,7 @@ class HostChecker:
                 return ask_token(addr, port, min(self.timeout_s, 5.0))
             except OSError as e:
                 return f"error: {e.strerror or e}"
-        command = module_command(self.workdir, target.python, PROBE, ["connect", addr, str(port)])
+        command = module_command(self.workdir, target.python, AGENT_MODULE, ["connect", addr, str(port)])
         try:
             status, out, err = run_command(self._clients[target.host.name], command, self.timeout_s)
         except Exception as e:  # noqa: BLE001 - a timeout or a dropped connection

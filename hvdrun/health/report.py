@@ -1,4 +1,4 @@
-"""How ``hvdrun check`` and ``hvdrun bench`` look on a terminal: rich tables, colour, a progress line."""
+"""How ``hvdrun check`` looks on a terminal: rich tables, colour, a progress line."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from hvdrun.health.hosts import Check, HostReport
+from hvdrun.health.host_checks import Check, HostReport
 
 if TYPE_CHECKING:
-    from hvdrun.health.bench import BenchReport
     from hvdrun.health.check import CheckReport
 
 HOST_COLUMNS = ("reach", "python", "hvdrun", "torch", "gpus", "disk", "port")
@@ -128,57 +127,3 @@ class HostProgress:
         if self._status is not None:
             self._status.update(text)
 
-
-def _time(seconds: float) -> str:
-    return f"{seconds * 1e6:,.1f} us" if seconds < 1e-2 else f"{seconds * 1e3:,.2f} ms"
-
-
-def _size(nbytes: int) -> str:
-    from hvdrun.health.check import human_bytes
-
-    return human_bytes(nbytes)
-
-
-def bench_table(report: BenchReport) -> Table:
-    """Per rank count and size: each library's time and bus bandwidth, and hvdrun's speed-up over the others."""
-    libraries = [lib for lib in ("hvdrun", "gloo", "mpi") if any(r.library == lib for r in report.rows)]
-    table = Table(title=f"allreduce (float32 sum, median; launcher {report.launcher})", title_justify="left")
-    for column in ("ranks", "hosts", "size"):
-        table.add_column(column, justify="right")
-    for library in libraries:
-        table.add_column(f"{library} time", justify="right")
-        table.add_column(f"{library} busbw", justify="right")
-    others = [lib for lib in libraries if lib != "hvdrun"] if "hvdrun" in libraries else []
-    for other in others:
-        table.add_column(f"hvdrun vs {other}", justify="right")
-    for ranks, nbytes in sorted({(r.ranks, r.bytes) for r in report.rows}):
-        mine = report.row("hvdrun", ranks, nbytes)
-        hosts = next(r.hosts for r in report.rows if (r.ranks, r.bytes) == (ranks, nbytes))
-        cells: list[str | Text] = [str(ranks), str(hosts), _size(nbytes)]
-        for library in libraries:
-            row = report.row(library, ranks, nbytes)
-            cells += [_time(row.seconds), f"{row.busbw / 1e9:.2f} GB/s"] if row else ["-", "-"]
-        for other in others:
-            speedup = report.speedup(mine, other) if mine else None
-            style = "green" if speedup and speedup >= 1 else "red"
-            cells.append(Text(f"{speedup:.2f}x", style=style) if speedup else Text("-"))
-        table.add_row(*cells)
-    return table
-
-
-def print_bench(report: BenchReport, console: Console) -> None:
-    """The table, the scaling efficiency and what was skipped."""
-    console.print(bench_table(report))
-    efficiency = report.efficiency()
-    if efficiency:
-        table = Table(title="scaling efficiency vs one host (bus bandwidth at the largest size)", title_justify="left")
-        for column in ("library", "ranks", "hosts", "vs one host", "efficiency"):
-            table.add_column(column, justify="right")
-        for e in efficiency:
-            table.add_row(e["library"], str(e["ranks"]), str(e["hosts"]), f"{e['baseline_ranks']} ranks",
-                          f"{e['efficiency'] * 100:.0f} %")
-        console.print(table)
-    else:
-        console.print(Text("scaling efficiency: every run fit on one host (add hosts, or -H a:N,b:N)", style="dim"))
-    for line in report.skipped:
-        console.print(Text(f"skipped: {line}", style="yellow"))

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hvdrun.config import format_hms
+from hvdrun.envvars import LC_ALL
 from hvdrun.errors import JobError, UsageError
 
 # the states hvdrun reports, whatever the scheduler calls them
@@ -144,7 +145,7 @@ def run_scheduler_command(argv: Sequence[str], *, ok_codes: Sequence[int] = (0,)
     for attempt in range(retries + 1):
         try:
             done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s,
-                                  stdin=subprocess.DEVNULL, env={**os.environ, "LC_ALL": "C"})
+                                  stdin=subprocess.DEVNULL, env={**os.environ, LC_ALL: "C"})
         except FileNotFoundError:
             raise JobError(f"'{argv[0]}' not found on PATH: run this on a login node of the cluster, or "
                            "load the scheduler's module") from None
@@ -176,9 +177,10 @@ def quote(value: object) -> str:
 class Scheduler(ABC):
     """One batch scheduler: its directives, its script rules and its commands."""
 
-    kind: str
+    kind: str  # its name in hvdrun.jobs.SCHEDULERS
     rules: ScriptRules
     cancel_program: str = "qdel"
+    needs_error_file: bool = False  # its directives always name an error file (no merged output)
 
     @abstractmethod
     def directives(self, spec: JobSpec) -> list[str]:

@@ -39,6 +39,7 @@ class Cobalt(Scheduler):
 
     kind = "cobalt"
     rules = ScriptRules("#COBALT", blank_line_ends_block=True)
+    needs_error_file = True  # Cobalt always writes stderr to its own file
     example_directive = "--attrs mig-mode=True"
 
     def directives(self, spec: JobSpec) -> list[str]:

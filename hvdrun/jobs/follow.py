@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from hvdrun.envvars import JOBS_DIR
 from hvdrun.errors import JobError, JobInterrupted, UsageError
+from hvdrun.jobs import DEFAULT_SCHEDULER, SCHEDULERS, scheduler_for
 from hvdrun.jobs.base import FINISHED, UNKNOWN, JobSpec, JobStatus, Scheduler
-from hvdrun.jobs.render import BACKENDS, scheduler_for
 
-JOBS_DIR_VAR = "HVDRUN_JOBS_DIR"
 _FIRST_POLL_S, _MAX_POLL_S = 0.25, 30.0  # polls every tenth of the job's age: quick for short jobs, gentle on
 # the scheduler for long ones
 _GRACE_UNKNOWN_S = 15.0  # a job just submitted may not be visible yet (PBS routing queues)
@@ -43,7 +43,7 @@ class SubmittedJob:
 
 def jobs_dir() -> Path:
     """Where submitted jobs are recorded."""
-    return Path(os.environ.get(JOBS_DIR_VAR) or Path.home() / ".hvdrun" / "jobs")
+    return Path(os.environ.get(JOBS_DIR) or Path.home() / ".hvdrun" / "jobs")
 
 
 def _record_path(job_id: str) -> Path:
@@ -155,7 +155,7 @@ def _final_code(job: SubmittedJob, status: JobStatus) -> int:
 def scheduler_of(job_id: str, kind: str | None) -> tuple[Scheduler, SubmittedJob | None]:
     """The back-end for ``job_id``: ``kind`` if given, else the recorded one, else guessed from PATH."""
     job = lookup(job_id)
-    kind = kind or (job.scheduler if job else None) or ("slurm" if shutil.which("sbatch") else "pbs")
-    if kind not in BACKENDS:
-        raise UsageError(f"--scheduler {kind!r}: expected one of {', '.join(BACKENDS)}")
+    kind = kind or (job.scheduler if job else None) or ("slurm" if shutil.which("sbatch") else DEFAULT_SCHEDULER)
+    if kind not in SCHEDULERS:
+        raise UsageError(f"--scheduler {kind!r}: expected one of {', '.join(SCHEDULERS)}")
     return scheduler_for(kind), job

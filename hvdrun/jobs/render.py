@@ -12,18 +12,9 @@ import shlex
 from pathlib import Path
 
 from hvdrun.errors import UsageError
+from hvdrun.jobs import SCHEDULERS, scheduler_for
 from hvdrun.jobs.base import JobSpec, Scheduler, ScriptRules, quote
-from hvdrun.jobs.cobalt import Cobalt
-from hvdrun.jobs.pbs import Pbs
-from hvdrun.jobs.slurm import Slurm
 from hvdrun.resources import data_dir
-
-BACKENDS: dict[str, type[Scheduler]] = {"pbs": Pbs, "cobalt": Cobalt, "slurm": Slurm}
-
-
-def scheduler_for(kind: str) -> Scheduler:
-    """The back-end of scheduler ``kind`` (pbs, cobalt, slurm)."""
-    return BACKENDS[kind]()
 
 
 def directive_lines(spec: JobSpec, scheduler: Scheduler) -> list[str]:
@@ -37,7 +28,8 @@ def _template_path(spec: JobSpec) -> Path:
     name = spec.template or f"{spec.scheduler}.sh.j2"
     path = Path(name) if "/" in name else data_dir("templates") / name
     if not path.is_file():
-        raise UsageError(f"--template {name!r}: no such file (shipped: pbs.sh.j2, cobalt.sh.j2, slurm.sh.j2)")
+        shipped = ", ".join(f"{kind}.sh.j2" for kind in SCHEDULERS)
+        raise UsageError(f"--template {name!r}: no such file (shipped: {shipped})")
     return path
 
 

@@ -18,16 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hvdrun.config import (
-    SCHEDULERS,
     ClusterConfig,
     QueueLimits,
     SchedulerDefaults,
     format_hms,
-    load_cluster,
-    load_config,
+    load_cluster_config,
     parse_walltime,
 )
 from hvdrun.errors import UsageError
+from hvdrun.jobs import SCHEDULERS, scheduler_class
 from hvdrun.jobs.base import JobSpec, quote
 
 DEFAULT_OUTPUT_DIR = "hvdrun-jobs"
@@ -69,14 +68,11 @@ class JobRequest:
 
 def load_job_config(request: JobRequest) -> tuple[ClusterConfig | None, list[str]]:
     """The cluster YAML of the request and the hvdrun options that name it inside the job."""
-    if request.cluster and request.config_file:
-        raise UsageError("give either --cluster NAME or --config FILE, not both")
+    path = str(Path(request.config_file).resolve()) if request.config_file else None
+    config = load_cluster_config(request.cluster, path)
     if request.cluster:
-        return load_cluster(request.cluster), ["--cluster", request.cluster]
-    if request.config_file:
-        path = str(Path(request.config_file).resolve())
-        return load_config(path), ["--config", path]
-    return None, []
+        return config, ["--cluster", request.cluster]
+    return config, (["--config", path] if path else [])
 
 
 def _defaults(request: JobRequest, config: ClusterConfig | None) -> SchedulerDefaults:
@@ -161,7 +157,7 @@ def _output_paths(request: JobRequest, name: str, kind: str, now: float) -> tupl
             raise UsageError(f"{option} {path!r}: a path cannot contain line breaks")
     stem = output.with_suffix("") if output.suffix else output
     error = str(Path(request.error).resolve()) if request.error else (
-        f"{stem}.error" if kind == "cobalt" else None)
+        f"{stem}.error" if scheduler_class(kind).needs_error_file else None)
     return str(output), error, f"{stem}.exitcode", f"{stem}.{kind}.sh"
 
 

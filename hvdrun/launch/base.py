@@ -26,7 +26,7 @@ from hvdrun.hosts import Host
 from hvdrun.launch.output import OutputRouter
 from hvdrun.ranks import Slot
 
-GUARD_SCRIPT = str(Path(__file__).with_name("guard.py"))
+GUARD_SCRIPT = str(Path(__file__).with_name("remote") / "guard.py")
 _POLL_INTERVAL_S = 0.02
 _DRAIN_TIMEOUT_S = 5.0
 # when the first rank to fail failed because of another rank, how long to wait for that root cause

@@ -1,8 +1,10 @@
 """Elastic jobs: workers come and go while training goes on (Horovod's elastic mode).
 
-The launcher's side. :class:`ElasticDriver` keeps the job's workers matched to what discovery
-(:mod:`hvdrun.launch.discovery`) offers and runs the *membership service* that workers join at
-every ``init()`` (:mod:`hvdrun.runtime.membership` is the other end):
+The launcher's side, in three parts: :class:`WorkerPool` keeps the job's workers matched to what
+discovery (:mod:`hvdrun.launch.discovery`) offers; the *membership service*
+(:mod:`hvdrun.launch.membership_service`) answers the workers that join at every ``init()``
+(:mod:`hvdrun.runtime.membership` is the other end); :class:`ElasticDriver` supervises them and
+decides each round:
 
 * a worker that dies is gone: its host gets a cool-down during which no new worker starts there
   (its other workers keep serving), the survivors' collectives fail (the runtime's failure
@@ -22,25 +24,22 @@ from __future__ import annotations
 
 import random
 import signal
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hvdrun import envvars
 from hvdrun.errors import JobInterrupted, LaunchError, UsageError, WorkerFailed
 from hvdrun.hosts import Host
 from hvdrun.launch.base import Failure, Launcher, Worker, WorkerSpec, stop_signals_handled, stop_workers
 from hvdrun.launch.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
+from hvdrun.launch.membership_service import MembershipService
 from hvdrun.launch.output import OutputRouter
 from hvdrun.ranks import GpuLayout, Slot
-from hvdrun.runtime.rendezvous import listen
-from hvdrun.runtime.wire import authenticate_client, recv_frame, send_frame
 
 _TICK_S = 0.05
-_HANDSHAKE_TIMEOUT_S = 5.0
 DEFAULT_ELASTIC_TIMEOUT_S = 600.0
 DEFAULT_COOLDOWN_S = (60.0, 3600.0)
 
@@ -77,23 +76,151 @@ class _Cooldown:
     strikes: int = 0
 
 
-@dataclass
-class _Join:
-    sock: socket.socket
-    addr: str
-    port: int
+class WorkerPool:
+    """The workers of an elastic job and the hosts they run on.
 
+    Reaches hosts never used before, starts workers on free slots (hosts in discovery order, up to
+    ``max_np``), marks the workers of hosts that left discovery, and cools a host down after a failure.
+    Its methods report whether the hosts changed; counting that as a host update is the driver's.
 
-@dataclass
-class _State:
-    members: dict[int, _Member] = field(default_factory=dict)
-    joins: dict[int, _Join] = field(default_factory=dict)
-    updates: int = 0
-    round: int = 0
+    Args:
+        launcher: starts workers (local or SSH), prepared for the hosts it may be asked to use.
+        router: where the workers' output goes (by worker number).
+        discovery: :class:`FixedHosts` or :class:`ScriptDiscovery`.
+        settings: min/max workers, timeout, cool-down.
+        spec_for: the :class:`WorkerSpec` of a worker, from its slot and the job-wide variables.
+        layout: the GPUs of each host.
+        log: where warnings and news go.
+    """
+
+    def __init__(self, launcher: Launcher, router: OutputRouter, discovery: FixedHosts | ScriptDiscovery,
+                 settings: ElasticSettings, spec_for: Callable[[Slot, dict[str, str]], WorkerSpec],
+                 layout: GpuLayout, log: Callable[[str], None]) -> None:
+        self.launcher, self.router, self.discovery, self.settings = launcher, router, discovery, settings
+        self.spec_for, self.layout, self.log = spec_for, layout, log
+        self.members: dict[int, _Member] = {}
+        self.hosts: tuple[Host, ...] = ()
+        self.service_address: tuple[str, int] = ("", 0)  # where workers find the membership service
+        self.prepare_timeout_s = 60.0
+        self._cooldowns: dict[str, _Cooldown] = {}
+        self._prepared: set[str] = set()
+        self._next_number = 0
+
+    # -- workers ---------------------------------------------------------------------------------
+    def live(self) -> list[_Member]:
+        """Workers still running (on their way out or not)."""
+        return [m for m in self.members.values() if m.status is None]
+
+    def serving(self) -> list[_Member]:
+        """Live workers that belong to the job (not on their way out)."""
+        return [m for m in self.live() if not m.removed]
+
+    def is_member(self, number: int) -> bool:
+        """Whether worker ``number`` was started for this job."""
+        return number in self.members
+
+    def slot(self, host: Host, index: int, number: int) -> Slot:
+        """The slot of worker ``number``, the ``index``-th on ``host``."""
+        host_index = next((i for i, h in enumerate(self.hosts) if h.name == host.name), 0)
+        return Slot(rank=number, size=max(self._capacity(), number + 1), local_rank=index, local_size=host.slots,
+                    cross_rank=host_index, cross_size=max(len(self.hosts), 1), host=host, host_index=host_index,
+                    devices=self.layout.devices_for(index, host.name), host_count=max(len(self.hosts), 1))
+
+    def _capacity(self) -> int:
+        slots = sum(h.slots for h in self.hosts)
+        return min(slots, self.settings.max_np) if self.settings.max_np else slots
+
+    def _start(self, host: Host, index: int) -> None:
+        number, self._next_number = self._next_number, self._next_number + 1
+        slot = self.slot(host, index, number)
+        env = {envvars.ELASTIC_ADDR: self.service_address[0], envvars.ELASTIC_PORT: str(self.service_address[1]),
+               envvars.WORKER_ID: str(number)}
+        worker = self.launcher.start(self.spec_for(slot, env), self.router)
+        self.members[number] = _Member(number, host, index, worker, time.monotonic())
+
+    # -- cool-downs ------------------------------------------------------------------------------
+    def cool_down(self, host: str) -> None:
+        """No new worker starts on ``host`` for a while; each strike doubles the while (up to the maximum)."""
+        low, high = self.settings.cooldown_s
+        entry = self._cooldowns.setdefault(host, _Cooldown())
+        seconds = min(low * 2 ** entry.strikes, high) + random.uniform(0, low * 0.1)
+        entry.until, entry.strikes = time.monotonic() + seconds, entry.strikes + 1
+
+    def cooling(self, host: str) -> bool:
+        """Whether ``host`` is in its cool-down."""
+        entry = self._cooldowns.get(host)
+        return entry is not None and time.monotonic() < entry.until
+
+    # -- hosts -----------------------------------------------------------------------------------
+    def rediscover(self) -> bool:
+        """Ask discovery again and match the workers to its answer; whether that changed the hosts."""
+        try:
+            hosts = self.discovery.find()
+        except DiscoveryError as e:
+            self.log(f"hvdrun: elastic: warning: {e}; keeping the last host list")
+            return False
+        self.prepare(hosts)
+        return self.apply(hosts)
+
+    def prepare(self, hosts: Sequence[Host], first: bool = False) -> None:
+        """Reach hosts never used before (SSH: connect and probe); a host that fails cools down."""
+        fresh = [h for h in hosts if h.name not in self._prepared and not self.cooling(h.name)]
+        if not fresh:
+            return
+        try:
+            self.launcher.prepare([self.slot(h, 0, 0) for h in fresh], time.monotonic() + self.prepare_timeout_s)
+        except LaunchError as e:
+            if first:
+                raise
+            self.log(f"hvdrun: elastic: warning: {e}; trying these hosts again after a cool-down")
+            for host in fresh:
+                self.cool_down(host.name)
+            return
+        self._prepared.update(h.name for h in fresh)
+
+    def apply(self, hosts: tuple[Host, ...]) -> bool:
+        """Make the workers match ``hosts``: leavers marked, free slots filled; whether anything changed."""
+        self.hosts = hosts
+        listed = {h.name: h for h in hosts}
+        changed = self._remove_unlisted(listed)
+        changed |= self._fill(hosts)
+        return changed
+
+    def _remove_unlisted(self, listed: dict[str, Host]) -> bool:
+        changed = False
+        for member in self.serving():
+            host = listed.get(member.host.name)
+            if host is None or member.index >= host.slots:
+                member.removed = f"host {member.host.name} left {self.discovery.describe()}" if host is None else \
+                    f"host {member.host.name} has {host.slots} slot(s) now"
+                changed = True
+                self.log(f"hvdrun: elastic: worker {member.number} leaves at the next round: {member.removed}")
+        return changed
+
+    def _fill(self, hosts: Sequence[Host]) -> bool:
+        """Start workers on free slots (hosts in discovery order, up to ``max_np``)."""
+        busy = {(m.host.name, m.index) for m in self.live()}
+        room = (self.settings.max_np or sys.maxsize) - len(self.serving())
+        started = 0
+        for host in hosts:
+            if self.cooling(host.name) or host.name not in self._prepared:
+                continue
+            for index in range(host.slots):
+                if started >= room:
+                    return started > 0
+                if (host.name, index) not in busy:
+                    try:
+                        self._start(host, index)
+                    except LaunchError as e:
+                        self.log(f"hvdrun: elastic: warning: {e}; host {host.name} cools down")
+                        self.cool_down(host.name)
+                        break
+                    started += 1
+        return started > 0
 
 
 class ElasticDriver:
-    """Runs one elastic job until it ends.
+    """Runs one elastic job until it ends: supervises its workers and decides each round.
 
     Args:
         launcher: starts workers (local or SSH), prepared for the hosts it may be asked to use.
@@ -102,29 +229,23 @@ class ElasticDriver:
         settings: min/max workers, timeout, reset limit, cool-down.
         spec_for: the :class:`WorkerSpec` of a worker, from its slot and the job-wide variables.
         secret: the job's secret (the membership service authenticates with it).
+        layout: the GPUs of each host.
+        log: where news of the job go (stderr).
     """
 
     def __init__(self, launcher: Launcher, router: OutputRouter, discovery: FixedHosts | ScriptDiscovery,
                  settings: ElasticSettings, spec_for: Callable[[Slot, dict[str, str]], WorkerSpec],
                  secret: str, layout: GpuLayout | None = None,
                  log: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True)) -> None:
-        self.launcher, self.router, self.discovery, self.settings = launcher, router, discovery, settings
-        self.spec_for, self.secret, self.layout, self.log = spec_for, secret, layout or GpuLayout(), log
-        self._state = _State()
-        self._lock = threading.Lock()
+        self.launcher, self.discovery, self.settings, self.log = launcher, discovery, settings, log
+        self.pool = WorkerPool(launcher, router, discovery, settings, spec_for, layout or GpuLayout(), log)
         self._wakeup = threading.Event()
-        self._cooldowns: dict[str, _Cooldown] = {}
-        self._hosts: tuple[Host, ...] = ()
+        self.service = MembershipService(secret, self.pool.is_member, self._wakeup.set)
         self._failures: list[tuple[_Member, Failure]] = []
         self._finished = False  # a worker ended its training (exit 0): no new workers, no new rounds wait
         self._interrupt: int | None = None
         self._below_since: float | None = None
         self._started = time.monotonic()
-        self._next_number = 0
-        self._closing = False
-        self._listener: socket.socket | None = None
-        self._prepared: set[str] = set()
-        self.prepare_timeout_s = 60.0
 
     # -- the job ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -136,20 +257,17 @@ class ElasticDriver:
             UsageError: the discovery script is unusable from the start.
         """
         hosts = self.discovery.find()
-        self._prepare(hosts, first=True)
+        self.pool.prepare(hosts, first=True)
         service_addr = self.launcher.endpoint(Host("localhost", 1)).addr  # this machine, as the hosts reach it
-        self._listener = listen(service_addr, 0, 128)
-        self.service = (service_addr, self._listener.getsockname()[1])
-        threading.Thread(target=self._serve, name="hvdrun-membership", daemon=True).start()
+        self.pool.service_address = self.service.start(service_addr)
         with stop_signals_handled(self._on_signal):
             try:
-                self._apply(hosts, first=True)
+                self.pool.apply(hosts)
                 self._supervise()
             finally:
-                self._closing = True
-                self._release_joins("the job is ending")
-                stop_workers([m.worker for m in self._state.members.values()], self.launcher.grace_s)
-                self._listener.close()
+                self.service.stop_admitting()
+                stop_workers([m.worker for m in self.pool.members.values()], self.launcher.grace_s)
+                self.service.close()
         if self._interrupt is not None:
             raise JobInterrupted(f"received {signal.Signals(self._interrupt).name}; stopped every worker",
                                  128 + self._interrupt)
@@ -163,10 +281,11 @@ class ElasticDriver:
         last_discovery = time.monotonic()
         while self._interrupt is None:
             self._reap()
-            if self._finished and not self._live():
+            if self._finished and not self.pool.live():
                 return None
             if time.monotonic() - last_discovery >= self.settings.discovery_interval_s and not self._finished:
-                self._rediscover()
+                if self.pool.rediscover():
+                    self.service.count_update()
                 last_discovery = time.monotonic()
             self._check_minimum()
             self._stop_stuck_starters()
@@ -175,142 +294,38 @@ class ElasticDriver:
             self._wakeup.clear()
         return None
 
-    # -- workers ---------------------------------------------------------------------------------
-    def _live(self) -> list[_Member]:
-        return [m for m in self._state.members.values() if m.status is None]
-
-    def _serving(self) -> list[_Member]:
-        """Live workers that belong to the job (not on their way out)."""
-        return [m for m in self._live() if not m.removed]
-
+    # -- workers that end ------------------------------------------------------------------------
     def _reap(self) -> None:
-        for member in self._live():
+        for member in self.pool.live():
             status = member.worker.poll()
             if status is None:
                 continue
             member.status = status
             member.worker.signal_group(signal.SIGKILL)  # leftovers of a finished worker
-            with self._lock:
-                join = self._state.joins.pop(member.number, None)
-            if join is not None:
-                join.sock.close()
+            self.service.drop(member.number)
             if member.removed:
                 continue
             if status == 0:
                 self._finished = True
                 continue
-            failure = Failure(self._slot(member.host, member.index, member.number), status,
-                              time.monotonic() - self._started, member.worker.failure_note())
-            self._failures.append((member, failure))
-            self._cool_down(member.host.name)
-            with self._lock:
-                self._state.updates += 1
-            self.log(f"hvdrun: elastic: worker {member.number} (rank {member.last_rank}) on host "
-                     f"{member.host.name} {failure.describe()}; {len(self._serving())} worker(s) go on")
+            self._lost(member, status)
 
-    def _cool_down(self, host: str) -> None:
-        low, high = self.settings.cooldown_s
-        entry = self._cooldowns.setdefault(host, _Cooldown())
-        seconds = min(low * 2 ** entry.strikes, high) + random.uniform(0, low * 0.1)
-        entry.until, entry.strikes = time.monotonic() + seconds, entry.strikes + 1
-
-    def _cooling(self, host: str) -> bool:
-        entry = self._cooldowns.get(host)
-        return entry is not None and time.monotonic() < entry.until
-
-    def _slot(self, host: Host, index: int, number: int) -> Slot:
-        host_index = next((i for i, h in enumerate(self._hosts) if h.name == host.name), 0)
-        return Slot(rank=number, size=max(self._capacity(), number + 1), local_rank=index, local_size=host.slots,
-                    cross_rank=host_index, cross_size=max(len(self._hosts), 1), host=host, host_index=host_index,
-                    devices=self.layout.devices_for(index, host.name), host_count=max(len(self._hosts), 1))
-
-    def _capacity(self) -> int:
-        slots = sum(h.slots for h in self._hosts)
-        return min(slots, self.settings.max_np) if self.settings.max_np else slots
-
-    def _start(self, host: Host, index: int) -> None:
-        number, self._next_number = self._next_number, self._next_number + 1
-        slot = self._slot(host, index, number)
-        env = {envvars.ELASTIC_ADDR: self.service[0], envvars.ELASTIC_PORT: str(self.service[1]),
-               envvars.WORKER_ID: str(number)}
-        worker = self.launcher.start(self.spec_for(slot, env), self.router)
-        self._state.members[number] = _Member(number, host, index, worker, time.monotonic())
-
-    # -- discovery -------------------------------------------------------------------------------
-    def _rediscover(self) -> None:
-        try:
-            hosts = self.discovery.find()
-        except DiscoveryError as e:
-            self.log(f"hvdrun: elastic: warning: {e}; keeping the last host list")
-            return
-        self._prepare(hosts)
-        self._apply(hosts)
-
-    def _prepare(self, hosts: Sequence[Host], first: bool = False) -> None:
-        """Reach hosts never used before (SSH: connect and probe); a host that fails cools down."""
-        fresh = [h for h in hosts if h.name not in self._prepared and not self._cooling(h.name)]
-        if not fresh:
-            return
-        try:
-            self.launcher.prepare([self._slot(h, 0, 0) for h in fresh], time.monotonic() + self.prepare_timeout_s)
-        except LaunchError as e:
-            if first:
-                raise
-            self.log(f"hvdrun: elastic: warning: {e}; trying these hosts again after a cool-down")
-            for host in fresh:
-                self._cool_down(host.name)
-            return
-        self._prepared.update(h.name for h in fresh)
-
-    def _apply(self, hosts: tuple[Host, ...], first: bool = False) -> None:
-        """Make the workers match ``hosts``: leavers marked, free slots filled."""
-        self._hosts = hosts
-        listed = {h.name: h for h in hosts}
-        changed = self._remove_unlisted(listed)
-        changed |= self._fill(hosts)
-        if changed and not first:
-            with self._lock:
-                self._state.updates += 1
-
-    def _remove_unlisted(self, listed: dict[str, Host]) -> bool:
-        changed = False
-        for member in self._serving():
-            host = listed.get(member.host.name)
-            if host is None or member.index >= host.slots:
-                member.removed = f"host {member.host.name} left {self.discovery.describe()}" if host is None else \
-                    f"host {member.host.name} has {host.slots} slot(s) now"
-                changed = True
-                self.log(f"hvdrun: elastic: worker {member.number} leaves at the next round: {member.removed}")
-        return changed
-
-    def _fill(self, hosts: Sequence[Host]) -> bool:
-        """Start workers on free slots (hosts in discovery order, up to ``max_np``)."""
-        busy = {(m.host.name, m.index) for m in self._live()}
-        room = (self.settings.max_np or sys.maxsize) - len(self._serving())
-        started = 0
-        for host in hosts:
-            if self._cooling(host.name) or host.name not in self._prepared:
-                continue
-            for index in range(host.slots):
-                if started >= room:
-                    return started > 0
-                if (host.name, index) not in busy:
-                    try:
-                        self._start(host, index)
-                    except LaunchError as e:
-                        self.log(f"hvdrun: elastic: warning: {e}; host {host.name} cools down")
-                        self._cool_down(host.name)
-                        break
-                    started += 1
-        return started > 0
+    def _lost(self, member: _Member, status: int) -> None:
+        """A worker of the job failed: its host cools down and the others learn of it at their next commit."""
+        failure = Failure(self.pool.slot(member.host, member.index, member.number), status,
+                          time.monotonic() - self._started, member.worker.failure_note())
+        self._failures.append((member, failure))
+        self.pool.cool_down(member.host.name)
+        self.service.count_update()
+        self.log(f"hvdrun: elastic: worker {member.number} (rank {member.last_rank}) on host "
+                 f"{member.host.name} {failure.describe()}; {len(self.pool.serving())} worker(s) go on")
 
     def _stop_stuck_starters(self) -> None:
         """A new worker that has not joined a round within ``--elastic-timeout`` of its start is stopped
         (it then counts as failed): a round must not wait for it forever."""
-        with self._lock:
-            joined = set(self._state.joins)
+        joined = self.service.waiting()
         now = time.monotonic()
-        for member in self._serving():
+        for member in self.pool.serving():
             if member.last_rank is None and member.number not in joined and \
                     now - member.started > self.settings.timeout_s:
                 self.log(f"hvdrun: elastic: worker {member.number} on host {member.host.name} did not join within "
@@ -319,7 +334,7 @@ class ElasticDriver:
 
     # -- minimum and rounds ----------------------------------------------------------------------
     def _check_minimum(self) -> None:
-        serving = len(self._serving())
+        serving = len(self.pool.serving())
         if serving >= self.settings.min_np or self._finished:
             self._below_since = None
             return
@@ -329,109 +344,52 @@ class ElasticDriver:
             self.log(f"hvdrun: elastic: {serving} worker(s), fewer than --min-np {self.settings.min_np}; waiting "
                      f"up to {self.settings.timeout_s:g} s (--elastic-timeout) for hosts from "
                      f"{self.discovery.describe()}")
-        hopeless = serving == 0 and not self._live() and all(self._cooling(h.name) for h in self._hosts)
+        hopeless = serving == 0 and not self.pool.live() and all(self.pool.cooling(h.name) for h in self.pool.hosts)
         if hopeless or now - self._below_since > self.settings.timeout_s:
-            cause = ""
-            if self._failures:
-                member, failure = self._failures[-1]
-                cause = f"; the last loss: worker {member.number} on host {member.host.name} {failure.describe()}"
-            why = "and every host is cooling down after a failure" if hopeless else \
-                f"for more than {self.settings.timeout_s:g} s (--elastic-timeout)"
-            raise WorkerFailed(f"elastic job stopped: {serving} worker(s) left, fewer than --min-np "
-                               f"{self.settings.min_np}, {why}{cause}",
-                               self._failures[-1][1].exit_code if self._failures else 1)
+            self._give_up(serving, hopeless)
+
+    def _give_up(self, serving: int, hopeless: bool) -> None:
+        """End the job: too few workers, for too long or with every host cooling down."""
+        cause = ""
+        if self._failures:
+            member, failure = self._failures[-1]
+            cause = f"; the last loss: worker {member.number} on host {member.host.name} {failure.describe()}"
+        why = "and every host is cooling down after a failure" if hopeless else \
+            f"for more than {self.settings.timeout_s:g} s (--elastic-timeout)"
+        raise WorkerFailed(f"elastic job stopped: {serving} worker(s) left, fewer than --min-np "
+                           f"{self.settings.min_np}, {why}{cause}", self._last_exit_code())
+
+    def _last_exit_code(self) -> int:
+        return self._failures[-1][1].exit_code if self._failures else 1
 
     def _form_round(self) -> None:
-        with self._lock:
-            joins = dict(self._state.joins)
+        joins = self.service.waiting()
         self._send_leavers(joins)
-        serving = self._serving()
+        serving = self.pool.serving()
         if not joins or any(m.number not in joins for m in serving):
             return
         if len(serving) < self.settings.min_np and not self._finished:
             return
         limit = self.settings.reset_limit
-        if limit is not None and self._state.round > limit:
-            raise WorkerFailed(f"elastic job stopped: it needs reset {self._state.round}, and --reset-limit is "
+        if limit is not None and self.service.round > limit:
+            raise WorkerFailed(f"elastic job stopped: it needs reset {self.service.round}, and --reset-limit is "
                                f"{limit}", 1)
         order = sorted(serving, key=lambda m: (m.last_rank is None, m.last_rank or 0, m.number))
-        if self._state.round > 0 and order[0].last_rank is None:
+        if self.service.round > 0 and order[0].last_rank is None:
             raise WorkerFailed("elastic job stopped: no worker of the last round is left, so the committed state "
                                f"went with them; the {len(order)} new worker(s) would start training from scratch",
-                               self._failures[-1][1].exit_code if self._failures else 1)
-        with self._lock:
-            self._state.round += 1
-            round_number, updates = self._state.round, self._state.updates
-            chosen = {m.number: self._state.joins.pop(m.number) for m in order}
-        head = chosen[order[0].number]
+                               self._last_exit_code())
         for rank, member in enumerate(order):
             member.last_rank = rank
-            body = {"round": round_number, "rank": rank, "size": len(order), "rendezvous_addr": head.addr,
-                    "rendezvous_port": head.port, "updates": updates}
-            _reply(chosen[member.number].sock, ("assign", body))
+        round_number = self.service.assign([m.number for m in order])
         self.log(f"hvdrun: elastic: round {round_number}: {len(order)} rank(s) on "
                  f"{len({m.host.name for m in order})} host(s)")
 
-    def _send_leavers(self, joins: dict[int, _Join]) -> None:
+    def _send_leavers(self, joins: set[int]) -> None:
         for number in joins:
-            member = self._state.members.get(number)
+            member = self.pool.members.get(number)
             if member is not None and member.removed:
-                with self._lock:
-                    join = self._state.joins.pop(number)
-                _reply(join.sock, ("leave", member.removed))
-
-    def _release_joins(self, reason: str) -> None:
-        with self._lock:
-            joins, self._state.joins = self._state.joins, {}
-        for join in joins.values():
-            _reply(join.sock, ("leave", reason))
-
-    # -- the membership service ------------------------------------------------------------------
-    def _serve(self) -> None:
-        assert self._listener is not None
-        while not self._closing:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._admit, args=(sock,), daemon=True).start()
-
-    def _admit(self, sock: socket.socket) -> None:
-        try:
-            sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-            authenticate_client(sock, self.secret.encode())
-            message = recv_frame(sock)
-            sock.settimeout(None)
-        except (OSError, ConnectionError, EOFError, ValueError):
-            sock.close()
-            return
-        if message[0] == "updates":
-            with self._lock:
-                count = self._state.updates
-            _reply(sock, ("updates", count))
-            return
-        if message[0] == "join":
-            _, number, addr, port, _pid = message
-            with self._lock:
-                if self._closing or number not in self._state.members:
-                    reason = "the job is ending" if self._closing else f"worker {number} is not part of this job"
-                else:
-                    self._state.joins[number] = _Join(sock, addr, port)
-                    reason = ""
-            if reason:
-                _reply(sock, ("leave", reason))
-            self._wakeup.set()
-            return
-        sock.close()
-
-
-def _reply(sock: socket.socket, message: tuple[object, ...]) -> None:
-    try:
-        send_frame(sock, message)
-    except OSError:
-        pass
-    finally:
-        sock.close()
+                self.service.send_leave(number, member.removed)
 
 
 def make_discovery(script: str | None, slots_per_host: int | None, hosts: Sequence[Host]) -> FixedHosts | \

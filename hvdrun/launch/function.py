@@ -1,6 +1,6 @@
 """``hvdrun.run(fn, ...)``: Horovod's ``horovod.run`` — call a Python function on every rank, return the results.
 
-The function travels pickled in the ranks' environment (:mod:`hvdrun.launch.task`), so nothing has
+The function travels pickled in the ranks' environment (:mod:`hvdrun.launch.remote.task`), so nothing has
 to be on a shared filesystem; each rank's return value comes back on its stdout, is taken out of
 the output, and the list of them (index = rank) is returned. The ranks' other output is shown as
 a launch shows it, with rank prefixes.
@@ -14,9 +14,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hvdrun import envvars
 from hvdrun.errors import LaunchError, UsageError
 from hvdrun.launch.job import RunOptions, plan_job, run_job
-from hvdrun.launch.task import RESULT_MARK, TASK_VAR, dumps, loads
+from hvdrun.launch.remote.task import RESULT_MARK, TASK_VAR, dumps, loads
 
 _TASK_ENV_LIMIT = 100_000  # one variable's value must stay below the kernel's 128 KiB
 _RESULT_LINE = re.compile(r"^\[(\d+)\]<stdout>:" + re.escape(RESULT_MARK) + r"(\S+)$")
@@ -74,12 +75,12 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any]
         raise UsageError(f"hvdrun.run: the pickled function and arguments take {len(task)} bytes; at most "
                          f"{_TASK_ENV_LIMIT} travel to the ranks (pass file paths instead of large data)")
     interface = network_interface or (others.get("network_interfaces") or "").split(",")[0] or None
-    options = RunOptions(command=("hvdrun.launch.task",), module=True, num_proc=num_proc or np, hosts=hosts,
+    options = RunOptions(command=("hvdrun.launch.remote.task",), module=True, num_proc=num_proc or np, hosts=hosts,
                          hostfile=hostfile, start_timeout_s=start_timeout, ssh_port=ssh_port,
                          ssh_identity_file=ssh_identity_file, verbose=verbose, mpi_args=mpi_args,
                          network_interface=interface, output_dir=output_filename,
                          launcher="mpiexec" if use_mpi else None)
-    environ = {**os.environ, TASK_VAR: task, **({"HVDRUN_BACKEND": "mpi"} if use_mpi else {})}
+    environ = {**os.environ, TASK_VAR: task, **({envvars.BACKEND: "mpi"} if use_mpi else {})}
     plan = plan_job(options, environ)
     if executable:
         plan = _with_python(plan, executable)

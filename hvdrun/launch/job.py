@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from hvdrun.config import ClusterConfig, load_cluster, load_config
+from hvdrun.config import ClusterConfig, load_cluster_config
 from hvdrun.envvars import (
     BACKEND,
     ELASTIC_ADDR,
@@ -38,7 +38,7 @@ from hvdrun.errors import JobInterrupted, UsageError
 from hvdrun.hosts import Host, detect_allocation, is_local_host, parse_host_string, parse_hostfile
 from hvdrun.launch.base import Launcher, WorkerGroup, WorkerSpec
 from hvdrun.launch.discovery import FixedHosts, ScriptDiscovery
-from hvdrun.launch.elastic import (
+from hvdrun.launch.elastic_driver import (
     DEFAULT_COOLDOWN_S,
     DEFAULT_ELASTIC_TIMEOUT_S,
     ElasticDriver,
@@ -154,14 +154,6 @@ class ElasticPlan:
         return make_discovery(self.script, self.slots_per_host, self.hosts)
 
 
-def _load_cluster_config(options: RunOptions) -> ClusterConfig | None:
-    if options.cluster and options.config_file:
-        raise UsageError("give either --cluster NAME or --config FILE, not both")
-    if options.cluster:
-        return load_cluster(options.cluster)
-    return load_config(options.config_file) if options.config_file else None
-
-
 def _resolve_hosts(options: RunOptions, config: ClusterConfig | None, layout: GpuLayout,
                    environ: Mapping[str, str]) -> tuple[tuple[Host, ...], str]:
     """The hosts and where they came from: -H, hostfile, config, pbs, cobalt, slurm or default."""
@@ -230,7 +222,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     Raises:
         UsageError: any invalid input (hosts, config, -np, -x, command); exit code 2.
     """
-    config = _load_cluster_config(options)
+    config = load_cluster_config(options.cluster, options.config_file)
     layout = _gpu_layout(options, config)
     if options.host_discovery_script:
         hosts, source = make_discovery(options.host_discovery_script, options.slots_per_host, ()).find(), "discovery"

@@ -1,4 +1,4 @@
-"""Start workers on this machine, each under its own guard process (see ``guard.py``)."""
+"""Start workers on this machine, each under its own guard process (see ``remote/guard.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host
 from hvdrun.launch.base import GUARD_SCRIPT, Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
-from hvdrun.launch.probe import free_ports
+from hvdrun.launch.remote.hostfacts import free_ports
 from hvdrun.ranks import Slot
 
 LOOPBACK = "127.0.0.1"

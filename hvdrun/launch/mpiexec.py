@@ -2,7 +2,7 @@
 
 hvdrun runs ``mpiexec`` under its guard (so ``kill -9`` of hvdrun still stops the job) with the
 same hosts, rank order and environment contract as its other launchers. mpiexec starts
-``python -m hvdrun.launch.mpirank`` on every rank, which computes that rank's slot (GPU pinning
+``python -m hvdrun.launch.remote.mpirank`` on every rank, which computes that rank's slot (GPU pinning
 included) and tags its output, so hvdrun splits mpiexec's merged output back into ranks and
 names the rank that failed first. SSH, where mpiexec uses it, goes through a wrapper that
 applies hvdrun's SSH options (port, key, known_hosts; host keys always verified).
@@ -33,9 +33,9 @@ from hvdrun.hosts import Host, is_local_host
 from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.connections import SshOptions
 from hvdrun.launch.local import LOOPBACK, LocalLauncher, LocalWorker
-from hvdrun.launch.mpirank import plan_value
 from hvdrun.launch.output import OutputRouter
-from hvdrun.launch.probe import free_ports, interface_address
+from hvdrun.launch.remote.hostfacts import free_ports, interface_address
+from hvdrun.launch.remote.mpirank import plan_value
 from hvdrun.ranks import GpuLayout, Slot
 
 FLAVOURS = ("mpich", "openmpi", "pals")
@@ -95,7 +95,7 @@ class MpiexecCommand:
         """The environment mpiexec itself runs with (srun passes its own environment to every rank)."""
         if self.flavour != SRUN:
             return dict(base)
-        return {**base, **self.env, **({"SLURM_HOSTFILE": self.hostfile} if self.hostfile else {})}
+        return {**base, **self.env, **({envvars.SLURM_HOSTFILE: self.hostfile} if self.hostfile else {})}
 
     def _srun(self) -> list[str]:
         return [f"--nodes={len(self.hosts)}", f"--ntasks={self.num_proc}", "--distribution=arbitrary",
@@ -148,7 +148,7 @@ def find_srun() -> str:
     found = shutil.which("srun")
     if not found:
         raise LaunchError("srun not found on PATH: --launcher srun runs inside a Slurm allocation")
-    if not os.environ.get("SLURM_JOB_ID"):
+    if not os.environ.get(envvars.SLURM_JOB_ID):
         raise LaunchError("--launcher srun needs a Slurm allocation (SLURM_JOB_ID is not set): run hvdrun in a "
                           "job script ('hvdrun qsub --cluster slurm') or under salloc")
     return found
@@ -315,7 +315,7 @@ class MpiexecLauncher(Launcher):
         hostfile = Path(self._tmp.name) / "hostfile"
         per_rank = self.flavour == SRUN  # srun --distribution=arbitrary: one line per rank
         hostfile.write_text("".join(f"{host.name}\n" * (host.slots if per_rank else 1) for host in self._hosts))
-        rank_command = (first.python, "-m", "hvdrun.launch.mpirank", f"{self.grace_s:g}", "--", *first.argv)
+        rank_command = (first.python, "-m", "hvdrun.launch.remote.mpirank", f"{self.grace_s:g}", "--", *first.argv)
         return MpiexecCommand(self.flavour, self.mpiexec, self._hosts, env, rank_command, str(agent),
                               self._callback_addr, str(hostfile), self.extra_args)
 

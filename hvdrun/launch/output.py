@@ -32,7 +32,7 @@ from hvdrun.envvars import CONSEQUENCE_MARKER
 
 STREAMS = ("stdout", "stderr")
 _READ_SIZE = 1 << 20
-# a line of mpiexec's merged output, tagged by hvdrun's rank shim (launch/mpirank.py)
+# a line of mpiexec's merged output, tagged by hvdrun's rank shim (launch/remote/mpirank.py)
 _TAGGED_RE = re.compile(rb"\[(\d+)\]<(stdout|stderr|exit)>:")
 
 

@@ -2,12 +2,12 @@
 
 Before any rank starts, :meth:`SshLauncher.prepare` connects to every remote host at once
 (host keys verified, see :mod:`hvdrun.launch.connections`) and runs the probe there
-(:mod:`hvdrun.launch.probe`): a missing working directory, Python or hvdrun, or a missing
+(:mod:`hvdrun.launch.remote.hostfacts`): a missing working directory, Python or hvdrun, or a missing
 ``--network-interface``, stops the launch naming the host, before anything runs anywhere.
 
 One rank's remote command (every value shell-quoted)::
 
-    cd -- /work/dir && exec env -- HVDRUN_RANK=3 ... /venv/bin/python -m hvdrun.launch.guard 5 \\
+    cd -- /work/dir && exec env -- HVDRUN_RANK=3 ... /venv/bin/python -m hvdrun.launch.remote.guard 5 \\
         --signal-as-code -- /venv/bin/python -u train.py --lr 0.1
 
 The SSH channel's stdin is the guard's lifeline: ``T``/``K`` on it signal the rank's process
@@ -36,10 +36,11 @@ from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host, is_local_host
 from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.connections import SshOptions, SshTarget, connect_all, peer_address, resolve_targets, run_command
-from hvdrun.launch.guard import KILL, TERMINATE
+from hvdrun.launch.hostprobe import explain_probe_failure, probe_command
 from hvdrun.launch.local import LOOPBACK, LocalLauncher
 from hvdrun.launch.output import OutputRouter
-from hvdrun.launch.probe import HostFacts, explain_probe_failure, free_ports, interface_address, probe_command
+from hvdrun.launch.remote.guard import KILL, TERMINATE
+from hvdrun.launch.remote.hostfacts import HostFacts, free_ports, interface_address
 from hvdrun.ranks import Slot
 
 if TYPE_CHECKING:
@@ -202,8 +203,8 @@ def worker_command(spec: WorkerSpec, grace_s: float) -> str:
     if spec.python != sys.executable:  # a host's own Python (YAML python:/venv:): its bin/ first on PATH
         env["PATH"] = f"{os.path.dirname(spec.python)}:{env.get('PATH', '/usr/bin:/bin')}"
     words = ["env", "--", *(f"{name}={value}" for name, value in sorted(env.items())),
-             spec.python, "-m", "hvdrun.launch.guard", f"{grace_s:g}", "--signal-as-code", *guard_options(spec.env),
-             "--", *spec.argv]
+             spec.python, "-m", "hvdrun.launch.remote.guard", f"{grace_s:g}", "--signal-as-code",
+             *guard_options(spec.env), "--", *spec.argv]
     return f"cd -- {shlex.quote(spec.cwd)} && exec {shlex.join(words)}"
 
 

@@ -1,4 +1,5 @@
-"""Timing collectives the same way everywhere: warm-up, batches of back-to-back ops, median of repeats."""
+"""Timing collectives the same way everywhere: warm-up, batches of back-to-back ops, median of repeats;
+and the byte sizes they are timed at (``4K`` on the command line, ``4 KB`` in a report)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,12 @@ def parse_size(text: str) -> int:
     if not number.isdigit() or unit not in _UNITS or int(number) == 0:
         raise ValueError(f"{text!r} is not a size; expected e.g. 4096, 4K, 64M or 1G")
     return int(number) * _UNITS[unit]
+
+
+def human_bytes(nbytes: int) -> str:
+    """``4 KB``, ``64 MB``, ``1.5 GB``: binary units, as the sizes are given."""
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:g} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{nbytes} B"

@@ -1,12 +1,13 @@
 """A worker's side of an elastic job's membership: which round it joins, and with which rank.
 
 In an elastic job (``hvdrun --min-np/--max-np/--host-discovery-script``) ranks are not fixed at
-launch. The launcher runs a membership service (``hvdrun.launch.elastic``); at every ``init()``
-a worker connects to it (authenticated with the job's secret), says which worker it is and where
-it could serve the round's rendezvous, and waits. When every live worker has come, the service
-answers each with its assignment: the round number, the worker's rank and the world size, and
-the address of the worker that is rank 0 this round. Rank 0 is always a worker of the previous
-round (its state is the one that is broadcast), joiners come last.
+launch. The launcher runs a membership service (``hvdrun.launch.membership_service``); at every
+``init()`` a worker connects to it (authenticated with the job's secret), says which worker it is
+and where it could serve the round's rendezvous, and waits. When every live worker has come, the
+service answers each with its assignment: the round number, the worker's rank and the world size,
+and the address of the worker that is rank 0 this round. Rank 0 is always a worker of the previous
+round (its state is the one that is broadcast), joiners come last. The messages' kinds are named
+in :mod:`hvdrun.runtime.wire`.
 
 The service also counts *host updates* (workers added, hosts removed, workers lost); rank 0 asks
 for that count at each commit (``hvdrun.torch.elastic``) and, when it moved, every rank resets.
@@ -22,7 +23,14 @@ from dataclasses import dataclass
 from hvdrun import envvars
 from hvdrun.errors import HvdrunError
 from hvdrun.runtime.rendezvous import listen, reserve_listener
-from hvdrun.runtime.wire import authenticate_server, recv_frame, send_frame
+from hvdrun.runtime.wire import (
+    MEMBERSHIP_ASSIGN,
+    MEMBERSHIP_JOIN,
+    MEMBERSHIP_UPDATES,
+    authenticate_server,
+    recv_frame,
+    send_frame,
+)
 
 _CONNECT_TIMEOUT_S = 10.0
 
@@ -98,7 +106,7 @@ def join_round(environ: Mapping[str, str]) -> Assignment:
     try:
         local_addr = sock.getsockname()[0]
         worker = int(environ[envvars.WORKER_ID])
-        send_frame(sock, ("join", worker, local_addr, _rendezvous_port(local_addr), os.getpid()))
+        send_frame(sock, (MEMBERSHIP_JOIN, worker, local_addr, _rendezvous_port(local_addr), os.getpid()))
         sock.settimeout(None)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         try:
@@ -107,7 +115,7 @@ def join_round(environ: Mapping[str, str]) -> Assignment:
             raise MembershipError(f"worker {worker}: the launcher's membership service closed: {e}") from e
     finally:
         sock.close()
-    if kind != "assign":
+    if kind != MEMBERSHIP_ASSIGN:
         raise WorkerRemoved(str(body))
     return Assignment(**body)
 
@@ -117,7 +125,7 @@ def host_updates(environ: Mapping[str, str]) -> int:
     sock = _connect(environ)
     try:
         sock.settimeout(_CONNECT_TIMEOUT_S)
-        send_frame(sock, ("updates",))
+        send_frame(sock, (MEMBERSHIP_UPDATES,))
         kind, count = recv_frame(sock)
     except (OSError, ConnectionError, EOFError) as e:
         raise MembershipError(f"hvdrun's membership service did not answer: {e}") from e

@@ -246,7 +246,7 @@ def test_silent_slow_and_flooding_connections_are_dropped_and_the_job_still_form
 
 def test_a_rendezvous_port_taken_meanwhile_is_retried_then_named(spawn_ranks):
     from hvdrun.envvars import Rendezvous
-    from hvdrun.launch.probe import free_ports
+    from hvdrun.launch.remote.hostfacts import free_ports
 
     port, master = free_ports(2)
     squatter = socket.create_server(("127.0.0.1", port))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from click.testing import CliRunner
 
@@ -193,3 +196,10 @@ def test_help_shows_run_options_subcommands_and_environment(invoke):
                      "Commands:", "check", "bench", "qsub", "Environment:", "HOROVOD_FUSION_THRESHOLD",
                      "HVDRUN_BACKEND"):
         assert fragment in text, fragment
+
+
+def test_importing_the_cli_loads_no_heavy_library():
+    heavy = ("jinja2", "torch", "paramiko", "rich", "yaml", "matplotlib", "numpy")
+    code = f"import sys, hvdrun.cli; print(sorted(set({heavy!r}) & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

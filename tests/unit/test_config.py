@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hvdrun.config import available_clusters, load_cluster, load_config
-from hvdrun.errors import ConfigError
+from hvdrun.config import available_clusters, load_cluster, load_cluster_config, load_config
+from hvdrun.errors import ConfigError, UsageError
 from hvdrun.hosts import Host
 
 
@@ -80,3 +80,12 @@ def test_polaris_lists_gpus_reversed():
 def test_unknown_cluster_lists_the_available_ones():
     with pytest.raises(ConfigError, match="unknown cluster 'frontier'; available: aurora, localhost"):
         load_cluster("frontier")
+
+
+def test_cluster_or_config_file_but_not_both(tmp_path):
+    assert load_cluster_config(None, None) is None
+    assert load_cluster_config("localhost", None) == load_cluster("localhost")
+    path = write(tmp_path, "name: mine\n")
+    assert load_cluster_config(None, str(path)).name == "mine"
+    with pytest.raises(UsageError, match="give either --cluster NAME or --config FILE, not both"):
+        load_cluster_config("localhost", str(path))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from hvdrun.health.check import human_bytes, judge
-from hvdrun.health.hosts import Expectations, compare
-from hvdrun.health.probe import Gpu, HealthFacts
-from hvdrun.health.timing import bus_bandwidth, parse_size
-from hvdrun.launch.probe import HostFacts
+from hvdrun.health.check import judge
+from hvdrun.health.host_agent import Gpu, HealthFacts
+from hvdrun.health.host_checks import Expectations, compare
+from hvdrun.launch.remote.hostfacts import HostFacts
+from hvdrun.measure.timing import bus_bandwidth, human_bytes, parse_size
 
 
 def facts(python="3.11.7", hvdrun="0.1.0", torch="2.13.0+cpu", gpus=0, free=50e9) -> HealthFacts:

@@ -150,7 +150,8 @@ POLARIS = ("--cluster", "polaris", "-A", "P")
     (("--cluster", "localhost"), ["cluster 'localhost'", "has no 'scheduler:' section"]),
     (("--cluster", "nosuch"), ["unknown cluster 'nosuch'"]),
     ((*POLARIS, "--dry-run", "--submit"), ["--dry-run prints the script only"]),
-    ((*POLARIS, "--template", "nosuch.j2"), ["--template 'nosuch.j2': no such file"]),
+    ((*POLARIS, "--template", "nosuch.j2"), ["--template 'nosuch.j2': no such file "
+                                             "(shipped: pbs.sh.j2, cobalt.sh.j2, slurm.sh.j2)"]),
     ((*POLARIS, "-n", "0"), ["Invalid value for '-n'"]),
 ])
 def test_validation_errors(invoke, args, fragments):

@@ -17,12 +17,12 @@ from hvdrun.errors import UsageError
 from hvdrun.hosts import Host
 from hvdrun.launch.connections import SshOptions
 from hvdrun.launch.mpiexec import MpiexecCommand, detect_flavour, ssh_agent_script
-from hvdrun.launch.mpirank import plan_value, slot_of, worker_environment
+from hvdrun.launch.remote.mpirank import plan_value, slot_of, worker_environment
 from hvdrun.ranks import GpuLayout
 
 HOSTS = (Host("n1", 2), Host("n2", 2))
 ENV = {"HVDRUN_SECRET": "s3cr3t", "WITH SPACE": "a b"}
-COMMAND = ("/venv/bin/python", "-m", "hvdrun.launch.mpirank", "5", "--", "/venv/bin/python", "-u", "train.py")
+COMMAND = ("/venv/bin/python", "-m", "hvdrun.launch.remote.mpirank", "5", "--", "/venv/bin/python", "-u", "train.py")
 
 
 def command(flavour: str, hosts=HOSTS) -> MpiexecCommand:

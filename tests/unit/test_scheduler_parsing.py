@@ -7,11 +7,16 @@ import json
 import pytest
 
 from hvdrun.errors import JobError
-from hvdrun.jobs import pbs, slurm
+from hvdrun.jobs import SCHEDULERS, pbs, scheduler_for, slurm
 from hvdrun.jobs.base import FINISHED, HELD, QUEUED, RUNNING, JobStatus
 from hvdrun.jobs.cobalt import Cobalt
 from hvdrun.jobs.pbs import Pbs
 from hvdrun.jobs.slurm import Slurm
+
+
+@pytest.mark.parametrize("kind", SCHEDULERS)
+def test_the_registry_names_each_back_end_by_its_own_kind(kind):
+    assert scheduler_for(kind).kind == kind
 
 
 @pytest.mark.parametrize("stdout, job_id", [

@@ -36,6 +36,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from hvdrun import envvars
+
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TERMINATE, KILL = b"T", b"K"
 
@@ -149,7 +151,7 @@ def _exit_like(returncode: int, signal_as_code: bool) -> None:
 def inherited_fds(environ: Mapping[str, str]) -> tuple[int, ...]:
     """File descriptors the command must inherit: MPICH's PMI-1 connection (``PMI_FD``), which
     mpiexec's proxy opened for the rank and which ``MPI_Init`` reads back by number."""
-    fd = environ.get("PMI_FD", "")
+    fd = environ.get(envvars.PMI_FD, "")
     if fd.isdigit():
         try:
             os.fstat(int(fd))
@@ -163,8 +165,9 @@ def command_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The command's environment: the guard's, with the ``horovod`` shim package first on ``PYTHONPATH``
     when the job asked for it (``hvdrun --horovod-compat``); the shim of this host's hvdrun."""
     env = dict(environ)
-    if env.get("HVDRUN_HOROVOD_COMPAT") == "1":
-        shim = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "compat")  # hvdrun/compat
+    if env.get(envvars.HOROVOD_COMPAT) == "1":
+        package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # hvdrun/
+        shim = os.path.join(package, "compat")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, env.get("PYTHONPATH")) if p)
     return env
 

@@ -1,4 +1,4 @@
-"""One rank under mpiexec: ``python -m hvdrun.launch.mpirank GRACE_S -- COMMAND...``.
+"""One rank under mpiexec: ``python -m hvdrun.launch.remote.mpirank GRACE_S -- COMMAND...``.
 
 mpiexec (MPICH hydra, Open MPI, Cray PALS) starts one copy of this shim per rank. The shim
 
@@ -97,7 +97,7 @@ def _stop(worker: subprocess.Popen[bytes], grace_s: float, signum: int) -> None:
 def main(argv: list[str]) -> None:
     """Run one rank; ``argv`` is ``[GRACE_S, "--", COMMAND...]``."""
     if len(argv) < 3 or argv[1] != "--":
-        sys.exit("usage: python -m hvdrun.launch.mpirank GRACE_S -- COMMAND...")
+        sys.exit("usage: python -m hvdrun.launch.remote.mpirank GRACE_S -- COMMAND...")
     grace_s = float(argv[0])
     slot, env = worker_environment(os.environ)
     try:  # die with mpiexec's proxy (Linux)
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     lifeline, _keep_open = os.pipe()  # ours is not inherited: if this shim dies, even by SIGKILL, the guard sees EOF
-    guard = [sys.executable, "-m", "hvdrun.launch.guard", f"{grace_s:g}", *envvars.guard_options(env), "--"]
+    guard = [sys.executable, "-m", "hvdrun.launch.remote.guard", f"{grace_s:g}", *envvars.guard_options(env), "--"]
     worker = subprocess.Popen([*guard, *argv[2:]], stdin=lifeline, stdout=out_w, stderr=err_w, env=env,
                               start_new_session=True, close_fds=False)  # close_fds=False: MPI's PMI_FD stays
     for fd in (out_w, err_w, lifeline):

@@ -1,4 +1,4 @@
-"""A rank of :func:`hvdrun.run`: ``python -m hvdrun.launch.task`` calls the function the launcher sent.
+"""A rank of :func:`hvdrun.run`: ``python -m hvdrun.launch.remote.task`` calls the function the launcher sent.
 
 The function, its arguments and keyword arguments arrive pickled (cloudpickle when installed, so
 lambdas and closures travel too) and base64-encoded in :data:`TASK_VAR`; the return value goes back
@@ -12,7 +12,9 @@ import pickle
 import sys
 from typing import Any
 
-TASK_VAR = "HVDRUN_TASK"
+from hvdrun import envvars
+
+TASK_VAR = envvars.TASK
 RESULT_MARK = "\x1ehvdrun:result:"
 
 
