@@ -43,8 +43,8 @@ from typing import Any
 
 from hvdrun.errors import ConfigError, HostSpecError, UsageError
 from hvdrun.hosts import Host, merge_duplicates, parse_host_item
-from hvdrun.jobs import DEFAULT_SCHEDULER, SCHEDULERS
 from hvdrun.resources import data_dir
+from hvdrun.schedulers import DEFAULT_SCHEDULER, SCHEDULERS
 
 LAUNCHERS = ("local", "ssh", "mpiexec", "srun")
 MPI_FLAVOURS = ("mpich", "openmpi", "pals")

@@ -11,12 +11,10 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hvdrun.errors import UsageError
-
-if TYPE_CHECKING:  # only annotations: hosts.py reads the allocation names below, and ranks.py imports hosts.py
-    from hvdrun.ranks import Slot
+from hvdrun.ranks import Slot
 
 RANK = "HVDRUN_RANK"
 SIZE = "HVDRUN_SIZE"
@@ -225,11 +223,9 @@ def remote_env(env: Mapping[str, str]) -> dict[str, str]:
             if _VAR_NAME_RE.fullmatch(name) and name not in _SESSION_VARS and not name.startswith(_SESSION_PREFIXES)}
 
 
-# -- what a scheduler or an MPI launcher sets (read by hosts.py, the launchers and the guard) -------------
-PBS_NODEFILE = "PBS_NODEFILE"
-COBALT_NODEFILE = "COBALT_NODEFILE"
-SLURM_JOB_NODELIST = ("SLURM_JOB_NODELIST", "SLURM_NODELIST")  # the second: older Slurm
-SLURM_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
+# -- what a scheduler or an MPI launcher sets (read by the launchers and the guard; the allocation's host
+# lists, PBS_NODEFILE, COBALT_NODEFILE, SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE, are named in hosts.py, their
+# one reader besides the Slurm rank below) -----------------------------------------------------------------
 SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_HOSTFILE = "SLURM_HOSTFILE"  # srun's host list for --distribution=arbitrary
 PMI_FD = "PMI_FD"  # hydra's PMI connection, inherited by the rank through the guard
@@ -381,12 +377,10 @@ def _hostname(environ: Mapping[str, str]) -> str:
 def _slurm_rendezvous_addr(environ: Mapping[str, str]) -> str | None:
     if environ.get(TORCH_MASTER_ADDR):
         return environ[TORCH_MASTER_ADDR]
-    nodelist = environ.get(SLURM_JOB_NODELIST[0]) or environ.get(SLURM_JOB_NODELIST[1])
-    if not nodelist:
-        return None
-    from hvdrun.hosts import expand_slurm_hostlist
+    from hvdrun.hosts import SLURM_JOB_NODELIST, expand_slurm_hostlist
 
-    return expand_slurm_hostlist(nodelist)[0]
+    nodelist = environ.get(SLURM_JOB_NODELIST[0]) or environ.get(SLURM_JOB_NODELIST[1])
+    return expand_slurm_hostlist(nodelist)[0] if nodelist else None
 
 
 def read_launch_info(environ: Mapping[str, str]) -> LaunchInfo:

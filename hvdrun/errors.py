@@ -67,3 +67,14 @@ class RendezvousError(CollectiveError):
 
 class NotInitializedError(HvdrunError, ValueError):
     """A runtime call was made before ``init()`` (or after ``shutdown()``)."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
+    """Elastic jobs: the launcher added or removed workers: every rank stops at this commit and the job re-forms.
+
+    ``skip_sync``: the state need not be broadcast again (Horovod: only hosts were removed).
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts were updated")
+        self.skip_sync = skip_sync

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hvdrun import envvars
 from hvdrun.errors import HostSpecError
+from hvdrun.schedulers import COBALT, PBS, SLURM
 
 # used with fullmatch: "$" would also accept a trailing newline
 _HOSTNAME_RE = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
@@ -26,6 +26,12 @@ MAX_SLOTS_PER_HOST = 4096
 
 HOST_EXAMPLE = "-H node1:4,node2:4 (also user@node1:4 and [fe80::1]:2)"
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "localhost.localdomain"})
+
+# what the scheduler of an allocation sets: hosts come from the first one present
+PBS_NODEFILE = "PBS_NODEFILE"
+COBALT_NODEFILE = "COBALT_NODEFILE"
+SLURM_JOB_NODELIST = ("SLURM_JOB_NODELIST", "SLURM_NODELIST")  # the second: older Slurm
+SLURM_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
 
 
 @dataclass(frozen=True)
@@ -212,7 +218,7 @@ def parse_slurm_allocation(nodelist: str, tasks_per_node: str | None) -> tuple[H
     """Hosts of a Slurm allocation; slots from ``SLURM_TASKS_PER_NODE`` when set, else 1."""
     names = expand_slurm_hostlist(nodelist)
     slots = parse_tasks_per_node(tasks_per_node, len(names)) if tasks_per_node else [1] * len(names)
-    where = envvars.SLURM_JOB_NODELIST[0]
+    where = SLURM_JOB_NODELIST[0]
     return merge_duplicates([Host(validate_hostname(n, where), s) for n, s in zip(names, slots, strict=True)], where)
 
 
@@ -222,13 +228,13 @@ def detect_allocation(environ: Mapping[str, str]) -> tuple[str, tuple[Host, ...]
     PBS (``PBS_NODEFILE``), Cobalt (``COBALT_NODEFILE``) and Slurm (``SLURM_JOB_NODELIST``)
     are tried in that order.
     """
-    if environ.get(envvars.PBS_NODEFILE):
-        return "pbs", parse_nodefile(environ[envvars.PBS_NODEFILE], "PBS")
-    if environ.get(envvars.COBALT_NODEFILE):
-        return "cobalt", parse_nodefile(environ[envvars.COBALT_NODEFILE], "Cobalt")
-    nodelist = environ.get(envvars.SLURM_JOB_NODELIST[0]) or environ.get(envvars.SLURM_JOB_NODELIST[1])
+    if environ.get(PBS_NODEFILE):
+        return PBS, parse_nodefile(environ[PBS_NODEFILE], "PBS")
+    if environ.get(COBALT_NODEFILE):
+        return COBALT, parse_nodefile(environ[COBALT_NODEFILE], "Cobalt")
+    nodelist = environ.get(SLURM_JOB_NODELIST[0]) or environ.get(SLURM_JOB_NODELIST[1])
     if nodelist:
-        return "slurm", parse_slurm_allocation(nodelist, environ.get(envvars.SLURM_TASKS_PER_NODE))
+        return SLURM, parse_slurm_allocation(nodelist, environ.get(SLURM_TASKS_PER_NODE))
     return None
 
 

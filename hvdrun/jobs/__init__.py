@@ -7,9 +7,8 @@
   submit, status, cancel);
 - :mod:`follow`: submit, wait and the job registry behind ``hvdrun qstat`` / ``hvdrun qdel``.
 
-This module is the one list of schedulers: their names (the CLI's choices, the cluster YAML's
-``scheduler.kind``) and the back-end of each. It imports no back-end, so the CLI can read the names
-without loading them.
+The schedulers themselves are listed once, in :mod:`hvdrun.schedulers` (names, default, back-end of
+each); this module loads a back-end when first asked for it.
 """
 
 from __future__ import annotations
@@ -17,22 +16,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from hvdrun.schedulers import BACKENDS, DEFAULT_SCHEDULER, SCHEDULERS
+
 if TYPE_CHECKING:
     from hvdrun.jobs.base import Scheduler
 
-# name -> (module, class) of its back-end, loaded when first asked for
-_BACKENDS = {
-    "pbs": ("hvdrun.jobs.pbs", "Pbs"),
-    "cobalt": ("hvdrun.jobs.cobalt", "Cobalt"),
-    "slurm": ("hvdrun.jobs.slurm", "Slurm"),
-}
-SCHEDULERS: tuple[str, ...] = tuple(_BACKENDS)
-DEFAULT_SCHEDULER = "pbs"  # when nothing names one: a cluster YAML without scheduler.kind, qstat of an unrecorded job
+__all__ = ["DEFAULT_SCHEDULER", "SCHEDULERS", "scheduler_class", "scheduler_for"]
 
 
 def scheduler_class(kind: str) -> type[Scheduler]:
     """The back-end class of scheduler ``kind`` (one of :data:`SCHEDULERS`)."""
-    module, name = _BACKENDS[kind]
+    module, name = BACKENDS[kind].split(":")
     backend: type[Scheduler] = getattr(importlib.import_module(module), name)
     return backend
 

@@ -177,7 +177,7 @@ def quote(value: object) -> str:
 class Scheduler(ABC):
     """One batch scheduler: its directives, its script rules and its commands."""
 
-    kind: str  # its name in hvdrun.jobs.SCHEDULERS
+    kind: str  # its name in hvdrun.schedulers.SCHEDULERS
     rules: ScriptRules
     cancel_program: str = "qdel"
     needs_error_file: bool = False  # its directives always name an error file (no merged output)

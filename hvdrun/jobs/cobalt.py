@@ -26,6 +26,7 @@ from hvdrun.jobs.base import (
     quote,
     run_scheduler_command,
 )
+from hvdrun.schedulers import COBALT
 
 QSTAT_HEADER = "JobID:JobName:User:WallTime:State:Nodes:Location:Queue"
 _STATES = {"queued": QUEUED, "starting": QUEUED, "running": RUNNING, "exiting": EXITING, "killing": EXITING,
@@ -37,7 +38,7 @@ _JOB_ID = re.compile(r"([0-9]+)")
 class Cobalt(Scheduler):
     """Cobalt's ``qsub``/``qstat``/``qdel`` (``COBALT_CONFIG_FILES`` chooses the instance, as usual)."""
 
-    kind = "cobalt"
+    kind = COBALT
     rules = ScriptRules("#COBALT", blank_line_ends_block=True)
     needs_error_file = True  # Cobalt always writes stderr to its own file
     example_directive = "--attrs mig-mode=True"

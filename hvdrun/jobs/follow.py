@@ -21,6 +21,7 @@ from hvdrun.envvars import JOBS_DIR
 from hvdrun.errors import JobError, JobInterrupted, UsageError
 from hvdrun.jobs import DEFAULT_SCHEDULER, SCHEDULERS, scheduler_for
 from hvdrun.jobs.base import FINISHED, UNKNOWN, JobSpec, JobStatus, Scheduler
+from hvdrun.schedulers import SLURM
 
 _FIRST_POLL_S, _MAX_POLL_S = 0.25, 30.0  # polls every tenth of the job's age: quick for short jobs, gentle on
 # the scheduler for long ones
@@ -155,7 +156,7 @@ def _final_code(job: SubmittedJob, status: JobStatus) -> int:
 def scheduler_of(job_id: str, kind: str | None) -> tuple[Scheduler, SubmittedJob | None]:
     """The back-end for ``job_id``: ``kind`` if given, else the recorded one, else guessed from PATH."""
     job = lookup(job_id)
-    kind = kind or (job.scheduler if job else None) or ("slurm" if shutil.which("sbatch") else DEFAULT_SCHEDULER)
+    kind = kind or (job.scheduler if job else None) or (SLURM if shutil.which("sbatch") else DEFAULT_SCHEDULER)
     if kind not in SCHEDULERS:
         raise UsageError(f"--scheduler {kind!r}: expected one of {', '.join(SCHEDULERS)}")
     return scheduler_for(kind), job

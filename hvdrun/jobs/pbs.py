@@ -26,6 +26,7 @@ from hvdrun.jobs.base import (
     quote,
     run_scheduler_command,
 )
+from hvdrun.schedulers import PBS
 
 _STATES = {"Q": QUEUED, "W": QUEUED, "T": QUEUED, "M": QUEUED, "H": HELD, "S": HELD, "U": HELD,
            "R": RUNNING, "B": RUNNING, "E": EXITING, "F": FINISHED, "X": FINISHED, "C": FINISHED}
@@ -38,7 +39,7 @@ _TEXT_FIELD = re.compile(r"\s+([A-Za-z_.]+)\s*=\s*(.*)")
 class Pbs(Scheduler):
     """PBS Pro and OpenPBS."""
 
-    kind = "pbs"
+    kind = PBS
     rules = ScriptRules("#PBS", comments_in_block=False)
 
     def directives(self, spec: JobSpec) -> list[str]:

@@ -25,6 +25,7 @@ from hvdrun.jobs.base import (
     quote,
     run_scheduler_command,
 )
+from hvdrun.schedulers import SLURM
 
 _STATES = {"PENDING": QUEUED, "CONFIGURING": QUEUED, "REQUEUED": QUEUED, "REQUEUE_HOLD": HELD,
            "REQUEUE_FED": QUEUED, "RESV_DEL_HOLD": HELD, "SUSPENDED": HELD, "STOPPED": HELD,
@@ -38,7 +39,7 @@ _INVALID_JOB = re.compile(r"invalid job id", re.IGNORECASE)
 class Slurm(Scheduler):
     """Slurm (``sbatch``/``scontrol``/``scancel``)."""
 
-    kind = "slurm"
+    kind = SLURM
     rules = ScriptRules("#SBATCH")
     cancel_program = "scancel"
     example_directive = "--constraint=a100"

@@ -131,6 +131,7 @@ class Cycle:
         if batch[0].error:
             for op in ops:
                 op.handle.finish(error=CollectiveError(batch[0].error))
+            self._give_back_names_others_never_took(batch)
             return
         kind = batch[0].first.kind
         timeline = self.timeline if kind != "shutdown" else None
@@ -150,6 +151,13 @@ class Cycle:
                 timeline.execute_end(op.request.name, kind)
         if kind == "shutdown":
             self.ledger.mark_stopped()
+
+    def _give_back_names_others_never_took(self, batch: list[Entry]) -> None:
+        """A failed op that some ranks of its set never submitted (they joined): its automatic number was used
+        only here, so this rank's next unnamed op of that kind takes it again and names stay in step."""
+        for entry in batch:
+            if self.world.rank in entry.requests and not set(entry.members) <= set(entry.requests):
+                self.ledger.give_back_auto_name(entry.name)
 
     def _run_executor(self, kind: str, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
         if batch[0].first.device == "cpu":

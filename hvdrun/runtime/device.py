@@ -62,6 +62,23 @@ class TorchGroup:
         return cls(dist.ProcessGroupGloo(prefixed, rank, size, timeout), rank, size)
 
     def allreduce(self, tensor: Any, op: int) -> None:
+        """In place; int16, which neither NCCL nor gloo reduces, goes through int32 (wrapping the same way), and
+        floating Max/Min propagate NaN as hvdrun's other paths do (one more allreduce of a byte mask)."""
+        import torch
+
+        if tensor.dtype == torch.int16:
+            wide = tensor.int()
+            self.allreduce(wide, op)
+            tensor.copy_(wide)
+            return
+        nan = tensor.isnan().to(torch.uint8) if op in (MIN, MAX) and tensor.is_floating_point() else None
+        if nan is not None:
+            self._allreduce(nan, MAX)
+        self._allreduce(tensor, op)
+        if nan is not None:
+            tensor.masked_fill_(nan.bool(), float("nan"))
+
+    def _allreduce(self, tensor: Any, op: int) -> None:
         options = self.dist.AllreduceOptions()
         options.reduceOp = self.ops[op]
         self.group.allreduce([tensor], options).wait()

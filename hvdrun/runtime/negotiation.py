@@ -40,6 +40,7 @@ class Request(NamedTuple):
     device: str = "cpu"  # "cpu": numpy buffers on hvdrun's backends; "torch:cuda" etc.: the device path
     process_set: int = GLOBAL_SET
     group_size: int = 0  # tensors of the grouped op this request belongs to (named BASE.0 .. BASE.n-1)
+    source: str = ""  # the caller's dtype where it travels as another (float16 reduced as float32, bfloat16 bits)
 
     def wire(self) -> tuple:
         """A plain tuple for marshal."""
@@ -108,7 +109,8 @@ def validate(entry: Entry, size: int) -> str | None:
     if first.kind != "broadcast" and all(request == first for request in entry.requests.values()):
         return None
     checks = [("operation", lambda r: r.kind), ("number of tensors in the group", lambda r: r.group_size),
-              ("dtype", lambda r: r.dtype), ("device", lambda r: r.device), ("process set", lambda r: r.process_set)]
+              ("dtype", lambda r: r.source or r.dtype), ("device", lambda r: r.device),
+              ("process set", lambda r: r.process_set)]
     kind = entry.first.kind
     if kind in ("allreduce", "reducescatter", "broadcast"):
         checks.append(("shape", lambda r: r.shape))

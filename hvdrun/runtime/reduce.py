@@ -15,10 +15,14 @@ once:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+# inf - inf and overflow are values of a reduction (NaN, inf), as in torch, not something to warn about
+warnings.filterwarnings("ignore", r"(invalid value|overflow) encountered", RuntimeWarning, r"hvdrun\.runtime\.")
 
 # Horovod's op codes
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5

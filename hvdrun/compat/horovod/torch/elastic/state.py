@@ -1,0 +1,5 @@
+"""``horovod.torch.elastic.state``: :class:`hvdrun.torch.elastic.TorchState`."""
+
+from hvdrun.torch.elastic import TorchState
+
+__all__ = ["TorchState"]
