@@ -258,6 +258,8 @@ def shutdown() -> None:
         runtime.engine.timeline.close()
     if runtime.rendezvous is not None:
         runtime.rendezvous.close()
+    if runtime.device is not None:
+        runtime.device.close()
     runtime.backend.close()
 
 

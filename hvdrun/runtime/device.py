@@ -61,6 +61,11 @@ class TorchGroup:
             return cls(dist.ProcessGroupNCCL(prefixed, rank, size, options), rank, size)
         return cls(dist.ProcessGroupGloo(prefixed, rank, size, timeout), rank, size)
 
+    def close(self) -> None:
+        """Let go of the process group now, while the interpreter is whole: a gloo group destroyed during its
+        exit may call std::terminate (SIGABRT) instead of returning."""
+        self.group = None
+
     def allreduce(self, tensor: Any, op: int) -> None:
         """In place; int16, which neither NCCL nor gloo reduces, goes through int32 (wrapping the same way), and
         floating Max/Min propagate NaN as hvdrun's other paths do (one more allreduce of a byte mask)."""
@@ -173,6 +178,12 @@ class DeviceCollectives:
                   "tensors go through gloo instead (slower). Give each rank its own GPU with --gpus-per-node, "
                   f"or set {DEVICE_BACKEND}=gloo to choose this yourself.", file=sys.stderr, flush=True)
         return bool(shared)
+
+    def close(self) -> None:
+        """Let go of the process group and its store (see :meth:`TorchGroup.close`)."""
+        if self._group is not None:
+            self._group.close()
+        self._group, self._store = None, None
 
     def execute(self, kind: str, batch: list[Entry], tensors: list[Any]) -> list[Any]:
         """One result per tensor of ``batch`` (device ops are never fused)."""

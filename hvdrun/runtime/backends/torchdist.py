@@ -119,4 +119,5 @@ class TorchBackend(Backend):
         self.group.alltoall(recv_tensor, send_tensor, recv_sizes, list(send_sizes))
 
     def close(self) -> None:
+        self.group.close()
         self._store = None

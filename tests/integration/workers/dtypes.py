@@ -6,6 +6,8 @@ propagate as numpy's fold does. Rank 0 prints one ``row`` line per dtype and col
 largest error of float16/bfloat16 sums of random normal data, in units of the last place of the result.
 """
 
+import sys
+
 import numpy as np
 import torch
 
@@ -151,10 +153,12 @@ for index, dtype in enumerate(INTS + FLOATS + ("bool",)):
 check_bool_refusals()
 errors = {dtype: largest_error_ulps(dtype) for dtype in ("bfloat16", "float16")}
 assert max(errors.values()) <= 0.5, errors  # one rounding of an exact float32 sum
+# one write per rank, the table after a barrier: unprefixed output of mpiexec's ranks must not interleave
+sys.stdout.write(f"rank {RANK}: {len(rows)} dtype checks passed\n")
+sys.stdout.flush()
 hvd.barrier()
 if RANK == 0:
-    for row in rows:
-        print(f"row {row}")
-    print("precision " + " ".join(f"{dtype}={error:.3f}ulp" for dtype, error in errors.items()))
-print(f"rank {RANK}: {len(rows)} dtype checks passed")
+    precision = " ".join(f"{dtype}={error:.3f}ulp" for dtype, error in errors.items())
+    sys.stdout.write("".join(f"row {row}\n" for row in rows) + f"precision {precision}\n")
+    sys.stdout.flush()
 hvd.shutdown()
