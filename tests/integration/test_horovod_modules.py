@@ -64,6 +64,7 @@ OTHER_LINES = [
     "from horovod.common.elastic import run_fn",
     "from horovod.common.elastic import State, ObjectState",
     "from horovod.runner import run",
+    "from horovod.runner.util.threads import in_thread",  # Horovod's test/utils/common.py imports it
     "from horovod import run",
 ]
 
