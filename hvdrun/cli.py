@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from hvdrun.errors import HvdrunError
-from hvdrun.jobs import SCHEDULERS
+from hvdrun.schedulers import SCHEDULERS
 from hvdrun.version import __version__
 
 
@@ -236,8 +236,12 @@ def _elastic_options(command: Any) -> Any:
                      help="Elastic: seconds to wait for --min-np workers before the job stops (600)."),
         click.option("--reset-limit", type=click.IntRange(min=0), help="Elastic: fail after this many resets."),
         click.option("--blacklist-cooldown-range", "cooldown_range", nargs=2, type=_Seconds(),
-                     help="Elastic: a failed host takes no new worker for MIN s, doubling per failure up to MAX "
-                          "(default 60 3600)."),
+                     help="Elastic: a failed slot or host takes no new worker for MIN s, doubling per failure up "
+                          "to MAX (default 60 3600)."),
+        click.option("--blacklist-scope", type=click.Choice(["slot", "host"]),
+                     help="Elastic: what a failed worker takes out for the cool-down: its slot, or its whole host, "
+                          "whose other workers leave (Horovod's blacklist; default: host when the job starts on "
+                          "more than one host, else slot)."),
     ]
     for option in reversed(options):
         command = option(command)

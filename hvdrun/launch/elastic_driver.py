@@ -1,14 +1,15 @@
 """Elastic jobs: workers come and go while training goes on (Horovod's elastic mode).
 
-The launcher's side, in three parts: :class:`WorkerPool` keeps the job's workers matched to what
-discovery (:mod:`hvdrun.launch.discovery`) offers; the *membership service*
+The launcher's side, in three parts: :class:`~hvdrun.launch.worker_pool.WorkerPool` keeps the job's
+workers matched to what discovery (:mod:`hvdrun.launch.discovery`) offers; the *membership service*
 (:mod:`hvdrun.launch.membership_service`) answers the workers that join at every ``init()``
 (:mod:`hvdrun.runtime.membership` is the other end); :class:`ElasticDriver` supervises them and
 decides each round:
 
-* a worker that dies is gone: its host gets a cool-down during which no new worker starts there
-  (its other workers keep serving), the survivors' collectives fail (the runtime's failure
-  detector), they restore their last commit and join the next round;
+* a worker that dies is gone: its slot (``--blacklist-scope slot``) or its whole host
+  (``--blacklist-scope host``, Horovod's blacklist: the host's other workers leave at the next
+  round) gets a cool-down during which no new worker starts there; the survivors' collectives fail
+  (the runtime's failure detector), they restore their last commit and join the next round;
 * free slots in discovery (a new host, a cooled-down one) get new workers, which join the next
   round; the running workers learn of it at their next commit (the *host updates* count);
 * a host that leaves discovery: its workers are told to leave when they come to the next round;
@@ -22,201 +23,22 @@ they started; that number prefixes their output and names their ``--output-dir``
 
 from __future__ import annotations
 
-import random
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from hvdrun import envvars
-from hvdrun.errors import JobInterrupted, LaunchError, UsageError, WorkerFailed
+from hvdrun.errors import JobInterrupted, UsageError, WorkerFailed
 from hvdrun.hosts import Host
-from hvdrun.launch.base import Failure, Launcher, Worker, WorkerSpec, stop_signals_handled, stop_workers
-from hvdrun.launch.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
+from hvdrun.launch.base import Failure, Launcher, WorkerSpec, stop_signals_handled, stop_workers
+from hvdrun.launch.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.membership_service import MembershipService
 from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.worker_pool import BLACKLIST_SCOPES, ElasticSettings, Member, WorkerPool
 from hvdrun.ranks import GpuLayout, Slot
 
 _TICK_S = 0.05
-DEFAULT_ELASTIC_TIMEOUT_S = 600.0
-DEFAULT_COOLDOWN_S = (60.0, 3600.0)
-
-
-@dataclass(frozen=True)
-class ElasticSettings:
-    """The elastic options of ``hvdrun``."""
-
-    min_np: int
-    max_np: int | None = None
-    timeout_s: float = DEFAULT_ELASTIC_TIMEOUT_S
-    reset_limit: int | None = None
-    cooldown_s: tuple[float, float] = DEFAULT_COOLDOWN_S
-    discovery_interval_s: float = 1.0
-
-
-@dataclass
-class _Member:
-    """One started worker."""
-
-    number: int
-    host: Host
-    index: int  # its slot on the host
-    worker: Worker
-    started: float
-    last_rank: int | None = None
-    removed: str = ""  # why the launcher is taking it out ("" while it belongs)
-    status: int | None = None
-
-
-@dataclass
-class _Cooldown:
-    until: float = 0.0
-    strikes: int = 0
-
-
-class WorkerPool:
-    """The workers of an elastic job and the hosts they run on.
-
-    Reaches hosts never used before, starts workers on free slots (hosts in discovery order, up to
-    ``max_np``), marks the workers of hosts that left discovery, and cools a host down after a failure.
-    Its methods report whether the hosts changed; counting that as a host update is the driver's.
-
-    Args:
-        launcher: starts workers (local or SSH), prepared for the hosts it may be asked to use.
-        router: where the workers' output goes (by worker number).
-        discovery: :class:`FixedHosts` or :class:`ScriptDiscovery`.
-        settings: min/max workers, timeout, cool-down.
-        spec_for: the :class:`WorkerSpec` of a worker, from its slot and the job-wide variables.
-        layout: the GPUs of each host.
-        log: where warnings and news go.
-    """
-
-    def __init__(self, launcher: Launcher, router: OutputRouter, discovery: FixedHosts | ScriptDiscovery,
-                 settings: ElasticSettings, spec_for: Callable[[Slot, dict[str, str]], WorkerSpec],
-                 layout: GpuLayout, log: Callable[[str], None]) -> None:
-        self.launcher, self.router, self.discovery, self.settings = launcher, router, discovery, settings
-        self.spec_for, self.layout, self.log = spec_for, layout, log
-        self.members: dict[int, _Member] = {}
-        self.hosts: tuple[Host, ...] = ()
-        self.service_address: tuple[str, int] = ("", 0)  # where workers find the membership service
-        self.prepare_timeout_s = 60.0
-        self._cooldowns: dict[str, _Cooldown] = {}
-        self._prepared: set[str] = set()
-        self._next_number = 0
-
-    # -- workers ---------------------------------------------------------------------------------
-    def live(self) -> list[_Member]:
-        """Workers still running (on their way out or not)."""
-        return [m for m in self.members.values() if m.status is None]
-
-    def serving(self) -> list[_Member]:
-        """Live workers that belong to the job (not on their way out)."""
-        return [m for m in self.live() if not m.removed]
-
-    def is_member(self, number: int) -> bool:
-        """Whether worker ``number`` was started for this job."""
-        return number in self.members
-
-    def slot(self, host: Host, index: int, number: int) -> Slot:
-        """The slot of worker ``number``, the ``index``-th on ``host``."""
-        host_index = next((i for i, h in enumerate(self.hosts) if h.name == host.name), 0)
-        return Slot(rank=number, size=max(self._capacity(), number + 1), local_rank=index, local_size=host.slots,
-                    cross_rank=host_index, cross_size=max(len(self.hosts), 1), host=host, host_index=host_index,
-                    devices=self.layout.devices_for(index, host.name), host_count=max(len(self.hosts), 1))
-
-    def _capacity(self) -> int:
-        slots = sum(h.slots for h in self.hosts)
-        return min(slots, self.settings.max_np) if self.settings.max_np else slots
-
-    def _start(self, host: Host, index: int) -> None:
-        number, self._next_number = self._next_number, self._next_number + 1
-        slot = self.slot(host, index, number)
-        env = {envvars.ELASTIC_ADDR: self.service_address[0], envvars.ELASTIC_PORT: str(self.service_address[1]),
-               envvars.WORKER_ID: str(number)}
-        worker = self.launcher.start(self.spec_for(slot, env), self.router)
-        self.members[number] = _Member(number, host, index, worker, time.monotonic())
-
-    # -- cool-downs ------------------------------------------------------------------------------
-    def cool_down(self, host: str) -> None:
-        """No new worker starts on ``host`` for a while; each strike doubles the while (up to the maximum)."""
-        low, high = self.settings.cooldown_s
-        entry = self._cooldowns.setdefault(host, _Cooldown())
-        seconds = min(low * 2 ** entry.strikes, high) + random.uniform(0, low * 0.1)
-        entry.until, entry.strikes = time.monotonic() + seconds, entry.strikes + 1
-
-    def cooling(self, host: str) -> bool:
-        """Whether ``host`` is in its cool-down."""
-        entry = self._cooldowns.get(host)
-        return entry is not None and time.monotonic() < entry.until
-
-    # -- hosts -----------------------------------------------------------------------------------
-    def rediscover(self) -> bool:
-        """Ask discovery again and match the workers to its answer; whether that changed the hosts."""
-        try:
-            hosts = self.discovery.find()
-        except DiscoveryError as e:
-            self.log(f"hvdrun: elastic: warning: {e}; keeping the last host list")
-            return False
-        self.prepare(hosts)
-        return self.apply(hosts)
-
-    def prepare(self, hosts: Sequence[Host], first: bool = False) -> None:
-        """Reach hosts never used before (SSH: connect and probe); a host that fails cools down."""
-        fresh = [h for h in hosts if h.name not in self._prepared and not self.cooling(h.name)]
-        if not fresh:
-            return
-        try:
-            self.launcher.prepare([self.slot(h, 0, 0) for h in fresh], time.monotonic() + self.prepare_timeout_s)
-        except LaunchError as e:
-            if first:
-                raise
-            self.log(f"hvdrun: elastic: warning: {e}; trying these hosts again after a cool-down")
-            for host in fresh:
-                self.cool_down(host.name)
-            return
-        self._prepared.update(h.name for h in fresh)
-
-    def apply(self, hosts: tuple[Host, ...]) -> bool:
-        """Make the workers match ``hosts``: leavers marked, free slots filled; whether anything changed."""
-        self.hosts = hosts
-        listed = {h.name: h for h in hosts}
-        changed = self._remove_unlisted(listed)
-        changed |= self._fill(hosts)
-        return changed
-
-    def _remove_unlisted(self, listed: dict[str, Host]) -> bool:
-        changed = False
-        for member in self.serving():
-            host = listed.get(member.host.name)
-            if host is None or member.index >= host.slots:
-                member.removed = f"host {member.host.name} left {self.discovery.describe()}" if host is None else \
-                    f"host {member.host.name} has {host.slots} slot(s) now"
-                changed = True
-                self.log(f"hvdrun: elastic: worker {member.number} leaves at the next round: {member.removed}")
-        return changed
-
-    def _fill(self, hosts: Sequence[Host]) -> bool:
-        """Start workers on free slots (hosts in discovery order, up to ``max_np``)."""
-        busy = {(m.host.name, m.index) for m in self.live()}
-        room = (self.settings.max_np or sys.maxsize) - len(self.serving())
-        started = 0
-        for host in hosts:
-            if self.cooling(host.name) or host.name not in self._prepared:
-                continue
-            for index in range(host.slots):
-                if started >= room:
-                    return started > 0
-                if (host.name, index) not in busy:
-                    try:
-                        self._start(host, index)
-                    except LaunchError as e:
-                        self.log(f"hvdrun: elastic: warning: {e}; host {host.name} cools down")
-                        self.cool_down(host.name)
-                        break
-                    started += 1
-        return started > 0
 
 
 class ElasticDriver:
@@ -241,7 +63,7 @@ class ElasticDriver:
         self.pool = WorkerPool(launcher, router, discovery, settings, spec_for, layout or GpuLayout(), log)
         self._wakeup = threading.Event()
         self.service = MembershipService(secret, self.pool.is_member, self._wakeup.set)
-        self._failures: list[tuple[_Member, Failure]] = []
+        self._failures: list[tuple[Member, Failure]] = []
         self._finished = False  # a worker ended its training (exit 0): no new workers, no new rounds wait
         self._interrupt: int | None = None
         self._below_since: float | None = None
@@ -310,15 +132,16 @@ class ElasticDriver:
                 continue
             self._lost(member, status)
 
-    def _lost(self, member: _Member, status: int) -> None:
-        """A worker of the job failed: its host cools down and the others learn of it at their next commit."""
+    def _lost(self, member: Member, status: int) -> None:
+        """A worker of the job failed: its slot or host cools down and the others learn of it at their next commit."""
         failure = Failure(self.pool.slot(member.host, member.index, member.number), status,
                           time.monotonic() - self._started, member.worker.failure_note())
         self._failures.append((member, failure))
-        self.pool.cool_down(member.host.name)
+        cooled = self.pool.blacklist(member)
         self.service.count_update()
         self.log(f"hvdrun: elastic: worker {member.number} (rank {member.last_rank}) on host "
                  f"{member.host.name} {failure.describe()}; {len(self.pool.serving())} worker(s) go on")
+        self.log(cooled)
 
     def _stop_stuck_starters(self) -> None:
         """A new worker that has not joined a round within ``--elastic-timeout`` of its start is stopped
@@ -344,7 +167,7 @@ class ElasticDriver:
             self.log(f"hvdrun: elastic: {serving} worker(s), fewer than --min-np {self.settings.min_np}; waiting "
                      f"up to {self.settings.timeout_s:g} s (--elastic-timeout) for hosts from "
                      f"{self.discovery.describe()}")
-        hopeless = serving == 0 and not self.pool.live() and all(self.pool.cooling(h.name) for h in self.pool.hosts)
+        hopeless = serving == 0 and not self.pool.live() and not any(self.pool.open_slots(h) for h in self.pool.hosts)
         if hopeless or now - self._below_since > self.settings.timeout_s:
             self._give_up(serving, hopeless)
 
@@ -354,7 +177,7 @@ class ElasticDriver:
         if self._failures:
             member, failure = self._failures[-1]
             cause = f"; the last loss: worker {member.number} on host {member.host.name} {failure.describe()}"
-        why = "and every host is cooling down after a failure" if hopeless else \
+        why = f"and every {self.settings.blacklist_scope} is cooling down after a failure" if hopeless else \
             f"for more than {self.settings.timeout_s:g} s (--elastic-timeout)"
         raise WorkerFailed(f"elastic job stopped: {serving} worker(s) left, fewer than --min-np "
                            f"{self.settings.min_np}, {why}{cause}", self._last_exit_code())
@@ -412,4 +235,7 @@ def check_settings(settings: ElasticSettings, launcher: str) -> None:
     low, high = settings.cooldown_s
     if not 0 <= low <= high:
         raise UsageError(f"--blacklist-cooldown-range {low:g} {high:g}: expected 0 <= MIN <= MAX")
+    if settings.blacklist_scope not in BLACKLIST_SCOPES:
+        raise UsageError(f"--blacklist-scope {settings.blacklist_scope!r}: expected one of "
+                         f"{', '.join(BLACKLIST_SCOPES)}")
 

@@ -38,16 +38,11 @@ from hvdrun.errors import JobInterrupted, UsageError
 from hvdrun.hosts import Host, detect_allocation, is_local_host, parse_host_string, parse_hostfile
 from hvdrun.launch.base import Launcher, WorkerGroup, WorkerSpec
 from hvdrun.launch.discovery import FixedHosts, ScriptDiscovery
-from hvdrun.launch.elastic_driver import (
-    DEFAULT_COOLDOWN_S,
-    DEFAULT_ELASTIC_TIMEOUT_S,
-    ElasticDriver,
-    ElasticSettings,
-    check_settings,
-    make_discovery,
-)
+from hvdrun.launch.elastic_driver import ElasticDriver, check_settings, make_discovery
 from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, HOST, SLOT, ElasticSettings
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, total_slots
+from hvdrun.schedulers import SLURM
 
 if TYPE_CHECKING:
     from hvdrun.launch.connections import SshOptions
@@ -93,6 +88,7 @@ class RunOptions:
     elastic_timeout_s: float | None = None
     reset_limit: int | None = None
     cooldown_range: tuple[float, float] | None = None
+    blacklist_scope: str | None = None
 
     @property
     def elastic(self) -> bool:
@@ -207,7 +203,7 @@ def resolve_command(command: Sequence[str], check_program: bool = True, module: 
 
 def _choose_launcher(options: RunOptions, config: ClusterConfig | None, hosts: Sequence[Host], source: str) -> str:
     remote = [h.name for h in hosts if not is_local_host(h.name)]
-    in_slurm = source == "slurm" and bool(remote) and shutil.which("srun") is not None
+    in_slurm = source == SLURM and bool(remote) and shutil.which("srun") is not None
     launcher = options.launcher or (config.launcher if config else None) or (
         "srun" if in_slurm else "ssh" if remote else "local")
     if launcher == "local" and remote:
@@ -256,12 +252,15 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
 
 
 def _elastic_plan(options: RunOptions, hosts: tuple[Host, ...]) -> ElasticPlan:
-    """The elastic settings: --min-np defaults to -np; with a fixed host list -np also caps the workers."""
+    """The elastic settings: --min-np defaults to -np; with a fixed host list -np also caps the workers; a failure
+    blacklists its whole host (Horovod's way) when the job starts on more than one host, else only its slot."""
     cap = options.max_np or (options.num_proc if not options.host_discovery_script else None)
+    scope = options.blacklist_scope or (HOST if len({h.name for h in hosts}) > 1 else SLOT)
     settings = ElasticSettings(min_np=options.min_np or options.num_proc or 1, max_np=cap,
                                timeout_s=options.elastic_timeout_s or DEFAULT_ELASTIC_TIMEOUT_S,
                                reset_limit=options.reset_limit,
-                               cooldown_s=tuple(options.cooldown_range or DEFAULT_COOLDOWN_S))  # type: ignore[arg-type]
+                               cooldown_s=tuple(options.cooldown_range or DEFAULT_COOLDOWN_S),  # type: ignore[arg-type]
+                               blacklist_scope=scope)
     return ElasticPlan(settings, hosts, options.host_discovery_script, options.slots_per_host)
 
 

@@ -238,7 +238,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Start the allreduces that have not started (zero gradients where none), wait for all."""
         outsider = self._process_set is not None and not self._process_set.included()
-        if context.current().world.size == 1 or outsider:
+        runtime = context.current()
+        if (runtime.world.size == 1 and runtime.assignment is None) or outsider:  # no hooks, nothing pending
             self._synchronized = True
             return
         waiting = [p for p in self._ungrouped if p not in self._handles] if self._handles else list(self._ungrouped)

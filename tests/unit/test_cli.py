@@ -50,6 +50,7 @@ START = ("touch", "started")
     (("--launcher", "local", "-H", "elsewhere.invalid:2"), ["host 'elsewhere.invalid' is not this machine"]),
     (("-p", "0"), ["Invalid value for '-p'"]),
     (("-i", "no-such-key"), ["'no-such-key' does not exist"]),
+    (("--min-np", "1", "--blacklist-scope", "rack"), ["Invalid value for '--blacklist-scope'", "'slot', 'host'"]),
 ])
 def test_usage_errors(invoke, tmp_path, args, fragments):
     assert_usage_error(invoke(*args, *START), tmp_path, *fragments)
