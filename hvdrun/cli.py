@@ -248,6 +248,24 @@ def _elastic_options(command: Any) -> Any:
     return command
 
 
+def _restart_options(command: Any) -> Any:
+    """Restarts of the whole job (torchrun's --max-restarts), routed around the host that failed."""
+    options = [
+        click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Start the whole job again up to N times when a rank fails (HVDRUN_RESTART_COUNT, "
+                          "TORCHELASTIC_RESTART_COUNT tell the ranks which attempt they are in)."),
+        click.option("--spares", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Hold the last K hosts back: a restart runs on them instead of the host that failed."),
+        click.option("--exclude-hosts", help="Hosts to leave out from the start, e.g. 'h3,h7'."),
+        click.option("--exclude-hosts-file", type=click.Path(exists=True, dir_okay=False),
+                     help="Hosts to leave out, one per line ('#' comments), as 'hvdrun check --write-excludes' "
+                          "writes them."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 _HOROVODRUN_NAMES = ("fusion_threshold_mb", "cycle_time_ms", "cache_capacity", "disable_cache",
                      "timeline_mark_cycles", "no_stall_check", "stall_check_warning_time_seconds",
                      "stall_check_shutdown_time_seconds", "log_level", "controller", "horovod_config_file",
@@ -286,6 +304,7 @@ def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[
 @click.option("--horovod-compat", is_flag=True,
               help="'import horovod' and 'import horovod.torch' in the ranks resolve to hvdrun.")
 @_elastic_options
+@_restart_options
 @_horovodrun_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:
@@ -333,18 +352,23 @@ class _Size(click.ParamType):
               help="Allreduce size whose bus bandwidth is measured.")
 @click.option("--link-size", "link_bytes", type=_Size(), default="16M", show_default=True,
               help="Bytes sent over each ring link to time it.")
+@click.option("--write-excludes", "excludes_path", type=click.Path(dir_okay=False),
+              help="Write the hosts that failed a check to this file, for 'hvdrun --exclude-hosts-file'.")
 def check(timeout_s: float, as_json: bool, min_disk_gb: float, latency_bytes: int, bandwidth_bytes: int,
-          link_bytes: int, **options: Any) -> int:
+          link_bytes: int, excludes_path: str | None, **options: Any) -> int:
     """Prove that the hosts can run a job: reach, versions, GPUs, disk, port, a real allreduce."""
     from rich.console import Console
 
     from hvdrun.health.check import CheckOptions, check_targets, plan_check, run_check
+    from hvdrun.health.excludes import check_writable, describe_written, write_excludes
     from hvdrun.health.report import HostProgress, print_check
     from hvdrun.launch.job import RunOptions
 
     check_options = CheckOptions(RunOptions(command=(), **options), timeout_s, min_disk_gb, latency_bytes,
                                  bandwidth_bytes, link_bytes)
     targets = check_targets(plan_check(check_options, os.environ))  # bad options: exit 2 before any contact
+    if excludes_path is not None:
+        check_writable(excludes_path)
     progress = HostProgress(Console(stderr=True), [t.host.name for t in targets])
     with progress.shown():
         report = run_check(check_options, os.environ, progress.host_done, progress.phase)
@@ -352,6 +376,10 @@ def check(timeout_s: float, as_json: bool, min_disk_gb: float, latency_bytes: in
         click.echo(report.to_json())
     else:
         print_check(report, _stdout_console())
+    if excludes_path is not None:
+        failed = report.failed_hosts()
+        written = write_excludes(excludes_path, failed)
+        click.echo(describe_written(written, list(failed), report.ok), err=True)
     return 0 if report.ok else 1
 
 
@@ -460,6 +488,10 @@ def _job_options(command: Any) -> Any:
         click.option("--template", help="A Jinja2 template instead of the shipped one."),
         click.option("--python", help="The Python that runs hvdrun in the job (default: the activated one)."),
         click.option("--run-args", help="Extra hvdrun options inside the job, e.g. '--launcher ssh'."),
+        click.option("--max-restarts", type=click.IntRange(min=0),
+                     help="The job's hvdrun starts the whole job again up to N times when a rank fails."),
+        click.option("--spares", type=click.IntRange(min=0),
+                     help="Of the -n nodes, the last K take over from a failed one at a restart."),
     ]
     for option in reversed(options):
         command = option(command)

@@ -58,7 +58,11 @@ TORCH_GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
 TORCH_ROLE_RANK = "ROLE_RANK"
 TORCH_ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
 # torchrun's job-wide variables: frameworks test TORCHELASTIC_RUN_ID (is_torchelastic_launched())
-TORCHELASTIC = {"ROLE_NAME": "default", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+TORCHELASTIC = {"ROLE_NAME": "default"}
+# which attempt of a job this is (hvdrun --max-restarts): hvdrun's name and torchrun's
+RESTART_COUNT = "HVDRUN_RESTART_COUNT"
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 TORCH_MASTER_ADDR = "MASTER_ADDR"
 TORCH_MASTER_PORT = "MASTER_PORT"
@@ -83,6 +87,8 @@ class Rendezvous:
         master_port: torch.distributed's store for ``env://`` scripts.
         secret: per-job secret (hex); runtime connections without it are refused.
         job_id: a short id naming the job in logs and shared-memory segments.
+        restart_count: which attempt of the job this is (0: the first; ``--max-restarts``).
+        max_restarts: how many restarts the job may make.
     """
 
     addr: str
@@ -90,6 +96,8 @@ class Rendezvous:
     master_port: int
     secret: str
     job_id: str
+    restart_count: int = 0
+    max_restarts: int = 0
 
 
 def job_env(rendezvous: Rendezvous) -> dict[str, str]:
@@ -99,13 +107,16 @@ def job_env(rendezvous: Rendezvous) -> dict[str, str]:
         SECRET: rendezvous.secret, JOB_ID: rendezvous.job_id,
         TORCH_MASTER_ADDR: rendezvous.addr, TORCH_MASTER_PORT: str(rendezvous.master_port),
         PYTHONUNBUFFERED: "1", TORCHELASTIC_RUN_ID: rendezvous.job_id, **TORCHELASTIC,
+        RESTART_COUNT: str(rendezvous.restart_count), TORCHELASTIC_RESTART_COUNT: str(rendezvous.restart_count),
+        TORCHELASTIC_MAX_RESTARTS: str(rendezvous.max_restarts),
     }
 
 
 def rendezvous_of(environ: Mapping[str, str]) -> Rendezvous:
     """Read back the :class:`Rendezvous` that :func:`job_env` wrote."""
     return Rendezvous(environ[RENDEZVOUS_ADDR], int(environ[RENDEZVOUS_PORT]), int(environ[TORCH_MASTER_PORT]),
-                      environ[SECRET], environ[JOB_ID])
+                      environ[SECRET], environ[JOB_ID], int(environ.get(RESTART_COUNT, 0)),
+                      int(environ.get(TORCHELASTIC_MAX_RESTARTS, 0)))
 
 
 def topology_env(place: Any) -> dict[str, str]:

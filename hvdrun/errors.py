@@ -31,15 +31,24 @@ class ConfigError(UsageError):
 
 
 class LaunchError(HvdrunError):
-    """Workers could not be started."""
+    """Workers could not be started; ``host``: the host that could not be reached or used, when one is to blame."""
+
+    def __init__(self, message: str, host: str | None = None) -> None:
+        super().__init__(message)
+        self.host = host
 
 
 class WorkerFailed(HvdrunError):
-    """A worker exited with a non-zero status; carries that status as the exit code."""
+    """A worker exited with a non-zero status; carries that status as the exit code.
 
-    def __init__(self, message: str, exit_code: int) -> None:
+    Where one rank is the root cause: ``host`` it ran on, ``signal`` that killed it (None: it exited), and
+    ``cause``, the last line of its stderr (what a restart compares to tell a bug from a bad node).
+    """
+
+    def __init__(self, message: str, exit_code: int, host: str | None = None, signal: int | None = None,
+                 cause: str = "") -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code, self.host, self.signal, self.cause = exit_code, host, signal, cause
 
 
 class JobInterrupted(HvdrunError):

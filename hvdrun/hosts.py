@@ -184,6 +184,28 @@ def parse_nodefile(path: str | Path, kind: str) -> tuple[Host, ...]:
     return tuple(Host(validate_hostname(name, where), counts[name]) for name in ordered)
 
 
+def excluded_hosts(names: str | None, path: str | Path | None) -> frozenset[str]:
+    """Host names to leave out: ``--exclude-hosts a,b`` and a file of one name per line (``#`` comments), as
+    ``hvdrun check --write-excludes`` writes it."""
+    listed = [name.strip() for name in (names or "").split(",") if name.strip()]
+    if path is not None:
+        text = _read(path, "--exclude-hosts-file")
+        listed += [line.split("#", 1)[0].strip() for line in text.splitlines() if line.split("#", 1)[0].strip()]
+    return frozenset(validate_hostname(name, "--exclude-hosts") for name in listed)
+
+
+def without_excluded(hosts: tuple[Host, ...], excluded: frozenset[str]) -> tuple[Host, ...]:
+    """``hosts`` less the excluded ones (matched by name).
+
+    Raises:
+        HostSpecError: every host is excluded.
+    """
+    kept = tuple(host for host in hosts if host.name not in excluded)
+    if excluded and not kept:
+        raise HostSpecError(f"every host is excluded ({', '.join(sorted(excluded))}); nothing is left to run on")
+    return kept
+
+
 def expand_slurm_hostlist(nodelist: str) -> list[str]:
     """Expand a Slurm hostlist such as ``nid[001-004,007],gpu[1-2]`` (zero padding kept)."""
     import hostlist  # python-hostlist

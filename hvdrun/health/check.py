@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -22,6 +22,7 @@ from hvdrun.hosts import is_local_host
 from hvdrun.launch.job import JobPlan, RunOptions, plan_job, ssh_options
 from hvdrun.measure.capture import run_captured
 from hvdrun.measure.timing import human_bytes
+from hvdrun.ranks import Slot
 
 SCHEMA = "hvdrun-check/1"
 SLOW_LINK_FRACTION = 0.5  # a link below this fraction of the median link is named slow
@@ -41,13 +42,18 @@ class CheckOptions:
 
 @dataclass
 class JobReport:
-    """The real job's outcome: run or skipped, its checks and raw measurements."""
+    """The real job's outcome: run or skipped, its checks and raw measurements.
+
+    ``blamed``: the hosts its failure is put on (the first failed rank's host, the hosts of ranks whose
+    sum was wrong), by the names the job gives them; empty when it passed or no host is to blame.
+    """
 
     ran: bool
     skipped: str | None = None
     error: str | None = None
     checks: list[Check] = field(default_factory=list)
     result: dict[str, Any] | None = None
+    blamed: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -72,6 +78,15 @@ class CheckReport:
         """(where, check) of every failed check, hosts first."""
         found = [(h.host, c) for h in self.hosts for c in h.checks if not c.ok]
         return found + [("job", c) for c in self.job.checks if not c.ok]
+
+    def failed_hosts(self) -> dict[str, list[str]]:
+        """Each host to leave out of a run, with the names of the checks it failed: the hosts that failed a
+        host check, in rank order, then those the job's failure is put on (:attr:`JobReport.blamed`)."""
+        failed = {h.host: [c.name for c in h.checks if not c.ok] for h in self.hosts if not h.ok}
+        job_checks = [c.name for c in self.job.checks if not c.ok] or ["allreduce"]
+        for host in self.job.blamed:
+            failed.setdefault(host, job_checks)
+        return failed
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document (schema :data:`SCHEMA`)."""
@@ -150,11 +165,18 @@ def run_check_job(plan: JobPlan) -> JobReport:
     if job.error:
         return JobReport(ran=True, error=job.error,
                          checks=[Check("allreduce", False, f"a job of {len(plan.slots)} ranks runs", "it failed",
-                                       "see the error; run the same hosts with 'hvdrun --verbose' to see the plan")])
+                                       "see the error; run the same hosts with 'hvdrun --verbose' to see the plan")],
+                         blamed=(job.host,) if job.host else ())
     results = job.rank0_results(RESULT_TAG)
     if not results:
         return JobReport(ran=True, error="rank 0 printed no result", checks=[])
-    return JobReport(ran=True, checks=judge(results[0]), result=results[0])
+    return JobReport(ran=True, checks=judge(results[0]), result=results[0],
+                     blamed=hosts_of_ranks(plan.slots, results[0]["wrong_ranks"]))
+
+
+def hosts_of_ranks(slots: Sequence[Slot], ranks: Iterable[int]) -> tuple[str, ...]:
+    """The hosts (as the job names them) that ``ranks`` run on, each once, in the order of ``ranks``."""
+    return tuple(dict.fromkeys(slots[rank].hostname for rank in ranks))
 
 
 def judge(result: dict[str, Any]) -> list[Check]:

@@ -64,6 +64,8 @@ class JobRequest:
     template: str | None = None
     python: str | None = None
     run_args: str | None = None
+    max_restarts: int | None = None
+    spares: int | None = None
 
 
 def load_job_config(request: JobRequest) -> tuple[ClusterConfig | None, list[str]]:
@@ -190,13 +192,30 @@ def _python(request: JobRequest, config: ClusterConfig | None, setup: Sequence[s
     return "python" if setup else sys.executable  # an activated environment brings its own python
 
 
-def _launch(request: JobRequest, config_args: list[str], python: str, ranks_per_node: int) -> tuple[str, ...]:
+def _restart_args(request: JobRequest, nodes: int, unit: str) -> list[str]:
+    """``--max-restarts N [--spares K]`` for the job's hvdrun; ``-n/--nodes`` counts the spares too."""
+    spares = request.spares or 0
+    if spares and unit != "nodes":
+        raise UsageError(f"--spares {spares}: this queue counts the GPUs of one node, so no node can be held back; "
+                         "drop --spares, or use a queue that allocates whole nodes")
+    if spares and spares >= nodes:
+        raise UsageError(f"--spares {spares} with -n/--nodes {nodes}: no node would be left to run on; -n counts "
+                         f"the spares too, e.g. -n {spares + 1} --spares {spares}")
+    if spares and not request.max_restarts:
+        raise UsageError(f"--spares {spares}: spare nodes only take over at a restart; give --max-restarts N too")
+    args = ["--max-restarts", str(request.max_restarts)] if request.max_restarts is not None else []
+    return args + (["--spares", str(spares)] if spares else [])
+
+
+def _launch(request: JobRequest, config_args: list[str], python: str, ranks_per_node: int,
+            restart_args: Sequence[str]) -> tuple[str, ...]:
     from hvdrun.launch.job import resolve_command
 
     command = resolve_command(request.command, check_program=False)
     args = [python, "-m", "hvdrun", *config_args, "--ranks-per-node", str(ranks_per_node)]
     if request.gpus_per_node is not None:
         args += ["--gpus-per-node", str(request.gpus_per_node)]
+    args += restart_args
     try:
         args += shlex.split(request.run_args or "")
     except ValueError as e:
@@ -229,6 +248,7 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
     per_rank = config.gpus_per_rank if config else 1
     ranks_per_node = request.ranks_per_node or (nodes if unit == "gpus" else None) or (
         config.ranks_per_node if config else None) or max(gpus // per_rank, 1)
+    restart_args = _restart_args(request, nodes, unit)
     name = _job_name(request)
     output, error, exit_file, script_path = _output_paths(request, name, kind, time.time() if now is None else now)
     setup = _setup_lines(request, defaults)
@@ -240,5 +260,6 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
         script_path=script_path, workdir=workdir or os.getcwd(), setup=setup, ranks_per_node=ranks_per_node,
         gpus_per_node=gpus if unit == "nodes" else nodes, system=defaults.system, place=defaults.place,
         directives=(*defaults.extra_directives, *request.directives), skip_directives=defaults.skip_directives,
-        after=after, launch=_launch(request, config_args, _python(request, config, setup), ranks_per_node),
+        after=after, launch=_launch(request, config_args, _python(request, config, setup), ranks_per_node,
+                                    restart_args),
         template=request.template or defaults.template)

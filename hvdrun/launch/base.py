@@ -133,6 +133,13 @@ class Failure:
         """The worker's exit code; ``128 + N`` for death by signal N, like a shell."""
         return self.status if self.status > 0 else 128 - self.status
 
+    @property
+    def signal(self) -> int | None:
+        """The signal that killed the worker (also when a remote guard reported it as ``128 + N``), else None."""
+        if self.status < 0:
+            return -self.status
+        return self.status - 128 if 128 < self.status <= 128 + 64 else None
+
     def describe(self) -> str:
         """``exited with code 3`` or ``was killed by signal 9 (SIGKILL)``."""
         if self.note:
@@ -213,7 +220,8 @@ class WorkerGroup:
         if tail:
             lines.append(f"last lines of rank {failure.slot.rank} stderr:")
             lines.extend(f"    {line}" for line in tail)
-        raise WorkerFailed("\n".join(lines), failure.exit_code)
+        raise WorkerFailed("\n".join(lines), failure.exit_code, host=failure.slot.hostname, signal=failure.signal,
+                           cause=tail[-1].strip() if tail else "")
 
     def _stop_signals_handled(self) -> contextlib.AbstractContextManager[None]:
         def on_signal(signum: int) -> None:

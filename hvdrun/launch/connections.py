@@ -154,6 +154,13 @@ def _is_retryable(error: BaseException) -> bool:
 
 
 def _explain(target: SshTarget, error: BaseException, options: SshOptions) -> LaunchError:
+    """The LaunchError that names why ``target`` could not be reached (and blames its host)."""
+    explained = _explanation(target, error, options)
+    explained.host = target.host
+    return explained
+
+
+def _explanation(target: SshTarget, error: BaseException, options: SshOptions) -> LaunchError:
     import paramiko
 
     if isinstance(error, HostKeyError):

@@ -35,7 +35,15 @@ from hvdrun.envvars import (
     worker_env,
 )
 from hvdrun.errors import JobInterrupted, UsageError
-from hvdrun.hosts import Host, detect_allocation, is_local_host, parse_host_string, parse_hostfile
+from hvdrun.hosts import (
+    Host,
+    detect_allocation,
+    excluded_hosts,
+    is_local_host,
+    parse_host_string,
+    parse_hostfile,
+    without_excluded,
+)
 from hvdrun.launch.base import Launcher, WorkerGroup, WorkerSpec
 from hvdrun.launch.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.elastic_driver import ElasticDriver, check_settings, make_discovery
@@ -89,6 +97,10 @@ class RunOptions:
     reset_limit: int | None = None
     cooldown_range: tuple[float, float] | None = None
     blacklist_scope: str | None = None
+    max_restarts: int = 0
+    spares: int = 0
+    exclude_hosts: str | None = None  # comma-separated host names
+    exclude_hosts_file: str | None = None
 
     @property
     def elastic(self) -> bool:
@@ -111,6 +123,7 @@ class JobPlan:
     layout: GpuLayout = GpuLayout()
     mpi_flavour: str | None = None
     elastic: ElasticPlan | None = None
+    hosts: tuple[Host, ...] = ()  # every host the job may use (spares included): restarts pick from them
 
     def python_for(self, host: Host) -> str:
         """The Python of ``host``: its own from the cluster YAML, else the launcher's."""
@@ -227,8 +240,12 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     ranks_per_node = options.ranks_per_node or (config.ranks_per_node if config else None)
     if ranks_per_node:
         hosts = tuple(replace(host, slots=ranks_per_node) for host in hosts)
+    hosts = without_excluded(hosts, excluded_hosts(options.exclude_hosts, options.exclude_hosts_file))
     elastic = _elastic_plan(options, hosts) if options.elastic else None
-    slots = () if elastic else assign_slots(hosts, options.num_proc or total_slots(hosts), layout)
+    if elastic and (options.max_restarts or options.spares):
+        raise UsageError("--max-restarts/--spares restart a whole job; an elastic job (--min-np/--max-np/"
+                         "--host-discovery-script) recovers by itself: give one or the other")
+    slots = () if elastic else assign_slots(hosts, _num_proc(options, hosts), layout)
     launcher = _choose_launcher(options, config, hosts, source)
     if elastic:
         check_settings(elastic.settings, launcher)
@@ -248,7 +265,22 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     return JobPlan(slots=tuple(slots), command=command, launcher=launcher, options=options, base_env=base_env,
                    cwd=os.getcwd(), default_python=(config.python if config else None) or sys.executable,
                    ssh_port=config.ssh_port if config else None, layout=layout,
-                   mpi_flavour=options.mpi_flavour or (config.mpi_flavour if config else None), elastic=elastic)
+                   mpi_flavour=options.mpi_flavour or (config.mpi_flavour if config else None), elastic=elastic,
+                   hosts=hosts)
+
+
+def _num_proc(options: RunOptions, hosts: tuple[Host, ...]) -> int:
+    """-np, or every slot of the hosts not held back by --spares."""
+    if options.spares and options.spares >= len(hosts):
+        raise UsageError(f"--spares {options.spares} holds back every one of the {len(hosts)} host(s); "
+                         "give more hosts or fewer spares")
+    in_use = hosts[:len(hosts) - options.spares]
+    if options.num_proc is None:
+        return total_slots(in_use)
+    if options.spares and options.num_proc > total_slots(in_use):
+        raise UsageError(f"-np {options.num_proc} needs more than the {total_slots(in_use)} slots left after "
+                         f"--spares {options.spares}; lower -np or give fewer spares")
+    return options.num_proc
 
 
 def _elastic_plan(options: RunOptions, hosts: tuple[Host, ...]) -> ElasticPlan:
@@ -338,7 +370,8 @@ def _start_timeout(options: RunOptions) -> float:
 
 
 def run_job(plan: JobPlan, console: dict[str, TextIO] | None = None) -> None:
-    """Reach the hosts, start every rank of ``plan`` and supervise them until the job ends.
+    """Reach the hosts, start every rank of ``plan`` and supervise them until the job ends; with
+    ``--max-restarts``, start it again after a failure (:mod:`hvdrun.launch.restarts`).
 
     ``console`` replaces hvdrun's stdout and stderr as the destination of the ranks' output.
 
@@ -347,17 +380,31 @@ def run_job(plan: JobPlan, console: dict[str, TextIO] | None = None) -> None:
         WorkerFailed: a rank failed (exit code = that rank's).
         JobInterrupted: hvdrun was interrupted.
     """
-    options = plan.options
     if plan.elastic is not None:
         return run_elastic_job(plan, plan.elastic, console)
-    router = OutputRouter(len(plan.slots), prefix=options.prefix_output, output_dir=options.output_dir,
+    if plan.options.max_restarts:
+        from hvdrun.launch.restarts import run_with_restarts
+
+        return run_with_restarts(plan, lambda attempt_plan, attempt: _run_attempt(attempt_plan, console, attempt),
+                                 lambda text: print(text, file=sys.stderr, flush=True))
+    return _run_attempt(plan, console, 0)
+
+
+def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int) -> None:
+    """One attempt of a job: every rank started, supervised, and stopped when one fails."""
+    options = plan.options
+    output_dir = options.output_dir
+    if output_dir and options.max_restarts:
+        output_dir = str(Path(output_dir) / f"attempt.{attempt}")
+    router = OutputRouter(len(plan.slots), prefix=options.prefix_output, output_dir=output_dir,
                           console=console, timestamp=options.prefix_timestamp)
     launcher = make_launcher(plan)
     secret, job_id = secrets.token_hex(32), secrets.token_hex(4)
     try:
         launcher.prepare(plan.slots, time.monotonic() + _start_timeout(options))
         endpoint = launcher.endpoint(plan.slots[0].host)
-        rendezvous = Rendezvous(endpoint.addr, endpoint.port, endpoint.master_port, secret, job_id)
+        rendezvous = Rendezvous(endpoint.addr, endpoint.port, endpoint.master_port, secret, job_id, attempt,
+                                options.max_restarts)
         WorkerGroup(launcher, router).run(plan.specs(rendezvous, launcher.cpus))
     except KeyboardInterrupt:
         raise JobInterrupted("interrupted while reaching the hosts; nothing was started", 130) from None

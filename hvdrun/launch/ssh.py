@@ -112,9 +112,10 @@ class SshLauncher(Launcher):
         try:
             status, out, err = run_command(remote.clients[0], command, max(deadline - time.monotonic(), 1.0))
         except Exception as e:  # noqa: BLE001 - a timeout or a dropped connection, named below
-            raise LaunchError(f"{remote.target.describe()} did not answer hvdrun's probe: {e}") from e
+            raise LaunchError(f"{remote.target.describe()} did not answer hvdrun's probe: {e}", host.name) from e
         if status != 0:
-            raise LaunchError(explain_probe_failure(remote.target.describe(), status, err, self.workdir, python))
+            raise LaunchError(explain_probe_failure(remote.target.describe(), status, err, self.workdir, python),
+                              host.name)
         remote.facts = HostFacts.from_json(out.strip().splitlines()[-1])
         if self.network_interface and remote.facts.interface_addr is None:
             raise LaunchError(f"{remote.target.describe()} has no IPv4 address on --network-interface "
@@ -147,7 +148,7 @@ class SshLauncher(Launcher):
             channel.exec_command(worker_command(spec, self.grace_s))
         except Exception as e:  # noqa: BLE001 - paramiko's channel errors, named below
             raise LaunchError(f"cannot start rank {spec.slot.rank} on {remote.target.describe()}: "
-                              f"{e or type(e).__name__}") from e
+                              f"{e or type(e).__name__}", spec.slot.host.name) from e
         router.attach_reader(spec.slot.rank, "stdout", _reader(channel.recv))
         router.attach_reader(spec.slot.rank, "stderr", _reader(channel.recv_stderr))
         return SshWorker(spec.slot, channel)

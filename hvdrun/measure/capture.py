@@ -13,11 +13,13 @@ from hvdrun.launch.job import JobPlan, run_job
 
 @dataclass(frozen=True)
 class CapturedJob:
-    """What the ranks printed (each line ``[rank]<stream>:text``) and, when the job failed, why."""
+    """What the ranks printed (each line ``[rank]<stream>:text``) and, when the job failed, why and on which
+    host (the first failed rank's, or the one that could not be reached; None when no host is to blame)."""
 
     stdout: str
     stderr: str
     error: str | None = None
+    host: str | None = None
 
     def rank0_results(self, tag: str) -> list[dict[str, Any]]:
         """The JSON documents rank 0 printed after ``tag`` at the start of a line, in order."""
@@ -33,5 +35,6 @@ def run_captured(plan: JobPlan, tail_lines: int = 6) -> CapturedJob:
         run_job(plan, console={"stdout": stdout, "stderr": stderr})
     except HvdrunError as e:
         tail = [line for line in stderr.getvalue().splitlines() if line.strip()][-tail_lines:]
-        return CapturedJob(stdout.getvalue(), stderr.getvalue(), str(e) + "".join(f"\n  {t}" for t in tail))
+        return CapturedJob(stdout.getvalue(), stderr.getvalue(), str(e) + "".join(f"\n  {t}" for t in tail),
+                           getattr(e, "host", None))  # WorkerFailed and LaunchError name the host to blame
     return CapturedJob(stdout.getvalue(), stderr.getvalue())

@@ -99,6 +99,44 @@ def test_a_host_that_is_down_is_named_while_the_others_are_checked(run_hvdrun, s
     assert "fix: check that the host is up" in table.stdout
 
 
+def excluded(path: Path) -> list[str]:
+    """The hosts of an exclude file, as ``hvdrun --exclude-hosts-file`` reads them."""
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_write_excludes_lists_the_hosts_that_failed_and_a_clean_check_empties_it(run_hvdrun, ssh_hosts, tmp_path):
+    down, path = ssh_hosts.unused_addr(), tmp_path / "lists" / "bad-hosts"
+    done, report = check_json(run_hvdrun, "-H", f"{ssh_hosts.addrs[0]}:1,{down}:1", "--timeout", "6",
+                              "--write-excludes", str(path), *ssh_hosts.args())
+    assert done.returncode == 1 and excluded(path) == [down]  # stdout stays the JSON document alone
+    text = path.read_text()
+    assert text.startswith("# written by hvdrun check at ") and f"# {down} failed: reach\n" in text
+    assert f"hvdrun check: wrote 1 host to exclude to {path} ({down})" in done.stderr
+    done, report = check_json(run_hvdrun, "-H", ssh_hosts.hosts(1, 2), "--write-excludes", str(path),
+                              *ssh_hosts.args())
+    assert done.returncode == 0 and report["ok"] and excluded(path) == [] and len(path.read_text().splitlines()) == 1
+    assert f"wrote 0 hosts to exclude to {path} (every host passed)" in done.stderr
+    assert sorted(p.name for p in path.parent.iterdir()) == ["bad-hosts"]
+
+
+def test_write_excludes_names_a_host_whose_python_fails_the_probe(run_hvdrun, ssh_hosts, venvs, tmp_path):
+    path = tmp_path / "bad-hosts"
+    lines = [f"  - {{name: {ssh_hosts.addrs[0]}, slots: 1}}\n",
+             f"  - {{name: {ssh_hosts.addrs[1]}, slots: 1, python: /nonexistent/bin/python}}\n"]
+    (tmp_path / "c.yaml").write_text("hosts:\n" + "".join(lines))
+    table = run_hvdrun("check", *SMALL, "--config", str(tmp_path / "c.yaml"), "--write-excludes", str(path),
+                       *ssh_hosts.args(), timeout=120)
+    assert table.returncode == 1 and excluded(path) == [ssh_hosts.addrs[1]], table.stdout
+    assert f"# {ssh_hosts.addrs[1]} failed: python\n" in path.read_text()
+
+
+def test_write_excludes_to_a_path_that_cannot_be_written_fails_before_any_host_is_checked(run_hvdrun, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    done = run_hvdrun("check", "-np", "1", "--write-excludes", str(tmp_path / "a-file" / "bad-hosts"))
+    assert done.returncode == 2 and done.stderr.startswith("hvdrun: error: --write-excludes ")
+    assert "cannot write it" in done.stderr and done.stdout == ""
+
+
 def test_a_python_without_torch_is_named_with_the_fix(run_hvdrun, ssh_hosts, venvs, tmp_path):
     done, report = check_with_python(run_hvdrun, ssh_hosts, tmp_path, 1, venvs["no-torch"])
     assert done.returncode == 1

@@ -89,6 +89,21 @@ def test_slurm_submit_wait_runs_a_two_node_allreduce(slurm_cluster, slurm_env, j
     assert "#SBATCH --nodes=2" in script.read_text()
 
 
+def test_slurm_job_restarts_through_srun_after_a_node_fault(slurm_cluster, slurm_env, job_dir):
+    """qsub --max-restarts reaches the job's hvdrun, which restarts the ranks it started with srun."""
+    from tests.integration.test_restarts import FLAKY, ranks
+
+    (job_dir / "flaky.py").write_text(FLAKY)
+    result = hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "2", "--ranks-per-node", "1", "-t", "5",
+                    "--max-restarts", "1", "--wait", "flaky.py", str(job_dir / "mark"), "kill")
+    output = job_output(job_dir)
+    assert result.returncode == 0, result.stderr + output
+    assert "--max-restarts 1" in next((job_dir / "hvdrun-jobs").glob("*.slurm.sh")).read_text()
+    assert "hvdrun: restart 1 of 1: attempt 1 ended with a node fault (rank 1 on host " in output, output
+    assert "attempt 2 runs on the same hosts" in output  # two nodes, two ranks: no spare
+    assert [(rank, restart) for rank, _, restart in ranks(output)] == [(0, 0), (0, 1), (1, 0), (1, 1)], output
+
+
 def test_slurm_wait_returns_the_jobs_failing_exit_code(slurm_env, job_dir):
     result = hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "2", "--ranks-per-node", "1", "-t", "5",
                     "--wait", "allreduce_hosts.py", "3", "1")

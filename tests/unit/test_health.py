@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import stat
+from datetime import datetime, timezone
+
 import pytest
 
-from hvdrun.health.check import judge
+from hvdrun.errors import UsageError
+from hvdrun.health.check import CheckReport, JobReport, hosts_of_ranks, judge
+from hvdrun.health.excludes import describe_written, exclude_text, write_excludes
 from hvdrun.health.host_agent import Gpu, HealthFacts
-from hvdrun.health.host_checks import Expectations, compare
+from hvdrun.health.host_checks import Check, Expectations, HostReport, compare
+from hvdrun.hosts import Host
 from hvdrun.launch.remote.hostfacts import HostFacts
 from hvdrun.measure.timing import bus_bandwidth, human_bytes, parse_size
+from hvdrun.ranks import assign_slots
 
 
 def facts(python="3.11.7", hvdrun="0.1.0", torch="2.13.0+cpu", gpus=0, free=50e9) -> HealthFacts:
@@ -85,3 +92,76 @@ def test_bad_sizes(text):
 
 def test_bus_bandwidth_is_the_ring_traffic_per_link():
     assert bus_bandwidth(1000, 1.0, 4) == 1500.0 and bus_bandwidth(1000, 1.0, 1) == 0.0
+
+
+# -- the exclude file (hvdrun check --write-excludes) --------------------------------------------------------------
+
+def host(name: str, *failed: str) -> HostReport:
+    checks = [Check(n, n not in failed, "e", "f") for n in ("reach", "python", "torch", "disk")]
+    return HostReport(name, "ssh", checks)
+
+
+def test_hosts_that_failed_a_host_check_are_listed_in_rank_order_with_their_checks():
+    report = CheckReport({}, [host("h1"), host("h3", "torch", "disk"), host("h2", "reach")],
+                         JobReport(ran=False, skipped="host checks failed on h3, h2"))
+    assert report.failed_hosts() == {"h3": ["torch", "disk"], "h2": ["reach"]}
+
+
+def test_the_hosts_a_failed_job_is_put_on_are_listed():
+    wrong = JobReport(ran=True, checks=[Check("allreduce", False, "exact", "wrong on ranks [2, 3]")],
+                      blamed=("h2",))
+    assert CheckReport({}, [host("h1"), host("h2")], wrong).failed_hosts() == {"h2": ["allreduce"]}
+    no_result = JobReport(ran=True, error="rank 0 printed no result")
+    assert CheckReport({}, [host("h1")], no_result).failed_hosts() == {}  # failed, but no host to blame
+    assert CheckReport({}, [host("h1")], JobReport(ran=True)).failed_hosts() == {}
+
+
+def test_wrong_ranks_are_put_on_their_hosts_each_once():
+    slots = assign_slots([Host("a", 2), Host("b", 2), Host("c", 1)], 5)
+    assert hosts_of_ranks(slots, [3, 2, 4, 1]) == ("b", "c", "a")
+    assert hosts_of_ranks(slots, []) == ()
+
+
+WRITTEN_AT = datetime(2026, 11, 25, 3, 14, 7, tzinfo=timezone.utc)
+
+
+def test_the_exclude_file_is_a_host_per_line_after_comments():
+    assert exclude_text({"10.200.0.77": ["reach"], "n17": ["torch", "disk"]}, WRITTEN_AT) == (
+        "# written by hvdrun check at 2026-11-25T03:14:07Z\n"
+        "# 10.200.0.77 failed: reach\n10.200.0.77\n"
+        "# n17 failed: torch, disk\nn17\n")
+    assert exclude_text({}, WRITTEN_AT) == "# written by hvdrun check at 2026-11-25T03:14:07Z\n"
+
+
+def test_the_exclude_file_replaces_a_stale_list_whole(tmp_path):
+    target = tmp_path / "lists" / "bad-hosts"
+    write_excludes(target, {"h2": ["reach"]}, WRITTEN_AT)
+    hosts = [line for line in target.read_text().splitlines() if not line.startswith("#")]
+    assert hosts == ["h2"] and stat.S_IMODE(target.stat().st_mode) == 0o644
+    assert write_excludes(target, {}) == target
+    assert target.read_text().startswith("# written by hvdrun check at ") and target.read_text().count("\n") == 1
+    assert sorted(p.name for p in target.parent.iterdir()) == ["bad-hosts"]  # no temp file left
+
+
+def test_the_run_side_reads_back_the_hosts_written(tmp_path):
+    from hvdrun.hosts import excluded_hosts
+
+    target = write_excludes(tmp_path / "bad-hosts", {"10.200.0.77": ["reach"], "n17": ["allreduce"]})
+    assert excluded_hosts(None, target) == {"10.200.0.77", "n17"}
+    assert excluded_hosts(None, write_excludes(target, {})) == frozenset()
+
+
+def test_an_unwritable_exclude_file_is_a_usage_error(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(UsageError, match=r"--write-excludes '.*a-file/bad': cannot write it \("):
+        write_excludes(tmp_path / "a-file" / "bad", {"h2": ["reach"]})
+    with pytest.raises(UsageError, match="cannot write it"):
+        write_excludes(tmp_path, {})  # a directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_the_line_printed_says_how_many_hosts_and_where(tmp_path):
+    path = tmp_path / "x"
+    assert describe_written(path, ["h2", "h3"], False) == f"hvdrun check: wrote 2 hosts to exclude to {path} (h2, h3)"
+    assert describe_written(path, [], True) == f"hvdrun check: wrote 0 hosts to exclude to {path} (every host passed)"
+    assert "no host is to blame" in describe_written(path, [], False)

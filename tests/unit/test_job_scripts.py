@@ -44,6 +44,7 @@ CASES = {
         scheduler="slurm", nodes=3, walltime="2-00:00:00", account="acct", job_name="big",
         directives=("#SBATCH --constraint=a100", "--exclusive"), after=("77",), exports=("A=1",),
         python="/usr/bin/python3", run_args="--launcher ssh --network-interface ib0"),
+    "polaris-restarts": dict(cluster="polaris", nodes=2, account="MyProject", max_restarts=3, spares=1),
 }
 
 
@@ -94,6 +95,17 @@ def test_values_are_quoted_by_the_code():
     assert "--output='/tmp/a b/out.log'" in text
     assert "echo \"$rc\" > '/tmp/a b/out.exitcode'" in text
     assert "'it'\"'\"'s $HOME'" in text  # the command's arguments arrive verbatim
+
+
+@pytest.mark.parametrize("fields", [dict(cluster="polaris", account="P"), dict(scheduler="slurm"),
+                                    dict(cluster="thetagpu-cobalt", account="P", walltime="30")])
+def test_restarts_reach_the_hvdrun_line_of_every_scheduler(fields):
+    def launch(**extra):
+        return next(line for line in render(nodes=2, **fields, **extra).splitlines() if " -m hvdrun " in line)
+
+    assert " --max-restarts 2 --spares 1 -- train.py " in launch(max_restarts=2, spares=1)
+    assert " --max-restarts 0 -- train.py " in launch(max_restarts=0)  # given: passed on as given
+    assert "--max-restarts" not in launch() and "--spares" not in launch()
 
 
 def test_default_output_is_a_stamped_file_in_hvdrun_jobs(tmp_path):
@@ -153,6 +165,13 @@ POLARIS = ("--cluster", "polaris", "-A", "P")
     ((*POLARIS, "--template", "nosuch.j2"), ["--template 'nosuch.j2': no such file "
                                              "(shipped: pbs.sh.j2, cobalt.sh.j2, slurm.sh.j2)"]),
     ((*POLARIS, "-n", "0"), ["Invalid value for '-n'"]),
+    ((*POLARIS, "-n", "2", "--max-restarts", "-1"), ["Invalid value for '--max-restarts'"]),
+    ((*POLARIS, "-n", "2", "--max-restarts", "1", "--spares", "2"),
+     ["--spares 2 with -n/--nodes 2: no node would be left to run on", "e.g. -n 3 --spares 2"]),
+    ((*POLARIS, "-n", "2", "--spares", "1"), ["--spares 1: spare nodes only take over at a restart",
+                                              "give --max-restarts N too"]),
+    (("--cluster", "sophia", "-A", "P", "-q", "by-gpu", "-n", "4", "--max-restarts", "1", "--spares", "1"),
+     ["--spares 1: this queue counts the GPUs of one node"]),
 ])
 def test_validation_errors(invoke, args, fragments):
     assert_usage_error(invoke(*args, "--", "train.py"), *fragments)

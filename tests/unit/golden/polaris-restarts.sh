@@ -1,0 +1,23 @@
+#!/bin/bash -l
+#PBS -A MyProject
+#PBS -q debug
+#PBS -l select=2:system=polaris
+#PBS -l place=scatter
+#PBS -l walltime=01:00:00
+#PBS -l filesystems=home:eagle
+#PBS -N train
+#PBS -k doe
+#PBS -o /home/me/run/logs/train.output
+#PBS -j oe
+
+# PBS Pro job for polaris, written by hvdrun qsub. hvdrun reads the hosts from $PBS_NODEFILE.
+set -o pipefail
+cd /home/me/run
+module use /soft/modulefiles
+module load conda
+conda activate
+echo "hvdrun: job train started on $(hostname) at $(date -u +%FT%TZ)"
+python -m hvdrun --cluster polaris --ranks-per-node 4 --max-restarts 3 --spares 1 -- train.py --epochs 3 --name 'it'"'"'s $HOME' && rc=0 || rc=$?
+echo "$rc" > /home/me/run/logs/train.exitcode
+echo "hvdrun: job train ended with exit code $rc at $(date -u +%FT%TZ)"
+exit "$rc"
