@@ -132,3 +132,12 @@ def test_hosts_that_fail_a_check_are_written_and_the_run_leaves_them_out(run_hvd
                       str(tmp_path / "mark"), "ok", timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert ranks(done.stdout) == [(0, "h1", 0), (1, "h2", 0)]
+
+
+def test_restarts_under_the_mpiexec_launcher(run_hvdrun, tmp_path):
+    worker = script(tmp_path, "flaky.py", FLAKY)
+    done = run_hvdrun("-np", "2", "--launcher", "mpiexec", "--max-restarts", "1", worker, str(tmp_path / "mark"),
+                      "kill", timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hvdrun: restart 1 of 1: attempt 1 ended with a node fault (rank 1 on host localhost" in done.stderr
+    assert [(rank, restart) for rank, _, restart in ranks(done.stdout)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
