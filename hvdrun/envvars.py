@@ -89,6 +89,7 @@ class Rendezvous:
         job_id: a short id naming the job in logs and shared-memory segments.
         restart_count: which attempt of the job this is (0: the first; ``--max-restarts``).
         max_restarts: how many restarts the job may make.
+        run_id: torchrun's ``TORCHELASTIC_RUN_ID``, the same for every attempt (default: ``job_id``).
     """
 
     addr: str
@@ -98,6 +99,7 @@ class Rendezvous:
     job_id: str
     restart_count: int = 0
     max_restarts: int = 0
+    run_id: str = ""
 
 
 def job_env(rendezvous: Rendezvous) -> dict[str, str]:
@@ -106,7 +108,7 @@ def job_env(rendezvous: Rendezvous) -> dict[str, str]:
         RENDEZVOUS_ADDR: rendezvous.addr, RENDEZVOUS_PORT: str(rendezvous.port),
         SECRET: rendezvous.secret, JOB_ID: rendezvous.job_id,
         TORCH_MASTER_ADDR: rendezvous.addr, TORCH_MASTER_PORT: str(rendezvous.master_port),
-        PYTHONUNBUFFERED: "1", TORCHELASTIC_RUN_ID: rendezvous.job_id, **TORCHELASTIC,
+        PYTHONUNBUFFERED: "1", TORCHELASTIC_RUN_ID: rendezvous.run_id or rendezvous.job_id, **TORCHELASTIC,
         RESTART_COUNT: str(rendezvous.restart_count), TORCHELASTIC_RESTART_COUNT: str(rendezvous.restart_count),
         TORCHELASTIC_MAX_RESTARTS: str(rendezvous.max_restarts),
     }
@@ -116,7 +118,7 @@ def rendezvous_of(environ: Mapping[str, str]) -> Rendezvous:
     """Read back the :class:`Rendezvous` that :func:`job_env` wrote."""
     return Rendezvous(environ[RENDEZVOUS_ADDR], int(environ[RENDEZVOUS_PORT]), int(environ[TORCH_MASTER_PORT]),
                       environ[SECRET], environ[JOB_ID], int(environ.get(RESTART_COUNT, 0)),
-                      int(environ.get(TORCHELASTIC_MAX_RESTARTS, 0)))
+                      int(environ.get(TORCHELASTIC_MAX_RESTARTS, 0)), environ.get(TORCHELASTIC_RUN_ID, ""))
 
 
 def topology_env(place: Any) -> dict[str, str]:

@@ -242,6 +242,9 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
         hosts = tuple(replace(host, slots=ranks_per_node) for host in hosts)
     hosts = without_excluded(hosts, excluded_hosts(options.exclude_hosts, options.exclude_hosts_file))
     elastic = _elastic_plan(options, hosts) if options.elastic else None
+    if options.host_discovery_script and (options.exclude_hosts or options.exclude_hosts_file):
+        raise UsageError("--exclude-hosts/--exclude-hosts-file leave hosts out of a fixed list; with "
+                         "--host-discovery-script, leave them out of what the script prints")
     if elastic and (options.max_restarts or options.spares):
         raise UsageError("--max-restarts/--spares restart a whole job; an elastic job (--min-np/--max-np/"
                          "--host-discovery-script) recovers by itself: give one or the other")
@@ -385,12 +388,14 @@ def run_job(plan: JobPlan, console: dict[str, TextIO] | None = None) -> None:
     if plan.options.max_restarts:
         from hvdrun.launch.restarts import run_with_restarts
 
-        return run_with_restarts(plan, lambda attempt_plan, attempt: _run_attempt(attempt_plan, console, attempt),
+        run_id = secrets.token_hex(4)  # torchrun's TORCHELASTIC_RUN_ID stays the same across restarts
+        return run_with_restarts(plan, lambda attempt_plan, attempt: _run_attempt(attempt_plan, console, attempt,
+                                                                                  run_id),
                                  lambda text: print(text, file=sys.stderr, flush=True))
     return _run_attempt(plan, console, 0)
 
 
-def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int) -> None:
+def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int, run_id: str = "") -> None:
     """One attempt of a job: every rank started, supervised, and stopped when one fails."""
     options = plan.options
     output_dir = options.output_dir
@@ -404,7 +409,7 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int)
         launcher.prepare(plan.slots, time.monotonic() + _start_timeout(options))
         endpoint = launcher.endpoint(plan.slots[0].host)
         rendezvous = Rendezvous(endpoint.addr, endpoint.port, endpoint.master_port, secret, job_id, attempt,
-                                options.max_restarts)
+                                options.max_restarts, run_id or job_id)
         WorkerGroup(launcher, router).run(plan.specs(rendezvous, launcher.cpus))
     except KeyboardInterrupt:
         raise JobInterrupted("interrupted while reaching the hosts; nothing was started", 130) from None

@@ -11,18 +11,21 @@ Each attempt is an ordinary job: every rank is started, supervised and, when one
 * **what the ranks are told**: ``HVDRUN_RESTART_COUNT``/``TORCHELASTIC_RESTART_COUNT`` (see
   :class:`hvdrun.envvars.Rendezvous`); output goes to ``--output-dir DIR/attempt.K/rank.N``.
 
-A node fault is a rank killed by a signal, a host that cannot be reached, or one whose probe fails.
+A node fault is a rank killed by a signal, a host that cannot be reached, or one whose probe fails. A
+signal that arrives between two attempts stops the job before the next one starts (exit 128 + N).
 """
 
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from hvdrun.errors import JobInterrupted, LaunchError, WorkerFailed
 from hvdrun.hosts import Host
+from hvdrun.launch.base import stop_signals_handled
 from hvdrun.ranks import assign_slots, total_slots
 
 if TYPE_CHECKING:
@@ -78,6 +81,22 @@ def run_with_restarts(plan: JobPlan, run_attempt: Callable[[JobPlan, int], None]
         LaunchError: a launch failure that blames no host.
         JobInterrupted: hvdrun was interrupted (during an attempt or between two).
     """
+    interrupts: list[int] = []  # SIGINT/SIGTERM/SIGHUP outside an attempt's supervision (it handles its own)
+
+    def interrupted(signum: int) -> None:
+        interrupts.append(signum)
+        raise KeyboardInterrupt
+
+    with stop_signals_handled(interrupted):
+        try:
+            _attempts(plan, run_attempt, log)
+        except KeyboardInterrupt:
+            signum = interrupts[0] if interrupts else signal.SIGINT
+            raise JobInterrupted(f"received {signal.Signals(signum).name} between two attempts; nothing is running",
+                                 128 + signum) from None
+
+
+def _attempts(plan: JobPlan, run_attempt: Callable[[JobPlan, int], None], log: Callable[[str], None]) -> None:
     limit, attempt_plan = plan.options.max_restarts, plan
     suspects: list[str] = []
     faults: list[Fault] = []
@@ -97,9 +116,6 @@ def run_with_restarts(plan: JobPlan, run_attempt: Callable[[JobPlan, int], None]
                     f"node's: {fault.cause}")
                 raise
             suspects.append(fault.host)
-        except KeyboardInterrupt:
-            raise JobInterrupted(f"interrupted between attempts {attempt + 1} and {attempt + 2}; nothing is running",
-                                 130) from None
         attempt_plan = plan_for_attempt(plan, hosts_for_attempt(plan, suspects))
         _announce(log, attempt, limit, fault, attempt_plan)
 

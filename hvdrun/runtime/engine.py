@@ -34,7 +34,7 @@ from hvdrun.errors import CollectiveError
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.cycle import Cycle
 from hvdrun.runtime.device import DeviceCollectives
-from hvdrun.runtime.handles import Handle
+from hvdrun.runtime.handles import Handle, LocalOp
 from hvdrun.runtime.negotiation import JOIN, Request, Table
 from hvdrun.runtime.submissions import Submissions
 from hvdrun.runtime.timeline import Timeline
@@ -123,12 +123,13 @@ class Engine:
     def submit_many(self, items: Sequence[tuple[Request, np.ndarray | None]], wake: bool = True) -> list[Handle]:
         """Queue several collectives at once: they reach the other ranks in the same announcement
         (a grouped op's tensors are negotiated together). Nothing is queued if one name is in flight."""
-        ops, wake_now = self.ledger.add(items, wake)
         timeline = self.timeline
-        if timeline is not None:
-            for op in ops:
-                if op.request.kind != "shutdown":
-                    timeline.negotiate_start(op.request.name, op.request.kind)
+
+        def negotiation_starts(op: LocalOp) -> None:
+            if timeline is not None and op.request.kind != "shutdown":
+                timeline.negotiate_start(op.request.name, op.request.kind)
+
+        ops, wake_now = self.ledger.add(items, wake, negotiation_starts if timeline is not None else None)
         if wake_now:
             os.write(self._wake_write, b"\0")
         return [op.handle for op in ops]

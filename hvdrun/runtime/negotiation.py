@@ -21,6 +21,7 @@ import numpy as np
 from hvdrun.runtime.reduce import OP_NAMES, SUM
 
 GLOBAL_SET = 0
+_DEVICE_ITEMSIZES = {"bfloat16": 2}  # device tensors' dtypes that numpy lacks
 JOIN = "__join__"  # the name of hvd.join()'s request
 
 
@@ -54,7 +55,9 @@ class Request(NamedTuple):
     @property
     def nbytes(self) -> int:
         """Size of the tensor in bytes."""
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize if self.dtype else 0
+        if not self.dtype:
+            return 0
+        return math.prod(self.shape) * (_DEVICE_ITEMSIZES.get(self.dtype) or np.dtype(self.dtype).itemsize)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -60,8 +60,11 @@ class Submissions:
             if sep and number.isdigit() and self._counters.get(kind) == int(number):
                 self._counters[kind] -= 1
 
-    def add(self, items: Sequence[tuple[Request, np.ndarray | None]], wake: bool) -> tuple[list[LocalOp], bool]:
+    def add(self, items: Sequence[tuple[Request, np.ndarray | None]], wake: bool,
+            on_queued: Callable[[LocalOp], None] | None = None) -> tuple[list[LocalOp], bool]:
         """Queue ops (all or none); return them and whether the sleeping engine must be woken.
+
+        ``on_queued(op)`` runs under the lock just before ``op`` becomes visible to a cycle (the timeline's start).
 
         Raises:
             CollectiveError: this rank failed or shut down.
@@ -75,6 +78,8 @@ class Submissions:
                 raise CollectiveError("hvdrun has been shut down on this rank")
             self._check_names([op.request.name for op in ops])
             for op in ops:
+                if on_queued is not None:
+                    on_queued(op)
                 self.inflight[op.request.name] = op
                 self.taken.add(op.request.name)
                 self.new.append(op)

@@ -141,8 +141,12 @@ def _reduce_request(tensor_array: np.ndarray, name: str | None, op: int, prescal
 def _reduced_in(tensor: torch.Tensor, op: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tensor a reduction of ``tensor`` works on (a float32 copy for float16/bfloat16, see
     :mod:`hvdrun.torch.dtypes`), and that copy (None when it is ``tensor`` itself)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
     dtypes.check_reduction(tensor, op)
-    wide = dtypes.widened(tensor)
+    wide = None if _via_device(tensor) else dtypes.widened(tensor)  # the device path reduces every dtype itself
     return (tensor, None) if wide is None else (wide, wide)
 
 

@@ -6,10 +6,12 @@ machine (localhost, 127.0.0.x) where only the restart logic is under test.
 
 from __future__ import annotations
 
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -109,12 +111,16 @@ def test_ctrl_c_during_restarts_leaves_nothing(hvdrun_env, tmp_path, token):
     proc = subprocess.Popen([sys.executable, "-m", "hvdrun", "-np", "2", "--max-restarts", "20", worker,
                              str(tmp_path / "mark"), "hang"], env=hvdrun_env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
     try:
-        assert wait_until(lambda: len(job_processes(token)) >= 3, 60)  # hvdrun + guards and ranks
-        time.sleep(4)  # into the second or third attempt
+        deadline = time.monotonic() + 90
+        while "hvdrun: restart 1 of 20" not in lines.get(timeout=max(deadline - time.monotonic(), 0.1)):
+            pass
+        assert wait_until(lambda: len(job_processes(token)) >= 3, 60)  # attempt 2 under way
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130
-        assert "hvdrun: restart 1 of 20" in proc.stderr.read()
         assert wait_until(lambda: not job_processes(token), 10), job_processes(token)
     finally:
         proc.kill()

@@ -281,7 +281,8 @@ def dtype_rows() -> set[str]:
     rows |= {f"{dtype} {kind}" for dtype in ALL_DTYPES + ("bool",)
              for kind in ("reducescatter", "allgather", "broadcast", "alltoall")}
     rows |= {f"{dtype} adasum" for dtype in ("bfloat16", "float16", "float32", "float64")}
-    return rows | {"bool allreduce-min", "bool allreduce-max", "bool refuses-sum-average-product"}
+    return rows | {"bool allreduce-min", "bool allreduce-max", "bool refuses-sum-average-product",
+                   "float16-against-bfloat16 refused"}
 
 
 def assert_dtype_table(stdout: str, size: int) -> None:

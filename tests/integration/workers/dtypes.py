@@ -133,6 +133,18 @@ def check_bool_refusals() -> None:
     rows.append("bool refuses-sum-average-product")
 
 
+def check_mixed_dtypes_refused() -> None:
+    """float16 on rank 0, bfloat16 elsewhere: both travel as float32, yet the ranks must hear of the mismatch."""
+    mine = torch.ones(4, dtype=torch.float16 if RANK == 0 else torch.bfloat16)
+    try:
+        hvd.allreduce(mine, name="mixed", op=hvd.Sum)
+    except hvd.HorovodInternalError as e:
+        assert "dtype differs across ranks (rank 0: float16; rank" in str(e), e
+    else:
+        raise AssertionError("float16 against bfloat16 was not refused")
+    rows.append("float16-against-bfloat16 refused")
+
+
 def largest_error_ulps(dtype: str) -> float:
     """Sums of random normal values: hvdrun's result against the float64 sum of the same (rounded) inputs."""
     inputs = [torch.from_numpy(np.random.default_rng(500 + r).normal(size=20_000)).to(getattr(torch, dtype))
@@ -151,6 +163,7 @@ for index, dtype in enumerate(INTS + FLOATS + ("bool",)):
     if dtype in FLOATS:
         check_adasum(dtype, 10 * index + 4)
 check_bool_refusals()
+check_mixed_dtypes_refused()
 errors = {dtype: largest_error_ulps(dtype) for dtype in ("bfloat16", "float16")}
 assert max(errors.values()) <= 0.5, errors  # one rounding of an exact float32 sum
 # one write per rank, the table after a barrier: unprefixed output of mpiexec's ranks must not interleave
