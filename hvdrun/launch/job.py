@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import secrets
@@ -389,10 +390,15 @@ def run_job(plan: JobPlan, console: dict[str, TextIO] | None = None) -> None:
         from hvdrun.launch.restarts import run_with_restarts
 
         run_id = secrets.token_hex(4)  # torchrun's TORCHELASTIC_RUN_ID stays the same across restarts
-        return run_with_restarts(plan, lambda attempt_plan, attempt: _run_attempt(attempt_plan, console, attempt,
-                                                                                  run_id),
+        return run_with_restarts(plan, plan.options.max_restarts, functools.partial(plan_for_attempt, plan),
+                                 lambda attempt_plan, attempt: _run_attempt(attempt_plan, console, attempt, run_id),
                                  lambda text: print(text, file=sys.stderr, flush=True))
     return _run_attempt(plan, console, 0)
+
+
+def plan_for_attempt(plan: JobPlan, hosts: tuple[Host, ...]) -> JobPlan:
+    """``plan`` with its ranks assigned to ``hosts`` (the same number of ranks, in host order)."""
+    return replace(plan, slots=tuple(assign_slots(hosts, len(plan.slots), plan.layout)))
 
 
 def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int, run_id: str = "") -> None:

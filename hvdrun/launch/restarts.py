@@ -20,16 +20,30 @@ from __future__ import annotations
 import re
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from hvdrun.errors import JobInterrupted, LaunchError, WorkerFailed
 from hvdrun.hosts import Host
 from hvdrun.launch.base import stop_signals_handled
-from hvdrun.ranks import assign_slots, total_slots
+from hvdrun.ranks import Slot, total_slots
 
-if TYPE_CHECKING:
-    from hvdrun.launch.job import JobPlan
+
+class Plan(Protocol):
+    """What a restart reads of a job's plan (:class:`hvdrun.launch.job.JobPlan`)."""
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        """Where every rank of this attempt runs."""
+        ...
+
+    @property
+    def hosts(self) -> tuple[Host, ...]:
+        """Every host the job may use, spares included."""
+        ...
+
+
+P = TypeVar("P", bound=Plan)
 
 
 @dataclass(frozen=True)
@@ -51,7 +65,7 @@ def fault_of(error: WorkerFailed | LaunchError) -> Fault:
     return Fault(error.host, error.signal is not None, error.cause or first_line, summary)
 
 
-def hosts_for_attempt(plan: JobPlan, suspects: list[str]) -> tuple[Host, ...]:
+def hosts_for_attempt(plan: Plan, suspects: list[str]) -> tuple[Host, ...]:
     """The hosts of the next attempt: the plan's hosts less the suspects (the most recent first kept out) while
     the rest still hold the job's ranks; the plan's own hosts when there is no spare room."""
     needed = len(plan.slots)
@@ -63,16 +77,14 @@ def hosts_for_attempt(plan: JobPlan, suspects: list[str]) -> tuple[Host, ...]:
     return tuple(dict.fromkeys(slot.host for slot in plan.slots))
 
 
-def plan_for_attempt(plan: JobPlan, hosts: tuple[Host, ...]) -> JobPlan:
-    """``plan`` with its ranks assigned to ``hosts`` (the same number of ranks, in host order)."""
-    return replace(plan, slots=tuple(assign_slots(hosts, len(plan.slots), plan.layout)))
-
-
-def run_with_restarts(plan: JobPlan, run_attempt: Callable[[JobPlan, int], None], log: Callable[[str], None]) -> None:
-    """Run ``plan``, restarting it up to ``--max-restarts`` times (see the module docstring).
+def run_with_restarts(plan: P, max_restarts: int, replan: Callable[[tuple[Host, ...]], P],
+                      run_attempt: Callable[[P, int], None], log: Callable[[str], None]) -> None:
+    """Run ``plan``, restarting it up to ``max_restarts`` times (see the module docstring).
 
     Args:
         plan: the job; ``plan.hosts`` are every host it may use, spares included.
+        max_restarts: ``--max-restarts``.
+        replan: the plan with the same ranks on other hosts.
         run_attempt: runs one attempt of a plan (its number given: 0 is the first).
         log: where the one-line announcements go.
 
@@ -89,15 +101,16 @@ def run_with_restarts(plan: JobPlan, run_attempt: Callable[[JobPlan, int], None]
 
     with stop_signals_handled(interrupted):
         try:
-            _attempts(plan, run_attempt, log)
+            _attempts(plan, max_restarts, replan, run_attempt, log)
         except KeyboardInterrupt:
             signum = interrupts[0] if interrupts else signal.SIGINT
             raise JobInterrupted(f"received {signal.Signals(signum).name} between two attempts; nothing is running",
                                  128 + signum) from None
 
 
-def _attempts(plan: JobPlan, run_attempt: Callable[[JobPlan, int], None], log: Callable[[str], None]) -> None:
-    limit, attempt_plan = plan.options.max_restarts, plan
+def _attempts(plan: P, limit: int, replan: Callable[[tuple[Host, ...]], P], run_attempt: Callable[[P, int], None],
+              log: Callable[[str], None]) -> None:
+    attempt_plan = plan
     suspects: list[str] = []
     faults: list[Fault] = []
     for attempt in range(limit + 1):
@@ -116,7 +129,7 @@ def _attempts(plan: JobPlan, run_attempt: Callable[[JobPlan, int], None], log: C
                     f"node's: {fault.cause}")
                 raise
             suspects.append(fault.host)
-        attempt_plan = plan_for_attempt(plan, hosts_for_attempt(plan, suspects))
+        attempt_plan = replan(hosts_for_attempt(plan, suspects))
         _announce(log, attempt, limit, fault, attempt_plan)
 
 
@@ -128,7 +141,7 @@ def _same_error_elsewhere(fault: Fault, earlier: list[Fault]) -> int | None:
                  if not other.node and other.cause == fault.cause and other.host != fault.host), None)
 
 
-def _announce(log: Callable[[str], None], attempt: int, limit: int, fault: Fault, next_plan: JobPlan) -> None:
+def _announce(log: Callable[[str], None], attempt: int, limit: int, fault: Fault, next_plan: Plan) -> None:
     hosts = list(dict.fromkeys(slot.hostname for slot in next_plan.slots))
     where = "the same hosts" if fault.host in hosts else f"{', '.join(hosts)}, without {fault.host}"
     kind = "a node fault" if fault.node else "an error"

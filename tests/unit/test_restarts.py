@@ -6,8 +6,8 @@ import pytest
 
 from hvdrun.errors import HostSpecError, LaunchError, WorkerFailed
 from hvdrun.hosts import Host, excluded_hosts, without_excluded
-from hvdrun.launch.job import RunOptions, plan_job
-from hvdrun.launch.restarts import Fault, _same_error_elsewhere, fault_of, hosts_for_attempt, plan_for_attempt
+from hvdrun.launch.job import RunOptions, plan_for_attempt, plan_job
+from hvdrun.launch.restarts import Fault, _same_error_elsewhere, fault_of, hosts_for_attempt
 
 
 def plan(hosts: str, np: int | None = None, spares: int = 0, environ: dict[str, str] | None = None):
