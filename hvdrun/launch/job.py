@@ -241,11 +241,11 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     ranks_per_node = options.ranks_per_node or (config.ranks_per_node if config else None)
     if ranks_per_node:
         hosts = tuple(replace(host, slots=ranks_per_node) for host in hosts)
-    hosts = without_excluded(hosts, excluded_hosts(options.exclude_hosts, options.exclude_hosts_file))
-    elastic = _elastic_plan(options, hosts) if options.elastic else None
     if options.host_discovery_script and (options.exclude_hosts or options.exclude_hosts_file):
         raise UsageError("--exclude-hosts/--exclude-hosts-file leave hosts out of a fixed list; with "
                          "--host-discovery-script, leave them out of what the script prints")
+    hosts = without_excluded(hosts, excluded_hosts(options.exclude_hosts, options.exclude_hosts_file))
+    elastic = _elastic_plan(options, hosts) if options.elastic else None
     if elastic and (options.max_restarts or options.spares):
         raise UsageError("--max-restarts/--spares restart a whole job; an elastic job (--min-np/--max-np/"
                          "--host-discovery-script) recovers by itself: give one or the other")

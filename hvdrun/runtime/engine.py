@@ -124,12 +124,13 @@ class Engine:
         """Queue several collectives at once: they reach the other ranks in the same announcement
         (a grouped op's tensors are negotiated together). Nothing is queued if one name is in flight."""
         timeline = self.timeline
+        negotiation_starts: Callable[[LocalOp], None] | None = None
+        if timeline is not None:
+            def negotiation_starts(op: LocalOp) -> None:
+                if op.request.kind != "shutdown":
+                    timeline.negotiate_start(op.request.name, op.request.kind)
 
-        def negotiation_starts(op: LocalOp) -> None:
-            if timeline is not None and op.request.kind != "shutdown":
-                timeline.negotiate_start(op.request.name, op.request.kind)
-
-        ops, wake_now = self.ledger.add(items, wake, negotiation_starts if timeline is not None else None)
+        ops, wake_now = self.ledger.add(items, wake, negotiation_starts)
         if wake_now:
             os.write(self._wake_write, b"\0")
         return [op.handle for op in ops]

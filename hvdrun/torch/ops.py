@@ -52,14 +52,19 @@ def _via_device(tensor: torch.Tensor) -> bool:
     return _cpu_via_device
 
 
-def _check(tensor: torch.Tensor, kinds: tuple[str, ...]) -> Any:
-    """A numpy view of a contiguous CPU tensor, or the tensor itself for the device path."""
+def _require(tensor: torch.Tensor, kinds: tuple[str, ...]) -> None:
+    """ValueError unless ``tensor`` is a contiguous tensor of a dtype in ``kinds``."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
     if dtypes.name_of(tensor.dtype) not in kinds:
         raise ValueError(f"Tensor type {tensor.dtype} is not supported; supported: {', '.join(kinds)}")
+
+
+def _check(tensor: torch.Tensor, kinds: tuple[str, ...]) -> Any:
+    """A numpy view of a contiguous CPU tensor, or the tensor itself for the device path."""
+    _require(tensor, kinds)
     if _via_device(tensor):
         return tensor.detach()
     return dtypes.wire_array(tensor)
@@ -141,10 +146,7 @@ def _reduce_request(tensor_array: np.ndarray, name: str | None, op: int, prescal
 def _reduced_in(tensor: torch.Tensor, op: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tensor a reduction of ``tensor`` works on (a float32 copy for float16/bfloat16, see
     :mod:`hvdrun.torch.dtypes`), and that copy (None when it is ``tensor`` itself)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_contiguous():
-        raise ValueError("Tensor is required to be contiguous.")
+    _require(tensor, REDUCTION_DTYPES)
     dtypes.check_reduction(tensor, op)
     wide = None if _via_device(tensor) else dtypes.widened(tensor)  # the device path reduces every dtype itself
     return (tensor, None) if wide is None else (wide, wide)
@@ -217,14 +219,14 @@ def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | 
     op = _resolve_op(op, average, adasum=True)
     if op == ADASUM:
         return synchronize(allreduce_async_(tensor, None, name, op, prescale_factor, postscale_factor, process_set))
-    work, wide = _reduced_in(tensor, op)
-    if process_set is None and wide is None:  # widened tensors skip the lane: its posts do not carry their dtype
+    if process_set is None:
         engine = _engine()
         if name is None:
             name = engine.auto_name("allreduce")  # the same name on either path
         array = _lane_view(tensor, remember)
         if array is not None and try_lane(engine, array, name, op, prescale_factor, postscale_factor):
             return tensor
+    work, wide = _reduced_in(tensor, op)
     array = _check(work, REDUCTION_DTYPES)
     request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set,
                               source=dtypes.source_of(tensor, array))
@@ -232,8 +234,9 @@ def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | 
     return _written_back(tensor, wide)
 
 
-_LANE_DTYPES = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32,
-                          torch.float64))
+# what the lane reduces as it is: not float16/bfloat16 (reduced in float32, and a post does not carry the caller's
+# dtype, so a mismatch would go unseen), not bool (Min/Max only, checked on the engine's path)
+_LANE_DTYPES = frozenset(getattr(torch, name) for name in REDUCTION_DTYPES) - dtypes.WIDENED - {torch.bool}
 _lane_views: dict[int, tuple[int, torch.Size, torch.dtype, np.ndarray]] = {}
 _MAX_LANE_VIEWS = 64
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,17 +82,3 @@ class Backend(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and memory."""
 
-
-def allreduce_keeping_nan(array: np.ndarray, reduce: ReduceFn,
-                          allreduce: Callable[[np.ndarray, ReduceFn], None]) -> None:
-    """``allreduce`` through a library whose Max/Min drop NaN at some positions (gloo, MPI): NaN propagates as
-    numpy's and hvdrun's own reductions do, at the cost of one more allreduce of a byte mask, for floating Max/Min
-    only."""
-    if reduce not in (np.maximum, np.minimum) or array.dtype.kind != "f":
-        allreduce(array, reduce)
-        return
-    nan = np.isnan(array).astype(np.uint8)
-    allreduce(nan, np.maximum)
-    allreduce(array, reduce)
-    if nan.any():
-        array[nan.astype(bool)] = np.nan

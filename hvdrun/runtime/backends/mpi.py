@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from hvdrun.errors import UsageError
-from hvdrun.runtime.backends.base import Backend, World, allreduce_keeping_nan
+from hvdrun.runtime.backends.base import Backend, World
 from hvdrun.runtime.reduce import ReduceFn
 
 
@@ -50,7 +50,7 @@ class MpiBackend(Backend):
 
     def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
         if array.size:
-            allreduce_keeping_nan(array, reduce, self._allreduce)
+            _allreduce_keeping_nan(array, reduce, self._allreduce)
 
     def _allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
         MPI = _mpi()
@@ -85,3 +85,18 @@ class MpiBackend(Backend):
         recv_buf = np.frombuffer(out, dtype=np.uint8) if len(out) else np.empty(0, np.uint8)
         self.comm.Alltoallv([send_buf, list(send_sizes), displacements(send_sizes), MPI.BYTE],  # type: ignore
                             [recv_buf, recv_sizes, displacements(recv_sizes), MPI.BYTE])
+
+
+def _allreduce_keeping_nan(array: np.ndarray, reduce: ReduceFn,
+                          allreduce: Callable[[np.ndarray, ReduceFn], None]) -> None:
+    """``allreduce`` through MPI, whose Max/Min drop NaN at some positions: NaN propagates as
+    numpy's and hvdrun's own reductions do, at the cost of one more allreduce of a byte mask, for floating Max/Min
+    only."""
+    if reduce not in (np.maximum, np.minimum) or array.dtype.kind != "f":
+        allreduce(array, reduce)
+        return
+    nan = np.isnan(array).astype(np.uint8)
+    allreduce(nan, np.maximum)
+    allreduce(array, reduce)
+    if nan.any():
+        array[nan.astype(bool)] = np.nan

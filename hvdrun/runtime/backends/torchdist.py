@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from hvdrun.envvars import LaunchInfo
-from hvdrun.runtime.backends.base import Backend, World, allreduce_keeping_nan, topology
+from hvdrun.runtime.backends.base import Backend, World, topology
 from hvdrun.runtime.device import TorchGroup
 from hvdrun.runtime.reduce import MAX, MIN, PRODUCT, SUM, ReduceFn
 from hvdrun.runtime.rendezvous import Peer, Rendezvous, bind_host, listen
@@ -75,19 +75,10 @@ class TorchBackend(Backend):
         return [out[offsets[i]:offsets[i + 1]].tobytes() for i in range(self.world.size)]
 
     def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
-        """gloo's allreduce, with what it lacks made up: int16 goes through int32 (wrapping the same way), and
-        Max/Min of floating values propagate NaN (:func:`allreduce_keeping_nan`)."""
-        if array.size:
-            allreduce_keeping_nan(array, reduce, self._allreduce)
-
-    def _allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
+        """gloo's allreduce; what it lacks (int16, NaN through Max/Min) is made up by :meth:`TorchGroup.allreduce`."""
         import torch
 
-        if array.dtype == np.int16:
-            wide = array.astype(np.int32)
-            self.group.allreduce(torch.from_numpy(wide), _OP_OF[reduce])
-            array[...] = wide.astype(np.int16)
-        else:
+        if array.size:
             self.group.allreduce(torch.from_numpy(array), _OP_OF[reduce])
 
     def reducescatter(self, array: np.ndarray, reduce: ReduceFn, bounds: list[tuple[int, int]]) -> None:
