@@ -187,11 +187,11 @@ def parse_nodefile(path: str | Path, kind: str) -> tuple[Host, ...]:
 def excluded_hosts(names: str | None, path: str | Path | None) -> frozenset[str]:
     """Host names to leave out: ``--exclude-hosts a,b`` and a file of one name per line (``#`` comments), as
     ``hvdrun check --write-excludes`` writes it."""
-    listed = [name.strip() for name in (names or "").split(",") if name.strip()]
+    listed = [validate_hostname(name.strip(), "--exclude-hosts") for name in (names or "").split(",") if name.strip()]
     if path is not None:
-        text = _read(path, "--exclude-hosts-file")
-        listed += [line.split("#", 1)[0].strip() for line in text.splitlines() if line.split("#", 1)[0].strip()]
-    return frozenset(validate_hostname(name, "--exclude-hosts") for name in listed)
+        lines = [line.split("#", 1)[0].strip() for line in _read(path, "--exclude-hosts-file").splitlines()]
+        listed += [validate_hostname(line, f"--exclude-hosts-file {path}") for line in lines if line]
+    return frozenset(listed)
 
 
 def without_excluded(hosts: tuple[Host, ...], excluded: frozenset[str]) -> tuple[Host, ...]:
