@@ -253,23 +253,37 @@ class _Client:
         self._closing = False
 
     def connect(self, deadline: float) -> socket.socket:
-        """Connect to rank 0, retrying until ``deadline``, and authenticate."""
+        """Connect to rank 0 and authenticate, retrying until ``deadline``.
+
+        A connection that is refused, or that closes or falls silent during the handshake (another
+        process held the port for a moment, or rank 0 is not listening yet), is tried again; a peer
+        that proves it does not know the job's secret (:class:`AuthError`) is not.
+        """
         while True:
             try:
                 sock = socket.create_connection((self.addr, self.port), timeout=_HANDSHAKE_TIMEOUT_S)
-                break
             except OSError as e:
-                if time.monotonic() > deadline:
-                    raise RendezvousError(f"cannot reach rank 0 at {self.addr}:{self.port}: {e.strerror or e}; "
-                                          "is rank 0 running and the address reachable?") from e
-                time.sleep(0.05)
-        try:
-            authenticate_server(sock, self.secret, f"rank 0 at {self.addr}:{self.port}")
-        except (OSError, ConnectionError) as e:
-            sock.close()
-            raise RendezvousError(f"rank 0 at {self.addr}:{self.port} did not complete the handshake: {e}") from e
-        self.sock = sock
-        return sock
+                self._retry_or_fail(deadline, f"cannot reach rank 0 at {self.addr}:{self.port}: {e.strerror or e}; "
+                                              "is rank 0 running and the address reachable?", e)
+                continue
+            try:
+                authenticate_server(sock, self.secret, f"rank 0 at {self.addr}:{self.port}")
+            except (OSError, ConnectionError) as e:
+                sock.close()
+                self._retry_or_fail(deadline, f"rank 0 at {self.addr}:{self.port} did not complete the handshake: "
+                                              f"{e}", e)
+                continue
+            except AuthError:
+                sock.close()
+                raise
+            self.sock = sock
+            return sock
+
+    @staticmethod
+    def _retry_or_fail(deadline: float, message: str, cause: BaseException) -> None:
+        if time.monotonic() > deadline:
+            raise RendezvousError(message) from cause
+        time.sleep(0.05)
 
     def join(self, me: Peer, deadline: float) -> list[Peer]:
         """Send our record, wait for the table, then start listening for aborts."""

@@ -252,8 +252,10 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried_then_named(spawn_ranks):
     squatter = socket.create_server(("127.0.0.1", port))
     rendezvous = Rendezvous("127.0.0.1", port, master, "ab" * 32, "tport")
     procs = spawn_ranks(worker("order.py"), 2, rendezvous=rendezvous, env={"HVDRUN_START_TIMEOUT": "20"})
-    time.sleep(1.0)
-    squatter.close()  # freed within the retry window: the job forms
+    squatter.settimeout(15)
+    caught, _ = squatter.accept()  # rank 1 reached the squatter instead of rank 0
+    caught.close()
+    squatter.close()  # freed within the retry window: rank 0 binds, rank 1 tries again, the job forms
     for rank, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=60)
         assert proc.returncode == 0 and f"rank {rank}: order ok" in stdout, stderr[-2000:]
