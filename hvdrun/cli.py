@@ -150,7 +150,9 @@ def _host_options(with_np: bool = True) -> Any:
                      help="File with one 'host slots=N' per line."),
         click.option("--cluster", help="A cluster from cluster_configs/ (localhost, polaris, ...)."),
         click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A cluster YAML file."),
-        click.option("--gpus-per-node", type=click.IntRange(min=0), help="GPUs per host; pins CUDA_VISIBLE_DEVICES."),
+        click.option("--gpus-per-node", type=click.IntRange(min=0),
+                     help="GPUs (Intel: tiles) per host; pins each rank through its vendor's variable "
+                     " (CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK, ROCR_VISIBLE_DEVICES)."),
         click.option("--gpus-per-rank", type=click.IntRange(min=1), help="GPUs each rank gets (default 1)."),
         click.option("--ranks-per-node", type=click.IntRange(min=1),
                      help="Ranks on every host (default: its slots; in an allocation one per GPU, or per node)."),

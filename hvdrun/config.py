@@ -6,6 +6,8 @@ A cluster file describes one machine type::
     launcher: mpiexec          # local | ssh | mpiexec
     gpus_per_node: 4
     gpu_order: [3, 2, 1, 0]    # CUDA_VISIBLE_DEVICES order; ints or MIG UUIDs
+    gpu_vendor: nvidia         # nvidia | intel | amd: CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK or ROCR_VISIBLE_DEVICES
+    tiles_per_gpu: 2           # Intel GPUs whose tiles get a rank each (gpus_per_node then counts tiles)
     gpus_per_rank: 1
     hosts: ["x3001c0s7b0n0:4"] # optional; usually the scheduler allocation is used
                                # or mappings: {name: n1, slots: 4, user: me, python: /x/bin/python}
@@ -43,6 +45,7 @@ from typing import Any
 
 from hvdrun.errors import ConfigError, HostSpecError, UsageError
 from hvdrun.hosts import Host, merge_duplicates, parse_host_item
+from hvdrun.ranks import GPU_VENDORS
 from hvdrun.resources import data_dir
 from hvdrun.schedulers import DEFAULT_SCHEDULER, SCHEDULERS
 
@@ -51,7 +54,7 @@ MPI_FLAVOURS = ("mpich", "openmpi", "pals")
 REQUIRABLE = ("account", "walltime", "filesystems", "queue")
 
 _TOP_KEYS = ("name", "description", "launcher", "gpus_per_node", "gpu_order", "gpus_per_rank", "hosts", "env",
-             "ssh_port", "python", "venv", "scheduler", "mpi_flavour", "ranks_per_node")
+             "ssh_port", "python", "venv", "scheduler", "mpi_flavour", "ranks_per_node", "gpu_vendor", "tiles_per_gpu")
 _HOST_KEYS = ("name", "slots", "user", "python", "venv")
 _SCHEDULER_KEYS = ("kind", "queue", "account", "walltime", "filesystems", "template", "extra_directives",
                    "skip_directives", "max_nodes", "system", "place", "required", "valid_filesystems", "setup",
@@ -134,6 +137,8 @@ class ClusterConfig:
     scheduler: SchedulerDefaults | None = None
     mpi_flavour: str | None = None
     ranks_per_node: int | None = None
+    gpu_vendor: str = "nvidia"
+    tiles_per_gpu: int = 1
 
 
 class _Section:
@@ -281,6 +286,14 @@ def parse_config(data: Any, source: str) -> ClusterConfig:
     if gpu_order is not None and gpus_per_node and len(gpu_order) != gpus_per_node:
         raise ConfigError(f"{source}: gpu_order lists {len(gpu_order)} GPUs but gpus_per_node is {gpus_per_node}")
     python = _python(top)
+    vendor = top.choice("gpu_vendor", GPU_VENDORS, "nvidia") or "nvidia"
+    tiles = top.positive_int("tiles_per_gpu", 1) or 1
+    if tiles > 1 and vendor != "intel":
+        raise ConfigError(f"{source}: tiles_per_gpu is {tiles} but gpu_vendor is '{vendor}'; tiles are pinned "
+                          "one by one only on Intel GPUs (gpu_vendor: intel)")
+    if tiles > 1 and gpus_per_node % tiles:
+        raise ConfigError(f"{source}: gpus_per_node {gpus_per_node} counts tiles and must be a multiple of "
+                          f"tiles_per_gpu {tiles}")
     return ClusterConfig(
         name=top.get("name", str, Path(source).stem), source=source, python=python,
         launcher=top.choice("launcher", LAUNCHERS, None),
@@ -289,7 +302,7 @@ def parse_config(data: Any, source: str) -> ClusterConfig:
         hosts=_parse_hosts(top, python), env=_parse_env(top),
         ssh_port=top.positive_int("ssh_port", None), scheduler=_parse_scheduler(top),
         mpi_flavour=top.choice("mpi_flavour", MPI_FLAVOURS, None),
-        ranks_per_node=top.positive_int("ranks_per_node", None),
+        ranks_per_node=top.positive_int("ranks_per_node", None), gpu_vendor=vendor, tiles_per_gpu=tiles,
     )
 
 

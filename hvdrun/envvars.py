@@ -67,6 +67,10 @@ TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 TORCH_MASTER_ADDR = "MASTER_ADDR"
 TORCH_MASTER_PORT = "MASTER_PORT"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+ZE_AFFINITY_MASK = "ZE_AFFINITY_MASK"  # Intel Level Zero: devices, or GPU.tile ids (Aurora)
+ZE_FLAT_DEVICE_HIERARCHY = "ZE_FLAT_DEVICE_HIERARCHY"
+ROCR_VISIBLE_DEVICES = "ROCR_VISIBLE_DEVICES"  # AMD ROCm runtime: the devices this process may see
+HIP_VISIBLE_DEVICES = "HIP_VISIBLE_DEVICES"  # AMD HIP: indexes among what ROCR_VISIBLE_DEVICES left visible
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
@@ -142,9 +146,31 @@ def worker_env(slot: Slot, rendezvous: Rendezvous) -> dict[str, str]:
         HOSTNAME: slot.hostname, HOROVOD_HOSTNAME: slot.hostname,
         TORCH_GROUP_RANK: str(slot.host_index), TORCH_GROUP_WORLD_SIZE: str(slot.host_count),
     })
-    if slot.devices:
-        env[CUDA_VISIBLE_DEVICES] = ",".join(slot.devices)
+    env.update(device_env(slot.gpu_vendor, slot.devices))
     return env
+
+
+def device_env(vendor: str, devices: Sequence[str]) -> dict[str, str]:
+    """The variables that pin a rank to ``devices`` on a ``vendor`` GPU (none without devices).
+
+    * nvidia: ``CUDA_VISIBLE_DEVICES`` (indices, or GPU/MIG UUIDs).
+    * intel: ``ZE_AFFINITY_MASK``; ``GPU.tile`` ids (Aurora: ``0.0`` .. ``5.1``) need Level Zero's
+      composite hierarchy, where a mask may name a tile of a GPU, so ``ZE_FLAT_DEVICE_HIERARCHY``
+      is set to ``COMPOSITE`` with them; the rank then sees its tile as device 0.
+    * amd: ``ROCR_VISIBLE_DEVICES``, and HIP's and CUDA's variables set to the matching indices
+      ``0..k-1`` of what ROCR left visible: an inherited ``HIP_VISIBLE_DEVICES=3`` beside
+      ``ROCR_VISIBLE_DEVICES=3`` would otherwise leave the rank with no GPU.
+    """
+    if not devices:
+        return {}
+    listed = ",".join(devices)
+    if vendor == "intel":
+        tiles = any("." in device for device in devices)
+        return {ZE_AFFINITY_MASK: listed, **({ZE_FLAT_DEVICE_HIERARCHY: "COMPOSITE"} if tiles else {})}
+    if vendor == "amd":
+        relative = ",".join(str(i) for i in range(len(devices)))
+        return {ROCR_VISIBLE_DEVICES: listed, HIP_VISIBLE_DEVICES: relative, CUDA_VISIBLE_DEVICES: relative}
+    return {CUDA_VISIBLE_DEVICES: listed}
 
 
 def rank_variable_names() -> frozenset[str]:
@@ -152,6 +178,7 @@ def rank_variable_names() -> frozenset[str]:
     return frozenset({*(name for names in _TOPOLOGY.values() for name in names), HOSTNAME, HOROVOD_HOSTNAME,
                       TORCH_RANK, TORCH_WORLD_SIZE, TORCH_LOCAL_RANK, TORCH_LOCAL_WORLD_SIZE, TORCH_GROUP_RANK,
                       TORCH_GROUP_WORLD_SIZE, TORCH_ROLE_RANK, TORCH_ROLE_WORLD_SIZE, CUDA_VISIBLE_DEVICES,
+                      ZE_AFFINITY_MASK, ZE_FLAT_DEVICE_HIERARCHY, ROCR_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES,
                       OMP_NUM_THREADS})
 
 

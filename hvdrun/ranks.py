@@ -22,26 +22,40 @@ from dataclasses import dataclass
 from hvdrun.errors import UsageError
 from hvdrun.hosts import Host
 
+GPU_VENDORS = ("nvidia", "intel", "amd")
+
 
 @dataclass(frozen=True)
 class GpuLayout:
     """How GPUs are handed out on every host.
 
     Attributes:
-        gpus_per_node: GPUs on each host (0: no pinning).
-        gpu_order: device ids in the machine's order (Polaris: 3,2,1,0); default 0..G-1.
+        gpus_per_node: devices ranks are pinned to on each host (0: no pinning); on Intel GPUs
+            with tiles, the tiles (Aurora: 6 GPUs x 2 tiles = 12).
+        gpu_order: device ids in the machine's order (Polaris: 3,2,1,0); default 0..G-1, or
+            ``GPU.tile`` ids (0.0, 0.1, 1.0, ...) where ``tiles_per_gpu`` is above 1.
         gpus_per_rank: consecutive devices each rank gets.
+        vendor: nvidia, intel or amd: which variable pins a rank (see ``envvars.device_env``).
+        tiles_per_gpu: tiles of each Intel GPU that ranks are pinned to one by one.
     """
 
     gpus_per_node: int = 0
     gpu_order: tuple[str, ...] | None = None
     gpus_per_rank: int = 1
+    vendor: str = "nvidia"
+    tiles_per_gpu: int = 1
+
+    def default_order(self) -> tuple[str, ...]:
+        """Device ids in index order: ``0..G-1``, or ``GPU.tile`` ids when GPUs have tiles."""
+        if self.tiles_per_gpu > 1:
+            return tuple(f"{i // self.tiles_per_gpu}.{i % self.tiles_per_gpu}" for i in range(self.gpus_per_node))
+        return tuple(str(i) for i in range(self.gpus_per_node))
 
     def devices_for(self, local_rank: int, host: str) -> tuple[str, ...]:
         """The devices of ``local_rank`` on ``host``; raises UsageError when there are too few."""
         if not self.gpus_per_node:
             return ()
-        order = self.gpu_order or tuple(str(i) for i in range(self.gpus_per_node))
+        order = self.gpu_order or self.default_order()
         start = local_rank * self.gpus_per_rank
         if start + self.gpus_per_rank > len(order):
             raise UsageError(
@@ -95,6 +109,7 @@ class Slot(Topology):
     host_index: int
     devices: tuple[str, ...] = ()
     host_count: int = 1
+    gpu_vendor: str = "nvidia"
 
     @property
     def hostname(self) -> str:
@@ -142,5 +157,6 @@ def assign_slots(hosts: Sequence[Host], num_proc: int, gpus: GpuLayout | None = 
     used = [host for host, count in zip(hosts, counts, strict=True) for _ in range(count)]
     host_index = {host: index for index, host in enumerate(dict.fromkeys(used))}
     return [Slot(**vars(topology), host=host, host_index=host_index[host],
-                 devices=layout.devices_for(topology.local_rank, host.name), host_count=len(host_index))
+                 devices=layout.devices_for(topology.local_rank, host.name), host_count=len(host_index),
+                 gpu_vendor=layout.vendor)
             for topology, host in zip(topologies(used), used, strict=True)]

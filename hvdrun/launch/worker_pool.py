@@ -109,7 +109,8 @@ class WorkerPool:
         host_index = next((i for i, h in enumerate(self.hosts) if h.name == host.name), 0)
         return Slot(rank=number, size=max(self._capacity(), number + 1), local_rank=index, local_size=host.slots,
                     cross_rank=host_index, cross_size=max(len(self.hosts), 1), host=host, host_index=host_index,
-                    devices=self.layout.devices_for(index, host.name), host_count=max(len(self.hosts), 1))
+                    devices=self.layout.devices_for(index, host.name), host_count=max(len(self.hosts), 1),
+                    gpu_vendor=self.layout.vendor)
 
     def _capacity(self) -> int:
         slots = sum(h.slots for h in self.hosts)

@@ -138,3 +138,25 @@ def test_pals_line_through_a_fake_pals_mpiexec_pins_gpus_in_polaris_order(run_hv
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["argv"][:7] == ["--np", "4", "--ppn", "4", "--envall", "--line-buffer", "--hostfile"]
     assert record["hosts"] == ["localhost"]
+
+
+DEVICE_VARIABLES = """
+import json, os
+names = ("ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+print("PIN " + json.dumps({"rank": int(os.environ["HVDRUN_RANK"]), **{n: os.environ.get(n) for n in names}}))
+"""
+
+
+def test_aurora_through_a_fake_pals_mpiexec_pins_twelve_tiles_with_ze_affinity_mask(run_hvdrun, hvdrun_env,
+                                                                                     tmp_path):
+    """FAKE PALS: the shipped aurora.yaml gives each of 12 ranks its own GPU tile and no CUDA variable."""
+    hvdrun_env.update({"HVDRUN_MPIEXEC": str(FAKE_PALS), "FAKE_PALS_RECORD": str(tmp_path / "record.json")})
+    hvdrun_env.pop("CUDA_VISIBLE_DEVICES", None)
+    done = run_hvdrun("--cluster", "aurora", "-H", "localhost:12", "-np", "12", "--",
+                      sys.executable, "-c", DEVICE_VARIABLES)
+    assert done.returncode == 0, done.stderr
+    pins = sorted((json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line),
+                  key=lambda r: r["rank"])
+    assert [p["ZE_AFFINITY_MASK"] for p in pins] == [f"{gpu}.{tile}" for gpu in range(6) for tile in range(2)]
+    assert {p["ZE_FLAT_DEVICE_HIERARCHY"] for p in pins} == {"COMPOSITE"}
+    assert not any(p["CUDA_VISIBLE_DEVICES"] or p["ROCR_VISIBLE_DEVICES"] for p in pins)

@@ -51,6 +51,10 @@ scheduler: {kind: slurm, queue: debug, walltime: 90, filesystems: [home]}
     ("hosts: [{name: n1, slots: 0}]\n", "'hosts\\[0\\].slots' must be a positive integer"),
     ("env: {1BAD: x}\n", "env key '1BAD' is not a valid variable name"),
     ("- a\n- b\n", "'top level' must be a mapping, got a list"),
+    ("gpu_vendor: matrox\n", "'gpu_vendor' is 'matrox'; expected one of nvidia, intel, amd"),
+    ("gpus_per_node: 4\ntiles_per_gpu: 2\n", "tiles_per_gpu is 2 but gpu_vendor is 'nvidia'"),
+    ("gpu_vendor: intel\ngpus_per_node: 3\ntiles_per_gpu: 2\n", "gpus_per_node 3 counts tiles and must be a "
+                                                                  "multiple of tiles_per_gpu 2"),
     ("name: [unclosed\n", "not valid YAML"),
 ])
 def test_errors_name_file_and_key(tmp_path, text, fragment):

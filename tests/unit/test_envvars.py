@@ -34,6 +34,26 @@ def test_no_gpus_leaves_cuda_visible_devices_alone():
     assert "CUDA_VISIBLE_DEVICES" not in envvars.worker_env(slot, RDV)
 
 
+def test_aurora_tiles_are_pinned_with_ze_affinity_mask_and_no_cuda_variable():
+    layout = GpuLayout(12, vendor="intel", tiles_per_gpu=2)
+    envs = [envvars.worker_env(slot, RDV) for slot in assign_slots([Host("x1", 12)], 12, layout)]
+    assert [env["ZE_AFFINITY_MASK"] for env in envs] == [f"{g}.{t}" for g in range(6) for t in range(2)]
+    assert all(env["ZE_FLAT_DEVICE_HIERARCHY"] == "COMPOSITE" for env in envs)
+    assert not any("CUDA_VISIBLE_DEVICES" in env or "ROCR_VISIBLE_DEVICES" in env for env in envs)
+
+
+def test_intel_gpus_without_tiles_are_whole_devices():
+    env = envvars.worker_env(assign_slots([Host("a", 2)], 2, GpuLayout(4, vendor="intel", gpus_per_rank=2))[1], RDV)
+    assert env["ZE_AFFINITY_MASK"] == "2,3" and "ZE_FLAT_DEVICE_HIERARCHY" not in env
+
+
+def test_amd_gpus_are_pinned_with_rocr_and_hip_indexes_within_what_rocr_left():
+    slots = assign_slots([Host("f1", 4)], 4, GpuLayout(8, vendor="amd", gpus_per_rank=2))
+    env = envvars.worker_env(slots[3], RDV)
+    assert env["ROCR_VISIBLE_DEVICES"] == "6,7"
+    assert env["HIP_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == "0,1"  # overrides an inherited 6,7
+
+
 def test_forwarded_env():
     assert envvars.forwarded_env(["A", "B=2", "C="], {"A": "1"}) == {"A": "1", "B": "2", "C": ""}
 
