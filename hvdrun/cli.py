@@ -152,7 +152,7 @@ def _host_options(with_np: bool = True) -> Any:
         click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A cluster YAML file."),
         click.option("--gpus-per-node", type=click.IntRange(min=0),
                      help="GPUs (Intel: tiles) per host; pins each rank through its vendor's variable "
-                     " (CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK, ROCR_VISIBLE_DEVICES)."),
+                     "(CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK, ROCR_VISIBLE_DEVICES)."),
         click.option("--gpus-per-rank", type=click.IntRange(min=1), help="GPUs each rank gets (default 1)."),
         click.option("--ranks-per-node", type=click.IntRange(min=1),
                      help="Ranks on every host (default: its slots; in an allocation one per GPU, or per node)."),
