@@ -488,7 +488,8 @@ def _job_options(command: Any) -> Any:
         click.option("--directive", "directives", multiple=True, help="An extra directive line (repeatable)."),
         click.option("--after", multiple=True, metavar="JOBID", help="Start after this job succeeded."),
         click.option("--template", help="A Jinja2 template instead of the shipped one."),
-        click.option("--python", help="The Python that runs hvdrun in the job (default: the activated one)."),
+        click.option("--python", help="The Python that runs hvdrun in the job (default: --venv's or --conda's, "
+                     "the YAML's, else the Python running this command)."),
         click.option("--run-args", help="Extra hvdrun options inside the job, e.g. '--launcher ssh'."),
         click.option("--max-restarts", type=click.IntRange(min=0),
                      help="The job's hvdrun starts the whole job again up to N times when a rank fails."),
@@ -512,12 +513,15 @@ def qsub(dry_run: bool, submit: bool, wait: bool, **options: Any) -> int:
     from hvdrun.jobs.follow import follow
     from hvdrun.jobs.follow import submit as submit_job
     from hvdrun.jobs.render import render_script
-    from hvdrun.jobs.spec import JobRequest, build_spec
+    from hvdrun.jobs.spec import JobRequest, build_spec, python_warning
 
     if dry_run and (submit or wait):
         raise UsageError("--dry-run prints the script only; drop it to --submit or --wait")
     spec = build_spec(JobRequest(**options))
     text = render_script(spec)
+    warning = python_warning(spec.launch[0])
+    if warning:
+        click.echo(f"hvdrun: warning: {warning}", err=True)
     if not (submit or wait):
         click.echo(text, nl=False)
         return 0

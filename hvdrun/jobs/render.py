@@ -47,7 +47,8 @@ def render_script(spec: JobSpec) -> str:
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
     context = {"directives": directive_lines(spec, scheduler), "setup": list(spec.setup),
-               "workdir": quote(spec.workdir), "launch": shlex.join(spec.launch), "exit_file": quote(spec.exit_file),
+               "workdir": quote(spec.workdir), "launch": shlex.join(spec.launch),
+               "python": quote(spec.launch[0]), "exit_file": quote(spec.exit_file),
                "job_name": quote(spec.job_name), "scheduler": spec.scheduler, "cluster": quote(spec.cluster)}
     try:
         text = env.get_template(path.name).render(context)

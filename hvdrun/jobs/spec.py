@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -182,14 +183,37 @@ def _setup_lines(request: JobRequest, defaults: SchedulerDefaults) -> tuple[str,
     return tuple(lines)
 
 
-def _python(request: JobRequest, config: ClusterConfig | None, setup: Sequence[str]) -> str:
+def _python(request: JobRequest, config: ClusterConfig | None) -> str:
+    """The job's Python: ``--python``, ``--venv``'s, the ``--conda`` environment's (activated first), the
+    YAML's, else the Python that runs ``hvdrun qsub`` (an absolute path: a machine's ``conda activate``
+    of its base environment does not bring hvdrun)."""
     if request.python:
         return request.python
     if request.venv:
         return str(Path(request.venv).resolve() / "bin" / "python")
+    if request.conda:
+        return "python"
     if config is not None and config.python:
         return config.python
-    return "python" if setup else sys.executable  # an activated environment brings its own python
+    return sys.executable
+
+
+def python_warning(python: str) -> str | None:
+    """One line when the job's ``python`` cannot import hvdrun on this machine (None when it can, or
+    when it is the activated ``--conda`` environment's, which only the job sees)."""
+    if not python.startswith("/") or python == sys.executable:
+        return None
+    if not os.access(python, os.X_OK):
+        return (f"the job's Python {python} does not exist on this machine; the job fails at its start unless it "
+                "exists on the compute nodes")
+    try:
+        done = subprocess.run([python, "-c", "import hvdrun"], capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the job's Python {python} could not be run here ({e}); the job checks it again at its start"
+    if done.returncode != 0:
+        return (f"the job's Python {python} cannot import hvdrun on this machine: install hvdrun there "
+                f"(pip install hvdrun, or pip install -e of this checkout), or give --venv, --conda or --python")
+    return None
 
 
 def _restart_args(request: JobRequest, nodes: int, unit: str) -> list[str]:
@@ -260,6 +284,6 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
         script_path=script_path, workdir=workdir or os.getcwd(), setup=setup, ranks_per_node=ranks_per_node,
         gpus_per_node=gpus if unit == "nodes" else nodes, system=defaults.system, place=defaults.place,
         directives=(*defaults.extra_directives, *request.directives), skip_directives=defaults.skip_directives,
-        after=after, launch=_launch(request, config_args, _python(request, config, setup), ranks_per_node,
+        after=after, launch=_launch(request, config_args, _python(request, config), ranks_per_node,
                                     restart_args),
         template=request.template or defaults.template)

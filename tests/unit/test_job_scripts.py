@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from click.testing import CliRunner
@@ -55,9 +58,13 @@ def in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("HVDRUN_JOBS_DIR", str(tmp_path / "registry"))
 
 
+SUBMITTING_PYTHON = "/home/me/venv/bin/python"  # the Python running `hvdrun qsub`, the job's by default
+
+
 def render(**fields):
     fields.setdefault("output", "/home/me/run/logs/train.output")
-    return render_script(build_spec(JobRequest(command=COMMAND, **fields), now=0, workdir=WORKDIR))
+    with mock.patch.object(sys, "executable", SUBMITTING_PYTHON):
+        return render_script(build_spec(JobRequest(command=COMMAND, **fields), now=0, workdir=WORKDIR))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -218,3 +225,32 @@ def test_dry_run_prints_the_script_and_writes_nothing(invoke, tmp_path):
     assert result.exit_code == 0, result.output
     assert result.output.startswith("#!/bin/bash -l\n#PBS -A P\n")
     assert not (tmp_path / "hvdrun-jobs").exists()
+
+
+def test_the_job_runs_the_submitting_python_by_default_and_an_environment_when_named():
+    assert render(cluster="polaris", account="A", **{}).count(f"{SUBMITTING_PYTHON} -m hvdrun") == 1
+    assert "\npython -m hvdrun" in render(cluster="polaris", account="A", conda="/envs/torch")
+    assert "/opt/venv/bin/python -m hvdrun" in render(cluster="polaris", account="A", venv="/opt/venv")
+
+
+def test_a_job_whose_python_cannot_import_hvdrun_fails_at_its_start_in_one_line(tmp_path):
+    python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else pytest.skip("no /usr/bin/python3")
+    text = render_script(build_spec(JobRequest(command=("train.py",), cluster="slurm", python=python,
+                                               output=str(tmp_path / "job.out")), now=0, workdir=str(tmp_path)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = subprocess.run(["bash", "-c", text], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and f"hvdrun: error: the job's Python {python} cannot import hvdrun" \
+        in done.stderr, done.stderr
+    assert (tmp_path / "job.exitcode").read_text().strip() == "2"
+
+
+def test_qsub_warns_when_the_jobs_python_cannot_import_hvdrun_here(tmp_path):
+    from hvdrun.jobs.spec import python_warning
+
+    assert python_warning(sys.executable) is None and python_warning("python") is None
+    assert "does not exist on this machine" in (python_warning(str(tmp_path / "bin" / "python")) or "")
+    bare = tmp_path / "python"  # a Python that exits 1 for any program: it cannot import hvdrun
+    bare.write_text("#!/bin/sh\nexit 1\n")
+    bare.chmod(0o755)
+    assert "cannot import hvdrun on this machine" in (python_warning(str(bare)) or "")

@@ -23,6 +23,11 @@ conda activate /home/me/env
 export NCCL_DEBUG=INFO
 export NOTE='a b;c'
 ulimit -c 0
+if ! python -c 'import hvdrun' 2>/dev/null; then
+  echo "hvdrun: error: the job's Python" python "cannot import hvdrun on $(hostname): install hvdrun into that environment, or give hvdrun qsub --venv, --conda or --python" >&2
+  echo 2 > /home/me/run/logs/train.exitcode
+  exit 2
+fi
 echo "hvdrun: job resnet50 started on $(hostname) at $(date -u +%FT%TZ)"
 python -m hvdrun --cluster polaris --ranks-per-node 4 --verbose -- train.py --epochs 3 --name 'it'"'"'s $HOME' && rc=0 || rc=$?
 echo "$rc" > /home/me/run/logs/train.exitcode

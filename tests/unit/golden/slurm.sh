@@ -12,6 +12,11 @@
 set -o pipefail
 cd /home/me/run
 source /home/me/venv/bin/activate
+if ! /home/me/venv/bin/python -c 'import hvdrun' 2>/dev/null; then
+  echo "hvdrun: error: the job's Python" /home/me/venv/bin/python "cannot import hvdrun on $(hostname): install hvdrun into that environment, or give hvdrun qsub --venv, --conda or --python" >&2
+  echo 2 > /home/me/run/logs/train.exitcode
+  exit 2
+fi
 echo "hvdrun: job train started on $(hostname) at $(date -u +%FT%TZ)"
 /home/me/venv/bin/python -m hvdrun --cluster slurm --ranks-per-node 4 --gpus-per-node 4 -- train.py --epochs 3 --name 'it'"'"'s $HOME' && rc=0 || rc=$?
 echo "$rc" > /home/me/run/logs/train.exitcode

@@ -8,13 +8,19 @@
 #COBALT -o /home/me/run/logs/train.output
 #COBALT -e /home/me/run/logs/train.error
 # Cobalt job for thetagpu-cobalt, written by hvdrun qsub (directives above: no blank line before them).
-# hvdrun reads the hosts from $COBALT_NODEFILE.
+# hvdrun reads the hosts from $COBALT_NODEFILE. ThetaGPU: submit from a Theta login node after
+# 'module load cobalt/cobalt-gpu' (Cobalt's GPU instance), or qsub sends the job to Theta's KNL nodes.
 set -o pipefail
 cd /home/me/run
 module load conda/pytorch
 conda activate
+if ! /home/me/venv/bin/python -c 'import hvdrun' 2>/dev/null; then
+  echo "hvdrun: error: the job's Python" /home/me/venv/bin/python "cannot import hvdrun on $(hostname): install hvdrun into that environment, or give hvdrun qsub --venv, --conda or --python" >&2
+  echo 2 > /home/me/run/logs/train.exitcode
+  exit 2
+fi
 echo "hvdrun: job train started on $(hostname) at $(date -u +%FT%TZ)"
-python -m hvdrun --cluster thetagpu-cobalt --ranks-per-node 8 -- train.py --epochs 3 --name 'it'"'"'s $HOME' && rc=0 || rc=$?
+/home/me/venv/bin/python -m hvdrun --cluster thetagpu-cobalt --ranks-per-node 8 -- train.py --epochs 3 --name 'it'"'"'s $HOME' && rc=0 || rc=$?
 echo "$rc" > /home/me/run/logs/train.exitcode
 echo "hvdrun: job train ended with exit code $rc at $(date -u +%FT%TZ)"
 exit "$rc"
