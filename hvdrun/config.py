@@ -8,6 +8,7 @@ A cluster file describes one machine type::
     gpu_order: [3, 2, 1, 0]    # CUDA_VISIBLE_DEVICES order; ints or MIG UUIDs
     gpu_vendor: nvidia         # nvidia | intel | amd: CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK or ROCR_VISIBLE_DEVICES
     tiles_per_gpu: 2           # Intel GPUs whose tiles get a rank each (gpus_per_node then counts tiles)
+    cpu_bind: list:1-8:9-16    # none | cores | numa | list:A-B:C-D... (one core list per local rank)
     gpus_per_rank: 1
     hosts: ["x3001c0s7b0n0:4"] # optional; usually the scheduler allocation is used
                                # or mappings: {name: n1, slots: 4, user: me, python: /x/bin/python}
@@ -54,7 +55,8 @@ MPI_FLAVOURS = ("mpich", "openmpi", "pals")
 REQUIRABLE = ("account", "walltime", "filesystems", "queue")
 
 _TOP_KEYS = ("name", "description", "launcher", "gpus_per_node", "gpu_order", "gpus_per_rank", "hosts", "env",
-             "ssh_port", "python", "venv", "scheduler", "mpi_flavour", "ranks_per_node", "gpu_vendor", "tiles_per_gpu")
+             "ssh_port", "python", "venv", "scheduler", "mpi_flavour", "ranks_per_node", "gpu_vendor", "tiles_per_gpu",
+             "cpu_bind")
 _HOST_KEYS = ("name", "slots", "user", "python", "venv")
 _SCHEDULER_KEYS = ("kind", "queue", "account", "walltime", "filesystems", "template", "extra_directives",
                    "skip_directives", "max_nodes", "system", "place", "required", "valid_filesystems", "setup",
@@ -139,6 +141,7 @@ class ClusterConfig:
     ranks_per_node: int | None = None
     gpu_vendor: str = "nvidia"
     tiles_per_gpu: int = 1
+    cpu_bind: str | None = None
 
 
 class _Section:
@@ -278,6 +281,18 @@ def _parse_queues(s: _Section) -> dict[str, QueueLimits]:
     return queues
 
 
+def _cpu_bind(top: _Section) -> str | None:
+    from hvdrun.launch.remote.cpubind import CpuBindError, parse_cpu_bind
+
+    value = top.get("cpu_bind", str)
+    if value is not None:
+        try:
+            parse_cpu_bind(value)
+        except CpuBindError as e:
+            raise ConfigError(f"{top.source}: cpu_bind: {e}") from None
+    return value
+
+
 def parse_config(data: Any, source: str) -> ClusterConfig:
     """Validate a decoded YAML document and return its :class:`ClusterConfig`."""
     top = _Section(data, source, "", _TOP_KEYS)
@@ -303,6 +318,7 @@ def parse_config(data: Any, source: str) -> ClusterConfig:
         ssh_port=top.positive_int("ssh_port", None), scheduler=_parse_scheduler(top),
         mpi_flavour=top.choice("mpi_flavour", MPI_FLAVOURS, None),
         ranks_per_node=top.positive_int("ranks_per_node", None), gpu_vendor=vendor, tiles_per_gpu=tiles,
+        cpu_bind=_cpu_bind(top),
     )
 
 

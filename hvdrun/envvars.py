@@ -38,6 +38,8 @@ FAST_LANE = "HVDRUN_FAST_LANE"  # 0: blocking small allreduces of a one-host job
 # device tensors: the torch.distributed backend that runs them (nccl|gloo), and 1 to route CPU tensors there too
 DEVICE_BACKEND = "HVDRUN_DEVICE_BACKEND"
 CPU_VIA_DEVICE = "HVDRUN_CPU_VIA_DEVICE_BACKEND"
+CPU_BIND = "HVDRUN_CPU_BIND"  # --cpu-bind none|cores|numa|list:..., applied by the guard (launch/remote/cpubind.py)
+BIND_REPORT = "HVDRUN_BIND_REPORT"  # 1: the guard prints the rank's cores, NUMA node and GPU (--verbose)
 
 _TOPOLOGY = {
     "rank": (RANK, "HOROVOD_RANK"),
@@ -71,6 +73,7 @@ ZE_AFFINITY_MASK = "ZE_AFFINITY_MASK"  # Intel Level Zero: devices, or GPU.tile 
 ZE_FLAT_DEVICE_HIERARCHY = "ZE_FLAT_DEVICE_HIERARCHY"
 ROCR_VISIBLE_DEVICES = "ROCR_VISIBLE_DEVICES"  # AMD ROCm runtime: the devices this process may see
 HIP_VISIBLE_DEVICES = "HIP_VISIBLE_DEVICES"  # AMD HIP: indexes among what ROCR_VISIBLE_DEVICES left visible
+DEVICE_VARIABLES = (CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK, ROCR_VISIBLE_DEVICES)  # whichever pins a rank
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, TextIO
 from hvdrun.config import ClusterConfig, load_cluster_config
 from hvdrun.envvars import (
     BACKEND,
+    BIND_REPORT,
+    CPU_BIND,
     ELASTIC_ADDR,
     ELASTIC_PORT,
     HOROVOD_COMPAT,
@@ -102,6 +104,7 @@ class RunOptions:
     spares: int = 0
     exclude_hosts: str | None = None  # comma-separated host names
     exclude_hosts_file: str | None = None
+    cpu_bind: str | None = None  # none | cores | numa | list:A-B:C-D... (launch/remote/cpubind.py)
 
     @property
     def elastic(self) -> bool:
@@ -268,11 +271,29 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
         base_env[START_TIMEOUT] = str(options.start_timeout_s)
     if options.timeline_filename:
         base_env[TIMELINE[0]] = str(Path(options.timeline_filename).resolve())
+    base_env.update(_binding_env(options, config, slots))
     return JobPlan(slots=tuple(slots), command=command, launcher=launcher, options=options, base_env=base_env,
                    cwd=os.getcwd(), default_python=(config.python if config else None) or sys.executable,
                    ssh_port=config.ssh_port if config else None, layout=layout,
                    mpi_flavour=options.mpi_flavour or (config.mpi_flavour if config else None), elastic=elastic,
                    hosts=hosts)
+
+
+def _binding_env(options: RunOptions, config: ClusterConfig | None, slots: Sequence[Slot]) -> dict[str, str]:
+    """``HVDRUN_CPU_BIND`` (``--cpu-bind``, else the YAML's ``cpu_bind``) and, with ``--verbose``, the
+    bindings report; the guard applies both on each host. A list too short for a host's ranks is a usage error."""
+    from hvdrun.launch.remote.cpubind import CpuBindError, parse_cpu_bind
+
+    policy = options.cpu_bind or (config.cpu_bind if config else None) or "none"
+    try:
+        bind = parse_cpu_bind(policy)
+    except CpuBindError as e:
+        raise UsageError(str(e)) from None
+    most = max((slot.local_size for slot in slots), default=0)
+    if bind.policy == "list" and len(bind.lists) < most:
+        raise UsageError(f"--cpu-bind {policy}: {len(bind.lists)} core lists for {most} ranks on a host; give one "
+                         "list per local rank")
+    return {**({CPU_BIND: policy} if bind.binds else {}), **({BIND_REPORT: "1"} if options.verbose else {})}
 
 
 def _num_proc(options: RunOptions, hosts: tuple[Host, ...]) -> int:

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hvdrun import envvars
@@ -34,6 +34,7 @@ from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.connections import SshOptions
 from hvdrun.launch.local import LOOPBACK, LocalLauncher, LocalWorker
 from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.remote.cpubind import parse_cpu_bind
 from hvdrun.launch.remote.hostfacts import free_ports, interface_address
 from hvdrun.launch.remote.mpirank import plan_value
 from hvdrun.ranks import GpuLayout, Slot
@@ -69,6 +70,9 @@ class MpiexecCommand:
         hostfile: PALS: a file listing the hosts, one per line; srun: one line per rank
             (``SLURM_HOSTFILE`` with ``--distribution=arbitrary`` places rank i on line i's host).
         extra_args: ``--mpi-args``, inserted before the command.
+        cpu_bind: ``--cpu-bind``: PALS and srun bind ``numa`` and ``list:`` themselves (and get an
+            explicit ``none`` otherwise, so that their own default binding cannot shrink what hvdrun's
+            guard splits for ``cores``); hydra and Open MPI (``--bind-to none``) leave it to the guard.
     """
 
     flavour: str
@@ -80,6 +84,7 @@ class MpiexecCommand:
     callback_addr: str | None = None
     hostfile: str | None = None
     extra_args: tuple[str, ...] = ()
+    cpu_bind: str = "none"
 
     @property
     def num_proc(self) -> int:
@@ -99,7 +104,19 @@ class MpiexecCommand:
 
     def _srun(self) -> list[str]:
         return [f"--nodes={len(self.hosts)}", f"--ntasks={self.num_proc}", "--distribution=arbitrary",
-                "--kill-on-bad-exit=1", "--export=ALL"]
+                "--kill-on-bad-exit=1", "--export=ALL", f"--cpu-bind={self._srun_cpu_bind()}"]
+
+    def _srun_cpu_bind(self) -> str:
+        bind = parse_cpu_bind(self.cpu_bind)
+        if bind.policy == "numa":
+            return "ldoms"
+        if bind.policy == "list":
+            return "mask_cpu:" + ",".join(hex(sum(1 << core for core in cores)) for cores in bind.lists)
+        return "none"
+
+    def launcher_binds(self) -> bool:
+        """Whether this flavour's own launcher applies ``cpu_bind`` (the guard then must not)."""
+        return self.flavour in ("pals", SRUN) and parse_cpu_bind(self.cpu_bind).policy in ("numa", "list")
 
     def _host_slots(self) -> str:
         return ",".join(f"{host.name}:{host.slots}" for host in self.hosts)
@@ -126,7 +143,9 @@ class MpiexecCommand:
             listed = ",".join(f"{h.name}:{h.slots}" for h in self.hosts)
             raise UsageError(f"Cray PALS mpiexec runs the same number of ranks on every host (--ppn); the ranks "
                              f"fall unevenly on {listed}: give -np a multiple of the slots per host")
-        args = ["--np", str(self.num_proc), "--ppn", str(per_host.pop()), "--envall", "--line-buffer"]
+        pals_bind = self.cpu_bind if parse_cpu_bind(self.cpu_bind).policy in ("numa", "list") else "none"
+        args = ["--np", str(self.num_proc), "--ppn", str(per_host.pop()), "--cpu-bind", pals_bind, "--envall",
+                "--line-buffer"]
         if self.hostfile:
             args += ["--hostfile", self.hostfile]
         return args + [word for name, value in sorted(self.env.items()) for word in ("--env", f"{name}={value}")]
@@ -316,8 +335,12 @@ class MpiexecLauncher(Launcher):
         per_rank = self.flavour == SRUN  # srun --distribution=arbitrary: one line per rank
         hostfile.write_text("".join(f"{host.name}\n" * (host.slots if per_rank else 1) for host in self._hosts))
         rank_command = (first.python, "-m", "hvdrun.launch.remote.mpirank", f"{self.grace_s:g}", "--", *first.argv)
-        return MpiexecCommand(self.flavour, self.mpiexec, self._hosts, env, rank_command, str(agent),
-                              self._callback_addr, str(hostfile), self.extra_args)
+        command = MpiexecCommand(self.flavour, self.mpiexec, self._hosts, env, rank_command, str(agent),
+                                 self._callback_addr, str(hostfile), self.extra_args,
+                                 first.env.get(envvars.CPU_BIND, "none"))
+        if command.launcher_binds():
+            command = replace(command, env={k: v for k, v in env.items() if k != envvars.CPU_BIND})
+        return command
 
     def close(self) -> None:
         if self._tmp is not None:

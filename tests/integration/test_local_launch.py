@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -298,3 +299,57 @@ def test_a_process_that_left_the_rank_with_setsid_is_stopped_too(run_hvdrun, tmp
     done = run_hvdrun("-np", "2", path)
     assert done.returncode == 0, done.stderr
     # run_hvdrun asserts that no process carrying the job's marker is left
+
+
+AFFINITY = """
+import json, os
+print("CPUS " + json.dumps({"rank": int(os.environ["HVDRUN_RANK"]), "host": os.environ["HVDRUN_HOSTNAME"],
+                            "local": int(os.environ["HVDRUN_LOCAL_RANK"]), "cpus": sorted(os.sched_getaffinity(0))}))
+"""
+
+
+def format_cpulist(cpus: set[int]) -> str:
+    from hvdrun.launch.remote.cpubind import format_cpulist as formatted
+
+    return formatted(cpus)
+
+
+def affinities(stdout: str) -> list[dict]:
+    return sorted((json.loads(line.split("CPUS ", 1)[1]) for line in stdout.splitlines() if "CPUS " in line),
+                  key=lambda r: r["rank"])
+
+
+def test_cpu_bind_gives_local_ranks_disjoint_cores_and_the_verbose_report_names_them(run_hvdrun, tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs 2 cores")
+    program = script(tmp_path, "affinity.py", AFFINITY)
+    cores = run_hvdrun("-np", "2", "--cpu-bind", "cores", "--verbose", program)
+    assert cores.returncode == 0, cores.stderr
+    ranks = affinities(cores.stdout)
+    assert len(ranks) == 2 and not set(ranks[0]["cpus"]) & set(ranks[1]["cpus"])
+    assert ranks[0]["cpus"] and len(ranks[0]["cpus"]) == len(ranks[1]["cpus"])
+    for rank in ranks:  # the bindings report: one line per rank, from the guard that bound it
+        assert (f"[{rank['rank']}]<stderr>:hvdrun: binding: rank {rank['rank']} on localhost: cores "
+                f"{format_cpulist(set(rank['cpus']))} (NUMA ") in cores.stderr, cores.stderr
+    listed = run_hvdrun("-np", "2", "--cpu-bind", f"list:{allowed[1]}:{allowed[0]}", program)
+    assert [r["cpus"] for r in affinities(listed.stdout)] == [[allowed[1]], [allowed[0]]], listed.stderr
+    unbound = run_hvdrun("-np", "2", program)
+    assert all(r["cpus"] == allowed for r in affinities(unbound.stdout))
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--cpu-bind", "sockets"), "--cpu-bind 'sockets': expected none, cores, numa or list:A-B:C-D"),
+    (("--cpu-bind", "list:0"), "--cpu-bind list:0: 1 core lists for 2 ranks on a host"),
+])
+def test_a_cpu_bind_that_cannot_work_is_a_usage_error(run_hvdrun, tmp_path, args, fragment):
+    done = run_hvdrun("-np", "2", *args, script(tmp_path, "affinity.py", AFFINITY))
+    assert done.returncode == 2 and done.stderr.startswith(f"hvdrun: error: {fragment}"), done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_a_core_list_that_does_not_fit_the_host_ends_the_job_naming_rank_and_cores(run_hvdrun, tmp_path):
+    done = run_hvdrun("-np", "1", "--cpu-bind", "list:4096-4097", script(tmp_path, "affinity.py", AFFINITY))
+    assert done.returncode == 2 and "CPUS" not in done.stdout
+    assert ("hvdrun: error: rank 0 on localhost: --cpu-bind list: local rank 0 gets cores 4096-4097, but "
+            "4096-4097 are not allowed here") in done.stderr and "Traceback" not in done.stderr

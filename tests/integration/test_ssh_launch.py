@@ -322,3 +322,18 @@ def test_user_at_host_and_a_hosts_own_python_from_the_yaml(run_hvdrun, ssh_hosts
     lines = sorted(line.split("PY ", 1)[1] for line in done.stdout.splitlines() if "PY " in line)
     assert lines[0].split()[:2] == ["h1", "no"]
     assert lines[1].split() == ["h2", "yes", str(own)]  # the host's own Python ran the script (and the probe)
+
+
+def test_cpu_bind_cores_splits_each_hosts_cores_among_its_ranks(run_hvdrun, ssh_hosts, tmp_path):
+    program = tmp_path / "affinity.py"
+    program.write_text("import json, os\nprint('CPUS ' + json.dumps([os.environ['HVDRUN_HOSTNAME'], "
+                       "int(os.environ['HVDRUN_LOCAL_RANK']), sorted(os.sched_getaffinity(0))]))\n")
+    done = run_hvdrun("-H", ssh_hosts.hosts(2), *ssh_hosts.args(), "--cpu-bind", "cores", "--verbose", str(program),
+                      timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = [json.loads(line.split("CPUS ", 1)[1]) for line in done.stdout.splitlines() if "CPUS " in line]
+    assert len(found) == 4 and {host for host, _, _ in found} == set(ssh_hosts.addrs[:2])
+    for addr in ssh_hosts.addrs[:2]:
+        first, second = sorted((local, set(cpus)) for host, local, cpus in found if host == addr)
+        assert first[1] and second[1] and not first[1] & second[1], found
+    assert done.stderr.count("hvdrun: binding: rank ") == 4

@@ -153,6 +153,12 @@ POLARIS = ("--cluster", "polaris", "-A", "P")
     ((*POLARIS, "-t", "0"), ["walltime '0' must be longer than zero"]),
     (("--cluster", "sophia", "-A", "P", "-q", "by-gpu", "-n", "3"),
      ["-n/--nodes 3: queue 'by-gpu' on sophia takes 1 2 4 8 gpus"]),
+    (("--cluster", "sophia", "-A", "P", "-q", "by-node", "-t", "24:00:00"),
+     ["-t/--walltime 24:00:00: queue 'by-node' on sophia allows at most 12:00:00"]),
+    (("--cluster", "aurora", "-A", "P", "-q", "debug-scaling", "-n", "64"),
+     ["-n/--nodes 64: queue 'debug-scaling' on aurora takes 2 to 31 nodes"]),
+    (("--cluster", "aurora", "-A", "P", "-q", "prod-large", "-n", "100"),
+     ["-n/--nodes 100: queue 'prod-large' on aurora takes 1920 to 10624 nodes"]),
     (("--cluster", "thetagpu-cobalt", "-t", "30"), ["-A/--account is required on thetagpu-cobalt"]),
     (("--cluster", "thetagpu-cobalt", "-A", "P", "-t", "13:00:00"), ["allows at most 12:00:00"]),
     ((*POLARIS, "-A", "P; rm -rf ~"), ["-A/--account 'P; rm -rf ~': expected letters, digits"]),
@@ -225,6 +231,10 @@ def test_dry_run_prints_the_script_and_writes_nothing(invoke, tmp_path):
     assert result.exit_code == 0, result.output
     assert result.output.startswith("#!/bin/bash -l\n#PBS -A P\n")
     assert not (tmp_path / "hvdrun-jobs").exists()
+
+
+def test_aurora_prod_takes_a_hundred_nodes():
+    assert "#PBS -l select=100:system=aurora" in render(cluster="aurora", account="A", queue="prod", nodes=100)
 
 
 def test_the_job_runs_the_submitting_python_by_default_and_an_environment_when_named():

@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+from dataclasses import replace
 
 import pytest
 
 from hvdrun.errors import UsageError
 from hvdrun.hosts import Host
 from hvdrun.launch.connections import SshOptions
-from hvdrun.launch.mpiexec import MpiexecCommand, detect_flavour, ssh_agent_script
+from hvdrun.launch.mpiexec import SRUN, MpiexecCommand, detect_flavour, ssh_agent_script
 from hvdrun.launch.remote.mpirank import plan_value, slot_of, worker_environment
 from hvdrun.ranks import GpuLayout
 
@@ -59,10 +60,26 @@ def test_open_mpi_line():
 
 def test_pals_line_and_uneven_hosts():
     assert command("pals").argv() == [
-        "/venv/bin/mpiexec", "--np", "4", "--ppn", "2", "--envall", "--line-buffer", "--hostfile", "/tmp/x/hostfile",
+        "/venv/bin/mpiexec", "--np", "4", "--ppn", "2", "--cpu-bind", "none", "--envall", "--line-buffer",
+        "--hostfile", "/tmp/x/hostfile",
         "--env", "HVDRUN_SECRET=s3cr3t", "--env", "WITH SPACE=a b", "--verbose", *COMMAND]
     with pytest.raises(UsageError, match="same number of ranks on every host.*n1:2,n2:1"):
         command("pals", (Host("n1", 2), Host("n2", 1))).argv()
+
+
+@pytest.mark.parametrize("cpu_bind, pals, srun, launcher_binds", [
+    ("none", "none", "none", False),
+    ("cores", "none", "none", False),  # the guard splits the node's cores; the launcher must not bind first
+    ("numa", "numa", "ldoms", True),
+    ("list:0-3:4-7", "list:0-3:4-7", "mask_cpu:0xf,0xf0", True),
+])
+def test_pals_and_srun_get_the_cpu_binding_they_apply_themselves(cpu_bind, pals, srun, launcher_binds):
+    on_pals = replace(command("pals"), cpu_bind=cpu_bind)
+    argv = on_pals.argv()
+    assert argv[argv.index("--cpu-bind") + 1] == pals and on_pals.launcher_binds() == launcher_binds
+    assert f"--cpu-bind={srun}" in replace(command(SRUN), cpu_bind=cpu_bind).argv()
+    assert "--bind-to" in replace(command("openmpi"), cpu_bind=cpu_bind).argv()  # none: the guard binds
+    assert not replace(command("openmpi"), cpu_bind=cpu_bind).launcher_binds()
 
 
 def test_ssh_agent_applies_options_and_quotes_them(tmp_path):

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hvdrun import envvars
+from hvdrun.launch.remote import cpubind
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TERMINATE, KILL = b"T", b"K"
@@ -172,6 +173,34 @@ def command_env(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def bind_cpus(environ: Mapping[str, str]) -> None:
+    """Apply the job's ``--cpu-bind`` (``HVDRUN_CPU_BIND``) to this process, so the rank it starts
+    inherits it, and print the rank's line of the bindings report when asked (``--verbose``).
+
+    A binding that does not fit this host ends the rank with one line and exit code 2.
+    """
+    policy = environ.get(envvars.CPU_BIND, "none")
+    report = environ.get(envvars.BIND_REPORT) == "1"
+    if policy == "none" and not report or not hasattr(os, "sched_setaffinity"):
+        return
+    rank, host = environ.get(envvars.RANK, "?"), environ.get(envvars.HOSTNAME, "?")
+    nodes = cpubind.numa_nodes()
+    try:
+        bind = cpubind.parse_cpu_bind(policy)
+        allowed = os.sched_getaffinity(0)
+        cores = cpubind.cores_for(bind, int(environ.get(envvars.LOCAL_RANK, "0")),
+                                  int(environ.get(envvars.LOCAL_SIZE, "1")), allowed, nodes,
+                                  cpubind.thread_siblings(allowed) if bind.policy == "cores" else None)
+        os.sched_setaffinity(0, cores)
+    except (cpubind.CpuBindError, ValueError, OSError) as e:
+        sys.stderr.write(f"hvdrun: error: rank {rank} on {host}: {e}\n")
+        sys.exit(2)
+    if report:
+        devices = ",".join(environ.get(name, "") for name in envvars.DEVICE_VARIABLES if environ.get(name))
+        sys.stderr.write(f"hvdrun: binding: rank {rank} on {host}: cores {cpubind.format_cpulist(cores)} "
+                         f"(NUMA {cpubind.numa_of(cores, nodes)}), GPU {devices or '-'} [--cpu-bind {policy}]\n")
+
+
 def main(argv: list[str]) -> None:
     """Run the guard; ``argv`` is ``[GRACE_S, OPTIONS..., "--", COMMAND...]``."""
     try:
@@ -184,6 +213,7 @@ def main(argv: list[str]) -> None:
         os.setsid()
     for signum in _STOP_SIGNALS:
         signal.signal(signum, lambda *_: None)
+    bind_cpus(os.environ)
     try:
         worker = subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=inherited_fds(os.environ),
                                   env=command_env(os.environ))

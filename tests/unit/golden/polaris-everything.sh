@@ -18,6 +18,7 @@ cd /home/me/run
 module use /soft/modulefiles
 module load conda
 conda activate
+export LD_LIBRARY_PATH=/soft/libraries/aws-ofi-nccl/v1.9.1-aws/lib:/soft/libraries/hwloc/lib:$LD_LIBRARY_PATH
 module load cudatoolkit
 conda activate /home/me/env
 export NCCL_DEBUG=INFO

@@ -16,6 +16,7 @@ cd /home/me/run
 module use /soft/modulefiles
 module load conda
 conda activate
+export LD_LIBRARY_PATH=/soft/libraries/aws-ofi-nccl/v1.9.1-aws/lib:/soft/libraries/hwloc/lib:$LD_LIBRARY_PATH
 if ! /home/me/venv/bin/python -c 'import hvdrun' 2>/dev/null; then
   echo "hvdrun: error: the job's Python" /home/me/venv/bin/python "cannot import hvdrun on $(hostname): install hvdrun into that environment, or give hvdrun qsub --venv, --conda or --python" >&2
   echo 2 > /home/me/run/logs/train.exitcode
