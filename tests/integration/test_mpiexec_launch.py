@@ -136,7 +136,8 @@ def test_pals_line_through_a_fake_pals_mpiexec_pins_gpus_in_polaris_order(run_hv
         (0, 0, "3", True), (1, 1, "2", True), (2, 2, "1", True), (3, 3, "0", True)]
     assert all(f"[{rank}]<stdout>:PIN " in done.stdout for rank in range(4))
     record = json.loads((tmp_path / "record.json").read_text())
-    assert record["argv"][:7] == ["--np", "4", "--ppn", "4", "--envall", "--line-buffer", "--hostfile"]
+    assert record["argv"][:9] == ["--np", "4", "--ppn", "4", "--cpu-bind", "none", "--envall", "--line-buffer",
+                                  "--hostfile"]
     assert record["hosts"] == ["localhost"]
 
 
@@ -160,3 +161,6 @@ def test_aurora_through_a_fake_pals_mpiexec_pins_twelve_tiles_with_ze_affinity_m
     assert [p["ZE_AFFINITY_MASK"] for p in pins] == [f"{gpu}.{tile}" for gpu in range(6) for tile in range(2)]
     assert {p["ZE_FLAT_DEVICE_HIERARCHY"] for p in pins} == {"COMPOSITE"}
     assert not any(p["CUDA_VISIBLE_DEVICES"] or p["ROCR_VISIBLE_DEVICES"] for p in pins)
+    argv = json.loads((tmp_path / "record.json").read_text())["argv"]  # PALS binds ALCF's 12 core lists itself
+    assert argv[argv.index("--cpu-bind") + 1] == "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:" \
+                                                 "85-92:93-100"
