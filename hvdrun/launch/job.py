@@ -288,7 +288,8 @@ def _binding_env(options: RunOptions, config: ClusterConfig | None, slots: Seque
     try:
         bind = parse_cpu_bind(policy)
     except CpuBindError as e:
-        raise UsageError(str(e)) from None
+        where = "" if options.cpu_bind or config is None else f"{config.source}: cpu_bind: "
+        raise UsageError(f"{where}{e}") from None
     most = max((slot.local_size for slot in slots), default=0)
     if bind.policy == "list" and len(bind.lists) < most:
         raise UsageError(f"--cpu-bind {policy}: {len(bind.lists)} core lists for {most} ranks on a host; give one "

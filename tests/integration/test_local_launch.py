@@ -353,3 +353,11 @@ def test_a_core_list_that_does_not_fit_the_host_ends_the_job_naming_rank_and_cor
     assert done.returncode == 2 and "CPUS" not in done.stdout
     assert ("hvdrun: error: rank 0 on localhost: --cpu-bind list: local rank 0 gets cores 4096-4097, but "
             "4096-4097 are not allowed here") in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_bad_cpu_bind_in_a_cluster_file_names_the_file(run_hvdrun, tmp_path):
+    config = tmp_path / "site.yaml"
+    config.write_text("launcher: local\ncpu_bind: sockets\n")
+    done = run_hvdrun("--config", str(config), "-np", "1", script(tmp_path, "affinity.py", AFFINITY))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"hvdrun: error: {config}: cpu_bind: --cpu-bind 'sockets': expected none, cores")
