@@ -84,7 +84,8 @@ def _defaults(request: JobRequest, config: ClusterConfig | None) -> SchedulerDef
     if request.scheduler is None:
         where = f"cluster '{config.name}' ({config.source}) has no 'scheduler:' section; " if config else ""
         raise UsageError(f"{where}name the scheduler: --scheduler {{{','.join(SCHEDULERS)}}}, or --cluster NAME "
-                         "of a machine with one (polaris, aurora, sophia, thetagpu-cobalt, slurm)")
+                         "of a machine with one (polaris, aurora, sophia, thetagpu-cobalt, slurm, slurm-gpu, "
+                         "slurm-amd)")
     return SchedulerDefaults(kind=request.scheduler)
 
 

@@ -73,3 +73,15 @@ def test_omp_threads_split_between_local_ranks_unless_set():
     assert envvars.thread_env(slots[0], 8, {}) == {"OMP_NUM_THREADS": "2"}
     assert envvars.thread_env(slots[0], 2, {}) == {"OMP_NUM_THREADS": "1"}
     assert envvars.thread_env(slots[0], 8, {"OMP_NUM_THREADS": "3"}) == {}
+
+
+def test_the_frontier_like_config_gives_each_rank_the_gcd_next_to_its_cores():
+    from hvdrun.config import load_cluster
+    from hvdrun.launch.remote.cpubind import parse_cpu_bind
+
+    config = load_cluster("slurm-amd")
+    layout = GpuLayout(config.gpus_per_node, config.gpu_order, config.gpus_per_rank, config.gpu_vendor)
+    envs = [envvars.worker_env(slot, RDV) for slot in assign_slots([Host("f1", 8)], 8, layout)]
+    assert [env["ROCR_VISIBLE_DEVICES"] for env in envs] == ["4", "5", "2", "3", "6", "7", "0", "1"]
+    assert {env["HIP_VISIBLE_DEVICES"] for env in envs} == {"0"}
+    assert parse_cpu_bind(config.cpu_bind or "").lists[0] == set(range(1, 8))  # next to GCD 4 (OLCF's map)

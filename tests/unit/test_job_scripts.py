@@ -48,6 +48,8 @@ CASES = {
         directives=("#SBATCH --constraint=a100", "--exclusive"), after=("77",), exports=("A=1",),
         python="/usr/bin/python3", run_args="--launcher ssh --network-interface ib0"),
     "polaris-restarts": dict(cluster="polaris", nodes=2, account="MyProject", max_restarts=3, spares=1),
+    "slurm-gpu": dict(cluster="slurm-gpu", nodes=2, account="MyProject"),
+    "slurm-amd": dict(cluster="slurm-amd", nodes=4, account="MyProject", walltime="02:00:00"),
 }
 
 
