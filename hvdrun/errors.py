@@ -74,6 +74,10 @@ class RendezvousError(CollectiveError):
     """The ranks of a job could not find or authenticate each other."""
 
 
+class DeviceError(CollectiveError):
+    """Device tensors cannot be reduced: the installed torch has no process group of the chosen backend."""
+
+
 class NotInitializedError(HvdrunError, ValueError):
     """A runtime call was made before ``init()`` (or after ``shutdown()``)."""
 

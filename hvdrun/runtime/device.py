@@ -1,4 +1,5 @@
-"""Collectives on device tensors (CUDA) through a torch.distributed process group (nccl).
+"""Collectives on device tensors through a torch.distributed process group: NCCL on CUDA (and on
+ROCm builds, whose ``torch.cuda`` is HIP and whose NCCL is RCCL), XCCL on Intel GPUs (``xpu``).
 
 Device tensors are negotiated by the engine like any other op (names, mismatch checks,
 ordering); only the execution differs: it runs on the tensors themselves, in place, on a
@@ -6,7 +7,8 @@ process group built from a TCPStore that rank 0 opened at ``init()`` and announc
 authenticated rendezvous table. The group is created lazily by the first device op, which every
 rank executes at the same point of the negotiated order.
 
-``HVDRUN_DEVICE_BACKEND`` picks the group's backend (``nccl`` by default when CUDA is available);
+``HVDRUN_DEVICE_BACKEND`` picks the group's backend (default: ``nccl`` when CUDA or ROCm is available,
+``xccl`` when an Intel GPU is and the installed torch has XCCL, ``ccl`` with Intel's oneCCL bindings);
 ``HVDRUN_CPU_VIA_DEVICE_BACKEND=1`` also sends CPU tensors this way, which lets CPU-only machines
 test this path with ``gloo``.
 """
@@ -20,22 +22,57 @@ from collections.abc import Mapping
 from typing import Any
 
 from hvdrun.envvars import DEVICE_BACKEND
-from hvdrun.errors import UsageError
+from hvdrun.errors import DeviceError, UsageError
 from hvdrun.runtime.negotiation import Entry, Request
 from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, SUM, chunk_bounds, final_factor, scale_tensor
+
+DEVICE_BACKENDS = ("nccl", "xccl", "ccl", "gloo")
 
 
 def device_backend_name(environ: Mapping[str, str]) -> str | None:
     """The torch.distributed backend for device tensors, or None when there is no device path."""
     name = environ.get(DEVICE_BACKEND, "").lower()
-    if name and name not in ("nccl", "gloo"):
-        raise UsageError(f"{DEVICE_BACKEND}={name!r}; expected nccl or gloo")
+    if name and name not in DEVICE_BACKENDS:
+        raise UsageError(f"{DEVICE_BACKEND}={name!r}; expected one of {', '.join(DEVICE_BACKENDS)}")
     torch = sys.modules.get("torch")  # never import torch for numpy-only users
-    if name:
-        return name
-    if torch is not None and torch.cuda.is_available() and torch.distributed.is_nccl_available():
-        return "nccl"
+    if name or torch is None:
+        return name or None
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        return "nccl"  # CUDA, or ROCm (HIP behind torch.cuda, RCCL behind NCCL)
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        if getattr(torch.distributed, "is_xccl_available", lambda: False)():
+            return "xccl"
+        if "CCL" in torch.distributed.Backend._plugins:  # oneccl_bindings_for_pytorch, imported by the script
+            return "ccl"
     return None
+
+
+def _new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    """A process group of ``backend``; DeviceError when this torch has none."""
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "xccl" and getattr(dist, "is_xccl_available", lambda: False)() and hasattr(dist, "ProcessGroupXCCL"):
+        xccl_options = dist.ProcessGroupXCCL.Options()
+        xccl_options._timeout = timeout
+        return dist.ProcessGroupXCCL(store, rank, size, xccl_options)
+    plugin = dist.Backend._plugins.get(backend.upper())
+    if backend == "ccl" and plugin is not None:
+        return plugin.creator_fn(store, rank, size, timeout)
+    needs = {"xccl": "a torch built for Intel GPUs (XPU, 2.8 or later), whose torch.distributed.is_xccl_available() "
+                     "is True", "ccl": "Intel's oneccl_bindings_for_pytorch, imported before hvd.init()"}[backend]
+    raise DeviceError(f"{DEVICE_BACKEND}={backend}: this torch ({_torch_version()}) has no {backend.upper()} "
+                      f"process group; it needs {needs}, or set {DEVICE_BACKEND}=gloo")
+
+
+def _torch_version() -> str:
+    torch = sys.modules.get("torch")
+    return str(getattr(torch, "__version__", "?"))
 
 
 class TorchGroup:
@@ -53,13 +90,8 @@ class TorchGroup:
         """A new process group of ``backend`` on ``store`` (keys under ``prefix``)."""
         import torch.distributed as dist
 
-        prefixed = dist.PrefixStore(prefix, store)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            return cls(dist.ProcessGroupNCCL(prefixed, rank, size, options), rank, size)
-        return cls(dist.ProcessGroupGloo(prefixed, rank, size, timeout), rank, size)
+        group = _new_group(backend, dist.PrefixStore(prefix, store), rank, size, datetime.timedelta(seconds=timeout_s))
+        return cls(group, rank, size)
 
     def close(self) -> None:
         """Let go of the process group now, while the interpreter is whole: a gloo group destroyed during its

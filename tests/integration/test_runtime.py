@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hvdrun.runtime.wire import AuthError, authenticate_server
 from tests.conftest import REPO
@@ -313,3 +314,17 @@ def test_every_dtype_op_and_collective_on_mpi(hvdrun_env):
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_dtype_table(result.stdout, 2)
+
+
+def test_a_device_backend_this_torch_lacks_is_named_on_every_rank(run_hvdrun, hvdrun_env, tmp_path):
+    """Intel GPUs' xccl cannot run here: the choice reaches the device path and its error reaches every rank."""
+    program = tmp_path / "xccl.py"
+    program.write_text("import torch\nimport hvdrun.torch as hvd\nhvd.init()\ntry:\n    hvd.allreduce(torch.ones(4))\n"
+                       "except hvd.HorovodInternalError as e:\n    print(f'rank {hvd.rank()}: {e}', flush=True)\n"
+                       "hvd.shutdown()\n")
+    hvdrun_env.update({"HVDRUN_DEVICE_BACKEND": "xccl", "HVDRUN_CPU_VIA_DEVICE_BACKEND": "1"})
+    done = run_hvdrun("-np", "2", str(program))
+    assert done.returncode == 0, done.stderr
+    for rank in range(2):
+        assert (f"[{rank}]<stdout>:rank {rank}: HVDRUN_DEVICE_BACKEND=xccl: this torch ({torch.__version__}) has no "
+                "XCCL process group") in done.stdout, done.stdout
