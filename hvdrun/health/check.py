@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from hvdrun.envvars import CPU_BIND
 from hvdrun.health.check_job import RESULT_TAG
 from hvdrun.health.host_checks import Check, CheckTarget, Expectations, HostChecker, HostReport
 from hvdrun.hosts import is_local_host
@@ -134,7 +135,8 @@ def check_targets(plan: JobPlan) -> list[CheckTarget]:
     for slot in plan.slots:
         host = slot.host
         if host.name not in seen:
-            seen[host.name] = CheckTarget(host, plan.python_for(host), everywhere or not is_local_host(host.name))
+            seen[host.name] = CheckTarget(host, plan.python_for(host), everywhere or not is_local_host(host.name),
+                                          slot.local_size)
     return list(seen.values())
 
 
@@ -146,7 +148,8 @@ def run_check(options: CheckOptions, environ: Mapping[str, str],
     run = options.run
     gpus_from = "--gpus-per-node" if run.gpus_per_node is not None else (
         f"gpus_per_node of {run.cluster or run.config_file}")
-    expect = Expectations.of_launcher(plan.layout.gpus_per_node, gpus_from, int(options.min_disk_gb * 1e9))
+    expect = replace(Expectations.of_launcher(plan.layout.gpus_per_node, gpus_from, int(options.min_disk_gb * 1e9)),
+                     cpu_bind=plan.base_env.get(CPU_BIND, "none"), layout=plan.layout)
     checker = HostChecker(check_targets(plan), plan.cwd, ssh_options(plan), options.timeout_s, expect,
                           run.network_interface)
     hosts = checker.run(on_host)

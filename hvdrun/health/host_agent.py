@@ -22,7 +22,9 @@ import sys
 import threading
 from dataclasses import asdict, dataclass, field
 
+from hvdrun.launch.remote import cpubind
 from hvdrun.launch.remote.hostfacts import HostFacts, facts
+from hvdrun.ranks import GPU_VENDORS
 
 _NVIDIA_SMI_TIMEOUT_S = 10.0
 _CONNECT_TIMEOUT_S = 5.0
@@ -49,6 +51,10 @@ class HealthFacts:
     disk_free_bytes: int = 0
     workdir: str = ""
     gpu_error: str | None = field(default=None)
+    cpus: tuple[int, ...] = ()  # the cores this host allows (sched_getaffinity)
+    numa: dict[str, list[int]] = field(default_factory=dict)  # NUMA node -> its cores
+    siblings: dict[str, list[int]] = field(default_factory=dict)  # core -> its hardware threads
+    gpu_numa: dict[str, list[int]] = field(default_factory=dict)  # vendor -> NUMA node of each GPU
 
     def to_json(self) -> str:
         """One JSON line."""
@@ -60,7 +66,7 @@ class HealthFacts:
         data = json.loads(text)
         base = data.pop("base")
         return cls(base=HostFacts(**{**base, "ports": tuple(base["ports"])}),
-                   gpus=tuple(Gpu(**g) for g in data.pop("gpus")), **data)
+                   gpus=tuple(Gpu(**g) for g in data.pop("gpus")), cpus=tuple(data.pop("cpus", ())), **data)
 
 
 def torch_facts() -> tuple[str | None, str | None, list[Gpu]]:
@@ -106,9 +112,13 @@ def health_facts(interface: str | None = None) -> HealthFacts:
     smi_gpus, gpu_error = nvidia_smi_gpus()
     gpus, source = (smi_gpus, "nvidia-smi") if smi_gpus else (cuda_gpus, "torch.cuda" if cuda_gpus else "none")
     workdir = os.getcwd()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return HealthFacts(base=facts(interface, 0), torch_version=version, torch_error=error, gpus=tuple(gpus),
                        gpu_source=source, disk_free_bytes=shutil.disk_usage(workdir).free, workdir=workdir,
-                       gpu_error=gpu_error)
+                       gpu_error=gpu_error, cpus=tuple(cpus),
+                       numa={str(n): sorted(c) for n, c in cpubind.numa_nodes().items()},
+                       siblings={str(c): sorted(t) for c, t in cpubind.thread_siblings(set(cpus)).items()},
+                       gpu_numa={v: n for v in GPU_VENDORS if (n := cpubind.gpu_numa_nodes(v))})
 
 
 def serve_token(server: socket.socket, token: bytes, stop: threading.Event) -> None:

@@ -24,13 +24,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hvdrun.errors import LaunchError
+from hvdrun.errors import LaunchError, UsageError
 from hvdrun.health.host_agent import HealthFacts, ask_token, serve_token, torch_facts
 from hvdrun.hosts import Host
 from hvdrun.launch.connections import SshOptions, SshTarget, connect, peer_address, resolve_targets, run_command
 from hvdrun.launch.hostprobe import explain_probe_failure, module_command
 from hvdrun.launch.local import LOOPBACK
+from hvdrun.launch.remote import cpubind
 from hvdrun.launch.remote.hostfacts import interface_address
+from hvdrun.ranks import GpuLayout
 from hvdrun.version import __version__
 
 if TYPE_CHECKING:
@@ -86,6 +88,8 @@ class Expectations:
     gpus: int = 0
     gpus_from: str = ""
     min_disk_bytes: int = int(_GB)
+    cpu_bind: str = "none"  # the job's --cpu-bind, as each host's guard will apply it
+    layout: GpuLayout = GpuLayout()
 
     @classmethod
     def of_launcher(cls, gpus: int, gpus_from: str, min_disk_bytes: int) -> Expectations:
@@ -101,6 +105,7 @@ class CheckTarget:
     host: Host
     python: str
     remote: bool
+    ranks: int = 1  # the job's ranks on this host
 
 
 class HostChecker:
@@ -176,6 +181,7 @@ class HostChecker:
             return report
         report.facts = HealthFacts.from_json(out.strip().splitlines()[-1])
         report.checks += compare(report.facts, self.expect, target.host.name)
+        report.checks.append(binding_check(report.facts, self.expect, target.host.name, target.ranks))
         return report
 
     def _probe(self, target: CheckTarget, deadline: float) -> tuple[str, int, str, str]:
@@ -267,6 +273,33 @@ def compare(facts: HealthFacts, expect: Expectations, host: str) -> list[Check]:
                         f">= {expect.min_disk_bytes / _GB:.1f} GB free in {facts.workdir}", f"{free_gb:.1f} GB free",
                         f"free space in {facts.workdir} on {host} (checkpoints and logs are written there)"))
     return checks
+
+
+def binding_check(facts: HealthFacts, expect: Expectations, host: str, ranks: int) -> Check:
+    """The bindings report of ``host``: each local rank's cores and NUMA node under ``--cpu-bind``, and its
+    GPU's NUMA node where ``/sys`` says; a warning when they differ, a failure when the binding does not fit."""
+    nodes = {int(n): frozenset(c) for n, c in facts.numa.items()}
+    siblings = {int(c): frozenset(t) for c, t in facts.siblings.items()}
+    gpu_numa = facts.gpu_numa.get(expect.layout.vendor, [])
+    lines, apart = [], []
+    try:
+        bind = cpubind.parse_cpu_bind(expect.cpu_bind)
+        for local in range(ranks):
+            cores = cpubind.cores_for(bind, local, ranks, set(facts.cpus), nodes, siblings)
+            numa = cpubind.numa_of(cores, nodes)
+            devices = expect.layout.devices_for(local, host)
+            gpu_nodes = sorted({gpu_numa[i] for d in devices if (i := cpubind.gpu_index(d)) is not None
+                                and i < len(gpu_numa) and gpu_numa[i] >= 0})
+            gpu = f", GPU {','.join(devices)} (NUMA {','.join(map(str, gpu_nodes)) or '?'})" if devices else ""
+            lines.append(f"local rank {local}: cores {cpubind.format_cpulist(cores)} (NUMA {numa}){gpu}")
+            if gpu_nodes and not set(map(str, gpu_nodes)) & set(numa.split(",")):
+                apart.append(local)
+    except (cpubind.CpuBindError, UsageError) as e:
+        return Check("binding", False, f"--cpu-bind {expect.cpu_bind} fits {host}", str(e),
+                     f"give --cpu-bind a binding that fits the cores of {host}")
+    fix = (f"local ranks {', '.join(map(str, apart))} of {host} have their cores on another NUMA node than their "
+           "GPU: set the cluster's gpu_order (Polaris lists its GPUs reversed) or a --cpu-bind list") if apart else None
+    return Check("binding", True, f"--cpu-bind {expect.cpu_bind}", "; ".join(lines), fix, warn=bool(apart))
 
 
 _FIX_PYTHON = ("use the same Python everywhere: install it on {host} or set 'python:' or 'venv:' for {host} in the "

@@ -71,7 +71,11 @@ def test_healthy_hosts_pass_every_check_and_the_allreduce(run_hvdrun, ssh_hosts)
     assert [h["host"] for h in report["hosts"]] == ["localhost", *ssh_hosts.addrs[:2]]
     for host in report["hosts"]:
         assert host["ok"] and host["facts"]["hvdrun"] == report["launcher"]["hvdrun"]
-        assert set(checks_of(report, host["host"])) == {"reach", "python", "hvdrun", "torch", "gpus", "disk", "port"}
+        assert set(checks_of(report, host["host"])) == {"reach", "python", "hvdrun", "torch", "gpus", "disk", "port",
+                                                        "binding"}
+    binding = checks_of(report, ssh_hosts.addrs[0])["binding"]  # the bindings report of the host with 2 ranks
+    assert binding["ok"] and binding["found"].startswith("local rank 0: cores ")
+    assert "; local rank 1: cores " in binding["found"]
     assert report["hosts"][1]["via"] == "ssh" and report["hosts"][1]["facts"]["hostname"] == "h1"
     job = report["job"]["result"]
     assert report["job"]["ok"] and job["verified"] and job["ranks"] == 4
@@ -81,6 +85,13 @@ def test_healthy_hosts_pass_every_check_and_the_allreduce(run_hvdrun, ssh_hosts)
     table = run_hvdrun("check", *SMALL, "-H", ssh_hosts.hosts(1, 2), *ssh_hosts.args(), timeout=120)
     assert table.returncode == 0, table.stderr
     assert "hvdrun check: all checks passed" in table.stdout and "link 1->0" in table.stdout
+
+
+def test_a_cpu_binding_that_does_not_fit_a_host_fails_its_check(run_hvdrun):
+    done, report = check_json(run_hvdrun, "-H", "localhost:1", "--cpu-bind", "list:4096")
+    assert done.returncode == 1 and not report["ok"] and not report["job"]["ran"]
+    binding = checks_of(report, "localhost")["binding"]
+    assert not binding["ok"] and "local rank 0 gets cores 4096, but 4096 are not allowed here" in binding["found"]
 
 
 def test_a_host_that_is_down_is_named_while_the_others_are_checked(run_hvdrun, ssh_hosts):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import stat
+from dataclasses import replace
 from datetime import datetime, timezone
 
 import pytest
@@ -11,11 +12,11 @@ from hvdrun.errors import UsageError
 from hvdrun.health.check import CheckReport, JobReport, hosts_of_ranks, judge
 from hvdrun.health.excludes import describe_written, exclude_text, write_excludes
 from hvdrun.health.host_agent import Gpu, HealthFacts
-from hvdrun.health.host_checks import Check, Expectations, HostReport, compare
+from hvdrun.health.host_checks import Check, Expectations, HostReport, binding_check, compare
 from hvdrun.hosts import Host
 from hvdrun.launch.remote.hostfacts import HostFacts
 from hvdrun.measure.timing import bus_bandwidth, human_bytes, parse_size
-from hvdrun.ranks import assign_slots
+from hvdrun.ranks import GpuLayout, assign_slots
 
 
 def facts(python="3.11.7", hvdrun="0.1.0", torch="2.13.0+cpu", gpus=0, free=50e9) -> HealthFacts:
@@ -165,3 +166,26 @@ def test_the_line_printed_says_how_many_hosts_and_where(tmp_path):
     assert describe_written(path, ["h2", "h3"], False) == f"hvdrun check: wrote 2 hosts to exclude to {path} (h2, h3)"
     assert describe_written(path, [], True) == f"hvdrun check: wrote 0 hosts to exclude to {path} (every host passed)"
     assert "no host is to blame" in describe_written(path, [], False)
+
+
+def polaris_like_facts() -> HealthFacts:
+    """32 cores x 2 threads on one socket split in 4 NUMA nodes of 8 cores; GPU i sits on NUMA node 3 - i."""
+    return replace(facts(gpus=4), cpus=tuple(range(64)),
+                   numa={str(n): [*range(8 * n, 8 * n + 8), *range(32 + 8 * n, 40 + 8 * n)] for n in range(4)},
+                   siblings={str(c): [c % 32, c % 32 + 32] for c in range(64)}, gpu_numa={"nvidia": [3, 2, 1, 0]})
+
+
+@pytest.mark.parametrize("order, warned", [(("3", "2", "1", "0"), False), (None, True)])
+def test_the_bindings_report_warns_when_a_ranks_cores_and_gpu_sit_on_different_numa_nodes(order, warned):
+    expect = replace(EXPECT, cpu_bind="cores", layout=GpuLayout(4, order))
+    check = binding_check(polaris_like_facts(), expect, "x3001", 4)
+    assert check.ok and check.warn == warned
+    first = "local rank 0: cores 0-7,32-39 (NUMA 0), GPU " + ("3 (NUMA 0)" if order else "0 (NUMA 3)")
+    assert check.found.startswith(first), check.found
+    assert ("local ranks 0, 1, 2, 3 of x3001 have their cores on another NUMA node" in (check.fix or "")) == warned
+
+
+def test_the_bindings_report_fails_a_core_list_the_host_does_not_have():
+    expect = replace(EXPECT, cpu_bind="list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100")
+    check = binding_check(polaris_like_facts(), expect, "x3001", 12)
+    assert not check.ok and "local rank 7 gets cores 61-68, but 64-68 are not allowed here" in check.found

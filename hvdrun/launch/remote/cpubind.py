@@ -155,3 +155,29 @@ def numa_of(cores: frozenset[int], nodes: dict[int, frozenset[int]]) -> str:
     """The NUMA node(s) ``cores`` sit on, e.g. ``0`` or ``0,1`` (``-`` when /sys does not say)."""
     touched = sorted(node for node, node_cores in nodes.items() if node_cores & cores)
     return ",".join(str(node) for node in touched) or "-"
+
+
+_PCI_ROOT = Path("/sys/bus/pci/devices")
+_GPU_VENDOR_IDS = {"nvidia": "0x10de", "intel": "0x8086", "amd": "0x1002"}
+
+
+def gpu_numa_nodes(vendor: str, root: Path = _PCI_ROOT) -> list[int]:
+    """The NUMA node of each ``vendor`` GPU in PCI order (-1 where ``/sys`` does not say); GPU i is index i
+    of ``CUDA_VISIBLE_DEVICES`` with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, of ``ROCR_VISIBLE_DEVICES``, and
+    the GPU of ``ZE_AFFINITY_MASK`` ids ``i`` and ``i.tile``."""
+    nodes = []
+    for device in sorted(root.glob("*")):
+        try:
+            if (device / "vendor").read_text().strip() != _GPU_VENDOR_IDS.get(vendor) or \
+                    not (device / "class").read_text().strip().startswith(("0x03", "0x12")):
+                continue  # display controllers, and processing accelerators (Intel GPU Max, AMD Instinct)
+            nodes.append(int((device / "numa_node").read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return nodes
+
+
+def gpu_index(device: str) -> int | None:
+    """The GPU a device id names (``3``, ``3.1``), or None for UUIDs."""
+    head = device.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
