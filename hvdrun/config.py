@@ -9,6 +9,7 @@ A cluster file describes one machine type::
     gpu_vendor: nvidia         # nvidia | intel | amd: CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK or ROCR_VISIBLE_DEVICES
     tiles_per_gpu: 2           # Intel GPUs whose tiles get a rank each (gpus_per_node then counts tiles)
     cpu_bind: list:1-8:9-16    # none | cores | numa | list:A-B:C-D... (one core list per local rank)
+    gpu_bind: hvdrun           # hvdrun (the vendor's variable) | launcher (Cray PALS --gpu-bind list:...)
     gpus_per_rank: 1
     hosts: ["x3001c0s7b0n0:4"] # optional; usually the scheduler allocation is used
                                # or mappings: {name: n1, slots: 4, user: me, python: /x/bin/python}
@@ -46,7 +47,7 @@ from typing import Any
 
 from hvdrun.errors import ConfigError, HostSpecError, UsageError
 from hvdrun.hosts import Host, merge_duplicates, parse_host_item
-from hvdrun.ranks import GPU_VENDORS
+from hvdrun.ranks import GPU_BINDERS, GPU_VENDORS
 from hvdrun.resources import data_dir
 from hvdrun.schedulers import DEFAULT_SCHEDULER, SCHEDULERS
 
@@ -56,7 +57,7 @@ REQUIRABLE = ("account", "walltime", "filesystems", "queue")
 
 _TOP_KEYS = ("name", "description", "launcher", "gpus_per_node", "gpu_order", "gpus_per_rank", "hosts", "env",
              "ssh_port", "python", "venv", "scheduler", "mpi_flavour", "ranks_per_node", "gpu_vendor", "tiles_per_gpu",
-             "cpu_bind")
+             "cpu_bind", "gpu_bind")
 _HOST_KEYS = ("name", "slots", "user", "python", "venv")
 _SCHEDULER_KEYS = ("kind", "queue", "account", "walltime", "filesystems", "template", "extra_directives",
                    "skip_directives", "max_nodes", "system", "place", "required", "valid_filesystems", "setup",
@@ -142,6 +143,7 @@ class ClusterConfig:
     gpu_vendor: str = "nvidia"
     tiles_per_gpu: int = 1
     cpu_bind: str | None = None
+    gpu_bind: str = "hvdrun"
 
 
 class _Section:
@@ -307,6 +309,7 @@ def parse_config(data: Any, source: str) -> ClusterConfig:
         mpi_flavour=top.choice("mpi_flavour", MPI_FLAVOURS, None),
         ranks_per_node=top.positive_int("ranks_per_node", None), gpu_vendor=vendor, tiles_per_gpu=tiles,
         cpu_bind=top.get("cpu_bind", str),  # checked where it is used (launch/job.py)
+        gpu_bind=top.choice("gpu_bind", GPU_BINDERS, "hvdrun") or "hvdrun",
     )
 
 

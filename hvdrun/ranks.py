@@ -23,6 +23,7 @@ from hvdrun.errors import UsageError
 from hvdrun.hosts import Host
 
 GPU_VENDORS = ("nvidia", "intel", "amd")
+GPU_BINDERS = ("hvdrun", "launcher")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class GpuLayout:
         gpus_per_rank: consecutive devices each rank gets.
         vendor: nvidia, intel or amd: which variable pins a rank (see ``envvars.device_env``).
         tiles_per_gpu: tiles of each Intel GPU that ranks are pinned to one by one.
+        binder: ``hvdrun`` (the vendor's variable, set per rank) or ``launcher``: Cray PALS's
+            ``--gpu-bind list:...`` pins the same devices and hvdrun sets no variable.
     """
 
     gpus_per_node: int = 0
@@ -44,6 +47,7 @@ class GpuLayout:
     gpus_per_rank: int = 1
     vendor: str = "nvidia"
     tiles_per_gpu: int = 1
+    binder: str = "hvdrun"
 
     def default_order(self) -> tuple[str, ...]:
         """Device ids in index order: ``0..G-1``, or ``GPU.tile`` ids when GPUs have tiles."""

@@ -195,7 +195,8 @@ def _gpu_layout(options: RunOptions, config: ClusterConfig | None) -> GpuLayout:
     gpus_per_rank = options.gpus_per_rank or (config.gpus_per_rank if config else 1)
     return GpuLayout(gpus_per_node=gpus_per_node, gpu_order=order, gpus_per_rank=gpus_per_rank,
                      vendor=config.gpu_vendor if config else "nvidia",
-                     tiles_per_gpu=config.tiles_per_gpu if config else 1)
+                     tiles_per_gpu=config.tiles_per_gpu if config else 1,
+                     binder=config.gpu_bind if config else "hvdrun")
 
 
 def resolve_command(command: Sequence[str], check_program: bool = True, module: bool = False) -> tuple[str, ...]:

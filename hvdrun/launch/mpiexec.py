@@ -85,6 +85,7 @@ class MpiexecCommand:
     hostfile: str | None = None
     extra_args: tuple[str, ...] = ()
     cpu_bind: str = "none"
+    gpu_bind: str | None = None  # PALS ``--gpu-bind list:...`` when the cluster lets the launcher pin GPUs
 
     @property
     def num_proc(self) -> int:
@@ -146,6 +147,8 @@ class MpiexecCommand:
         pals_bind = self.cpu_bind if parse_cpu_bind(self.cpu_bind).policy in ("numa", "list") else "none"
         args = ["--np", str(self.num_proc), "--ppn", str(per_host.pop()), "--cpu-bind", pals_bind, "--envall",
                 "--line-buffer"]
+        if self.gpu_bind:
+            args += ["--gpu-bind", self.gpu_bind]
         if self.hostfile:
             args += ["--hostfile", self.hostfile]
         return args + [word for name, value in sorted(self.env.items()) for word in ("--env", f"{name}={value}")]
@@ -326,8 +329,10 @@ class MpiexecLauncher(Launcher):
         """The mpiexec command for the job whose ranks are ``specs``."""
         assert self._tmp is not None and self.flavour is not None
         first = specs[0]
+        gpu_bind = self._launcher_gpu_bind()
+        shim_layout = replace(self.layout, gpus_per_node=0) if gpu_bind else self.layout  # PALS pins, not the shim
         env = {**envvars.job_env(envvars.rendezvous_of(first.env)), **_additions(first.env),
-               envvars.MPI_PLAN: plan_value(list(self._hosts), len(specs), self.layout)}
+               envvars.MPI_PLAN: plan_value(list(self._hosts), len(specs), shim_layout)}
         agent = Path(self._tmp.name) / "ssh"
         agent.write_text(ssh_agent_script(self.ssh))
         agent.chmod(0o700)
@@ -337,10 +342,21 @@ class MpiexecLauncher(Launcher):
         rank_command = (first.python, "-m", "hvdrun.launch.remote.mpirank", f"{self.grace_s:g}", "--", *first.argv)
         command = MpiexecCommand(self.flavour, self.mpiexec, self._hosts, env, rank_command, str(agent),
                                  self._callback_addr, str(hostfile), self.extra_args,
-                                 first.env.get(envvars.CPU_BIND, "none"))
+                                 first.env.get(envvars.CPU_BIND, "none"), gpu_bind)
         if command.launcher_binds():
             command = replace(command, env={k: v for k, v in env.items() if k != envvars.CPU_BIND})
         return command
+
+    def _launcher_gpu_bind(self) -> str | None:
+        """PALS's ``--gpu-bind list:...`` (one item per local rank) when the cluster says ``gpu_bind: launcher``."""
+        if self.layout.binder != "launcher" or not self.layout.gpus_per_node:
+            return None
+        if self.flavour != "pals":
+            raise LaunchError(f"gpu_bind: launcher pins GPUs with Cray PALS's --gpu-bind, but this mpiexec is "
+                              f"{self.flavour}; set gpu_bind: hvdrun in the cluster file")
+        per_host = max(host.slots for host in self._hosts)
+        return "list:" + ":".join(",".join(self.layout.devices_for(local, self._hosts[0].name))
+                                  for local in range(per_host))
 
     def close(self) -> None:
         if self._tmp is not None:

@@ -164,3 +164,17 @@ def test_aurora_through_a_fake_pals_mpiexec_pins_twelve_tiles_with_ze_affinity_m
     argv = json.loads((tmp_path / "record.json").read_text())["argv"]  # PALS binds ALCF's 12 core lists itself
     assert argv[argv.index("--cpu-bind") + 1] == "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:" \
                                                  "85-92:93-100"
+
+
+def test_a_cluster_that_lets_pals_pin_gpus_gets_gpu_bind_and_no_variable(run_hvdrun, hvdrun_env, tmp_path):
+    """FAKE PALS: gpu_bind: launcher hands the same tiles to PALS's --gpu-bind; hvdrun sets no ZE_AFFINITY_MASK."""
+    config = tmp_path / "aurora-pals-binds.yaml"
+    config.write_text("launcher: mpiexec\nmpi_flavour: pals\ngpu_vendor: intel\ngpus_per_node: 4\ntiles_per_gpu: 2\n"
+                      "gpu_bind: launcher\nhosts: ['localhost:4']\n")
+    hvdrun_env.update({"HVDRUN_MPIEXEC": str(FAKE_PALS), "FAKE_PALS_RECORD": str(tmp_path / "record.json")})
+    done = run_hvdrun("--config", str(config), "--", sys.executable, "-c", DEVICE_VARIABLES)
+    assert done.returncode == 0, done.stderr
+    pins = [json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line]
+    assert len(pins) == 4 and not any(p["ZE_AFFINITY_MASK"] for p in pins)
+    argv = json.loads((tmp_path / "record.json").read_text())["argv"]
+    assert argv[argv.index("--gpu-bind") + 1] == "list:0.0:0.1:1.0:1.1"
