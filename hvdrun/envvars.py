@@ -39,6 +39,7 @@ FAST_LANE = "HVDRUN_FAST_LANE"  # 0: blocking small allreduces of a one-host job
 DEVICE_BACKEND = "HVDRUN_DEVICE_BACKEND"
 CPU_VIA_DEVICE = "HVDRUN_CPU_VIA_DEVICE_BACKEND"
 CPU_BIND = "HVDRUN_CPU_BIND"  # --cpu-bind none|cores|numa|list:..., applied by the guard (launch/remote/cpubind.py)
+GPU_LAYOUT = "HVDRUN_GPU_LAYOUT"  # --cpu-bind cores: the GPU layout, so the guard puts cores beside each GPU
 BIND_REPORT = "HVDRUN_BIND_REPORT"  # 1: the guard prints the rank's cores, NUMA node and GPU (--verbose)
 
 _TOPOLOGY = {

@@ -16,6 +16,7 @@ local rank, ``cross_size`` the number of such hosts.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -164,3 +165,15 @@ def assign_slots(hosts: Sequence[Host], num_proc: int, gpus: GpuLayout | None = 
                  devices=layout.devices_for(topology.local_rank, host.name), host_count=len(host_index),
                  gpu_vendor=layout.vendor)
             for topology, host in zip(topologies(used), used, strict=True)]
+
+
+def layout_value(layout: GpuLayout) -> str:
+    """``layout`` as one JSON text, for a variable (read back with :func:`layout_of`)."""
+    return json.dumps([layout.gpus_per_node, list(layout.gpu_order or ()), layout.gpus_per_rank, layout.vendor,
+                       layout.tiles_per_gpu])
+
+
+def layout_of(value: str) -> GpuLayout:
+    """The layout :func:`layout_value` wrote."""
+    gpus_per_node, order, per_rank, vendor, tiles = json.loads(value)
+    return GpuLayout(gpus_per_node, tuple(order) or None, per_rank, vendor, tiles)

@@ -284,8 +284,9 @@ def binding_check(facts: HealthFacts, expect: Expectations, host: str, ranks: in
     lines, apart = [], []
     try:
         bind = cpubind.parse_cpu_bind(expect.cpu_bind)
+        beside = cpubind.local_gpu_nodes([expect.layout.devices_for(local, host) for local in range(ranks)], gpu_numa)
         for local in range(ranks):
-            cores = cpubind.cores_for(bind, local, ranks, set(facts.cpus), nodes, siblings)
+            cores = cpubind.cores_for(bind, local, ranks, set(facts.cpus), nodes, siblings, beside)
             numa = cpubind.numa_of(cores, nodes)
             devices = expect.layout.devices_for(local, host)
             gpu_nodes = sorted({gpu_numa[i] for d in devices if (i := cpubind.gpu_index(d)) is not None

@@ -26,6 +26,7 @@ from hvdrun.envvars import (
     CPU_BIND,
     ELASTIC_ADDR,
     ELASTIC_PORT,
+    GPU_LAYOUT,
     HOROVOD_COMPAT,
     START_TIMEOUT,
     TIMELINE,
@@ -52,7 +53,7 @@ from hvdrun.launch.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.elastic_driver import ElasticDriver, check_settings, make_discovery
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, HOST, SLOT, ElasticSettings
-from hvdrun.ranks import GpuLayout, Slot, assign_slots, total_slots
+from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, total_slots
 from hvdrun.schedulers import SLURM
 
 if TYPE_CHECKING:
@@ -272,7 +273,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
         base_env[START_TIMEOUT] = str(options.start_timeout_s)
     if options.timeline_filename:
         base_env[TIMELINE[0]] = str(Path(options.timeline_filename).resolve())
-    base_env.update(_binding_env(options, config, slots))
+    base_env.update(_binding_env(options, config, slots, layout))
     return JobPlan(slots=tuple(slots), command=command, launcher=launcher, options=options, base_env=base_env,
                    cwd=os.getcwd(), default_python=(config.python if config else None) or sys.executable,
                    ssh_port=config.ssh_port if config else None, layout=layout,
@@ -280,7 +281,8 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
                    hosts=hosts)
 
 
-def _binding_env(options: RunOptions, config: ClusterConfig | None, slots: Sequence[Slot]) -> dict[str, str]:
+def _binding_env(options: RunOptions, config: ClusterConfig | None, slots: Sequence[Slot],
+                 layout: GpuLayout) -> dict[str, str]:
     """``HVDRUN_CPU_BIND`` (``--cpu-bind``, else the YAML's ``cpu_bind``) and, with ``--verbose``, the
     bindings report; the guard applies both on each host. A list too short for a host's ranks is a usage error."""
     from hvdrun.launch.remote.cpubind import CpuBindError, parse_cpu_bind
@@ -295,7 +297,10 @@ def _binding_env(options: RunOptions, config: ClusterConfig | None, slots: Seque
     if bind.policy == "list" and len(bind.lists) < most:
         raise UsageError(f"--cpu-bind {policy}: {len(bind.lists)} core lists for {most} ranks on a host; give one "
                          "list per local rank")
-    return {**({CPU_BIND: policy} if bind.binds else {}), **({BIND_REPORT: "1"} if options.verbose else {})}
+    env = {**({CPU_BIND: policy} if bind.binds else {}), **({BIND_REPORT: "1"} if options.verbose else {})}
+    if bind.policy == "cores" and layout.gpus_per_node:
+        env[GPU_LAYOUT] = layout_value(layout)
+    return env
 
 
 def _num_proc(options: RunOptions, hosts: tuple[Host, ...]) -> int:

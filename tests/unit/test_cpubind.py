@@ -79,3 +79,14 @@ def test_numa_nodes_are_read_from_sys(tmp_path):
         (tmp_path / f"node{node}" / "cpulist").write_text(cpus + "\n")
     (tmp_path / "node2").mkdir()  # a memory-only node: no cpulist
     assert numa_nodes(tmp_path) == {0: frozenset(range(4)), 1: frozenset(range(4, 8))}
+
+
+def test_cores_follow_each_ranks_gpu_to_its_numa_node_where_sys_tells():
+    gpu_nodes = [1, 1, 0, 0]  # local ranks 0 and 1 have GPUs on node 1, ranks 2 and 3 on node 0
+    shares = [cores_for(CpuBind("cores"), rank, 4, set(range(16)), TWO_SOCKETS, None, gpu_nodes) for rank in range(4)]
+    assert [format_cpulist(share) for share in shares] == ["8-11", "12-15", "0-3", "4-7"]
+    three_on_one_node = [0, 0, 0, 1]
+    shares = [cores_for(CpuBind("cores"), r, 4, set(range(16)), TWO_SOCKETS, None, three_on_one_node) for r in range(4)]
+    assert [format_cpulist(share) for share in shares] == ["0-1", "2-3", "4-5", "8-15"]
+    unknown = [0, -1, 1, 1]  # one GPU's node unknown: the plain split in NUMA order
+    assert cores_for(CpuBind("cores"), 1, 4, set(range(16)), TWO_SOCKETS, None, unknown) == set(range(4, 8))

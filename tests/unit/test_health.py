@@ -175,14 +175,22 @@ def polaris_like_facts() -> HealthFacts:
                    siblings={str(c): [c % 32, c % 32 + 32] for c in range(64)}, gpu_numa={"nvidia": [3, 2, 1, 0]})
 
 
-@pytest.mark.parametrize("order, warned", [(("3", "2", "1", "0"), False), (None, True)])
-def test_the_bindings_report_warns_when_a_ranks_cores_and_gpu_sit_on_different_numa_nodes(order, warned):
-    expect = replace(EXPECT, cpu_bind="cores", layout=GpuLayout(4, order))
-    check = binding_check(polaris_like_facts(), expect, "x3001", 4)
-    assert check.ok and check.warn == warned
-    first = "local rank 0: cores 0-7,32-39 (NUMA 0), GPU " + ("3 (NUMA 0)" if order else "0 (NUMA 3)")
+@pytest.mark.parametrize("order", [("3", "2", "1", "0"), None])
+def test_cores_follow_each_gpu_to_its_numa_node_in_the_bindings_report(order):
+    check = binding_check(polaris_like_facts(), replace(EXPECT, cpu_bind="cores", layout=GpuLayout(4, order)),
+                          "x3001", 4)
+    assert check.ok and not check.warn and check.fix is None
+    beside = "0-7,32-39 (NUMA 0), GPU 3 (NUMA 0)" if order else "24-31,56-63 (NUMA 3), GPU 0 (NUMA 3)"
+    first = f"local rank 0: cores {beside}"
     assert check.found.startswith(first), check.found
-    assert ("local ranks 0, 1, 2, 3 of x3001 have their cores on another NUMA node" in (check.fix or "")) == warned
+
+
+def test_the_bindings_report_warns_when_a_ranks_cores_and_gpu_sit_on_different_numa_nodes():
+    expect = replace(EXPECT, cpu_bind="list:0-7:8-15:16-23:24-31", layout=GpuLayout(4))
+    check = binding_check(polaris_like_facts(), expect, "x3001", 4)
+    assert check.ok and check.warn
+    assert check.found.startswith("local rank 0: cores 0-7 (NUMA 0), GPU 0 (NUMA 3)"), check.found
+    assert "local ranks 0, 1, 2, 3 of x3001 have their cores on another NUMA node" in (check.fix or "")
 
 
 def test_the_bindings_report_fails_a_core_list_the_host_does_not_have():

@@ -3,9 +3,10 @@
 Policies (``--cpu-bind`` or the cluster YAML's ``cpu_bind``):
 
 * ``none``: the rank keeps every core the job may use (the default).
-* ``cores``: an equal, disjoint share of the cores allowed to the job on this host, cut from the
-  physical cores in NUMA order (a core's hardware threads stay together), so that a share stays
-  on one NUMA node where the counts allow. With Polaris's reversed ``gpu_order``, local rank 0
+* ``cores``: an equal, disjoint share of the cores allowed to the job on this host (a core's hardware
+  threads stay together): where ``/sys`` tells the NUMA node of every local rank's GPU, each node's
+  cores are shared by the ranks whose GPU sits there; else they are cut in NUMA order, so that a
+  share stays on one NUMA node where the counts allow. With Polaris's reversed ``gpu_order``, local rank 0
   gets cores 0-7 (and their threads 32-39), the ones next to its GPU 3.
 * ``numa``: every core of one NUMA node; ranks are spread over the nodes in order.
 * ``list:A-B:C-D:...``: local rank L gets the L-th core list (``,`` and ``-`` inside an item,
@@ -104,13 +105,16 @@ def thread_siblings(cpus: set[int] | frozenset[int], root: Path = _CPU_ROOT) -> 
 
 
 def cores_for(bind: CpuBind, local_rank: int, local_size: int, allowed: set[int] | frozenset[int],
-              nodes: dict[int, frozenset[int]], siblings: dict[int, frozenset[int]] | None = None) -> frozenset[int]:
+              nodes: dict[int, frozenset[int]], siblings: dict[int, frozenset[int]] | None = None,
+              gpu_nodes: list[int] | None = None) -> frozenset[int]:
     """The cores of ``local_rank`` (of ``local_size`` on this host) under ``bind``.
 
     Args:
         allowed: the cores the job may use here (``os.sched_getaffinity(0)``).
         nodes: this host's NUMA nodes (:func:`numa_nodes`); one node holding ``allowed`` when empty.
         siblings: each CPU's hardware threads (:func:`thread_siblings`); every CPU its own core when None.
+        gpu_nodes: the NUMA node of each local rank's GPU, where ``/sys`` tells all of them: ``cores``
+            then splits each NUMA node among the ranks whose GPU sits there.
 
     Raises:
         CpuBindError: the binding does not fit this host (too few cores or lists, cores not allowed).
@@ -124,12 +128,28 @@ def cores_for(bind: CpuBind, local_rank: int, local_size: int, allowed: set[int]
     if bind.policy == "numa":
         ordered = sorted(nodes)
         return nodes[ordered[local_rank * len(ordered) // local_size]]
+    beside_gpu = _beside_gpu(local_rank, local_size, nodes, gpu_nodes)
+    if beside_gpu is not None:
+        node, local_rank, local_size = beside_gpu
+        nodes = {node: nodes[node]}
+        allowed = nodes[node]
     cores = _physical_cores(allowed, nodes, siblings or {})
     share = len(cores) // local_size
     if share < 1:
         raise CpuBindError(f"--cpu-bind cores: {local_size} ranks on this host but only {len(cores)} cores are "
                            f"allowed ({format_cpulist(allowed)})")
     return frozenset().union(*cores[local_rank * share:(local_rank + 1) * share])
+
+
+def _beside_gpu(local_rank: int, local_size: int, nodes: dict[int, frozenset[int]],
+                gpu_nodes: list[int] | None) -> tuple[int, int, int] | None:
+    """(NUMA node of this rank's GPU, this rank's place among the ranks whose GPU sits there, their
+    number), or None unless ``/sys`` placed every local rank's GPU on a node with allowed cores."""
+    if not gpu_nodes or len(gpu_nodes) < local_size or any(gpu_nodes[r] not in nodes for r in range(local_size)):
+        return None
+    node = gpu_nodes[local_rank]
+    sharing = [rank for rank in range(local_size) if gpu_nodes[rank] == node]
+    return node, sharing.index(local_rank), len(sharing)
 
 
 def _physical_cores(allowed: frozenset[int], nodes: dict[int, frozenset[int]],
@@ -181,3 +201,11 @@ def gpu_index(device: str) -> int | None:
     """The GPU a device id names (``3``, ``3.1``), or None for UUIDs."""
     head = device.split(".", 1)[0]
     return int(head) if head.isdigit() else None
+
+
+def local_gpu_nodes(devices: list[tuple[str, ...]], gpu_numa: list[int]) -> list[int]:
+    """The NUMA node of each local rank's (first) GPU, -1 where unknown; ``devices[L]`` are rank L's ids."""
+    def node(ids: tuple[str, ...]) -> int:
+        index = gpu_index(ids[0]) if ids else None
+        return gpu_numa[index] if index is not None and index < len(gpu_numa) else -1
+    return [node(ids) for ids in devices]

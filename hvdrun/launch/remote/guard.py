@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from hvdrun import envvars
 from hvdrun.launch.remote import cpubind
+from hvdrun.ranks import layout_of
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TERMINATE, KILL = b"T", b"K"
@@ -173,6 +174,15 @@ def command_env(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def _gpu_nodes(environ: Mapping[str, str], local_size: int) -> list[int] | None:
+    """The NUMA node of each local rank's GPU (``--cpu-bind cores`` with GPUs), from the job's layout and /sys."""
+    if envvars.GPU_LAYOUT not in environ:
+        return None
+    layout = layout_of(environ[envvars.GPU_LAYOUT])
+    devices = [layout.devices_for(local, "") for local in range(local_size)]
+    return cpubind.local_gpu_nodes(devices, cpubind.gpu_numa_nodes(layout.vendor))
+
+
 def bind_cpus(environ: Mapping[str, str]) -> None:
     """Apply the job's ``--cpu-bind`` (``HVDRUN_CPU_BIND``) to this process, so the rank it starts
     inherits it, and print the rank's line of the bindings report when asked (``--verbose``).
@@ -188,9 +198,10 @@ def bind_cpus(environ: Mapping[str, str]) -> None:
     try:
         bind = cpubind.parse_cpu_bind(policy)
         allowed = os.sched_getaffinity(0)
-        cores = cpubind.cores_for(bind, int(environ.get(envvars.LOCAL_RANK, "0")),
-                                  int(environ.get(envvars.LOCAL_SIZE, "1")), allowed, nodes,
-                                  cpubind.thread_siblings(allowed) if bind.policy == "cores" else None)
+        local_size = int(environ.get(envvars.LOCAL_SIZE, "1"))
+        cores = cpubind.cores_for(bind, int(environ.get(envvars.LOCAL_RANK, "0")), local_size, allowed, nodes,
+                                  cpubind.thread_siblings(allowed) if bind.policy == "cores" else None,
+                                  _gpu_nodes(environ, local_size))
         os.sched_setaffinity(0, cores)
     except (cpubind.CpuBindError, ValueError, OSError) as e:
         sys.stderr.write(f"hvdrun: error: rank {rank} on {host}: {e}\n")

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from hvdrun import envvars
 from hvdrun.hosts import Host
 from hvdrun.launch.output import LineSplitter
-from hvdrun.ranks import GpuLayout, Slot, assign_slots
+from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_of, layout_value
 
 _PR_SET_PDEATHSIG = 1
 _write_lock = threading.Lock()
@@ -40,16 +40,13 @@ _write_lock = threading.Lock()
 
 def plan_value(hosts: list[Host], num_proc: int, layout: GpuLayout) -> str:
     """The ``HVDRUN_MPI_PLAN`` value that lets every shim compute its slot."""
-    return json.dumps({"hosts": [[h.name, h.slots] for h in hosts], "np": num_proc,
-                       "gpus": [layout.gpus_per_node, list(layout.gpu_order or ()), layout.gpus_per_rank,
-                                layout.vendor, layout.tiles_per_gpu]})
+    return json.dumps({"hosts": [[h.name, h.slots] for h in hosts], "np": num_proc, "gpus": layout_value(layout)})
 
 
 def slot_of(environ: Mapping[str, str]) -> Slot:
     """This rank's slot, from the MPI rank and hvdrun's plan."""
     plan = json.loads(environ[envvars.MPI_PLAN])
-    gpus_per_node, order, per_rank, vendor, tiles = plan["gpus"]
-    layout = GpuLayout(gpus_per_node, tuple(order) or None, per_rank, vendor, tiles)
+    layout = layout_of(plan["gpus"])
     slots = assign_slots([Host(name, slots) for name, slots in plan["hosts"]], plan["np"], layout)
     rank = envvars.mpi_rank(environ)
     if rank is None or not 0 <= rank < len(slots):
