@@ -61,8 +61,9 @@ _TOP_KEYS = ("name", "description", "launcher", "gpus_per_node", "gpu_order", "g
 _HOST_KEYS = ("name", "slots", "user", "python", "venv")
 _SCHEDULER_KEYS = ("kind", "queue", "account", "walltime", "filesystems", "template", "extra_directives",
                    "skip_directives", "max_nodes", "system", "place", "required", "valid_filesystems", "setup",
-                   "queues")
-_QUEUE_KEYS = ("min_nodes", "max_nodes", "max_walltime", "nodes_allowed", "unit")
+                   "queues", "max_walltime")
+_QUEUE_KEYS = ("min_nodes", "max_nodes", "max_walltime", "nodes_allowed", "unit", "routes")
+_ROUTE_KEYS = ("min_nodes", "max_nodes", "max_walltime")
 _WALLTIME_RE = re.compile(r"(?:(\d{1,3})-)?(\d{1,4}):([0-5]\d):([0-5]\d)")
 
 
@@ -92,14 +93,36 @@ def format_hms(seconds: int) -> str:
 
 
 @dataclass(frozen=True)
+class QueueRoute:
+    """One execution queue a routing queue sends jobs of ``min_nodes``..``max_nodes`` nodes to."""
+
+    name: str
+    min_nodes: int
+    max_nodes: int | None
+    max_walltime_s: int | None
+
+
+@dataclass(frozen=True)
 class QueueLimits:
-    """What one queue accepts; ``unit`` says what ``-n`` counts there (``nodes`` or ``gpus``)."""
+    """What one queue accepts; ``unit`` says what ``-n`` counts there (``nodes`` or ``gpus``).
+
+    ``routes`` lists the execution queues of a routing queue (Polaris's and Aurora's ``prod``), whose
+    walltime limits depend on the node count.
+    """
 
     min_nodes: int | None = None
     max_nodes: int | None = None
     max_walltime_s: int | None = None
     nodes_allowed: tuple[int, ...] = ()
     unit: str = "nodes"
+    routes: tuple[QueueRoute, ...] = ()
+
+    def route_for(self, nodes: int) -> QueueRoute | None:
+        """The execution queue a job of ``nodes`` nodes is routed to (None: no route takes it)."""
+        for route in self.routes:
+            if route.min_nodes <= nodes and (route.max_nodes is None or nodes <= route.max_nodes):
+                return route
+        return None
 
 
 @dataclass(frozen=True)
@@ -121,6 +144,7 @@ class SchedulerDefaults:
     valid_filesystems: tuple[str, ...] = ()
     setup: tuple[str, ...] = ()
     queues: Mapping[str, QueueLimits] = field(default_factory=dict)
+    max_walltime_s: int | None = None
 
 
 @dataclass(frozen=True)
@@ -255,7 +279,7 @@ def _parse_scheduler(top: _Section) -> SchedulerDefaults | None:
         extra_directives=s.str_list("extra_directives"), skip_directives=s.str_list("skip_directives"),
         max_nodes=s.positive_int("max_nodes", None), system=s.get("system", str), place=s.get("place", str),
         required=required, valid_filesystems=s.str_list("valid_filesystems"), setup=s.str_list("setup"),
-        queues=_parse_queues(s),
+        queues=_parse_queues(s), max_walltime_s=_optional_walltime_s(s, "max_walltime", "scheduler."),
     )
 
 
@@ -266,21 +290,36 @@ def _walltime_s(text: str, where: str) -> int:
         raise ConfigError(str(e)) from e
 
 
+def _optional_walltime_s(section: _Section, key: str, prefix: str) -> int | None:
+    value = section.get(key, (str, int))
+    return _walltime_s(str(value), f"{section.source}: {prefix}{key}") if value is not None else None
+
+
 def _parse_queues(s: _Section) -> dict[str, QueueLimits]:
     queues = {}
     for name, data in s.get("queues", dict, {}).items():
-        q = _Section(data, s.source, f"scheduler.queues.{name}.", _QUEUE_KEYS)
+        prefix = f"scheduler.queues.{name}."
+        q = _Section(data, s.source, prefix, _QUEUE_KEYS)
         allowed = q.get("nodes_allowed", list, [])
         if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in allowed):
-            raise ConfigError(f"{s.source}: scheduler.queues.{name}.nodes_allowed must list positive integers, "
-                              f"got {allowed!r}")
-        max_walltime = q.get("max_walltime", (str, int))
+            raise ConfigError(f"{s.source}: {prefix}nodes_allowed must list positive integers, got {allowed!r}")
         queues[str(name)] = QueueLimits(
             min_nodes=q.positive_int("min_nodes", None), max_nodes=q.positive_int("max_nodes", None),
-            max_walltime_s=_walltime_s(str(max_walltime), f"{s.source}: scheduler.queues.{name}.max_walltime")
-            if max_walltime is not None else None,
-            nodes_allowed=tuple(allowed), unit=q.choice("unit", ("nodes", "gpus"), "nodes") or "nodes")
+            max_walltime_s=_optional_walltime_s(q, "max_walltime", prefix),
+            nodes_allowed=tuple(allowed), unit=q.choice("unit", ("nodes", "gpus"), "nodes") or "nodes",
+            routes=_parse_routes(q, prefix))
     return queues
+
+
+def _parse_routes(queue: _Section, prefix: str) -> tuple[QueueRoute, ...]:
+    routes = []
+    for name, data in queue.get("routes", dict, {}).items():
+        where = f"{prefix}routes.{name}."
+        r = _Section(data, queue.source, where, _ROUTE_KEYS)
+        routes.append(QueueRoute(name=str(name), min_nodes=r.positive_int("min_nodes", 1) or 1,
+                                 max_nodes=r.positive_int("max_nodes", None),
+                                 max_walltime_s=_optional_walltime_s(r, "max_walltime", where)))
+    return tuple(routes)
 
 
 def parse_config(data: Any, source: str) -> ClusterConfig:

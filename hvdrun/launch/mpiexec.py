@@ -115,9 +115,18 @@ class MpiexecCommand:
             return "mask_cpu:" + ",".join(hex(sum(1 << core for core in cores)) for cores in bind.lists)
         return "none"
 
+    def _pals_cpu_bind(self) -> list[str]:
+        """PALS's binding flags: ``numa`` and ``list:`` as they are, ``depth:D`` as ALCF writes it
+        (``--depth=D --cpu-bind depth``), and ``none`` for what the guard binds itself."""
+        bind = parse_cpu_bind(self.cpu_bind)
+        if bind.policy == "depth":
+            return [f"--depth={bind.depth}", "--cpu-bind", "depth"]
+        return ["--cpu-bind", self.cpu_bind if bind.policy in ("numa", "list") else "none"]
+
     def launcher_binds(self) -> bool:
         """Whether this flavour's own launcher applies ``cpu_bind`` (the guard then must not)."""
-        return self.flavour in ("pals", SRUN) and parse_cpu_bind(self.cpu_bind).policy in ("numa", "list")
+        binds_itself = {"pals": ("numa", "list", "depth"), SRUN: ("numa", "list")}.get(self.flavour, ())
+        return parse_cpu_bind(self.cpu_bind).policy in binds_itself
 
     def _host_slots(self) -> str:
         return ",".join(f"{host.name}:{host.slots}" for host in self.hosts)
@@ -144,8 +153,7 @@ class MpiexecCommand:
             listed = ",".join(f"{h.name}:{h.slots}" for h in self.hosts)
             raise UsageError(f"Cray PALS mpiexec runs the same number of ranks on every host (--ppn); the ranks "
                              f"fall unevenly on {listed}: give -np a multiple of the slots per host")
-        pals_bind = self.cpu_bind if parse_cpu_bind(self.cpu_bind).policy in ("numa", "list") else "none"
-        args = ["--np", str(self.num_proc), "--ppn", str(per_host.pop()), "--cpu-bind", pals_bind, "--envall",
+        args = ["--np", str(self.num_proc), "--ppn", str(per_host.pop()), *self._pals_cpu_bind(), "--envall",
                 "--line-buffer"]
         if self.gpu_bind:
             args += ["--gpu-bind", self.gpu_bind]
@@ -352,8 +360,8 @@ class MpiexecLauncher(Launcher):
         if self.layout.binder != "launcher" or not self.layout.gpus_per_node:
             return None
         if self.flavour != "pals":
-            raise LaunchError(f"gpu_bind: launcher pins GPUs with Cray PALS's --gpu-bind, but this mpiexec is "
-                              f"{self.flavour}; set gpu_bind: hvdrun in the cluster file")
+            raise UsageError(f"gpu_bind: launcher pins GPUs with Cray PALS's --gpu-bind, but this mpiexec is "
+                             f"{self.flavour}; set gpu_bind: hvdrun in the cluster file (or --mpi-flavour pals)")
         per_host = max(host.slots for host in self._hosts)
         return "list:" + ":".join(",".join(self.layout.devices_for(local, self._hosts[0].name))
                                   for local in range(per_host))

@@ -3,8 +3,8 @@
 
 It replays only what ALCF's documentation says PALS's mpiexec does with the options hvdrun uses
 (Polaris/Aurora user guides: ``-n/--np`` total ranks, ``--ppn`` ranks per node, ``--hostfile``,
-``--env VAR=val``, ``--envall``, ``--line-buffer``, ``--cpu-bind`` and ``--gpu-bind`` (accepted
-and recorded only: the fake binds nothing); per-rank ``PMI_RANK``, ``PMI_SIZE``,
+``--env VAR=val``, ``--envall``, ``--line-buffer``, ``--cpu-bind``, ``--depth=D`` and ``--gpu-bind``
+(accepted and recorded only: the fake binds nothing); per-rank ``PMI_RANK``, ``PMI_SIZE``,
 ``PMI_LOCAL_RANK``, ``PMI_LOCAL_SIZE``, ``PALS_RANKID``, ``PALS_LOCAL_RANKID``): it starts every
 rank on THIS machine, whatever the hostfile lists, and passes their output through. It records its
 command line in ``$FAKE_PALS_RECORD`` when set. It is not PALS and proves nothing about PALS itself.
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
         elif word in ("--env", "-env"):
             name, _, value = next(words).partition("=")
             env[name] = value
-        elif word in ("--envall", "--line-buffer"):
+        elif word in ("--envall", "--line-buffer") or word.startswith("--depth="):
             continue
         else:
             command = [word, *words]

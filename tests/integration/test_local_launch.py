@@ -336,10 +336,34 @@ def test_cpu_bind_gives_local_ranks_disjoint_cores_and_the_verbose_report_names_
     assert [r["cpus"] for r in affinities(listed.stdout)] == [[allowed[1]], [allowed[0]]], listed.stderr
     unbound = run_hvdrun("-np", "2", program)
     assert all(r["cpus"] == allowed for r in affinities(unbound.stdout))
+    if allowed[:2] == [0, 1]:  # depth:D counts CPUs from 0, as PALS does
+        deep = run_hvdrun("-np", "2", "--cpu-bind", "depth:1", program)
+        assert [r["cpus"] for r in affinities(deep.stdout)] == [[0], [1]], deep.stderr
+
+
+AMD_PINS = """
+import json, os
+names = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
+print("PIN " + json.dumps({"rank": int(os.environ["RANK"]), **{n: os.environ.get(n) for n in names}}))
+"""
+
+
+def test_amd_ranks_read_back_their_rocr_gpus_and_no_contradicting_variable(run_hvdrun, hvdrun_env, tmp_path):
+    """A HIP_VISIBLE_DEVICES inherited from the shell must not leave a rank with no GPU: the ranks see
+    ROCR_VISIBLE_DEVICES in the cluster's order and HIP/CUDA indices 0..k-1 within it."""
+    (tmp_path / "amd.yaml").write_text("gpu_vendor: amd\ngpus_per_node: 4\ngpus_per_rank: 2\ngpu_order: [4, 5, 2, 3]\n"
+                                       "hosts: ['localhost:2']\n")
+    hvdrun_env["HIP_VISIBLE_DEVICES"] = "7"
+    done = run_hvdrun("--config", str(tmp_path / "amd.yaml"), script(tmp_path, "pins.py", AMD_PINS))
+    assert done.returncode == 0, done.stderr
+    pins = sorted((json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line),
+                  key=lambda p: p["rank"])
+    assert [(p["ROCR_VISIBLE_DEVICES"], p["HIP_VISIBLE_DEVICES"], p["CUDA_VISIBLE_DEVICES"], p["ZE_AFFINITY_MASK"])
+            for p in pins] == [("4,5", "0,1", "0,1", None), ("2,3", "0,1", "0,1", None)]
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("--cpu-bind", "sockets"), "--cpu-bind 'sockets': expected none, cores, numa or list:A-B:C-D"),
+    (("--cpu-bind", "sockets"), "--cpu-bind 'sockets': expected none, cores, numa, depth:D or list:A-B:C-D"),
     (("--cpu-bind", "list:0"), "--cpu-bind list:0: 1 core lists for 2 ranks on a host"),
 ])
 def test_a_cpu_bind_that_cannot_work_is_a_usage_error(run_hvdrun, tmp_path, args, fragment):

@@ -148,6 +148,23 @@ print("PIN " + json.dumps({"rank": int(os.environ["HVDRUN_RANK"]), **{n: os.envi
 """
 
 
+def test_the_shipped_polaris_config_through_a_fake_pals_mpiexec(run_hvdrun, hvdrun_env, tmp_path):
+    """FAKE PALS: polaris.yaml pins GPUs 3,2,1,0, gives PALS ALCF's --depth=8 --cpu-bind depth and the NCCL
+    network plugin's settings reach every rank."""
+    hvdrun_env.update({"HVDRUN_MPIEXEC": str(FAKE_PALS), "FAKE_PALS_RECORD": str(tmp_path / "record.json")})
+    shown = DEVICE_VARIABLES.replace('"ROCR_VISIBLE_DEVICES")', '"ROCR_VISIBLE_DEVICES", "NCCL_NET", "FI_MR_CACHE_MONITOR")')
+    done = run_hvdrun("--cluster", "polaris", "-H", "localhost:4", "-np", "4", "--", sys.executable, "-c", shown)
+    assert done.returncode == 0, done.stderr
+    pins = sorted((json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line),
+                  key=lambda r: r["rank"])
+    assert [p["CUDA_VISIBLE_DEVICES"] for p in pins] == ["3", "2", "1", "0"]
+    assert {(p["NCCL_NET"], p["FI_MR_CACHE_MONITOR"]) for p in pins} == {("AWS Libfabric", "userfaultfd")}
+    assert not any(p["ZE_AFFINITY_MASK"] or p["ROCR_VISIBLE_DEVICES"] for p in pins)
+    argv = json.loads((tmp_path / "record.json").read_text())["argv"]
+    assert argv[argv.index("--ppn") + 1] == "4" and "--depth=8" in argv
+    assert argv[argv.index("--cpu-bind") + 1] == "depth"
+
+
 def test_aurora_through_a_fake_pals_mpiexec_pins_twelve_tiles_with_ze_affinity_mask(run_hvdrun, hvdrun_env,
                                                                                      tmp_path):
     """FAKE PALS: the shipped aurora.yaml gives each of 12 ranks its own GPU tile and no CUDA variable."""
@@ -164,6 +181,17 @@ def test_aurora_through_a_fake_pals_mpiexec_pins_twelve_tiles_with_ze_affinity_m
     argv = json.loads((tmp_path / "record.json").read_text())["argv"]  # PALS binds ALCF's 12 core lists itself
     assert argv[argv.index("--cpu-bind") + 1] == "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:" \
                                                  "85-92:93-100"
+
+
+def test_gpu_bind_launcher_with_an_mpiexec_other_than_pals_is_a_usage_error(run_hvdrun, tmp_path):
+    config = tmp_path / "binds-elsewhere.yaml"
+    config.write_text("launcher: mpiexec\nmpi_flavour: mpich\ngpus_per_node: 2\ngpu_bind: launcher\n"
+                      "hosts: ['localhost:2']\n")
+    done = run_hvdrun("--config", str(config), "--", sys.executable, "-c", "print('ran')")
+    assert done.returncode == 2 and "ran" not in done.stdout, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "hvdrun: error: gpu_bind: launcher pins GPUs with Cray PALS's --gpu-bind, but this mpiexec is mpich; "
+        "set gpu_bind: hvdrun in the cluster file (or --mpi-flavour pals)"]
 
 
 def test_a_cluster_that_lets_pals_pin_gpus_gets_gpu_bind_and_no_variable(run_hvdrun, hvdrun_env, tmp_path):

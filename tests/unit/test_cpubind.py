@@ -27,8 +27,10 @@ def test_core_lists_read_and_write_like_taskset():
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("sockets", "expected none, cores, numa or list:A-B:C-D"),
-    ("list:", "expected none, cores, numa or list:"),
+    ("sockets", "expected none, cores, numa, depth:D or list:A-B:C-D"),
+    ("list:", "expected none, cores, numa, depth:D or list:"),
+    ("depth:0", "depth:D takes a positive number of CPUs per rank"),
+    ("depth:eight", "depth:D takes a positive number"),
     ("list:0-3:x", "'x' is not a core list"),
 ])
 def test_bad_policies_say_what_is_expected(text, fragment):
@@ -55,6 +57,14 @@ def test_cores_keeps_hardware_threads_together_polaris_style():
     shares = [cores_for(CpuBind("cores"), rank, 4, set(range(64)), {0: frozenset(range(64))}, siblings)
               for rank in range(4)]
     assert [format_cpulist(share) for share in shares] == ["0-7,32-39", "8-15,40-47", "16-23,48-55", "24-31,56-63"]
+
+
+def test_depth_gives_each_local_rank_its_block_of_cpus_as_pals_does():
+    bind = parse_cpu_bind("depth:8")
+    assert [cores_for(bind, rank, 4, set(range(64)), {}) for rank in range(4)] == [
+        frozenset(range(8 * rank, 8 * rank + 8)) for rank in range(4)]
+    with pytest.raises(CpuBindError, match="depth:8: local rank 1 gets cores 8-15, but 8-15 are not allowed here"):
+        cores_for(bind, 1, 2, set(range(8)), {})
 
 
 def test_numa_spreads_ranks_over_the_nodes_and_none_keeps_everything():

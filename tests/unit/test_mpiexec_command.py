@@ -72,6 +72,7 @@ def test_pals_line_and_uneven_hosts():
     ("cores", "none", "none", False),  # the guard splits the node's cores; the launcher must not bind first
     ("numa", "numa", "ldoms", True),
     ("list:0-3:4-7", "list:0-3:4-7", "mask_cpu:0xf,0xf0", True),
+    ("depth:8", "depth", "none", True),  # PALS --depth=8 --cpu-bind depth; under srun the guard binds
 ])
 def test_pals_and_srun_get_the_cpu_binding_they_apply_themselves(cpu_bind, pals, srun, launcher_binds):
     on_pals = replace(command("pals"), cpu_bind=cpu_bind)
@@ -80,6 +81,8 @@ def test_pals_and_srun_get_the_cpu_binding_they_apply_themselves(cpu_bind, pals,
     assert f"--cpu-bind={srun}" in replace(command(SRUN), cpu_bind=cpu_bind).argv()
     assert "--bind-to" in replace(command("openmpi"), cpu_bind=cpu_bind).argv()  # none: the guard binds
     assert not replace(command("openmpi"), cpu_bind=cpu_bind).launcher_binds()
+    assert ("--depth=8" in argv) == cpu_bind.startswith("depth:")
+    assert replace(command(SRUN), cpu_bind=cpu_bind).launcher_binds() == (cpu_bind in ("numa", "list:0-3:4-7"))
 
 
 def test_ssh_agent_applies_options_and_quotes_them(tmp_path):

@@ -11,9 +11,12 @@ Policies (``--cpu-bind`` or the cluster YAML's ``cpu_bind``):
 * ``numa``: every core of one NUMA node; ranks are spread over the nodes in order.
 * ``list:A-B:C-D:...``: local rank L gets the L-th core list (``,`` and ``-`` inside an item,
   as ``taskset -c`` and Cray PALS write them).
+* ``depth:D``: local rank L gets the D CPUs ``L*D .. L*D+D-1``, as Cray PALS's ``--depth=D --cpu-bind depth``
+  places them (ALCF's Polaris examples use ``--depth=8``).
 
 The guard applies it (``sched_setaffinity``) before the rank starts, so the rank and everything it
-starts stay on those cores. Cray PALS and srun get their own flags instead (see ``launch/mpiexec.py``).
+starts stay on those cores. Cray PALS (``numa``, ``list``, ``depth``) and srun (``numa``, ``list``) get
+their own flags instead (see ``launch/mpiexec.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ POLICIES = ("none", "cores", "numa")
 _NODE_ROOT = Path("/sys/devices/system/node")
 _CPU_ROOT = Path("/sys/devices/system/cpu")
 _ITEM_RE = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+_EXPECTED = "expected none, cores, numa, depth:D or list:A-B:C-D... (one core list per local rank, e.g. list:0-7:8-15)"
 
 
 class CpuBindError(ValueError):
@@ -34,10 +38,11 @@ class CpuBindError(ValueError):
 
 @dataclass(frozen=True)
 class CpuBind:
-    """A parsed ``--cpu-bind`` value: a policy name, and the core lists of ``list:``."""
+    """A parsed ``--cpu-bind`` value: a policy name, the core lists of ``list:``, the ``D`` of ``depth:D``."""
 
     policy: str
     lists: tuple[frozenset[int], ...] = ()
+    depth: int = 0
 
     @property
     def binds(self) -> bool:
@@ -76,8 +81,12 @@ def parse_cpu_bind(text: str) -> CpuBind:
         return CpuBind(text)
     if text.startswith("list:") and text[5:]:
         return CpuBind("list", tuple(parse_cpulist(item) for item in text[5:].split(":")))
-    raise CpuBindError(f"--cpu-bind {text!r}: expected none, cores, numa or list:A-B:C-D... (one core list per "
-                       "local rank, e.g. list:0-7:8-15)")
+    if text.startswith("depth:"):
+        depth = text[6:]
+        if not depth.isdigit() or int(depth) < 1:
+            raise CpuBindError(f"--cpu-bind {text!r}: depth:D takes a positive number of CPUs per rank, e.g. depth:8")
+        return CpuBind("depth", depth=int(depth))
+    raise CpuBindError(f"--cpu-bind {text!r}: {_EXPECTED}")
 
 
 def numa_nodes(root: Path = _NODE_ROOT) -> dict[int, frozenset[int]]:
@@ -125,6 +134,10 @@ def cores_for(bind: CpuBind, local_rank: int, local_size: int, allowed: set[int]
     nodes = {n: cores & allowed for n, cores in (nodes or {0: allowed}).items() if cores & allowed}
     if bind.policy == "list":
         return _from_list(bind, local_rank, local_size, allowed)
+    if bind.policy == "depth":
+        first = local_rank * bind.depth
+        return _allowed_or_error(frozenset(range(first, first + bind.depth)), f"depth:{bind.depth}", local_rank,
+                                 allowed)
     if bind.policy == "numa":
         ordered = sorted(nodes)
         return nodes[ordered[local_rank * len(ordered) // local_size]]
@@ -163,10 +176,13 @@ def _physical_cores(allowed: frozenset[int], nodes: dict[int, frozenset[int]],
 def _from_list(bind: CpuBind, local_rank: int, local_size: int, allowed: frozenset[int]) -> frozenset[int]:
     if len(bind.lists) < local_size:
         raise CpuBindError(f"--cpu-bind list: gives {len(bind.lists)} core lists for {local_size} ranks on this host")
-    cores = bind.lists[local_rank]
+    return _allowed_or_error(bind.lists[local_rank], "list", local_rank, allowed)
+
+
+def _allowed_or_error(cores: frozenset[int], policy: str, local_rank: int, allowed: frozenset[int]) -> frozenset[int]:
     outside = cores - allowed
     if outside:
-        raise CpuBindError(f"--cpu-bind list: local rank {local_rank} gets cores {format_cpulist(cores)}, but "
+        raise CpuBindError(f"--cpu-bind {policy}: local rank {local_rank} gets cores {format_cpulist(cores)}, but "
                            f"{format_cpulist(outside)} are not allowed here (allowed: {format_cpulist(allowed)})")
     return cores
 
