@@ -41,14 +41,16 @@ class LaunchError(HvdrunError):
 class WorkerFailed(HvdrunError):
     """A worker exited with a non-zero status; carries that status as the exit code.
 
-    Where one rank is the root cause: ``host`` it ran on, ``signal`` that killed it (None: it exited), and
-    ``cause``, the last line of its stderr (what a restart compares to tell a bug from a bad node).
+    Where one rank is the root cause: ``host`` it ran on (None: the launcher cannot tell), ``signal`` that
+    killed it (None: it exited), ``cause``, the last lines of its stderr (what a restart compares to tell a bug
+    from a bad node), and ``note``, the launcher's account when the exit status alone does not say why (a lost
+    SSH connection; mpiexec exited and no rank said why).
     """
 
     def __init__(self, message: str, exit_code: int, host: str | None = None, signal: int | None = None,
-                 cause: str = "") -> None:
+                 cause: str = "", note: str = "") -> None:
         super().__init__(message)
-        self.exit_code, self.host, self.signal, self.cause = exit_code, host, signal, cause
+        self.exit_code, self.host, self.signal, self.cause, self.note = exit_code, host, signal, cause, note
 
 
 class JobInterrupted(HvdrunError):

@@ -31,6 +31,7 @@ _POLL_INTERVAL_S = 0.02
 _DRAIN_TIMEOUT_S = 5.0
 # when the first rank to fail failed because of another rank, how long to wait for that root cause
 _SETTLE_S = 3.0
+_CAUSE_LINES = 3  # the last lines of the failed rank's stderr that a restart compares (WorkerFailed.cause)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,11 @@ class Worker(abc.ABC):
         """Why the worker ended, when its status alone does not say (e.g. a lost SSH connection)."""
         return ""
 
+    def knows_failed_host(self) -> bool:
+        """Whether a failure of this worker is its slot's host's (False: the launcher cannot tell where it
+        failed, e.g. mpiexec exited and no rank said why)."""
+        return True
+
     @abc.abstractmethod
     def poll(self) -> int | None:
         """The exit status (negative: killed by that signal) or None while running."""
@@ -105,6 +111,15 @@ class Launcher(abc.ABC):
         """Number of CPUs of ``host`` (for OMP_NUM_THREADS)."""
         return os.cpu_count() or 1
 
+    def probe_hosts(self, hosts: Sequence[Host], deadline: float) -> dict[str, str]:
+        """Check ``hosts`` as :meth:`prepare` would, by the monotonic ``deadline``, starting no rank (between two
+        attempts of ``--max-restarts``). Default: nothing to check (no cheap per-host probe: local, mpiexec, srun).
+
+        Returns:
+            The hosts that failed, each name with why (one line); empty when all answered.
+        """
+        return {}
+
     def close(self) -> None:
         """Release connections; called once after the job ended (or failed to start)."""
         return None
@@ -127,6 +142,7 @@ class Failure:
     status: int
     seconds_after_start: float
     note: str = ""
+    host_known: bool = True  # False: the launcher cannot tell on which host it failed (see Worker.knows_failed_host)
 
     @property
     def exit_code(self) -> int:
@@ -193,7 +209,8 @@ class WorkerGroup:
                 running.remove(worker)
                 worker.signal_group(signal.SIGKILL)  # leftovers of a finished worker
                 if status != 0:
-                    failure = Failure(worker.slot, status, time.monotonic() - started, worker.failure_note())
+                    failure = Failure(worker.slot, status, time.monotonic() - started, worker.failure_note(),
+                                      worker.knows_failed_host())
                     if not self.router.failed_because_of_another_rank(worker.slot.rank):
                         return failure
                     first = first or failure
@@ -220,8 +237,10 @@ class WorkerGroup:
         if tail:
             lines.append(f"last lines of rank {failure.slot.rank} stderr:")
             lines.extend(f"    {line}" for line in tail)
-        raise WorkerFailed("\n".join(lines), failure.exit_code, host=failure.slot.hostname, signal=failure.signal,
-                           cause=tail[-1].strip() if tail else "")
+        raise WorkerFailed("\n".join(lines), failure.exit_code,
+                           host=failure.slot.hostname if failure.host_known else None, signal=failure.signal,
+                           cause="\n".join([line.strip() for line in tail if line.strip()][-_CAUSE_LINES:]),
+                           note=failure.note)
 
     def _stop_signals_handled(self) -> contextlib.AbstractContextManager[None]:
         def on_signal(signum: int) -> None:

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from hvdrun.launch.connections import SshOptions
 
 DEFAULT_START_TIMEOUT_S = 60.0
+PROBE_TIMEOUT_S = 10.0  # the probe of the next attempt's hosts between two restarts (connect + answer)
 
 
 @dataclass(frozen=True)
@@ -422,8 +423,19 @@ def run_job(plan: JobPlan, console: dict[str, TextIO] | None = None) -> None:
         run_id = secrets.token_hex(4)  # torchrun's TORCHELASTIC_RUN_ID stays the same across restarts
         return run_with_restarts(plan, plan.options.max_restarts, functools.partial(plan_for_attempt, plan),
                                  lambda attempt_plan, attempt: _run_attempt(attempt_plan, console, attempt, run_id),
-                                 lambda text: print(text, file=sys.stderr, flush=True))
+                                 lambda text: print(text, file=sys.stderr, flush=True),
+                                 functools.partial(probe_hosts, plan))
     return _run_attempt(plan, console, 0)
+
+
+def probe_hosts(plan: JobPlan, hosts: Sequence[Host]) -> dict[str, str]:
+    """The hosts of ``hosts`` that fail ``plan``'s launcher's probe (each with why), within
+    :data:`PROBE_TIMEOUT_S` (or ``--start-timeout`` when shorter); launchers without one find none."""
+    launcher = make_launcher(plan)
+    try:
+        return launcher.probe_hosts(hosts, time.monotonic() + min(PROBE_TIMEOUT_S, _start_timeout(plan.options)))
+    finally:
+        launcher.close()
 
 
 def plan_for_attempt(plan: JobPlan, hosts: tuple[Host, ...]) -> JobPlan:

@@ -251,6 +251,9 @@ class MpiexecWorker(LocalWorker):
     def failure_note(self) -> str:
         return self._note
 
+    def knows_failed_host(self) -> bool:
+        return not self._note  # mpiexec itself failed and no rank said why: its host is not known
+
 
 class MpiexecLauncher(Launcher):
     """Runs the job as one ``mpiexec`` (see the module docstring).
@@ -308,7 +311,7 @@ class MpiexecLauncher(Launcher):
                 probe.connect((towards.name, 9))
                 return str(probe.getsockname()[0])
         except OSError as e:
-            raise LaunchError(f"no route from this machine to {towards.name}: {e.strerror or e}") from e
+            raise LaunchError(f"no route from this machine to {towards.name}: {e.strerror or e}", towards.name) from e
 
     def endpoint(self, host: Host) -> Endpoint:
         if is_local_host(host.name):

@@ -35,7 +35,15 @@ from hvdrun.envvars import guard_options, remote_env
 from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host, is_local_host
 from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
-from hvdrun.launch.connections import SshOptions, SshTarget, connect_all, peer_address, resolve_targets, run_command
+from hvdrun.launch.connections import (
+    SshOptions,
+    SshTarget,
+    connect,
+    connect_all,
+    peer_address,
+    resolve_targets,
+    run_command,
+)
 from hvdrun.launch.hostprobe import explain_probe_failure, probe_command
 from hvdrun.launch.local import LOOPBACK, LocalLauncher
 from hvdrun.launch.output import OutputRouter
@@ -107,19 +115,49 @@ class SshLauncher(Launcher):
 
     def _probe(self, host: Host, ports: int, deadline: float) -> None:
         remote = self._remote[host]
+        remote.facts = self._ask(host, remote.target, remote.clients[0], ports, deadline)
+
+    def _ask(self, host: Host, target: SshTarget, client: paramiko.SSHClient, ports: int,
+             deadline: float) -> HostFacts:
+        """Run the probe on ``host`` over ``client``; a host that cannot run ranks is a LaunchError naming it."""
         python = self.python_for(host)
         command = probe_command(self.workdir, python, self.network_interface, ports)
         try:
-            status, out, err = run_command(remote.clients[0], command, max(deadline - time.monotonic(), 1.0))
+            status, out, err = run_command(client, command, max(deadline - time.monotonic(), 1.0))
         except Exception as e:  # noqa: BLE001 - a timeout or a dropped connection, named below
-            raise LaunchError(f"{remote.target.describe()} did not answer hvdrun's probe: {e}", host.name) from e
+            raise LaunchError(f"{target.describe()} did not answer hvdrun's probe: {e}", host.name) from e
         if status != 0:
-            raise LaunchError(explain_probe_failure(remote.target.describe(), status, err, self.workdir, python),
-                              host.name)
-        remote.facts = HostFacts.from_json(out.strip().splitlines()[-1])
-        if self.network_interface and remote.facts.interface_addr is None:
-            raise LaunchError(f"{remote.target.describe()} has no IPv4 address on --network-interface "
-                              f"'{self.network_interface}'")
+            raise LaunchError(explain_probe_failure(target.describe(), status, err, self.workdir, python), host.name)
+        facts = HostFacts.from_json(out.strip().splitlines()[-1])
+        if self.network_interface and facts.interface_addr is None:
+            raise LaunchError(f"{target.describe()} has no IPv4 address on --network-interface "
+                              f"'{self.network_interface}'", host.name)
+        return facts
+
+    def probe_hosts(self, hosts: Sequence[Host], deadline: float) -> dict[str, str]:
+        """Connect to every remote host of ``hosts`` at once and run the probe there, as :meth:`prepare` does;
+        hosts that are this machine need none."""
+        remote = [host for host in dict.fromkeys(hosts) if self.is_remote(host)]
+        if not remote:
+            return {}
+        targets = resolve_targets(remote, self.ssh)
+        with ThreadPoolExecutor(max_workers=min(len(remote), 64), thread_name_prefix="hvdrun-probe") as pool:
+            answers = list(pool.map(functools.partial(self._probe_one, deadline=deadline), remote, targets))
+        return {host.name: why for host, why in zip(remote, answers, strict=True) if why}
+
+    def _probe_one(self, host: Host, target: SshTarget, deadline: float) -> str:
+        """Why ``host`` fails the probe on its own connection (closed after); empty when it passes."""
+        try:
+            client = connect(target, self.ssh, deadline)
+        except LaunchError as e:
+            return str(e)
+        try:
+            self._ask(host, target, client, 0, deadline)
+            return ""
+        except LaunchError as e:
+            return str(e)
+        finally:
+            client.close()
 
     def _local_interface_addr(self) -> str | None:
         return interface_address(self.network_interface) if self.network_interface else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -83,8 +84,119 @@ def test_a_deterministic_bug_stops_after_two_attempts_on_different_hosts(run_hvd
     assert done.returncode == 1
     assert done.stderr.count("hvdrun: restart ") == 1
     assert ("hvdrun: not restarting: attempts 1 and 2 failed with the same error on different hosts (127.0.0.1, "
-            "127.0.0.2), so it is the program's, not a node's: ValueError: a deterministic bug") in done.stderr
+            "127.0.0.2), so it is the program's, not a node's: exit code 1, ValueError: a deterministic bug"
+            ) in done.stderr
     assert "hvdrun: error: rank 1 on host 127.0.0.2 exited with code 1" in done.stderr
+
+
+# argv: DIR HOW; no torch, no rendezvous. Every rank reports its attempt and torchrun's run id; rank 0 then waits to
+# be stopped; rank 1 waits for rank 0's report and fails: HOW=code: exits 11, 12, ... (another code each attempt);
+# silent: os._exit(3) with nothing on stderr; segv: killed by SIGSEGV
+FAILING = """
+import os, pathlib, signal, sys, time
+where, how = pathlib.Path(sys.argv[1]), sys.argv[2]
+rank, attempt = int(os.environ["HVDRUN_RANK"]), int(os.environ["HVDRUN_RESTART_COUNT"])
+print(f"RANK {rank} attempt={attempt} run_id={os.environ['TORCHELASTIC_RUN_ID']}", flush=True)
+(where / f"{attempt}.{rank}").touch()
+if rank == 0:
+    time.sleep(600)
+while not (where / f"{attempt}.0").exists():
+    time.sleep(0.01)
+if how == "code":
+    sys.exit(11 + attempt)
+if how == "silent":
+    os._exit(3)
+os.kill(os.getpid(), signal.SIGSEGV)
+"""
+FOUR_LOCAL_HOSTS = "localhost:1,127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"
+
+
+def test_every_restart_used_exits_with_the_last_attempts_code(run_hvdrun, tmp_path):
+    worker = script(tmp_path, "failing.py", FAILING)
+    done = run_hvdrun("-np", "2", "-H", FOUR_LOCAL_HOSTS, "--max-restarts", "2", worker, str(tmp_path), "code",
+                      timeout=120)
+    assert done.returncode == 13, done.stderr[-3000:]  # the third attempt's
+    announced = [line for line in done.stderr.splitlines() if line.startswith("hvdrun: ") and "error:" not in line]
+    assert announced == [
+        "hvdrun: restart 1 of 2: attempt 1 ended with an error (rank 1 on host 127.0.0.1 exited with code 11); "
+        "attempt 2 runs on localhost, 127.0.0.2, without 127.0.0.1",
+        "hvdrun: restart 2 of 2: attempt 2 ended with an error (rank 1 on host 127.0.0.2 exited with code 12); "
+        "attempt 3 runs on localhost, 127.0.0.3, without 127.0.0.2",
+        "hvdrun: not restarting: attempt 3 failed and all 2 restarts are used (--max-restarts 2)"]
+    assert "hvdrun: error: rank 1 on host 127.0.0.3 exited with code 13" in done.stderr
+    reports = re.findall(r"RANK (\d) attempt=(\d) run_id=(\w+)", done.stdout)
+    assert sorted((rank, attempt) for rank, attempt, _ in reports) == [(r, a) for r in "01" for a in "012"]
+    assert len({run_id for _, _, run_id in reports}) == 1  # TORCHELASTIC_RUN_ID is the same on every attempt
+
+
+def test_a_silent_exit_on_two_hosts_stops_early_and_a_signal_restarts(run_hvdrun, tmp_path):
+    worker = script(tmp_path, "failing.py", FAILING)
+    done = run_hvdrun("-np", "2", "-H", FOUR_LOCAL_HOSTS, "--max-restarts", "5", worker, str(tmp_path), "silent",
+                      timeout=120)
+    assert done.returncode == 3
+    assert done.stderr.count("hvdrun: restart ") == 1
+    assert ("hvdrun: not restarting: attempts 1 and 2 failed with the same error on different hosts (127.0.0.1, "
+            "127.0.0.2), so it is the program's, not a node's: exit code 3 and nothing on stderr") in done.stderr
+    for leftover in tmp_path.glob("[0-9].[0-9]"):
+        leftover.unlink()
+    done = run_hvdrun("-np", "2", "-H", FOUR_LOCAL_HOSTS, "--max-restarts", "2", worker, str(tmp_path), "segv",
+                      timeout=120)
+    assert done.returncode == 128 + signal.SIGSEGV  # a signal is a node fault: every restart is used
+    assert done.stderr.count("ended with a node fault (rank 1 on host ") == 2
+    assert "hvdrun: not restarting: attempt 3 failed and all 2 restarts are used" in done.stderr
+
+
+def test_hosts_that_fail_the_probe_before_a_restart_are_left_out(run_hvdrun, ssh_hosts, tmp_path):
+    """After h2's rank dies, the spares are probed: one unreachable, one without the Python the YAML names; the
+    restart runs on the next spare."""
+    worker = script(tmp_path, "flaky.py", FLAKY)
+    h1, h2, h3, h4 = ssh_hosts.addrs
+    down = ssh_hosts.unused_addr()
+    config = tmp_path / "c.yaml"
+    config.write_text(f"hosts:\n  - {h1}:1\n  - {h2}:1\n  - {down}:1\n"
+                      f"  - {{name: {h3}, slots: 1, python: /opt/no/such/python}}\n  - {h4}:1\n")
+    done = run_hvdrun("-np", "2", "--config", str(config), *ssh_hosts.args(), "--max-restarts", "1", worker,
+                      str(tmp_path / "mark"), "kill", timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    announced = [line for line in done.stderr.splitlines() if line.startswith("hvdrun: ")]
+    assert announced[0].startswith(f"hvdrun: before attempt 2: host {down} failed hvdrun's probe, a node fault: "
+                                   f"cannot connect to root@{down} ({down}:22): ")
+    assert announced[1] == (f"hvdrun: before attempt 2: host {h3} failed hvdrun's probe, a node fault: Python "
+                            f"/opt/no/such/python not found on root@{h3} ({h3}:22); install it there or set "
+                            "'python:' or 'venv:' for that host in the cluster YAML")
+    assert announced[2] == (f"hvdrun: restart 1 of 1: attempt 1 ended with a node fault (rank 1 on host {h2} was "
+                            f"killed by signal 9 (SIGKILL)); attempt 2 runs on {h1}, {h4}, without {h2}, {down}, {h3}")
+    assert len(announced) == 3
+    assert ranks(done.stdout) == [(0, "h1", 0), (0, "h1", 1), (1, "h2", 0), (1, "h4", 1)]
+
+
+def test_ctrl_c_between_two_attempts_leaves_nothing(hvdrun_env, ssh_hosts, tmp_path, token):
+    """The spare's "sshd" is this test's socket: once the probe before attempt 2 connects to it, hvdrun is between
+    two attempts, and SIGINT there ends the job with 130."""
+    worker = script(tmp_path, "flaky.py", FLAKY)
+    spare = ssh_hosts.local_addr  # this machine: with --launcher ssh it is reached over SSH too, on port 22
+    try:
+        listener = socket.create_server((spare, 22))
+    except OSError as e:
+        pytest.skip(f"port 22 of {spare} is taken here: {e}")
+    with listener:
+        listener.settimeout(120)
+        hosts = f"{ssh_hosts.addrs[0]}:1,{ssh_hosts.addrs[1]}:1,{spare}:1"
+        proc = subprocess.Popen([sys.executable, "-m", "hvdrun", "-np", "2", "-H", hosts, "--launcher", "ssh",
+                                 *ssh_hosts.args(), "--max-restarts", "3", worker, str(tmp_path / "mark"), "kill"],
+                                env=hvdrun_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            probe, _ = listener.accept()  # attempt 1 ended (h2's rank was killed); the spare is being probed
+            proc.send_signal(signal.SIGINT)
+            probe.close()
+            listener.close()
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130, err.decode()[-3000:]
+    assert "between two attempts; nothing is running" in err.decode()
+    assert b"restart=1" not in out  # attempt 2 never started
+    assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
 
 
 def test_spares_hold_hosts_back_and_excluded_hosts_are_never_used(run_hvdrun, tmp_path):

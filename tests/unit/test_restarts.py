@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping, Sequence
+
 import pytest
 
 from hvdrun.errors import HostSpecError, LaunchError, WorkerFailed
 from hvdrun.hosts import Host, excluded_hosts, without_excluded
 from hvdrun.launch.job import RunOptions, plan_for_attempt, plan_job
-from hvdrun.launch.restarts import Fault, _same_error_elsewhere, fault_of, hosts_for_attempt
+from hvdrun.launch.restarts import Fault, _same_error_elsewhere, fault_of, hosts_for_attempt, run_with_restarts
 
 
 def plan(hosts: str, np: int | None = None, spares: int = 0, environ: dict[str, str] | None = None):
@@ -21,7 +24,13 @@ def test_a_signal_or_an_unreachable_host_is_a_node_fault_and_an_exit_is_not():
     assert killed == Fault("h2", True, killed.cause, "rank 1 on host h2 was killed by signal 9 (SIGKILL)")
     exited = fault_of(WorkerFailed("rank 1 on host h2 exited with code 1 ...", 1, host="h2",
                                    cause="ValueError: boom"))
-    assert not exited.node and exited.cause == "ValueError: boom"
+    assert not exited.node and exited.cause == "exit code 1\nValueError: boom"
+    lost = fault_of(WorkerFailed("rank 1 on host h2 lost its SSH connection ...", 255, host="h2",
+                                 note="lost its SSH connection (host h2 down, or sshd killed the session)"))
+    assert lost.node and lost.host == "h2"
+    mpiexec = fault_of(WorkerFailed("rank 0 on host h1 made mpiexec exit with code 255 ...", 255, host=None,
+                                    note="made mpiexec exit with code 255 (see mpiexec's messages above)"))
+    assert mpiexec.node and mpiexec.host is None  # a node fault with nothing to route around
     unreachable = fault_of(LaunchError("cannot connect to h3: timed out", host="h3"))
     assert unreachable.node and unreachable.host == "h3"
     assert fault_of(LaunchError("SSH config file 'x' does not exist")).host is None  # nothing to route around
@@ -75,3 +84,89 @@ def test_excluded_hosts_come_from_the_option_and_the_file(tmp_path):
         without_excluded(hosts, frozenset({"h1", "h5"}))
     with pytest.raises(HostSpecError):
         excluded_hosts("h1;reboot", None)
+
+
+def failed(host: str | None, code: int = 1, signal: int | None = None, cause: str = "",
+           note: str = "") -> WorkerFailed:
+    """A rank's failure as :class:`hvdrun.launch.base.WorkerGroup` raises it."""
+    how = f"was killed by signal {signal}" if signal else note or f"exited with code {code}"
+    return WorkerFailed(f"rank 1 on host {host} {how} 0.4 s after start (first failure); stopped the other 1 rank",
+                        128 + signal if signal else code, host=host, signal=signal, cause=cause, note=note)
+
+
+def run(job, failures: list[Exception | None], broken: Mapping[str, str] | None = None):
+    """Run ``job`` with one restart fewer than ``failures``; attempt K raises ``failures[K]`` (None: succeeds) and
+    the probe finds ``broken``. Returns (each attempt's hosts, the probe's calls, the lines, the error raised)."""
+    ran: list[list[str]] = []
+    probed: list[list[str]] = []
+    lines: list[str] = []
+
+    def attempt(attempt_plan, number: int) -> None:
+        ran.append([slot.hostname for slot in attempt_plan.slots])
+        if failures[number] is not None:
+            raise failures[number]
+
+    def probe(hosts: Sequence[Host]) -> dict[str, str]:
+        probed.append([host.name for host in hosts])
+        return {host.name: (broken or {})[host.name] for host in hosts if host.name in (broken or {})}
+
+    try:
+        run_with_restarts(job, len(failures) - 1, functools.partial(plan_for_attempt, job), attempt, lines.append,
+                          probe)
+    except (WorkerFailed, LaunchError) as error:
+        return ran, probed, lines, error
+    return ran, probed, lines, None
+
+
+def test_a_spare_that_fails_the_probe_is_left_out_and_the_next_spare_taken():
+    ran, probed, lines, error = run(plan("a:1,b:1,c:1,d:1", np=2), [failed("b", signal=9), None],
+                                    broken={"c": "cannot connect to root@c (c:22): No route to host"})
+    assert error is None and ran == [["a", "b"], ["a", "d"]]
+    assert probed == [["a", "c"], ["d"]]  # each host probed once
+    assert lines == ["hvdrun: before attempt 2: host c failed hvdrun's probe, a node fault: cannot connect to "
+                     "root@c (c:22): No route to host",
+                     "hvdrun: restart 1 of 1: attempt 1 ended with a node fault (rank 1 on host b was killed by "
+                     "signal 9); attempt 2 runs on a, d, without b, c"]
+
+
+def test_a_host_that_fails_the_probe_runs_again_when_no_spare_is_left():
+    ran, probed, lines, error = run(plan("a:1,b:1,c:1", np=2), [failed("b", signal=9), None],
+                                    broken={"c": "no answer"})
+    assert error is None and ran == [["a", "b"], ["a", "b"]]  # c is down, b only failed once: b runs again
+    assert probed == [["a", "c"], ["b"]]
+    assert lines[-1].endswith("attempt 2 runs on the same hosts")
+
+
+def test_every_restart_used_ends_with_the_last_attempts_failure():
+    ran, _, lines, error = run(plan("a:1,b:1,c:1,d:1", np=2), [failed("b", 11), failed("c", 12), failed("d", 13)])
+    assert isinstance(error, WorkerFailed) and error.exit_code == 13 and len(ran) == 3
+    assert [line.split(":")[1] for line in lines] == [" restart 1 of 2", " restart 2 of 2", " not restarting"]
+    assert lines[-1] == "hvdrun: not restarting: attempt 3 failed and all 2 restarts are used (--max-restarts 2)"
+
+
+def test_a_silent_exit_on_two_hosts_is_the_programs_and_a_signal_never_is():
+    ran, _, lines, error = run(plan("a:1,b:1,c:1,d:1", np=2), [failed("b", 3), failed("c", 3), None])
+    assert isinstance(error, WorkerFailed) and error.exit_code == 3 and len(ran) == 2
+    assert lines[-1] == ("hvdrun: not restarting: attempts 1 and 2 failed with the same error on different hosts "
+                         "(b, c), so it is the program's, not a node's: exit code 3 and nothing on stderr")
+    ran, _, lines, error = run(plan("a:1,b:1,c:1,d:1", np=2), [failed("b", signal=11)] * 3)
+    assert isinstance(error, WorkerFailed) and error.exit_code == 139 and len(ran) == 3  # SIGSEGV: a node fault
+
+
+def test_the_same_error_compares_equal_without_host_names_and_clock_times():
+    first = fault_of(failed("10.0.0.2", cause="2026-11-24 12:00:01,250 ERROR cannot reach 10.0.0.2:29500"))
+    again = fault_of(failed("10.0.0.3", cause="2026-11-24 12:07:41,003 ERROR cannot reach 10.0.0.3:29500"))
+    assert first.cause == again.cause == "exit code 1\n<time> <time> ERROR cannot reach <host>:29500"
+    assert fault_of(failed("h1", cause="x on h12")).cause == "exit code 1\nx on h12"  # a name, not a substring
+    assert fault_of(failed("b", 3)).cause != fault_of(failed("c", 4)).cause
+
+
+def test_a_launch_error_that_names_no_host_stops_with_a_line_and_mpiexecs_own_failure_runs_again():
+    ran, _, lines, error = run(plan("a:1,b:1,c:1", np=2), [LaunchError("SSH config file 'x' does not exist"), None])
+    assert isinstance(error, LaunchError) and len(ran) == 1
+    assert lines == ["hvdrun: not restarting: the launch failed naming no host to leave out (a set-up error, the "
+                     "same every time): SSH config file 'x' does not exist"]
+    note = "made mpiexec exit with code 255 (see mpiexec's messages above)"
+    ran, _, lines, error = run(plan("a:1,b:1,c:1", np=2), [failed(None, 255, note=note), None])
+    assert error is None and ran == [["a", "b"], ["a", "b"]]
+    assert "ended with a node fault" in lines[-1] and lines[-1].endswith("attempt 2 runs on the same hosts")
