@@ -12,9 +12,13 @@ from typing import Any
 
 import click
 
+from hvdrun.config import available_clusters
+from hvdrun.envvars import RESTART_COUNT, TORCHELASTIC_RESTART_COUNT
 from hvdrun.errors import HvdrunError
 from hvdrun.schedulers import SCHEDULERS
 from hvdrun.version import __version__
+
+_CLUSTER_HELP = f"A cluster from cluster_configs/ ({', '.join(available_clusters())})."
 
 
 class _HvdrunFailure(click.ClickException):
@@ -148,7 +152,7 @@ def _host_options(with_np: bool = True) -> Any:
         click.option("-H", "--hosts", help="Hosts and slots: 'a:4,b:4' (user@host:N, [ipv6]:N)."),
         click.option("-hostfile", "--hostfile", type=click.Path(dir_okay=False),
                      help="File with one 'host slots=N' per line."),
-        click.option("--cluster", help="A cluster from cluster_configs/ (localhost, polaris, ...)."),
+        click.option("--cluster", help=_CLUSTER_HELP),
         click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A cluster YAML file."),
         click.option("--gpus-per-node", type=click.IntRange(min=0),
                      help="GPUs (Intel: tiles) per host; pins each rank through its vendor's variable "
@@ -257,8 +261,8 @@ def _restart_options(command: Any) -> Any:
     """Restarts of the whole job (torchrun's --max-restarts), routed around the host that failed."""
     options = [
         click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="Start the whole job again up to N times when a rank fails (HVDRUN_RESTART_COUNT, "
-                          "TORCHELASTIC_RESTART_COUNT tell the ranks which attempt they are in)."),
+                     help=f"Start the whole job again up to N times when a rank fails ({RESTART_COUNT}, "
+                          f"{TORCHELASTIC_RESTART_COUNT} tell the ranks which attempt they are in)."),
         click.option("--spares", type=click.IntRange(min=0), default=0, show_default=True,
                      help="Hold the last K hosts back: a restart runs on them instead of the host that failed."),
         click.option("--exclude-hosts", help="Hosts to leave out from the start, e.g. 'h3,h7'."),
@@ -466,13 +470,19 @@ def _stdout_console() -> Any:
     return console if console.is_terminal else Console(width=160)
 
 
+def _scheduler_option(help_text: str) -> Any:
+    """The ``--scheduler`` option of qsub, qstat and qdel: one of :data:`hvdrun.schedulers.SCHEDULERS`."""
+    return click.option("--scheduler", type=click.Choice(SCHEDULERS), help=help_text)
+
+
+_JOB_SCHEDULER = _scheduler_option("The job's scheduler (default: the one hvdrun submitted it to).")
+
+
 def _job_options(command: Any) -> Any:
     options = [
-        click.option("--cluster", help="A cluster from cluster_configs/ (polaris, aurora, sophia, thetagpu-cobalt, "
-                     "slurm)."),
+        click.option("--cluster", help=_CLUSTER_HELP),
         click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A cluster YAML file."),
-        click.option("--scheduler", type=click.Choice(SCHEDULERS),
-                     help="The scheduler (default: the cluster's)."),
+        _scheduler_option("The scheduler (default: the cluster's)."),
         click.option("-n", "--nodes", type=click.IntRange(min=1), help="Nodes (GPUs in Sophia's by-gpu queue)."),
         click.option("-t", "--walltime", help="Minutes (90) or HH:MM:SS."),
         click.option("-q", "--queue", help="Queue (Slurm: partition)."),
@@ -536,8 +546,7 @@ def qsub(dry_run: bool, submit: bool, wait: bool, **options: Any) -> int:
 
 
 @cli.command()
-@click.option("--scheduler", type=click.Choice(SCHEDULERS),
-              help="The job's scheduler (default: the one hvdrun submitted it to).")
+@_JOB_SCHEDULER
 @click.argument("job_id")
 def qstat(job_id: str, scheduler: str | None) -> int:
     """Show a job's state, exit code, and why a queued job waits."""
@@ -552,8 +561,7 @@ def qstat(job_id: str, scheduler: str | None) -> int:
 
 
 @cli.command()
-@click.option("--scheduler", type=click.Choice(SCHEDULERS),
-              help="The job's scheduler (default: the one hvdrun submitted it to).")
+@_JOB_SCHEDULER
 @click.argument("job_id")
 def qdel(job_id: str, scheduler: str | None) -> int:
     """Cancel a job (a job that already ended is not an error)."""

@@ -22,7 +22,9 @@ from hvdrun.config import (
     ClusterConfig,
     QueueLimits,
     SchedulerDefaults,
+    available_clusters,
     format_hms,
+    load_cluster,
     load_cluster_config,
     parse_walltime,
 )
@@ -84,9 +86,13 @@ def _defaults(request: JobRequest, config: ClusterConfig | None) -> SchedulerDef
     if request.scheduler is None:
         where = f"cluster '{config.name}' ({config.source}) has no 'scheduler:' section; " if config else ""
         raise UsageError(f"{where}name the scheduler: --scheduler {{{','.join(SCHEDULERS)}}}, or --cluster NAME "
-                         "of a machine with one (polaris, aurora, sophia, thetagpu-cobalt, slurm, slurm-gpu, "
-                         "slurm-amd)")
+                         f"of a machine with one ({', '.join(_clusters_with_scheduler())})")
     return SchedulerDefaults(kind=request.scheduler)
+
+
+def _clusters_with_scheduler() -> list[str]:
+    """The shipped clusters whose file has a ``scheduler:`` section (those ``hvdrun qsub --cluster`` can use)."""
+    return [name for name in available_clusters() if load_cluster(name).scheduler is not None]
 
 
 def _word(option: str, value: str | None, pattern: re.Pattern[str] = _WORD_RE,

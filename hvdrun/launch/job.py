@@ -336,7 +336,7 @@ def _check_backend(env: Mapping[str, str], launcher: str) -> None:
     world of its own."""
     if env.get(BACKEND, "").lower() == "mpi" and launcher in ("local", "ssh"):
         raise UsageError(f"{BACKEND}=mpi needs ranks started by MPI, and the {launcher} launcher does not start "
-                         "them that way: use --launcher mpiexec (or drop HVDRUN_BACKEND to use hvdrun's ring)")
+                         f"them that way: use --launcher mpiexec (or drop {BACKEND} to use hvdrun's ring)")
 
 
 def _prepare_output_dir(path: str | None) -> None:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from hvdrun.runtime.membership import Assignment
 from hvdrun.runtime.rendezvous import listen
 from hvdrun.runtime.wire import (
     MEMBERSHIP_ASSIGN,
@@ -107,9 +108,9 @@ class MembershipService:
             chosen = [self._joins.pop(number) for number in order]
         head = chosen[0]
         for rank, join in enumerate(chosen):
-            body = {"round": round_number, "rank": rank, "size": len(order), "rendezvous_addr": head.addr,
-                    "rendezvous_port": head.port, "updates": updates}
-            _reply(join.sock, (MEMBERSHIP_ASSIGN, body))
+            place = Assignment(round=round_number, rank=rank, size=len(order), rendezvous_addr=head.addr,
+                               rendezvous_port=head.port, updates=updates)
+            _reply(join.sock, (MEMBERSHIP_ASSIGN, asdict(place)))
         return round_number
 
     def stop_admitting(self) -> None:

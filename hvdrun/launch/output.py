@@ -12,8 +12,9 @@ One :class:`OutputRouter` per job decides where every byte a worker writes goes:
 
 Lines end at ``\\n``, ``\\r\\n`` or ``\\r`` (progress bars), and the terminator is kept; a
 last line without terminator is still delivered at EOF. Lines are cut as bytes (no UTF-8
-byte sequence contains ``\\n`` or ``\\r``) and reach the console unchanged, in time linear
-in their length: a worker printing megabyte lines is not slowed down by hvdrun.
+byte sequence contains ``\\n`` or ``\\r``) by :class:`~hvdrun.launch.remote.lines.LineSplitter`
+and reach the console unchanged, in time linear in their length: a worker printing megabyte
+lines is not slowed down by hvdrun.
 """
 
 from __future__ import annotations
@@ -24,91 +25,17 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from hvdrun.envvars import CONSEQUENCE_MARKER
+from hvdrun.launch.remote.lines import LineSplitter
 
 STREAMS = ("stdout", "stderr")
 _READ_SIZE = 1 << 20
 # a line of mpiexec's merged output, tagged by hvdrun's rank shim (launch/remote/mpirank.py)
 _TAGGED_RE = re.compile(rb"\[(\d+)\]<(stdout|stderr|exit)>:")
-
-
-class LineSplitter:
-    """Cut a byte stream into lines, keeping terminators.
-
-    Linear in the bytes fed: only new bytes are searched for terminators, and a partial line is
-    kept as a list of pieces joined once, when its terminator arrives. A ``\\r`` at the very end
-    of a chunk stays undecided until the next chunk says whether a ``\\n`` follows.
-    """
-
-    def __init__(self) -> None:
-        self._parts: list[bytes] = []
-        self._cr_pending = False
-
-    def feed(self, data: bytes) -> list[bytes]:
-        """Add bytes; return every line completed so far (terminator included)."""
-        return self._split(data, final=False)
-
-    def close(self) -> list[bytes]:
-        """Return what is left (a partial last line) at EOF."""
-        return self._split(b"", final=True)
-
-    def _split(self, data: bytes, final: bool) -> list[bytes]:
-        lines: list[bytes] = []
-        start = 0
-        if self._cr_pending and (data or final):
-            if data.startswith(b"\n"):
-                self._parts.append(b"\n")
-                start = 1
-            lines.append(self._take())
-        for end in _line_ends(data, start):
-            if end < 0:  # a \r closing the chunk: maybe the first half of \r\n, decided by the next chunk
-                if final:
-                    self._parts.append(data[start:])
-                    lines.append(self._take())
-                    return lines
-                self._parts.append(data[start:])
-                self._cr_pending = True
-                return lines
-            self._parts.append(data[start:end])
-            lines.append(self._take())
-            start = end
-        if start < len(data):
-            self._parts.append(data[start:])
-        if final and self._parts:
-            lines.append(self._take())
-        return lines
-
-    def _take(self) -> bytes:
-        line = b"".join(self._parts)
-        self._parts, self._cr_pending = [], False
-        return line
-
-
-def _line_ends(data: bytes, start: int) -> Iterator[int]:
-    """End offsets (after the terminator) of the lines in ``data[start:]``; -1 for a ``\r`` at the very end.
-
-    ``bytes.find`` runs at memory speed; each position is searched again only once passed, so the
-    scan stays linear however many lines a chunk holds.
-    """
-    size = len(data)
-    next_nl, next_cr = data.find(b"\n", start), data.find(b"\r", start)
-    while next_nl >= 0 or next_cr >= 0:
-        if next_cr < 0 or 0 <= next_nl < next_cr:
-            end = next_nl + 1
-        elif next_cr + 1 == size:
-            yield -1
-            return
-        else:
-            end = next_cr + 2 if data[next_cr + 1] == 0x0A else next_cr + 1
-        yield end
-        if next_nl < end:
-            next_nl = data.find(b"\n", end)
-        if 0 <= next_cr < end:
-            next_cr = data.find(b"\r", end)
 
 
 def rank_dir_name(rank: int, size: int) -> str:

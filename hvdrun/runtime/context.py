@@ -58,7 +58,7 @@ def _choose_backend(launch: envvars.LaunchInfo, environ: Mapping[str, str]) -> s
     if name not in BACKENDS:
         raise UsageError(f"{envvars.BACKEND}={name!r}; expected one of {', '.join(BACKENDS)}")
     if launch.launcher == "mpi" and name == "ring":
-        raise UsageError("started by an MPI launcher without hvdrun: use HVDRUN_BACKEND=mpi (the default there)")
+        raise UsageError(f"started by an MPI launcher without hvdrun: use {envvars.BACKEND}=mpi (the default there)")
     return name
 
 
@@ -233,7 +233,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False, _allow_static: boo
     """Record a Chrome-trace timeline of every collective on rank 0 (needs ``HOROVOD_TIMELINE=DYNAMIC``)."""
     runtime = current()
     if not (runtime.timeline_dynamic or _allow_static):
-        raise ValueError("start_timeline() needs the environment variable HOROVOD_TIMELINE=DYNAMIC")
+        raise ValueError(f"start_timeline() needs the environment variable {envvars.HOROVOD_TIMELINE}=DYNAMIC")
     if runtime.world.rank == 0:
         stop_timeline()
         runtime.engine.timeline = Timeline(file_path, mark_cycles)

@@ -24,7 +24,17 @@ from typing import Any
 from hvdrun.envvars import DEVICE_BACKEND
 from hvdrun.errors import DeviceError, UsageError
 from hvdrun.runtime.negotiation import Entry, Request
-from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, SUM, chunk_bounds, final_factor, scale_tensor
+from hvdrun.runtime.reduce import (
+    AVERAGE,
+    MAX,
+    MIN,
+    PRODUCT,
+    SUM,
+    chunk_bounds,
+    default_splits,
+    final_factor,
+    scale_tensor,
+)
 
 DEVICE_BACKENDS = ("nccl", "xccl", "ccl", "gloo")
 
@@ -262,4 +272,4 @@ class DeviceCollectives:
 
 
 def _splits(request: Request, size: int) -> list[int]:
-    return list(request.splits) if request.splits else [request.shape[0] // size] * size
+    return list(request.splits) if request.splits else default_splits(request.shape[0], size)

@@ -19,6 +19,7 @@ from hvdrun.runtime.reduce import (
     REDUCE_FNS,
     as_bytes,
     chunk_bounds,
+    default_splits,
     final_factor,
     identity,
     reduce_in_rank_order,
@@ -26,7 +27,7 @@ from hvdrun.runtime.reduce import (
 )
 
 
-class Engine(Protocol):
+class ExecutorHost(Protocol):
     """What executors need of the engine's cycle (``hvdrun.runtime.cycle.Cycle`` provides it)."""
 
     world: World
@@ -60,7 +61,7 @@ def _postscale(request: Request, set_size: int) -> float:
 # -- executors: (engine, batch, ops) -> one result per op ---------------------------------------
 
 
-def _eager_allreduce(engine: Engine, entry: Entry, array: np.ndarray) -> np.ndarray:
+def _eager_allreduce(engine: ExecutorHost, entry: Entry, array: np.ndarray) -> np.ndarray:
     """An allreduce whose data every rank sent with its announcement."""
     payloads = [entry.payloads[r] if r in entry.payloads else stand_in(entry, r).array.tobytes()
                 for r in range(engine.world.size)]
@@ -75,7 +76,7 @@ def reduce_contributions(set_size: int, request: Request, payloads: list[bytes],
     return array
 
 
-def _allreduce(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+def _allreduce(engine: ExecutorHost, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     if batch[0].payloads:
         return [_eager_allreduce(engine, batch[0], ops[0].array)]
     request = batch[0].first
@@ -99,7 +100,7 @@ def _allreduce(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[A
     return arrays
 
 
-def _allgather(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+def _allgather(engine: ExecutorHost, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     requests, mine = batch[0].requests, ops[0].array
     row_bytes = int(np.prod(mine.shape[1:], dtype=np.int64)) * mine.itemsize
     rows = [requests[rank].shape[0] if rank in requests else 0 for rank in range(engine.world.size)]
@@ -110,7 +111,7 @@ def _allgather(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[A
     return [out]
 
 
-def _broadcast(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+def _broadcast(engine: ExecutorHost, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     engine.backend.broadcast(as_bytes(ops[0].array), batch[0].first.root)
     return [ops[0].array]
 
@@ -120,12 +121,12 @@ def _global_splits(entry: Entry, rank: int, size: int) -> list[int]:
     members, request = entry.members, entry.requests.get(rank)
     if request is None:
         return [0] * size
-    per_member = request.splits or (request.shape[0] // len(members),) * len(members)
+    per_member = request.splits or default_splits(request.shape[0], len(members))
     rows = dict(zip(members, per_member, strict=True))
     return [rows.get(r, 0) for r in range(size)]
 
 
-def _alltoall(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+def _alltoall(engine: ExecutorHost, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     size, rank, mine, entry = engine.world.size, engine.world.rank, ops[0].array, batch[0]
     row_bytes = int(np.prod(mine.shape[1:], dtype=np.int64)) * mine.itemsize
     splits = [_global_splits(entry, r, size) for r in range(size)]
@@ -137,7 +138,7 @@ def _alltoall(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[An
     return [(out, np.array(received, dtype=np.int32))]
 
 
-def _reducescatter(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+def _reducescatter(engine: ExecutorHost, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     request, entry, rank = batch[0].first, batch[0], engine.world.rank
     mine = ops[0].array
     buffer = mine.reshape(-1).copy()
@@ -153,12 +154,12 @@ def _reducescatter(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> li
     return [out]
 
 
-def _join(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+def _join(engine: ExecutorHost, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     """Every rank joined: each gets the rank that joined last."""
     return [batch[0].order[-1]] * len(ops)
 
 
-def _add_set(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+def _add_set(engine: ExecutorHost, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     """Register a process set on every rank at the same point; its id is the next free one."""
     sets = engine.table.sets
     new_id = max(sets) + 1
@@ -166,16 +167,16 @@ def _add_set(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any
     return [new_id] * len(ops)
 
 
-def _remove_set(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+def _remove_set(engine: ExecutorHost, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     removed = engine.table.sets.pop(batch[0].first.root, None) is not None
     return [removed] * len(ops)
 
 
-def _nothing(engine: Engine, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
+def _nothing(engine: ExecutorHost, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
     return [None] * len(ops)
 
 
-EXECUTORS: dict[str, Callable[[Engine, list[Entry], list[LocalOp]], list[Any]]] = {
+EXECUTORS: dict[str, Callable[[ExecutorHost, list[Entry], list[LocalOp]], list[Any]]] = {
     "allreduce": _allreduce, "allgather": _allgather, "broadcast": _broadcast, "alltoall": _alltoall,
     "reducescatter": _reducescatter, "barrier": _nothing, "shutdown": _nothing, "join": _join,
     "add_set": _add_set, "remove_set": _remove_set,

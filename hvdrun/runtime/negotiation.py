@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hvdrun.envvars import EAGER_BYTES
 from hvdrun.runtime.reduce import OP_NAMES, SUM
 
 GLOBAL_SET = 0
@@ -179,7 +180,8 @@ class Table:
                 continue
             entry.error = validate(entry, self.size)
             if not entry.error and 0 < len(entry.payloads) < len(entry.requests):
-                entry.error = f"'{entry.name}': ranks disagree on sending its data eagerly (HVDRUN_EAGER_BYTES differs)"
+                entry.error = (f"'{entry.name}': ranks disagree on sending its data eagerly "
+                               f"({EAGER_BYTES[0]} differs)")
         return ready + self._pop_siblings_of_failed_groups(ready)
 
     def _pop_siblings_of_failed_groups(self, ready: list[Entry]) -> list[Entry]:

@@ -6,11 +6,13 @@ once:
 
 * an op code (``AVERAGE``, ``SUM``, ...) maps to one numpy function in :data:`REDUCE_FNS`;
 * *Average is a sum followed by a division by the number of ranks of the op's set*
-  (:func:`final_factor`), applied after the reduction, as Horovod does;
+  (:func:`average_divisor`, folded into the postscale factor by :func:`final_factor`), applied after
+  the reduction, as Horovod does;
 * scaling follows Horovod's arithmetic (:func:`scale`): integers through float64, float16 through
   float32, so ``prescale``/``postscale`` factors never overflow a narrow type;
 * a buffer is cut into ``parts`` chunks whose sizes differ by at most one element
-  (:func:`chunk_bounds`), and transfers are padded to 8 bytes (:func:`padded`).
+  (:func:`chunk_bounds`), and transfers are padded to 8 bytes (:func:`padded`);
+* an alltoall given no splits sends every rank an equal share of rows (:func:`default_splits`).
 """
 
 from __future__ import annotations
@@ -35,9 +37,15 @@ MOVEMENT_DTYPES = REDUCTION_DTYPES + ("uint8", "int8", "int16", "bool")
 ReduceFn = Callable[[np.ndarray, np.ndarray, np.ndarray], object]  # numpy ufunc: fn(a, b, out=a)
 
 
+def average_divisor(op: int, set_size: int) -> int | None:
+    """What the reduction's result is divided by: the op's set size for Average, None for every other op."""
+    return set_size if op == AVERAGE else None
+
+
 def final_factor(op: int, postscale: float, set_size: int) -> float:
-    """The factor applied after the reduction: Average divides by the number of ranks in the op's set."""
-    return postscale / set_size if op == AVERAGE else postscale
+    """The factor applied after the reduction: ``postscale``, divided by :func:`average_divisor` for Average."""
+    divisor = average_divisor(op, set_size)
+    return postscale if divisor is None else postscale / divisor
 
 
 def scale(buffer: np.ndarray, factor: float) -> None:
@@ -95,6 +103,11 @@ def padded(length: int) -> int:
 def as_bytes(array: np.ndarray) -> memoryview:
     """A byte view of a contiguous array (no copy)."""
     return array.data.cast("B") if array.size else memoryview(bytearray())
+
+
+def default_splits(rows: int, parts: int) -> list[int]:
+    """An alltoall's splits when none are given: ``rows // parts`` rows to each of the ``parts`` ranks."""
+    return [rows // parts] * parts
 
 
 def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:

@@ -19,6 +19,7 @@ import time
 from dataclasses import astuple, dataclass
 from typing import Any
 
+from hvdrun.envvars import START_TIMEOUT
 from hvdrun.errors import RendezvousError
 from hvdrun.runtime.transport.base import AbortFlag
 from hvdrun.runtime.wire import AuthError, authenticate_client, authenticate_server, recv_frame, send_frame
@@ -163,7 +164,7 @@ class _Server:
     def _fail_missing(self, deadline: float) -> None:
         missing = sorted(set(range(1, self.size)) - set(self.clients))
         message = (f"rendezvous timed out: ranks {', '.join(map(str, missing))} never joined rank 0 "
-                   f"(raise HVDRUN_START_TIMEOUT if they start slowly)")
+                   f"(raise {START_TIMEOUT} if they start slowly)")
         for sock, _ in self.clients.values():
             try:
                 send_frame(sock, ("error", message))

@@ -21,6 +21,7 @@ import socket
 import struct
 from typing import Any
 
+from hvdrun.envvars import SECRET
 from hvdrun.errors import RendezvousError
 
 MAGIC = b"HVD1"
@@ -84,7 +85,7 @@ def authenticate_server(sock: socket.socket, secret: bytes, peer: str) -> None:
     sock.sendall(client_nonce + _mac(secret, b"client", server_nonce, client_nonce))
     verdict = recv_exact(sock, 4)
     if verdict != b"OKAY":
-        raise AuthError(f"{peer} refused our secret: this rank's HVDRUN_SECRET differs from the job's")
+        raise AuthError(f"{peer} refused our secret: this rank's {SECRET} differs from the job's")
     if not hmac.compare_digest(recv_exact(sock, _DIGEST), _mac(secret, b"server", client_nonce, server_nonce)):
         raise AuthError(f"{peer} does not know the job's secret")
 

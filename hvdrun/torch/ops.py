@@ -22,7 +22,7 @@ from hvdrun.runtime import context
 from hvdrun.runtime.handles import Handle
 from hvdrun.runtime.lane import try_allreduce as try_lane
 from hvdrun.runtime.negotiation import GLOBAL_SET, JOIN, Request
-from hvdrun.runtime.reduce import ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM
+from hvdrun.runtime.reduce import ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM, average_divisor
 from hvdrun.torch import adasum, dtypes
 from hvdrun.torch.dtypes import MOVEMENT_DTYPES, REDUCTION_DTYPES
 from hvdrun.torch.process_sets import set_id, set_size
@@ -526,12 +526,12 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int, process_set
     grad = tensor.coalesce()
     indices = allgather_async(grad.indices().t().contiguous(), f"{name}.indices", process_set)
     values = allgather_async(grad.values().contiguous(), f"{name}.values", process_set)
-    size = set_size(process_set)
+    divisor = average_divisor(op, set_size(process_set))
 
     def wait() -> torch.Tensor:
         gathered = synchronize(values)
-        if op == AVERAGE:
-            gathered = gathered / size
+        if divisor is not None:
+            gathered = gathered / divisor
         return torch.sparse_coo_tensor(synchronize(indices).t(), gathered, grad.shape).coalesce()
 
     return wait

@@ -25,13 +25,13 @@ from hvdrun.torch.compression import Compression
 from hvdrun.torch.ops import (
     Adasum,
     Average,
-    allgather,
     allreduce_async_,
     grouped_allreduce,
     grouped_allreduce_async_,
+    sparse_allreduce_async,
     synchronize,
 )
-from hvdrun.torch.process_sets import set_id, set_size
+from hvdrun.torch.process_sets import set_id
 
 
 def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.Tensor, str]:
@@ -300,14 +300,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
 
     def _sparse_allreduce(self, param: torch.Tensor) -> torch.Tensor:
-        grad = cast(torch.Tensor, param.grad).coalesce()
-        name = self._parameter_names[param]
-        ps = self._process_set
-        indices = allgather(grad.indices().t().contiguous(), name=f"sparse.{name}.indices", process_set=ps).t()
-        values = allgather(grad.values().contiguous(), name=f"sparse.{name}.values", process_set=ps)
-        if self.op == Average:
-            values = values / set_size(ps)
-        return torch.sparse_coo_tensor(indices, values, grad.shape).coalesce()
+        grad = cast(torch.Tensor, param.grad)
+        name = f"sparse.{self._parameter_names[param]}"
+        return cast(torch.Tensor, sparse_allreduce_async(grad, name, self.op, self._process_set)())
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hvdrun.launch.output import LineSplitter, rank_dir_name
+from hvdrun.launch.output import rank_dir_name
+from hvdrun.launch.remote.lines import LineSplitter
 
 
 def split_all(chunks):

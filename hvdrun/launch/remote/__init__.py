@@ -5,5 +5,6 @@
 * ``mpirank.py``: the shim mpiexec starts as each rank (``python -m hvdrun.launch.remote.mpirank``);
 * ``task.py``: a rank of :func:`hvdrun.run` (``python -m hvdrun.launch.remote.task``);
 * ``hostfacts.py``: what a host says about itself before ranks start there
-  (``python -m hvdrun.launch.remote.hostfacts``).
+  (``python -m hvdrun.launch.remote.hostfacts``);
+* ``lines.py``: byte streams cut into lines, which the shim and the launcher's output router share.
 """

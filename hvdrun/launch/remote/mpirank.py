@@ -31,7 +31,7 @@ from collections.abc import Mapping
 
 from hvdrun import envvars
 from hvdrun.hosts import Host
-from hvdrun.launch.output import LineSplitter
+from hvdrun.launch.remote.lines import LineSplitter
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_of, layout_value
 
 _PR_SET_PDEATHSIG = 1

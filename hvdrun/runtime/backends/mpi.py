@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from hvdrun.envvars import BACKEND
 from hvdrun.errors import UsageError
 from hvdrun.runtime.backends.base import Backend, World
 from hvdrun.runtime.reduce import ReduceFn
@@ -16,7 +17,7 @@ def _mpi():  # noqa: ANN202 - imported lazily: mpi4py initialises MPI on import
     try:
         from mpi4py import MPI
     except ImportError as e:
-        raise UsageError("HVDRUN_BACKEND=mpi needs mpi4py: pip install 'hvdrun[mpi]'") from e
+        raise UsageError(f"{BACKEND}=mpi needs mpi4py: pip install 'hvdrun[mpi]'") from e
     return MPI
 
 
