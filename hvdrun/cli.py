@@ -158,9 +158,10 @@ def _host_options(with_np: bool = True) -> Any:
                      help="GPUs (Intel: tiles) per host; pins each rank through its vendor's variable "
                      "(CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK, ROCR_VISIBLE_DEVICES)."),
         click.option("--gpus-per-rank", type=click.IntRange(min=1), help="GPUs each rank gets (default 1)."),
-        click.option("--cpu-bind", metavar="none|cores|numa|list:A-B:C-D...",
-                     help="Cores of each rank: cores = an equal disjoint share, numa = one NUMA node, list: one "
-                          "core list per local rank (default: the cluster's cpu_bind, else none)."),
+        click.option("--cpu-bind", metavar="none|cores|numa|depth:D|list:A-B:C-D...",
+                     help="Cores of each rank: cores = an equal disjoint share, numa = one NUMA node, depth:D = "
+                          "CPUs L*D..L*D+D-1 (PALS's --depth), list: one core list per local rank (default: the "
+                          "cluster's cpu_bind, else none)."),
         click.option("--ranks-per-node", type=click.IntRange(min=1),
                      help="Ranks on every host (default: its slots; in an allocation one per GPU, or per node)."),
         click.option("--launcher", type=click.Choice(["local", "ssh", "mpiexec", "srun"]),

@@ -38,7 +38,8 @@ FAST_LANE = "HVDRUN_FAST_LANE"  # 0: blocking small allreduces of a one-host job
 # device tensors: the torch.distributed backend that runs them (nccl|gloo), and 1 to route CPU tensors there too
 DEVICE_BACKEND = "HVDRUN_DEVICE_BACKEND"
 CPU_VIA_DEVICE = "HVDRUN_CPU_VIA_DEVICE_BACKEND"
-CPU_BIND = "HVDRUN_CPU_BIND"  # --cpu-bind none|cores|numa|list:..., applied by the guard (launch/remote/cpubind.py)
+# --cpu-bind none|cores|numa|depth:D|list:..., applied by the guard (launch/remote/cpubind.py)
+CPU_BIND = "HVDRUN_CPU_BIND"
 GPU_LAYOUT = "HVDRUN_GPU_LAYOUT"  # --cpu-bind cores: the GPU layout, so the guard puts cores beside each GPU
 BIND_REPORT = "HVDRUN_BIND_REPORT"  # 1: the guard prints the rank's cores, NUMA node and GPU (--verbose)
 

@@ -31,6 +31,7 @@ from hvdrun.config import (
 from hvdrun.errors import UsageError
 from hvdrun.jobs import SCHEDULERS, scheduler_class
 from hvdrun.jobs.base import JobSpec, quote
+from hvdrun.launch.remote.cpubind import CpuBindError, parse_cpu_bind
 
 DEFAULT_OUTPUT_DIR = "hvdrun-jobs"
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}")
@@ -140,9 +141,42 @@ def _check_queue(queue: str | None, limits: QueueLimits | None, defaults: Schedu
     if low is not None and nodes < low or high is not None and nodes > high:
         allowed = f"{low or 1} to {high}" if high is not None else f"at least {low}"
         raise UsageError(f"-n/--nodes {nodes}: {where} takes {allowed} {unit}")
-    if limits and limits.max_walltime_s and walltime_s and walltime_s > limits.max_walltime_s:
-        raise UsageError(f"-t/--walltime {format_hms(walltime_s)}: {where} allows at most "
-                         f"{format_hms(limits.max_walltime_s)}")
+    if walltime_s is not None:
+        _check_walltime(walltime_s, limits, defaults, nodes, where, cluster)
+
+
+def _check_walltime(walltime_s: int, limits: QueueLimits | None, defaults: SchedulerDefaults, nodes: int,
+                    where: str, cluster: str) -> None:
+    """The walltime against the machine's limit, the queue's, and the execution queue ``nodes`` routes to."""
+    asked = f"-t/--walltime {format_hms(walltime_s)}"
+    if defaults.max_walltime_s and walltime_s > defaults.max_walltime_s:
+        raise UsageError(f"{asked}: {cluster} runs no job longer than {format_hms(defaults.max_walltime_s)}")
+    if limits and limits.max_walltime_s and walltime_s > limits.max_walltime_s:
+        raise UsageError(f"{asked}: {where} allows at most {format_hms(limits.max_walltime_s)}")
+    if not limits or not limits.routes:
+        return
+    route = limits.route_for(nodes)
+    if route is None:
+        spans = ", ".join(f"{r.name} {r.min_nodes}-{r.max_nodes or 'up'}" for r in limits.routes)
+        raise UsageError(f"-n/--nodes {nodes}: {where} routes no job of that size (its queues: {spans})")
+    if route.max_walltime_s and walltime_s > route.max_walltime_s:
+        span = f"{route.min_nodes}-{route.max_nodes}" if route.max_nodes else f"{route.min_nodes} or more"
+        raise UsageError(f"{asked}: {where} sends {nodes} nodes to {route.name!r} ({span} nodes), which allows "
+                         f"at most {format_hms(route.max_walltime_s)}")
+
+
+def _check_cpu_bind(config: ClusterConfig | None, ranks_per_node: int) -> None:
+    """The cluster's ``cpu_bind`` must read, and a ``list:`` must give every rank of a node its cores."""
+    if config is None or not config.cpu_bind:
+        return
+    try:
+        bind = parse_cpu_bind(config.cpu_bind)
+    except CpuBindError as e:
+        raise UsageError(f"{config.source}: cpu_bind: {e}") from None
+    if bind.policy == "list" and len(bind.lists) < ranks_per_node:
+        raise UsageError(f"--ranks-per-node {ranks_per_node}: {config.source}: cpu_bind lists cores for "
+                         f"{len(bind.lists)} ranks per node; give at most {len(bind.lists)} ranks per node, or "
+                         "a cpu_bind list per rank")
 
 
 def _job_name(request: JobRequest) -> str:
@@ -279,6 +313,7 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
     per_rank = config.gpus_per_rank if config else 1
     ranks_per_node = request.ranks_per_node or (nodes if unit == "gpus" else None) or (
         config.ranks_per_node if config else None) or max(gpus // per_rank, 1)
+    _check_cpu_bind(config, ranks_per_node)
     restart_args = _restart_args(request, nodes, unit)
     name = _job_name(request)
     output, error, exit_file, script_path = _output_paths(request, name, kind, time.time() if now is None else now)

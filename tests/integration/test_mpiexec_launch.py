@@ -152,7 +152,8 @@ def test_the_shipped_polaris_config_through_a_fake_pals_mpiexec(run_hvdrun, hvdr
     """FAKE PALS: polaris.yaml pins GPUs 3,2,1,0, gives PALS ALCF's --depth=8 --cpu-bind depth and the NCCL
     network plugin's settings reach every rank."""
     hvdrun_env.update({"HVDRUN_MPIEXEC": str(FAKE_PALS), "FAKE_PALS_RECORD": str(tmp_path / "record.json")})
-    shown = DEVICE_VARIABLES.replace('"ROCR_VISIBLE_DEVICES")', '"ROCR_VISIBLE_DEVICES", "NCCL_NET", "FI_MR_CACHE_MONITOR")')
+    shown = DEVICE_VARIABLES.replace('"ROCR_VISIBLE_DEVICES")',
+                                     '"ROCR_VISIBLE_DEVICES", "NCCL_NET", "FI_MR_CACHE_MONITOR")')
     done = run_hvdrun("--cluster", "polaris", "-H", "localhost:4", "-np", "4", "--", sys.executable, "-c", shown)
     assert done.returncode == 0, done.stderr
     pins = sorted((json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line),

@@ -156,12 +156,24 @@ POLARIS = ("--cluster", "polaris", "-A", "P")
     (("--cluster", "sophia", "-A", "P", "-q", "by-gpu", "-n", "3"),
      ["-n/--nodes 3: queue 'by-gpu' on sophia takes 1 2 4 8 gpus"]),
     (("--cluster", "sophia", "-A", "P", "-q", "by-node", "-t", "24:00:00"),
-     ["-t/--walltime 24:00:00: queue 'by-node' on sophia allows at most 12:00:00"]),
+     ["-t/--walltime 24:00:00: sophia runs no job longer than 12:00:00"]),
     (("--cluster", "aurora", "-A", "P", "-q", "debug-scaling", "-n", "64"),
      ["-n/--nodes 64: queue 'debug-scaling' on aurora takes 2 to 31 nodes"]),
     (("--cluster", "aurora", "-A", "P", "-q", "prod-large", "-n", "100"),
      ["-n/--nodes 100: queue 'prod-large' on aurora takes 1920 to 10624 nodes"]),
+    (("--cluster", "aurora", "-A", "P", "-q", "prod", "-n", "10", "-t", "20:00:00"),
+     ["queue 'prod' on aurora sends 10 nodes to 'tiny' (1-512 nodes), which allows at most 06:00:00"]),
+    (("--cluster", "aurora", "-A", "P", "-q", "prod", "-n", "1000", "-t", "13:00:00"),
+     ["sends 1000 nodes to 'small' (513-1024 nodes), which allows at most 12:00:00"]),
+    (("--cluster", "polaris", "-A", "P", "-q", "prod", "-n", "24", "-t", "03:30:00"),
+     ["queue 'prod' on polaris sends 24 nodes to 'small' (10-24 nodes), which allows at most 03:00:00"]),
+    (("--cluster", "polaris", "-A", "P", "-q", "prod", "-n", "99", "-t", "07:00:00"),
+     ["sends 99 nodes to 'medium' (25-99 nodes), which allows at most 06:00:00"]),
+    (("--cluster", "sophia", "-A", "P", "-q", "by-gpu", "-n", "2", "-t", "12:00:01"),
+     ["sophia runs no job longer than 12:00:00"]),
     (("--cluster", "thetagpu-cobalt", "-t", "30"), ["-A/--account is required on thetagpu-cobalt"]),
+    (("--cluster", "aurora", "-A", "P", "--ranks-per-node", "16"),
+     ["--ranks-per-node 16: ", "aurora.yaml: cpu_bind lists cores for 12 ranks per node"]),
     (("--cluster", "thetagpu-cobalt", "-A", "P", "-t", "13:00:00"), ["allows at most 12:00:00"]),
     ((*POLARIS, "-A", "P; rm -rf ~"), ["-A/--account 'P; rm -rf ~': expected letters, digits"]),
     ((*POLARIS, "-q", "$(id)"), ["-q/--queue '$(id)'"]),
@@ -243,6 +255,18 @@ def test_the_job_runs_the_submitting_python_by_default_and_an_environment_when_n
     assert render(cluster="polaris", account="A", **{}).count(f"{SUBMITTING_PYTHON} -m hvdrun") == 1
     assert "\npython -m hvdrun" in render(cluster="polaris", account="A", conda="/envs/torch")
     assert "/opt/venv/bin/python -m hvdrun" in render(cluster="polaris", account="A", venv="/opt/venv")
+
+
+@pytest.mark.parametrize("line, python", [
+    ("python: /opt/site/bin/python3", "/opt/site/bin/python3"),
+    ("venv: /lus/me/venv/", "/lus/me/venv/bin/python"),
+])
+def test_the_cluster_files_python_or_venv_runs_the_job_unless_an_option_names_another(tmp_path, line, python):
+    config = tmp_path / "site.yaml"
+    config.write_text(f"{line}\nscheduler: {{kind: pbs, walltime: '30'}}\n")
+    text = render(config_file=str(config))
+    assert f"\n{python} -m hvdrun" in text and SUBMITTING_PYTHON not in text
+    assert "/opt/other/bin/python -m hvdrun" in render(config_file=str(config), python="/opt/other/bin/python")
 
 
 def test_a_job_whose_python_cannot_import_hvdrun_fails_at_its_start_in_one_line(tmp_path):
