@@ -5,6 +5,10 @@
 2. Afterwards the control connections are the job's failure detector: if one drops without
    a goodbye, rank 0 tells every other rank which rank died; if rank 0 drops, every rank
    notices by itself. Either way the :class:`AbortFlag` is set and every wait loop raises.
+3. They also carry reports (:mod:`hvdrun.runtime.forensics`): an inspector that knows the secret
+   (``hvdrun stacks``, or hvdrun on Ctrl-\\) connects to rank 0 and sends ``("inspect",)``; rank 0 asks
+   every rank for its report over the control connections and answers with all of them. Rank 0's
+   stall check gathers the same reports itself.
 """
 
 from __future__ import annotations
@@ -14,17 +18,23 @@ import ipaddress
 import os
 import select
 import socket
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import astuple, dataclass
 from typing import Any
 
 from hvdrun.envvars import START_TIMEOUT
 from hvdrun.errors import RendezvousError
+from hvdrun.runtime.forensics import format_reports
 from hvdrun.runtime.transport.base import AbortFlag
 from hvdrun.runtime.wire import AuthError, authenticate_client, authenticate_server, recv_frame, send_frame
 
 _HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this, whatever it sends
+REPORT_TIMEOUT_S = 3.0  # how long rank 0 waits for the ranks' reports (a rank stuck holding the GIL never answers)
+INSPECT = "inspect"
+Reporter = Callable[[], dict[str, Any]]
 _BIND_RETRY_S = 5.0
 _MIN_BACKLOG = 128
 # Rank 0 keeps its listening socket for the life of the process: between a shutdown() and the
@@ -104,6 +114,52 @@ class _Server:
         self._said_bye: set[int] = set()
         self._monitor: threading.Thread | None = None
         self._wake_read, self._wake_write = os.pipe()
+        self.reporter: Reporter | None = None  # rank 0's own report (set by the runtime)
+        self._send_lock = threading.Lock()
+        self._reports: dict[int, dict[int, Any]] = {}  # request id -> rank -> report
+        self._reported = threading.Condition()
+        self._requests = 0
+
+    def gather_reports(self, timeout_s: float = REPORT_TIMEOUT_S) -> tuple[list[dict[str, Any]], dict[int, str]]:
+        """Every rank's report (rank 0's own included) and why the others have none."""
+        with self._reported:
+            self._requests += 1
+            request = self._requests
+            self._reports[request] = {}
+        live = {rank: sock for rank, (sock, _) in list(self.clients.items()) if rank not in self._said_bye}
+        absent = {rank: "it left the job" for rank in self._said_bye}
+        if self._monitor is None:  # the rendezvous is still gathering: joined ranks wait for the table
+            absent.update({rank: "joined rank 0; waits for the other ranks to join" for rank in live})
+            live = {}
+        for rank, sock in live.items():
+            try:
+                self._send(sock, ("report?", request))
+            except OSError as e:
+                absent[rank] = f"its control connection failed: {e}"
+        deadline = time.monotonic() + timeout_s
+        with self._reported:
+            while set(live) - set(absent) - set(self._reports[request]) and time.monotonic() < deadline:
+                self._reported.wait(deadline - time.monotonic())
+            replies = self._reports.pop(request)
+        for rank in [rank for rank, report in replies.items() if "rank" not in report]:
+            del replies[rank]
+            absent[rank] = "its runtime had no report to give"
+        for rank in set(live) - set(replies) - set(absent):
+            absent[rank] = f"did not answer within {timeout_s:g} s (busy in code that holds Python's lock?)"
+        for rank in set(range(1, self.size)) - set(live) - set(absent):
+            absent[rank] = "has not joined rank 0 (not in init() yet, or cannot reach rank 0)"
+        reports = list(replies.values()) + ([self.reporter()] if self.reporter else [])
+        return sorted(reports, key=lambda r: r["rank"]), absent
+
+    def _send(self, sock: socket.socket, message: Any) -> None:
+        with self._send_lock:
+            send_frame(sock, message)
+
+    def _serve_inspector(self, sock: socket.socket) -> None:
+        """Answer an inspector (see the module docstring) with every rank's report."""
+        reports, absent = self.gather_reports()
+        send_frame(sock, ("reports", reports, sorted(absent.items()), self.size))
+        sock.close()
 
     def gather(self, me: Peer, deadline: float) -> list[Peer]:
         """Accept connections until every rank joined; send everyone the table."""
@@ -130,10 +186,11 @@ class _Server:
         if not self._handshakes.acquire(blocking=False):
             sock.close()  # a flood of connections that never authenticate: refuse, keep serving the job
             return
-        threading.Thread(target=self._admit_within_deadline, args=(sock,), daemon=True).start()
+        threading.Thread(target=self._admit_within_deadline, args=(sock,), name="hvdrun-admit", daemon=True).start()
 
     def _admit_within_deadline(self, sock: socket.socket) -> None:
         watchdog = threading.Timer(_HANDSHAKE_TIMEOUT_S, _drop, args=(sock,))
+        watchdog.name = "hvdrun-handshake-watchdog"
         watchdog.start()
         try:
             self._admit(sock)
@@ -146,6 +203,9 @@ class _Server:
         try:
             authenticate_client(sock, self.secret)
             generation, row = recv_frame(sock)
+            if generation == INSPECT:
+                self._serve_inspector(sock)
+                return
             if generation != self.generation:  # a rank already on its next init() reached our old server
                 send_frame(sock, ("retry", f"rank 0 is at init #{self.generation}, not #{generation}"))
                 sock.close()
@@ -165,6 +225,10 @@ class _Server:
         missing = sorted(set(range(1, self.size)) - set(self.clients))
         message = (f"rendezvous timed out: ranks {', '.join(map(str, missing))} never joined rank 0 "
                    f"(raise {START_TIMEOUT} if they start slowly)")
+        if self.reporter is not None:  # where every rank is, before they are stopped
+            reports, absent = self.gather_reports(0.0)
+            sys.stderr.write(f"hvdrun: where every rank is, as the rendezvous times out\n"
+                             f"{format_reports(reports, self.size, absent)}\n")
         for sock, _ in self.clients.values():
             try:
                 send_frame(sock, ("error", message))
@@ -202,6 +266,12 @@ class _Server:
             return
         if self._closing:
             return
+        if isinstance(message, tuple) and message[:1] == ("report",):
+            with self._reported:
+                if message[1] in self._reports:
+                    self._reports[message[1]][peer.rank] = message[2]
+                    self._reported.notify_all()
+            return
         if isinstance(message, tuple) and message[:1] == ("abort",):
             self.broadcast_abort(str(message[1]))
             return
@@ -213,7 +283,7 @@ class _Server:
         for rank, (sock, _) in self.clients.items():
             if rank not in self._said_bye:
                 try:
-                    send_frame(sock, ("abort", reason))
+                    self._send(sock, ("abort", reason))
                 except OSError:
                     pass
 
@@ -252,6 +322,8 @@ class _Client:
         self.generation = generation
         self.sock: socket.socket | None = None
         self._closing = False
+        self.reporter: Reporter | None = None  # this rank's report (set by the runtime)
+        self._send_lock = threading.Lock()
 
     def connect(self, deadline: float) -> socket.socket:
         """Connect to rank 0 and authenticate, retrying until ``deadline``.
@@ -319,6 +391,10 @@ class _Client:
                     return
                 if kind == "bye":  # rank 0 shut down cleanly; our own shutdown is finishing
                     return
+                if kind == "report?":
+                    report = self.reporter() if self.reporter else {}
+                    with self._send_lock:
+                        send_frame(self.sock, ("report", body, report))
         except (OSError, ConnectionError, EOFError, ValueError):
             if not self._closing:
                 self.abort.set(f"lost the connection to rank 0 at {self.addr}: rank 0 exited or crashed")
@@ -326,14 +402,16 @@ class _Client:
     def report_failure(self, reason: str) -> None:
         """Ask rank 0 to abort every rank with ``reason``."""
         if self.sock is not None:
-            send_frame(self.sock, ("abort", reason))
+            with self._send_lock:
+                send_frame(self.sock, ("abort", reason))
 
     def close(self) -> None:
         """Say goodbye so rank 0 does not report us as crashed."""
         self._closing = True
         if self.sock is not None:
             try:
-                send_frame(self.sock, ("bye",))
+                with self._send_lock:
+                    send_frame(self.sock, ("bye",))
             except OSError:
                 pass
             self.sock.close()
@@ -372,6 +450,16 @@ class Rendezvous:
             return self._server.gather(me, deadline)
         assert self._client is not None
         return self._client.join(me, deadline)
+
+    def set_reporter(self, reporter: Reporter) -> None:
+        """What this rank answers when asked for its report."""
+        endpoint = self._server or self._client
+        assert endpoint is not None
+        endpoint.reporter = reporter
+
+    def gather_reports(self) -> tuple[list[dict[str, Any]], dict[int, str]] | None:
+        """Rank 0: every rank's report and why some have none (other ranks: None)."""
+        return self._server.gather_reports() if self._server is not None else None
 
     def report_failure(self, reason: str) -> None:
         """Tell the other ranks that this rank hit a fatal error (rank 0 relays it)."""

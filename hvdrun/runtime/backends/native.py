@@ -156,7 +156,8 @@ def _channels(me: Peer, peers: Sequence[Peer], own: ShmSegment | None, listener:
     accepted: dict[str, object] = {}
     acceptor = None
     if prev.host_key != me.host_key or own is None:
-        acceptor = threading.Thread(target=_accept_prev, args=(listener, prev, secret, accepted), daemon=True)
+        acceptor = threading.Thread(target=_accept_prev, args=(listener, prev, secret, accepted), name="hvdrun-accept",
+                                    daemon=True)
         acceptor.start()
     if nxt.host_key == me.host_key and own is not None:
         tx: TxChannel = ShmTx(segment_of(nxt), own.bell_fd)

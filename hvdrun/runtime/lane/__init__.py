@@ -38,6 +38,7 @@ import numpy as np
 
 from hvdrun import envvars
 from hvdrun.errors import CollectiveError
+from hvdrun.runtime.forensics import FlightRecorder
 from hvdrun.runtime.lane.attempt import LANE_OPS, SPINS_BEFORE_YIELD, FastLane
 from hvdrun.runtime.lane.board import CAPACITY, Board
 from hvdrun.runtime.transport.base import AbortFlag
@@ -80,6 +81,7 @@ class LaneHost(Protocol):
 
     lane: FastLane | None
     cycles: int  # negotiation cycles run on this rank: a change means a peer used the engine
+    recorder: FlightRecorder  # this rank's collectives (hvdrun.runtime.forensics)
 
     def quiet(self) -> bool:
         """Nothing of this rank in flight or unsynchronized, nothing held, no failure, no timeline, no join."""
@@ -103,10 +105,18 @@ def try_allreduce(host: LaneHost, array: np.ndarray, name: str, op: int, prescal
             or not lane.enter()):
         return False
     cycles = host.cycles
+    flight = host.recorder.take_off(name, "allreduce", array.nbytes)
+    done = False
     try:
-        return lane.allreduce(array, name, op, float(prescale), float(postscale), lambda: host.cycles != cycles)
+        done = lane.allreduce(array, name, op, float(prescale), float(postscale), lambda: host.cycles != cycles)
+        return done
     except CollectiveError as e:  # a dead peer or a stall: every rank hears of it, as in the engine
+        done = True
         host.fail(str(e))
         raise
     finally:
         lane.leave()
+        if done:
+            flight.land()
+        else:
+            host.recorder.scrub(flight)  # the engine's path takes the op and records it itself

@@ -1,0 +1,135 @@
+"""Every rank's stack on demand, from the launcher: Ctrl-\\ (SIGQUIT) to hvdrun, or ``hvdrun stacks [JOB]``.
+
+The launcher asks rank 0's rendezvous for every rank's report (see :mod:`hvdrun.runtime.rendezvous`,
+authenticated with the job's secret) and prints them folded (:func:`hvdrun.runtime.forensics.format_reports`);
+the job goes on. So that ``hvdrun stacks`` can find a job from another shell, each running job is
+registered in a file readable by its user alone (``~/.hvdrun/jobs/JOB.json``, mode 0600), removed when
+the job ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from hvdrun.envvars import JOBS_DIR, Rendezvous
+from hvdrun.errors import RendezvousError, UsageError
+from hvdrun.runtime.forensics import format_reports
+from hvdrun.runtime.rendezvous import INSPECT, REPORT_TIMEOUT_S
+from hvdrun.runtime.wire import authenticate_server, recv_frame, send_frame
+
+_CONNECT_TIMEOUT_S = 5.0
+
+
+def jobs_dir() -> Path:
+    """Where running jobs are registered (``$HVDRUN_JOBS_DIR`` or ``~/.hvdrun/jobs``)."""
+    return Path(os.environ.get(JOBS_DIR) or Path.home() / ".hvdrun" / "jobs")
+
+
+def fetch_report(addr: str, port: int, secret: str) -> str:
+    """Every rank's report of the job whose rank 0 serves ``addr:port``, folded into text.
+
+    Raises:
+        OSError: rank 0 cannot be reached (the job ended, or has not started its rendezvous yet).
+        RendezvousError: rank 0 refused the secret (another job now serves that port).
+    """
+    with socket.create_connection((addr, port), timeout=_CONNECT_TIMEOUT_S) as sock:
+        sock.settimeout(_CONNECT_TIMEOUT_S + REPORT_TIMEOUT_S)
+        authenticate_server(sock, secret.encode(), f"rank 0 at {addr}:{port}")
+        send_frame(sock, (INSPECT, None))
+        _, reports, absent, size = recv_frame(sock)
+    return format_reports(reports, size, dict(absent))
+
+
+def print_stacks(rendezvous: Rendezvous, size: int, write: Callable[[str], None]) -> None:
+    """Print every rank's report of the running job, or one line saying why there is none."""
+    try:
+        text = fetch_report(rendezvous.addr, rendezvous.port, rendezvous.secret)
+    except (OSError, ConnectionError, ValueError, EOFError, RendezvousError) as e:
+        text = (f"hvdrun: no stacks: rank 0's rendezvous at {rendezvous.addr}:{rendezvous.port} did not answer "
+                f"({e}); the ranks may not have reached init() yet")
+    write(text + "\n")
+
+
+@contextlib.contextmanager
+def stacks_on_demand(rendezvous: Rendezvous, size: int, write: Callable[[str], None]) -> Iterator[None]:
+    """While the job runs: Ctrl-\\ prints every rank's stacks (in a thread: supervision goes on), and the job
+    is registered for ``hvdrun stacks``."""
+    def on_quit(signum: int, frame: Any) -> None:
+        threading.Thread(target=print_stacks, args=(rendezvous, size, write), name="hvdrun-stacks",
+                         daemon=True).start()
+
+    registered = _register(rendezvous, size)
+    previous = signal.signal(signal.SIGQUIT, on_quit) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGQUIT, previous)
+        if registered is not None:
+            registered.unlink(missing_ok=True)
+
+
+def _register(rendezvous: Rendezvous, size: int) -> Path | None:
+    """Write the job's file (0600 in a 0700 directory); None where the home directory is not writable."""
+    folder = jobs_dir()
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = folder / f"{rendezvous.job_id}.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump({"job_id": rendezvous.job_id, "pid": os.getpid(), "size": size, "addr": rendezvous.addr,
+                       "port": rendezvous.port, "secret": rendezvous.secret,
+                       "command": " ".join(sys.argv)}, out)
+        return path
+    except OSError:
+        return None
+
+
+def running_jobs() -> list[dict[str, Any]]:
+    """This user's registered jobs whose hvdrun is still running (files of ended ones are removed)."""
+    jobs = []
+    for path in sorted(jobs_dir().glob("*.json")):
+        try:
+            job = json.loads(path.read_text())
+            os.kill(int(job["pid"]), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        jobs.append(job)
+    return jobs
+
+
+def choose_job(job_id: str | None) -> dict[str, Any]:
+    """The running job ``hvdrun stacks`` means: ``job_id``, or the only one running.
+
+    Raises:
+        UsageError: no such job, none running, or several and none named.
+    """
+    jobs = running_jobs()
+    if job_id is not None:
+        match = [job for job in jobs if job["job_id"] == job_id or str(job["pid"]) == job_id]
+        if not match:
+            raise UsageError(f"no running hvdrun job {job_id!r}; running: {_listing(jobs) or 'none'}")
+        return match[0]
+    if not jobs:
+        raise UsageError(f"no running hvdrun job of this user (looked in {jobs_dir()})")
+    if len(jobs) > 1:
+        raise UsageError(f"{len(jobs)} hvdrun jobs are running; name one: {_listing(jobs)}")
+    return jobs[0]
+
+
+def _listing(jobs: list[dict[str, Any]]) -> str:
+    return "; ".join(f"{job['job_id']} (hvdrun pid {job['pid']}, {job['size']} ranks: {job['command']})"
+                     for job in jobs)

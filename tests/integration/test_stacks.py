@@ -1,0 +1,127 @@
+"""Where every rank is (issue #22): ``hvdrun stacks``, Ctrl-\\ to hvdrun, and the stall check's report.
+
+Rank 2 of a 4-rank job sits in ``slow_data_loader`` (until the test releases it) while the others wait in
+the allreduce 'grad.fc2'. Each report must fold ranks 0,1,3 into one entry, show rank 2 in its function,
+and name the divergence from the flight recorders; the job goes on and ends normally afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, job_processes, wait_until
+
+WORKER = REPO / "tests" / "integration" / "workers" / "late_rank.py"
+DIVERGENCE = ("first divergence: rank 2 has not reached #4 allreduce 'grad.fc2' that ranks 0-1,3 wait in: rank 2 "
+              "finished #3 'grad.step2'")
+
+
+def launch_args(kind: str, request: pytest.FixtureRequest) -> list[str]:
+    if kind == "local":
+        return ["-np", "4"]
+    if kind == "mpiexec":
+        return ["-np", "4", "-H", "localhost:4", "--launcher", "mpiexec"]
+    hosts = request.getfixturevalue("ssh_hosts")
+    return ["-np", "4", "-H", hosts.hosts(2), *hosts.args()]
+
+
+def assert_report(text: str) -> None:
+    assert DIVERGENCE in text and "and waits in no collective (main thread at late_rank.py:15 in slow_data_loader)" \
+        in text, text
+    assert "ranks 0-1,3 (on " in text and "  waiting in: #4 allreduce 'grad.fc2' (4000 B" in text, text
+    rank_2 = text.split("rank 2 (on ", 1)[1]
+    assert "waiting in: no collective" in rank_2 and "late_rank.py:15 in slow_data_loader" in rank_2, text
+    assert "last collectives: #1 'grad.step0', #2 'grad.step1', #3 'grad.step2'" in rank_2
+
+
+@pytest.mark.parametrize("kind", ["local", "ssh", "mpiexec"])
+def test_stacks_on_demand_ctrl_backslash_and_the_stall_report(kind, request, hvdrun_env, token, tmp_path):
+    release, jobs = tmp_path / "release", tmp_path / "jobs"
+    env = {**hvdrun_env, "HVDRUN_JOBS_DIR": str(jobs), "HOROVOD_STALL_CHECK_TIME_SECONDS": "1"}
+    out, err = (tmp_path / "out.txt").open("wb"), (tmp_path / "err.txt").open("wb")
+    job = subprocess.Popen([sys.executable, "-m", "hvdrun", *launch_args(kind, request), sys.executable,
+                            str(WORKER), str(release)], env=env, cwd=tmp_path, stdout=out, stderr=err)
+    try:
+        stdout = lambda: (tmp_path / "out.txt").read_text()  # noqa: E731
+        stderr = lambda: (tmp_path / "err.txt").read_text()  # noqa: E731
+        assert wait_until(lambda: stdout().count("ready") == 4, 90), stderr()
+        # the stall check (1 s) on rank 0 prints the report by itself
+        assert wait_until(lambda: "where every rank is, as the stall check warns" in stderr(), 30), stderr()
+        assert wait_until(lambda: DIVERGENCE in stderr(), 10), stderr()
+        assert_report(stderr().split("as the stall check warns", 1)[1].replace("[0]<stderr>:", ""))
+        # hvdrun stacks from another shell
+        asked = subprocess.run([sys.executable, "-m", "hvdrun", "stacks"], env=env, capture_output=True, text=True,
+                               timeout=30)
+        assert asked.returncode == 0, asked.stderr
+        assert asked.stdout.startswith("hvdrun: stacks of 4 of 4 rank(s)\n")
+        assert_report(asked.stdout)
+        # Ctrl-\ to hvdrun: the same report on hvdrun's stderr, and the job goes on
+        before = stderr().count("hvdrun: stacks of 4 of 4 rank(s)")
+        job.send_signal(signal.SIGQUIT)
+        assert wait_until(lambda: stderr().count("hvdrun: stacks of 4 of 4 rank(s)") > before, 20), stderr()
+        release.touch()
+        assert job.wait(60) == 0, stderr()
+    finally:
+        release.touch()
+        if job.poll() is None:
+            job.kill()
+            job.wait(10)
+        out.close()
+        err.close()
+    assert stdout().count("done 4.0") == 4
+    assert not list(jobs.glob("*.json"))  # the job's registration went with it
+    assert wait_until(lambda: not job_processes(token)), job_processes(token)
+
+
+def test_stacks_without_a_running_job_is_one_line(tmp_path):
+    env = {**os.environ, "HVDRUN_JOBS_DIR": str(tmp_path / "jobs")}
+    done = subprocess.run([sys.executable, "-m", "hvdrun", "stacks"], env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"hvdrun: error: no running hvdrun job of this user (looked in {tmp_path / 'jobs'})\n"
+    named = subprocess.run([sys.executable, "-m", "hvdrun", "stacks", "abc123"], env=env, capture_output=True,
+                           text=True, timeout=30)
+    assert named.returncode == 2 and named.stderr == "hvdrun: error: no running hvdrun job 'abc123'; running: none\n"
+
+
+def test_a_registered_job_whose_hvdrun_ended_is_forgotten(tmp_path):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (jobs / "dead.json").write_text(f'{{"job_id": "dead", "pid": {int(ended.stdout)}, "size": 2, "addr": "x", '
+                                    '"port": 1, "secret": "s", "command": "c"}')
+    env = {**os.environ, "HVDRUN_JOBS_DIR": str(jobs)}
+    done = subprocess.run([sys.executable, "-m", "hvdrun", "stacks"], env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 2 and "no running hvdrun job of this user" in done.stderr
+    assert not (jobs / "dead.json").exists()
+
+
+NEVER_JOINS = """
+import os, sys
+from hvdrun import runtime
+if os.environ["HVDRUN_RANK"] == "1":
+    while not os.path.exists(sys.argv[1]):
+        import time; time.sleep(0.05)
+runtime.init()
+"""
+
+
+def test_a_rendezvous_that_times_out_says_where_every_rank_is(run_hvdrun, tmp_path):
+    """Rank 1 never calls init(): before the start timeout stops the job, rank 0 says who joined."""
+    program = tmp_path / "never_joins.py"
+    program.write_text(NEVER_JOINS)
+    release = tmp_path / "never"  # never created: the job's end stops rank 1
+    done = run_hvdrun("-np", "3", "--start-timeout", "3", sys.executable, str(program), str(release), timeout=120)
+    assert done.returncode == 1, done.stderr
+    report = done.stderr.split("[0]<stderr>:hvdrun: where every rank is, as the rendezvous times out\n", 1)[1]
+    lines = [line.split("]<stderr>:", 1)[1] for line in report.splitlines()[:8] if "]<stderr>:" in line]
+    assert lines[0] == "hvdrun: stacks of 1 of 3 rank(s)" and lines[1] == "rank 0 (on localhost):"
+    assert "rank 1: no report: has not joined rank 0 (not in init() yet, or cannot reach rank 0)" in lines
+    assert "rank 2: no report: joined rank 0; waits for the other ranks to join" in lines
+    assert "rendezvous timed out: ranks 1 never joined rank 0" in done.stderr
