@@ -250,8 +250,8 @@ def _elastic_options(command: Any) -> Any:
                           "to MAX (default 60 3600)."),
         click.option("--blacklist-scope", type=click.Choice(["slot", "host"]),
                      help="Elastic: what a failed worker takes out for the cool-down: its slot, or its whole host, "
-                          "whose other workers leave (Horovod's blacklist; default: host when the job starts on "
-                          "more than one host, else slot)."),
+                          "whose other workers leave (Horovod's blacklist; default, decided at each failure: host "
+                          "while more than one host is offered, else slot)."),
     ]
     for option in reversed(options):
         command = option(command)

@@ -177,7 +177,7 @@ class ElasticDriver:
         if self._failures:
             member, failure = self._failures[-1]
             cause = f"; the last loss: worker {member.number} on host {member.host.name} {failure.describe()}"
-        why = f"and every {self.settings.blacklist_scope} is cooling down after a failure" if hopeless else \
+        why = f"and every {self.pool.scope()} is cooling down after a failure" if hopeless else \
             f"for more than {self.settings.timeout_s:g} s (--elastic-timeout)"
         raise WorkerFailed(f"elastic job stopped: {serving} worker(s) left, fewer than --min-np "
                            f"{self.settings.min_np}, {why}{cause}", self._last_exit_code())
@@ -235,7 +235,7 @@ def check_settings(settings: ElasticSettings, launcher: str) -> None:
     low, high = settings.cooldown_s
     if not 0 <= low <= high:
         raise UsageError(f"--blacklist-cooldown-range {low:g} {high:g}: expected 0 <= MIN <= MAX")
-    if settings.blacklist_scope not in BLACKLIST_SCOPES:
+    if settings.blacklist_scope is not None and settings.blacklist_scope not in BLACKLIST_SCOPES:
         raise UsageError(f"--blacklist-scope {settings.blacklist_scope!r}: expected one of "
                          f"{', '.join(BLACKLIST_SCOPES)}")
 

@@ -52,7 +52,7 @@ from hvdrun.launch.base import Launcher, WorkerGroup, WorkerSpec
 from hvdrun.launch.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.elastic_driver import ElasticDriver, check_settings, make_discovery
 from hvdrun.launch.output import OutputRouter
-from hvdrun.launch.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, HOST, SLOT, ElasticSettings
+from hvdrun.launch.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, ElasticSettings
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, total_slots
 from hvdrun.schedulers import SLURM
 
@@ -319,15 +319,14 @@ def _num_proc(options: RunOptions, hosts: tuple[Host, ...]) -> int:
 
 
 def _elastic_plan(options: RunOptions, hosts: tuple[Host, ...]) -> ElasticPlan:
-    """The elastic settings: --min-np defaults to -np; with a fixed host list -np also caps the workers; a failure
-    blacklists its whole host (Horovod's way) when the job starts on more than one host, else only its slot."""
+    """The elastic settings: --min-np defaults to -np; with a fixed host list -np also caps the workers; without
+    --blacklist-scope the pool decides at each failure (:meth:`WorkerPool.scope`)."""
     cap = options.max_np or (options.num_proc if not options.host_discovery_script else None)
-    scope = options.blacklist_scope or (HOST if len({h.name for h in hosts}) > 1 else SLOT)
     settings = ElasticSettings(min_np=options.min_np or options.num_proc or 1, max_np=cap,
                                timeout_s=options.elastic_timeout_s or DEFAULT_ELASTIC_TIMEOUT_S,
                                reset_limit=options.reset_limit,
                                cooldown_s=tuple(options.cooldown_range or DEFAULT_COOLDOWN_S),  # type: ignore[arg-type]
-                               blacklist_scope=scope)
+                               blacklist_scope=options.blacklist_scope)
     return ElasticPlan(settings, hosts, options.host_discovery_script, options.slots_per_host)
 
 

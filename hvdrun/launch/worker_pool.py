@@ -36,7 +36,7 @@ class ElasticSettings:
     timeout_s: float = DEFAULT_ELASTIC_TIMEOUT_S
     reset_limit: int | None = None
     cooldown_s: tuple[float, float] = DEFAULT_COOLDOWN_S
-    blacklist_scope: str = SLOT
+    blacklist_scope: str | None = None  # None: host while discovery offers more than one host, else slot
     discovery_interval_s: float = 1.0
 
 
@@ -144,11 +144,19 @@ class WorkerPool:
         """The slot indices of ``host`` that no cool-down closes (busy or not)."""
         return [] if self.cooling(host.name) else [i for i in range(host.slots) if not self.cooling(host.name, i)]
 
+    def scope(self) -> str:
+        """What a failure takes out now: ``--blacklist-scope`` when given, else the whole host (Horovod's way) while
+        discovery's last answer has more than one host, and only the slot while it has one (blacklisting the only
+        host would end the job). Asked at each failure, so a job that grows onto more hosts turns to ``host``."""
+        if self.settings.blacklist_scope is not None:
+            return self.settings.blacklist_scope
+        return HOST if len({h.name for h in self.hosts}) > 1 else SLOT
+
     def blacklist(self, failed: Member) -> str:
-        """Cool down what worker ``failed`` takes out (``--blacklist-scope``): its slot, or its whole host, whose
-        other workers then leave at the next round (Horovod's blacklist). Returns the line that says so."""
+        """Cool down what worker ``failed`` takes out (:meth:`scope`): its slot, or its whole host, whose other
+        workers then leave at the next round (Horovod's blacklist). Returns the line that says so."""
         host, who = failed.host.name, f"worker {failed.number}"
-        if self.settings.blacklist_scope == SLOT:
+        if self.scope() == SLOT:
             seconds = self.cool_down(host, failed.index)
             return (f"hvdrun: elastic: slot {failed.index} of host {host} cools down for {seconds:.1f} s after "
                     f"{who} failed there; the host's other slots stay open (--blacklist-scope slot)")

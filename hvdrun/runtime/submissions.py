@@ -45,6 +45,7 @@ class Submissions:
         self.failure: str | None = None
         self.stopped = False
         self._counters: defaultdict[str, int] = defaultdict(int)
+        self._given_back: defaultdict[str, set[int]] = defaultdict(set)  # waiting for those above them to come back
 
     def auto_name(self, kind: str) -> str:
         """``allreduce.noname.7``: ranks that submit unnamed ops in the same order agree on names."""
@@ -54,10 +55,17 @@ class Submissions:
 
     def give_back_auto_name(self, name: str) -> None:
         """An unnamed op that the other ranks never submitted fails: its number was never used by them, so
-        this rank's next unnamed op of that kind takes it again and the ranks' names stay in step."""
+        this rank's next unnamed op of that kind takes it again and the ranks' names stay in step. Numbers come
+        off the top of the count only: one given back below a number still in use waits until that one comes
+        back too (two unnamed allgathers in flight when a peer joined fail in either order)."""
         kind, sep, number = name.rpartition(".noname.")
+        if not (sep and number.isdigit()):
+            return
         with self.lock:
-            if sep and number.isdigit() and self._counters.get(kind) == int(number):
+            returned = self._given_back[kind]
+            returned.add(int(number))
+            while self._counters[kind] in returned:
+                returned.discard(self._counters[kind])
                 self._counters[kind] -= 1
 
     def add(self, items: Sequence[tuple[Request, np.ndarray | None]], wake: bool,

@@ -91,12 +91,14 @@ BOTH_HOSTS: Schedule = [(None, [f"{A}:2", f"{B}:2"])]
 START_RANK_0_FAILS_IN_EPOCH_1 = {(1, 0): [0]}
 
 
-@pytest.mark.parametrize("fail_mode, fixed_hosts", [("exception", False), ("kill", False), ("kill", True)],
-                         ids=["exception", "kill", "kill-fixed-hosts"])
+@pytest.mark.parametrize("fail_mode, fixed_hosts", [("exception", False), ("kill", False), ("exception", True),
+                                                    ("kill", True)],
+                         ids=["exception", "kill", "exception-fixed-hosts", "kill-fixed-hosts"])
 def test_single_rank_failure_blacklists_its_host(run_hvdrun, hvdrun_env, tmp_path, fail_mode, fixed_hosts):
     """Horovod's expectation (its default, and hvdrun's for a job on two hosts): rank 0 fails at the start of
     epoch 1, host A is blacklisted, its other worker leaves, and B's two workers train on (rank 0: start rank 2).
-    With fixed hosts hvdrun needs -np 4 for four workers, where Horovod takes every slot of -H."""
+    With fixed hosts (Horovod's test_fault_tolerance_without_scaling) hvdrun needs -np 4 for four workers, where
+    Horovod takes every slot of -H."""
     options = ["-np", "4" if fixed_hosts else "2", "--min-np", "2", *([] if fixed_hosts else ["--max-np", "4"])]
     done, epochs = run_scenario(run_hvdrun, hvdrun_env, tmp_path, options, BOTH_HOSTS,
                                 START_RANK_0_FAILS_IN_EPOCH_1, fail_mode, fixed_hosts)
@@ -120,6 +122,18 @@ def test_single_rank_failure_with_slot_scope_keeps_the_host_mates(run_hvdrun, hv
     assert "leaves the job" not in done.stderr
 
 
+def test_a_job_that_grows_onto_a_second_host_blacklists_hosts_from_then_on(run_hvdrun, hvdrun_env, tmp_path):
+    """Without --blacklist-scope the scope is decided at each failure: the job starts on A alone (slot scope), B
+    joins for epoch 1, and when start rank 0 fails in epoch 2 host A is blacklisted, as Horovod does."""
+    options = ["-np", "2", "--min-np", "2", "--max-np", "4"]
+    done, epochs = run_scenario(run_hvdrun, hvdrun_env, tmp_path, options, [(0, [f"{A}:2"]), (None, BOTH_HOSTS[0][1])],
+                                {(2, 0): [0]})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert summary(epochs) == [(A, 0, 2, 1), (A, 0, 4, 2), (B, 2, 2, 3)], done.stderr[-3000:]
+    assert "after worker 0 failed on it: no worker starts there until then; worker(s) 1 leave at the next round " \
+           "(--blacklist-scope host)" in done.stderr
+
+
 # -- one rank on each host fails ------------------------------------------------------------------------------
 
 def test_all_hosts_blacklisted_ends_the_job(run_hvdrun, hvdrun_env, tmp_path):
@@ -139,6 +153,28 @@ def test_all_hosts_lose_a_rank_with_slot_scope_and_the_others_go_on(run_hvdrun, 
     done, epochs = run_scenario(run_hvdrun, hvdrun_env, tmp_path, options, BOTH_HOSTS, {(1, 0): [0, 2]})
     assert done.returncode == 0, done.stderr[-3000:]
     assert summary(epochs) == [(A, 0, 4, 1), (A, 1, 2, 2), (A, 1, 2, 2)], done.stderr[-3000:]
+
+
+def test_all_ranks_failing_ends_the_job(run_hvdrun, hvdrun_env, tmp_path):
+    """Horovod's test_all_ranks_failure: every worker fails at the start of epoch 1; the job fails and says why."""
+    done, epochs = run_scenario(run_hvdrun, hvdrun_env, tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "4"],
+                                BOTH_HOSTS, {(1, 0): [0, 1, 2, 3]})
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "hvdrun: error: elastic job stopped: 0 worker(s) left, fewer than --min-np 2, and every host is cooling " \
+           "down after a failure; the last loss: worker " in done.stderr
+    assert summary(epochs) == [(A, 0, 4, 1)]
+
+
+def test_too_few_workers_past_the_elastic_timeout_ends_the_job(run_hvdrun, hvdrun_env, tmp_path):
+    """Horovod's test_min_hosts_timeout: four workers, --min-np 4, start rank 0 fails and its host is blacklisted;
+    two workers are left and no host can replace the others, so the job ends after --elastic-timeout (Horovod's
+    test sets 1 s; hvdrun's timeout also bounds a new worker's start, so it leaves the workers time to start)."""
+    options = ["-np", "4", "--min-np", "4", "--max-np", "4", "--elastic-timeout", "10"]
+    done, epochs = run_scenario(run_hvdrun, hvdrun_env, tmp_path, options, BOTH_HOSTS, START_RANK_0_FAILS_IN_EPOCH_1)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "hvdrun: error: elastic job stopped: 2 worker(s) left, fewer than --min-np 4, for more than 10 s " \
+           f"(--elastic-timeout); the last loss: worker 0 on host {A} " in done.stderr
+    assert summary(epochs) == [(A, 0, 4, 1)]
 
 
 # -- reset limit ----------------------------------------------------------------------------------------------

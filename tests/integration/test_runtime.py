@@ -275,26 +275,33 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried_then_named(spawn_ranks):
 DTYPE_BACKENDS = {"shm-ring+lane": {}, "tcp-ring": {"HVDRUN_TRANSPORT": "tcp"}, "gloo": {"HVDRUN_BACKEND": "gloo"},
                   "device-path": DEVICE_PATH_ON_CPU}
 ALL_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "bfloat16", "float16", "float32", "float64")
+LANE_DTYPES = {"uint8", "int8", "int16", "int32", "int64", "float32", "float64"}  # float16/bfloat16 widen on the engine
 
 
 def dtype_rows() -> set[str]:
     """What tests/integration/workers/dtypes.py must report: every dtype through every collective and op."""
     ops = ("sum", "average", "min", "max", "product")
-    rows = {f"{dtype} allreduce-{op}" for dtype in ALL_DTYPES for op in ops}
+    rows = {f"{dtype} {kind}-{op}" for dtype in ALL_DTYPES for op in ops for kind in ("allreduce", "reducescatter")}
     rows |= {f"{dtype} {kind}" for dtype in ALL_DTYPES + ("bool",)
-             for kind in ("reducescatter", "allgather", "broadcast", "alltoall")}
+             for kind in ("grouped-reducescatter", "allgather", "grouped-allgather", "broadcast", "alltoall")}
     rows |= {f"{dtype} adasum" for dtype in ("bfloat16", "float16", "float32", "float64")}
-    return rows | {"bool allreduce-min", "bool allreduce-max", "bool refuses-sum-average-product",
-                   "float16-against-bfloat16 refused"}
+    return rows | {f"bool {kind}-{op}" for kind in ("allreduce", "reducescatter") for op in ("min", "max")} | {
+        "bool refuses-sum-average-product", "float16-against-bfloat16 refused"}
 
 
-def assert_dtype_table(stdout: str, size: int) -> None:
+def assert_dtype_table(stdout: str, size: int, lane: bool = False) -> None:
+    """Every row on rank 0, every rank's count; with ``lane``, the fast lane served blocking allreduces of every
+    dtype it takes (each dtype's five ops are attempted there)."""
     passed = {int(rank) for rank in re.findall(rf"rank (\d+): {len(dtype_rows())} dtype checks passed", stdout)}
     assert passed == set(range(size)), stdout[-3000:]
     rows = set(re.findall(r"^(?:\[0\]<stdout>:)?row (.+)$", stdout, re.MULTILINE))
     assert rows == dtype_rows(), rows ^ dtype_rows()
     errors = re.search(r"precision bfloat16=([\d.]+)ulp float16=([\d.]+)ulp", stdout)
     assert errors and max(map(float, errors.groups())) <= 0.5, errors  # rounded once from float32
+    served = re.search(r"^(?:\[0\]<stdout>:)?lane served(.*)$", stdout, re.MULTILINE)
+    assert served, stdout[-3000:]
+    counts = dict(item.split("=") for item in served.group(1).split())
+    assert set(counts) == (LANE_DTYPES if lane else set()), counts
 
 
 @pytest.mark.parametrize(("ranks", "backend"), [(2, "shm-ring+lane"), (4, "shm-ring+lane"), (2, "tcp-ring"),
@@ -303,7 +310,7 @@ def test_every_dtype_op_and_collective_on_every_backend(run_hvdrun, hvdrun_env, 
     hvdrun_env.update(DTYPE_BACKENDS[backend])
     result = run_hvdrun("-np", str(ranks), worker("dtypes.py"), timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_dtype_table(result.stdout, ranks)
+    assert_dtype_table(result.stdout, ranks, lane=backend == "shm-ring+lane")
 
 
 @pytest.mark.skipif(not MPIEXEC.exists() and not shutil.which("mpiexec"), reason="mpich wheel not installed")

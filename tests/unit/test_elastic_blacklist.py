@@ -13,20 +13,39 @@ from hvdrun.ranks import GpuLayout
 A, B = Host("localhost", 3), Host("127.0.0.1", 2)
 
 
-@pytest.mark.parametrize("hosts, given, expected", [
-    ("localhost:2,127.0.0.1:2", None, HOST),  # more than one host at start: Horovod's blacklist
-    ("localhost:4", None, SLOT),  # one machine: a death must not end the job
-    ("localhost:2,127.0.0.1:2", SLOT, SLOT),
-    ("localhost:4", HOST, HOST),
-])
-def test_the_scope_defaults_to_host_only_for_a_job_on_several_hosts(tmp_path, monkeypatch, hosts, given, expected):
+@pytest.mark.parametrize("given", [None, SLOT, HOST])
+def test_the_scope_option_reaches_the_settings_as_given(tmp_path, monkeypatch, given):
     monkeypatch.chdir(tmp_path)
-    options = RunOptions(command=("true",), num_proc=4, hosts=hosts, min_np=2, blacklist_scope=given)
+    options = RunOptions(command=("true",), num_proc=4, hosts="localhost:2,127.0.0.1:2", min_np=2,
+                         blacklist_scope=given)
     plan = plan_job(options, {})
-    assert plan.elastic is not None and plan.elastic.settings.blacklist_scope == expected
+    assert plan.elastic is not None and plan.elastic.settings.blacklist_scope == given
 
 
-def pool_with_workers(scope: str) -> tuple[WorkerPool, list[str]]:
+@pytest.mark.parametrize("given, hosts, expected", [
+    (None, (A, B), HOST),  # more than one host: Horovod's blacklist
+    (None, (A,), SLOT),  # one machine: a death must not end the job
+    (SLOT, (A, B), SLOT),
+    (HOST, (A,), HOST),
+])
+def test_without_the_option_the_scope_follows_the_hosts_discovery_offers_now(given, hosts, expected):
+    """Decided at each failure: a job that started on one host and grew onto two blacklists hosts from then on."""
+    pool, _ = pool_with_workers(given)
+    pool.hosts = hosts
+    assert pool.scope() == expected
+
+
+def test_a_job_that_grows_onto_a_second_host_turns_to_host_scope():
+    pool, _ = pool_with_workers(None)
+    pool.hosts = (A,)
+    pool.members[1].status = 1
+    assert pool.blacklist(pool.members[1]).endswith("(--blacklist-scope slot)")
+    pool.hosts = (A, B)
+    pool.members[2].status = 1
+    assert pool.blacklist(pool.members[2]).endswith("worker(s) 0 leave at the next round (--blacklist-scope host)")
+
+
+def pool_with_workers(scope: str | None) -> tuple[WorkerPool, list[str]]:
     """A pool whose members are three workers on A and two on B (no process behind them)."""
     log: list[str] = []
     settings = ElasticSettings(min_np=1, cooldown_s=(60.0, 3600.0), blacklist_scope=scope)

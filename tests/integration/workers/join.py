@@ -39,6 +39,20 @@ for _ in range(2):
         else:
             raise AssertionError("the allgather naming a joined rank did not fail")
         hvd.join()
+# two unnamed allgathers in flight at once, neither taken by the joined rank: both fail, both numbers come back
+# (whatever order their failures arrive in), and the next unnamed ops still pair up
+if RANK == 0:
+    hvd.join()
+else:
+    handles = [hvd.allgather_async(torch.ones(1)) for _ in range(2)]
+    for handle in handles:
+        try:
+            hvd.synchronize(handle)
+        except RuntimeError as e:
+            print(f"rank {RANK} raised for an async unnamed allgather: {e}", flush=True)
+        else:
+            raise AssertionError("the async allgather naming a joined rank did not fail")
+    hvd.join()
 gathered = hvd.allgather(torch.full((1,), float(RANK)))
 assert gathered.tolist() == [float(r) for r in range(SIZE)], gathered
 summed = hvd.allreduce(torch.ones(1), op=hvd.Sum)
