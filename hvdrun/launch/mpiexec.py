@@ -41,6 +41,7 @@ from hvdrun.ranks import GpuLayout, Slot
 
 FLAVOURS = ("mpich", "openmpi", "pals")
 SRUN = "srun"  # Slurm's srun starts the ranks inside an allocation: one more flavour of "one command, all ranks"
+_HIDDEN = frozenset({envvars.SECRET})  # passed through mpiexec's environment, never its command line
 
 
 def detect_flavour(version_text: str) -> str | None:
@@ -63,7 +64,9 @@ class MpiexecCommand:
         flavour: mpich, openmpi or pals.
         mpiexec: path of the program.
         hosts: the hosts in rank order, each with the number of ranks it runs.
-        env: variables every rank gets (the rank-independent contract, config env, ``-x``).
+        env: variables every rank gets (the rank-independent contract, config env, ``-x``). The secret
+            (``HVDRUN_SECRET``) among them never goes on the command line, where ``ps`` shows it to
+            every user of the node: mpiexec gets it in its own environment and passes it on by name.
         rank_command: what mpiexec starts per rank (the shim and the user's command).
         ssh_agent: the SSH wrapper mpiexec should use, or None for its default.
         callback_addr: this machine's address as the hosts reach it (hydra's ``-localhost``).
@@ -98,10 +101,19 @@ class MpiexecCommand:
         return [self.mpiexec, *build(), *self.extra_args, *self.rank_command]
 
     def process_env(self, base: Mapping[str, str]) -> dict[str, str]:
-        """The environment mpiexec itself runs with (srun passes its own environment to every rank)."""
+        """The environment mpiexec itself runs with: the secret, and for srun (which passes its own
+        environment to every rank) every variable of the job."""
+        hidden = {name: value for name, value in self.env.items() if name in _HIDDEN}
         if self.flavour != SRUN:
-            return dict(base)
+            return {**base, **hidden}
         return {**base, **self.env, **({envvars.SLURM_HOSTFILE: self.hostfile} if self.hostfile else {})}
+
+    def _shown_env(self) -> list[tuple[str, str]]:
+        """The variables passed by value on the command line (all but the secret), sorted."""
+        return sorted((name, value) for name, value in self.env.items() if name not in _HIDDEN)
+
+    def _hidden_names(self) -> list[str]:
+        return sorted(name for name in self.env if name in _HIDDEN)
 
     def _srun(self) -> list[str]:
         return [f"--nodes={len(self.hosts)}", f"--ntasks={self.num_proc}", "--distribution=arbitrary",
@@ -137,7 +149,8 @@ class MpiexecCommand:
             args += ["-launcher", "ssh", "-launcher-exec", self.ssh_agent]
         if self.callback_addr:
             args += ["-localhost", self.callback_addr]
-        return args + [word for name, value in sorted(self.env.items()) for word in ("-genv", name, value)]
+        hidden = ["-genvall"] if self._hidden_names() else []  # hydra's -genvlist loses them on remote hosts
+        return args + hidden + [word for name, value in self._shown_env() for word in ("-genv", name, value)]
 
     def _openmpi(self) -> list[str]:
         args = ["-n", str(self.num_proc), "--host", self._host_slots(), "--map-by", "slot", "--bind-to", "none"]
@@ -145,7 +158,8 @@ class MpiexecCommand:
             args.append("--allow-run-as-root")
         if self.ssh_agent:
             args += ["--prtemca", "plm_ssh_agent", self.ssh_agent]
-        return args + [word for name, value in sorted(self.env.items()) for word in ("-x", f"{name}={value}")]
+        hidden = [word for name in self._hidden_names() for word in ("-x", name)]  # -x NAME: from the environment
+        return args + hidden + [word for name, value in self._shown_env() for word in ("-x", f"{name}={value}")]
 
     def _pals(self) -> list[str]:
         per_host = {host.slots for host in self.hosts}
@@ -159,7 +173,7 @@ class MpiexecCommand:
             args += ["--gpu-bind", self.gpu_bind]
         if self.hostfile:
             args += ["--hostfile", self.hostfile]
-        return args + [word for name, value in sorted(self.env.items()) for word in ("--env", f"{name}={value}")]
+        return args + [word for name, value in self._shown_env() for word in ("--env", f"{name}={value}")]  # --envall
 
 
 def ssh_agent_script(options: SshOptions) -> str:

@@ -8,7 +8,10 @@ Before any rank starts, :meth:`SshLauncher.prepare` connects to every remote hos
 One rank's remote command (every value shell-quoted)::
 
     cd -- /work/dir && exec env -- HVDRUN_RANK=3 ... /venv/bin/python -m hvdrun.launch.remote.guard 5 \\
-        --signal-as-code -- /venv/bin/python -u train.py --lr 0.1
+        --signal-as-code --env-from-stdin HVDRUN_SECRET -- /venv/bin/python -u train.py --lr 0.1
+
+The job's secret is not in it (``ps`` on the host would show it to every user): the first line hvdrun
+writes to the channel is its value, which the guard reads into the environment.
 
 The SSH channel's stdin is the guard's lifeline: ``T``/``K`` on it signal the rank's process
 group, and EOF (hvdrun closed the channel, died, or the connection dropped) makes the guard
@@ -31,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hvdrun.envvars import guard_options, remote_env
+from hvdrun.envvars import SECRET, guard_options, remote_env
 from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host, is_local_host
 from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
 SESSIONS_PER_CONNECTION = 8  # below sshd's default MaxSessions (10)
 _KILL_CONFIRM_S = 3.0
 _LOST_CONNECTION = -1  # paramiko's exit status when the channel closed without one
+_FROM_STDIN = (SECRET,)  # sent over the channel, never on the remote command line
 
 
 @dataclass
@@ -184,6 +188,7 @@ class SshLauncher(Launcher):
             assert transport is not None and transport.is_active()
             channel = transport.open_session(timeout=10)
             channel.exec_command(worker_command(spec, self.grace_s))
+            channel.sendall(stdin_preamble(spec))
         except Exception as e:  # noqa: BLE001 - paramiko's channel errors, named below
             raise LaunchError(f"cannot start rank {spec.slot.rank} on {remote.target.describe()}: "
                               f"{e or type(e).__name__}", spec.slot.host.name) from e
@@ -238,13 +243,19 @@ class SshWorker(Worker):
 
 def worker_command(spec: WorkerSpec, grace_s: float) -> str:
     """The remote shell command of one rank: its working directory, environment and guarded command."""
-    env = remote_env(spec.env)
+    env = {name: value for name, value in remote_env(spec.env).items() if name not in _FROM_STDIN}
+    from_stdin = [word for name in _FROM_STDIN if name in spec.env for word in ("--env-from-stdin", name)]
     if spec.python != sys.executable:  # a host's own Python (YAML python:/venv:): its bin/ first on PATH
         env["PATH"] = f"{os.path.dirname(spec.python)}:{env.get('PATH', '/usr/bin:/bin')}"
     words = ["env", "--", *(f"{name}={value}" for name, value in sorted(env.items())),
              spec.python, "-m", "hvdrun.launch.remote.guard", f"{grace_s:g}", "--signal-as-code",
-             *guard_options(spec.env), "--", *spec.argv]
+             *guard_options(spec.env), *from_stdin, "--", *spec.argv]
     return f"cd -- {shlex.quote(spec.cwd)} && exec {shlex.join(words)}"
+
+
+def stdin_preamble(spec: WorkerSpec) -> bytes:
+    """What hvdrun writes first to a rank's channel: the values the guard reads with ``--env-from-stdin``."""
+    return "".join(f"{spec.env[name]}\n" for name in _FROM_STDIN if name in spec.env).encode()
 
 
 def _reader(receive: Callable[[int], bytes]) -> Callable[[], bytes]:

@@ -45,7 +45,7 @@ def test_flavour_from_version_text(text, flavour):
 def test_mpich_hydra_line():
     assert command("mpich").argv() == [
         "/venv/bin/mpiexec", "-n", "4", "-hosts", "n1:2,n2:2", "-launcher", "ssh", "-launcher-exec", "/tmp/x/ssh",
-        "-localhost", "10.0.0.254", "-genv", "HVDRUN_SECRET", "s3cr3t", "-genv", "WITH SPACE", "a b", "--verbose",
+        "-localhost", "10.0.0.254", "-genvall", "-genv", "WITH SPACE", "a b", "--verbose",
         *COMMAND]
 
 
@@ -55,16 +55,25 @@ def test_open_mpi_line():
                         "none"]
     assert ("--allow-run-as-root" in argv) == (os.geteuid() == 0)
     assert argv[argv.index("--prtemca"):argv.index("--prtemca") + 3] == ["--prtemca", "plm_ssh_agent", "/tmp/x/ssh"]
-    assert "HVDRUN_SECRET=s3cr3t" == argv[argv.index("-x") + 1] and argv[-len(COMMAND) - 1:] == ["--verbose", *COMMAND]
+    assert argv[argv.index("-x"):argv.index("-x") + 4] == ["-x", "HVDRUN_SECRET", "-x", "WITH SPACE=a b"]
+    assert argv[-len(COMMAND) - 1:] == ["--verbose", *COMMAND]
 
 
 def test_pals_line_and_uneven_hosts():
     assert command("pals").argv() == [
         "/venv/bin/mpiexec", "--np", "4", "--ppn", "2", "--cpu-bind", "none", "--envall", "--line-buffer",
         "--hostfile", "/tmp/x/hostfile",
-        "--env", "HVDRUN_SECRET=s3cr3t", "--env", "WITH SPACE=a b", "--verbose", *COMMAND]
+        "--env", "WITH SPACE=a b", "--verbose", *COMMAND]
     with pytest.raises(UsageError, match="same number of ranks on every host.*n1:2,n2:1"):
         command("pals", (Host("n1", 2), Host("n2", 1))).argv()
+
+
+@pytest.mark.parametrize("flavour", ["mpich", "openmpi", "pals", SRUN])
+def test_the_secret_reaches_mpiexec_through_its_environment_never_its_command_line(flavour):
+    """``ps`` shows every user of a node the command lines: the secret goes through mpiexec's environment."""
+    line = command(flavour, (Host("n1", 2), Host("n2", 2))).argv()
+    assert not any("s3cr3t" in word for word in line)
+    assert command(flavour).process_env({"PATH": "/bin"})["HVDRUN_SECRET"] == "s3cr3t"
 
 
 @pytest.mark.parametrize("cpu_bind, pals, srun, launcher_binds", [

@@ -2,7 +2,9 @@
 
 Options: ``--signal-as-code``; ``--remove GLOB`` (files the worker leaves, removed once it is gone:
 its shared-memory ring); ``--track NAME=VALUE`` (repeatable: processes whose environment holds all
-these entries belong to the worker even if they left its process group with ``setsid``).
+these entries belong to the worker even if they left its process group with ``setsid``);
+``--env-from-stdin NAME`` (repeatable: the first lines of the lifeline are these variables' values, in
+order, so that a secret reaches the worker without appearing on any command line).
 
 The guard leads a process group (and session) that holds the worker and everything the
 worker starts. Its standard input is a *lifeline* from hvdrun (a pipe, or an SSH channel):
@@ -50,6 +52,7 @@ class _Options:
     signal_as_code: bool = False
     remove: list[str] = field(default_factory=list)
     track: list[bytes] = field(default_factory=list)
+    env_from_stdin: list[str] = field(default_factory=list)
 
 
 def _parse(argv: list[str]) -> tuple[_Options, list[str]]:
@@ -66,6 +69,8 @@ def _parse(argv: list[str]) -> tuple[_Options, list[str]]:
             options.remove.append(next(words))
         elif word == "--track":
             options.track.append(os.fsencode(next(words)))
+        elif word == "--env-from-stdin":
+            options.env_from_stdin.append(next(words))
         else:
             raise ValueError(f"unknown option {word}")
     return options, command
@@ -136,6 +141,31 @@ def _watch_lifeline(options: _Options, worker: subprocess.Popen[bytes]) -> None:
             _kill_others(options)
         elif TERMINATE in data:
             os.killpg(0, signal.SIGTERM)
+
+
+def _read_line(fd: int) -> str | None:
+    """One line of ``fd``, read a byte at a time so that nothing after it is consumed; None at EOF."""
+    line = bytearray()
+    while True:
+        try:
+            byte = os.read(fd, 1)
+        except OSError:
+            return None
+        if not byte:
+            return None
+        if byte == b"\n":
+            return line.decode()
+        line += byte
+
+
+def _env_from_stdin(names: list[str]) -> None:
+    """Set ``names`` from the lifeline's first lines; a lifeline that ends first means hvdrun is gone."""
+    for name in names:
+        value = _read_line(0)
+        if value is None:
+            sys.stderr.write(f"hvdrun: the launcher went away before sending {name}\n")
+            sys.exit(1)
+        os.environ[name] = value
 
 
 def _exit_like(returncode: int, signal_as_code: bool) -> None:
@@ -218,12 +248,13 @@ def main(argv: list[str]) -> None:
         options, command = _parse(argv)
     except (ValueError, IndexError, StopIteration) as e:
         sys.stderr.write(f"usage: guard.py GRACE_S [--signal-as-code] [--remove GLOB] [--track NAME=VALUE]... "
-                         f"-- COMMAND... ({e})\n")
+                         f"[--env-from-stdin NAME]... -- COMMAND... ({e})\n")
         sys.exit(2)
     if os.getpgid(0) != os.getpid():
         os.setsid()
     for signum in _STOP_SIGNALS:
         signal.signal(signum, lambda *_: None)
+    _env_from_stdin(options.env_from_stdin)
     bind_cpus(os.environ)
     try:
         worker = subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=inherited_fds(os.environ),
