@@ -311,6 +311,12 @@ def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[
               help="Write a Chrome-trace timeline of the collectives (rank 0) to this file.")
 @click.option("--grace-period", "grace_s", type=_Seconds(), default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping workers.")
+@click.option("--ranks-output", metavar="RANKS",
+              help="Show only these ranks' output on the console, e.g. 0 or 0,3-5 (--output-dir still gets all).")
+@click.option("--idle-timeout", "idle_timeout_s", type=_Seconds(positive=True),
+              help="Stop the job (exit 124) when no rank printed anything for this many seconds.")
+@click.option("--forward-signals", metavar="LIST",
+              help="Signals to hvdrun passed on to every rank, the job going on (default USR1,USR2; 'none').")
 @click.option("--horovod-compat", is_flag=True,
               help="'import horovod' and 'import horovod.torch' in the ranks resolve to hvdrun.")
 @_elastic_options

@@ -82,6 +82,11 @@ OMP_NUM_THREADS = "OMP_NUM_THREADS"
 # A worker whose uncaught exception is a collective failure (a consequence of another rank's failure) writes
 # this line to its stderr before the traceback; the launcher strips it and blames the root cause instead.
 CONSEQUENCE_MARKER = b"\x1ehvdrun:failed-because-of-another-rank\n"
+# A rank launched by hvdrun writes these lines to its stderr when it enters init() and when init()'s rendezvous
+# completed; the launcher strips them, and ends a job at once when a rank ended without entering init() while
+# another waits there for it.
+INIT_MARKER = b"\x1ehvdrun:entered-init\n"
+JOINED_MARKER = b"\x1ehvdrun:joined\n"
 
 _VAR_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # used with fullmatch
 

@@ -177,3 +177,30 @@ def layout_of(value: str) -> GpuLayout:
     """The layout :func:`layout_value` wrote."""
     gpus_per_node, order, per_rank, vendor, tiles = json.loads(value)
     return GpuLayout(gpus_per_node, tuple(order) or None, per_rank, vendor, tiles)
+
+
+def parse_rank_list(text: str) -> frozenset[int]:
+    """Ranks from ``0``, ``0,3-5`` (``--ranks-output``).
+
+    Raises:
+        UsageError: not a comma-separated list of ranks and ranges (e.g. ``0,3-5``).
+    """
+    ranks: set[int] = set()
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        if not low.isdigit() or dash and not high.isdigit() or dash and int(high) < int(low):
+            raise UsageError(f"{text!r} is not a list of ranks; expected ranks and ranges like '0' or '0,3-5'")
+        ranks.update(range(int(low), int(high if dash else low) + 1))
+    return frozenset(ranks)
+
+
+def format_ranks(ranks: Sequence[int] | frozenset[int]) -> str:
+    """``0,2-7``: ranks, consecutive ones folded into ranges (the inverse of :func:`parse_rank_list`)."""
+    ordered = sorted(set(ranks))
+    groups: list[list[int]] = []
+    for rank in ordered:
+        if groups and rank == groups[-1][-1] + 1:
+            groups[-1].append(rank)
+        else:
+            groups.append([rank])
+    return ",".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups)

@@ -5,7 +5,11 @@ can be reached: :meth:`Launcher.prepare` and :meth:`Launcher.endpoint`), then tu
 :class:`WorkerSpec` into a running :class:`Worker`. A :class:`WorkerGroup` watches the
 workers of one job: when one fails, every other one gets
 SIGTERM and, after a grace period, SIGKILL of its whole process group; the first failure
-is reported as the root cause. SIGINT / SIGTERM to hvdrun tear the job down the same way.
+is reported as the root cause, with a line per group of other ranks saying what they were doing.
+SIGINT / SIGTERM to hvdrun tear the job down the same way; SIGUSR1 / SIGUSR2 (``--forward-signals``)
+are passed to every rank and the job goes on. ``--idle-timeout`` stops a job whose ranks all fell
+silent (exit 124), and a rank that ends without entering ``init()`` while another waits there for it
+ends the job at once.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hvdrun.errors import JobInterrupted, WorkerFailed
+from hvdrun.errors import JobInterrupted, UsageError, WorkerFailed
 from hvdrun.hosts import Host
 from hvdrun.launch.output import OutputRouter
-from hvdrun.ranks import Slot
+from hvdrun.ranks import Slot, format_ranks
 
 GUARD_SCRIPT = str(Path(__file__).with_name("remote") / "guard.py")
 _POLL_INTERVAL_S = 0.02
@@ -32,6 +36,12 @@ _DRAIN_TIMEOUT_S = 5.0
 # when the first rank to fail failed because of another rank, how long to wait for that root cause
 _SETTLE_S = 3.0
 _CAUSE_LINES = 3  # the last lines of the failed rank's stderr that a restart compares (WorkerFailed.cause)
+DEFAULT_FORWARD_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # schedulers' "preemption soon" signals
+IDLE_EXIT_CODE = 124  # like timeout(1) and ezpz's idle watchdog
+_NOT_FORWARDED = {signal.SIGINT: "stops the job (every rank gets SIGTERM)",
+                  signal.SIGTERM: "stops the job (every rank gets SIGTERM)",
+                  signal.SIGHUP: "stops the job (every rank gets SIGTERM)",
+                  signal.SIGKILL: "cannot be caught by hvdrun", signal.SIGSTOP: "cannot be caught by hvdrun"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,11 @@ class Worker(abc.ABC):
     @abc.abstractmethod
     def signal_group(self, signum: int) -> None:
         """Send ``signum`` to the worker's whole process group; no error if it is gone."""
+
+    def forward_signal(self, signum: int) -> None:
+        """Pass ``signum`` (e.g. SIGUSR1 from a scheduler) to the rank's processes, not to its guard; the job goes
+        on. Default: the whole process group."""
+        self.signal_group(signum)
 
 
 class Launcher(abc.ABC):
@@ -166,12 +181,27 @@ class Failure:
 
 
 class WorkerGroup:
-    """Supervises the workers of one job until all end, one fails, or hvdrun is interrupted."""
+    """Supervises the workers of one job until all end, one fails, or hvdrun is interrupted.
 
-    def __init__(self, launcher: Launcher, router: OutputRouter) -> None:
+    Args:
+        launcher: starts the workers.
+        router: where their output goes.
+        idle_timeout_s: stop the job (exit 124) when no rank printed for this long (``--idle-timeout``).
+        on_idle: called once before an idle job is stopped (e.g. to print every rank's stack).
+        forward_signals: signals to hvdrun that are passed to every rank (``--forward-signals``).
+    """
+
+    def __init__(self, launcher: Launcher, router: OutputRouter, idle_timeout_s: float | None = None,
+                 on_idle: Callable[[], None] | None = None,
+                 forward_signals: Sequence[int] = DEFAULT_FORWARD_SIGNALS) -> None:
         self.launcher, self.router = launcher, router
+        self.idle_timeout_s, self.on_idle, self.forward_signals = idle_timeout_s, on_idle, tuple(forward_signals)
         self.workers: list[Worker] = []
         self._interrupt: int | None = None
+        self._idle = False
+        self._forward_pending: list[int] = []
+        self._ended: dict[int, tuple[int, float]] = {}  # rank -> (status, seconds after start)
+        self._never_joined: list[Failure] = []  # ranks that exited 0 without entering init()
         self._wakeup = threading.Event()
 
     def run(self, specs: Sequence[WorkerSpec]) -> None:
@@ -182,10 +212,11 @@ class WorkerGroup:
             JobInterrupted: hvdrun got SIGINT or SIGTERM.
         """
         started = time.monotonic()
-        with self._stop_signals_handled():
+        with self._stop_signals_handled(), signals_handled(self.forward_signals, self._on_forward_signal):
             try:
                 for worker in self.launcher.start_all(specs, self.router):
                     self.workers.append(worker)
+                self.router.last_output = max(self.router.last_output, time.monotonic())
                 failure = self._supervise(started)
             finally:
                 self._teardown()
@@ -202,22 +233,73 @@ class WorkerGroup:
         running = list(self.workers)
         first: Failure | None = None
         while running and self._interrupt is None:
+            self._pass_on_signals(running)
             for worker in list(running):
                 status = worker.poll()
                 if status is None:
                     continue
                 running.remove(worker)
                 worker.signal_group(signal.SIGKILL)  # leftovers of a finished worker
-                if status != 0:
-                    failure = Failure(worker.slot, status, time.monotonic() - started, worker.failure_note(),
-                                      worker.knows_failed_host())
-                    if not self.router.failed_because_of_another_rank(worker.slot.rank):
-                        return failure
+                failure = Failure(worker.slot, status, time.monotonic() - started, worker.failure_note(),
+                                  worker.knows_failed_host())
+                self._ended[worker.slot.rank] = (status, failure.seconds_after_start)
+                if status == 0:
+                    self._note_if_never_joined(worker, failure)
+                elif not self.router.failed_because_of_another_rank(worker.slot.rank):
+                    return failure
+                else:
                     first = first or failure
             if first is not None and time.monotonic() - started - first.seconds_after_start > _SETTLE_S:
                 return first
+            stranded = self._stranded(running, started)
+            if stranded is not None or self._idle_expired():
+                return stranded
             self._wakeup.wait(_POLL_INTERVAL_S)
         return first
+
+    def _note_if_never_joined(self, worker: Worker, ended: Failure) -> None:
+        """Remember a rank that exited 0 without entering ``init()`` (its output read to the end first)."""
+        self.router.failed_because_of_another_rank(worker.slot.rank)  # waits for its output to end
+        if worker.slot.rank not in self.router.entered_init:
+            self._never_joined.append(ended)
+
+    def _stranded(self, running: Sequence[Worker], started: float) -> Failure | None:
+        """A rank that ended without entering ``init()`` while another rank waits there for it: the job can never
+        start (the others would wait the whole --start-timeout); that rank is the failure (exit code 1)."""
+        waiting = [w.slot.rank for w in running
+                   if w.slot.rank in self.router.entered_init and w.slot.rank not in self.router.joined]
+        if not self._never_joined or not waiting:
+            return None
+        gone = self._never_joined[0]
+        note = (f"ended (exit code 0) without joining the job (it never called init(); rank(s) "
+                f"{format_ranks(waiting)} wait for it there)")
+        return Failure(gone.slot, 1, time.monotonic() - started, note, gone.host_known)
+
+    def _idle_expired(self) -> bool:
+        """``--idle-timeout``: no rank printed for that long; calls ``on_idle`` once (its errors are reported)."""
+        if self.idle_timeout_s is None or time.monotonic() - self.router.last_output < self.idle_timeout_s:
+            return False
+        self._idle = True
+        if self.on_idle is not None:
+            try:
+                self.on_idle()
+            except Exception as e:  # noqa: BLE001 - a broken hook must not keep the job from stopping
+                self.router.say(f"hvdrun: warning: the idle hook failed: {type(e).__name__}: {e}")
+        return True
+
+    def _on_forward_signal(self, signum: int) -> None:
+        self._forward_pending.append(signum)
+        self._wakeup.set()
+
+    def _pass_on_signals(self, running: Sequence[Worker]) -> None:
+        """Pass the signals hvdrun got since the last look (``--forward-signals``) to every running rank."""
+        self._wakeup.clear()
+        while self._forward_pending:
+            signum = self._forward_pending.pop(0)
+            for worker in running:
+                worker.forward_signal(signum)
+            self.router.say(f"hvdrun: passed {signal.Signals(signum).name} to {len(running)} running "
+                            f"worker{'s' if len(running) != 1 else ''}; the job goes on")
 
     def _teardown(self) -> None:
         stop_workers(self.workers, self.launcher.grace_s)
@@ -227,6 +309,9 @@ class WorkerGroup:
             name = signal.Signals(self._interrupt).name
             raise JobInterrupted(f"received {name}; stopped all {ranks} workers",
                                  128 + self._interrupt)
+        if self._idle and failure is None:
+            raise JobInterrupted(f"no rank printed for {self.idle_timeout_s:g} s (--idle-timeout); stopped all "
+                                 f"{ranks} workers", IDLE_EXIT_CODE)
         if failure is None:
             return
         others = ranks - 1
@@ -234,6 +319,7 @@ class WorkerGroup:
         lines = [f"rank {failure.slot.rank} on host {failure.slot.hostname} {failure.describe()} "
                  f"{failure.seconds_after_start:.1f} s after start (first failure); stopped the other "
                  f"{others} rank{'s' if others != 1 else ''}"]
+        lines.extend(self._others_summary(failure, ranks))
         if tail:
             lines.append(f"last lines of rank {failure.slot.rank} stderr:")
             lines.extend(f"    {line}" for line in tail)
@@ -241,6 +327,33 @@ class WorkerGroup:
                            host=failure.slot.hostname if failure.host_known else None, signal=failure.signal,
                            cause="\n".join([line.strip() for line in tail if line.strip()][-_CAUSE_LINES:]),
                            note=failure.note)
+
+    def _others_summary(self, failure: Failure, ranks: int) -> list[str]:
+        """``other ranks:`` and one line per group of ranks in the same state (torchrun's "Root Cause" block)."""
+        groups: dict[str, list[Slot]] = {}
+        covered = {w.slot.rank for w in self.workers}
+        for worker in self.workers:
+            if worker.slot.rank != failure.slot.rank:
+                groups.setdefault(self._what_it_did(worker.slot.rank, failure), []).append(worker.slot)
+        missing = ranks - len(covered | {failure.slot.rank})
+        lines = [f"    {_ranks_on_hosts(slots)}: {state}" for state, slots in groups.items()]
+        if missing > 0:  # mpiexec: one worker for every rank
+            lines.append(f"    {missing} other rank{'s' if missing != 1 else ''}: stopped with the job's launcher")
+        return ["other ranks:", *lines] if lines else []
+
+    def _what_it_did(self, rank: int, failure: Failure) -> str:
+        ended = self._ended.get(rank)
+        if ended is None or ended[1] > failure.seconds_after_start:
+            if rank in self.router.entered_init and rank not in self.router.joined:
+                return "stopped by hvdrun after the failure (were waiting in init() for the others)"
+            return "stopped by hvdrun after the failure (were running)"
+        status, seconds = ended
+        if status == 0:
+            return "exited 0 before the failure"
+        how = Failure(failure.slot, status, seconds).describe()
+        if self.router.failed_because_of_another_rank(rank, 0.0):
+            return f"{how}, failing because of another rank"
+        return f"also failed: {how}"
 
     def _stop_signals_handled(self) -> contextlib.AbstractContextManager[None]:
         def on_signal(signum: int) -> None:
@@ -266,14 +379,48 @@ def stop_workers(workers: Sequence[Worker], grace_s: float) -> None:
             time.sleep(_POLL_INTERVAL_S)
 
 
-@contextlib.contextmanager
-def stop_signals_handled(on_signal: Callable[[int], None]) -> Iterator[None]:
+def parse_signal_list(text: str) -> tuple[int, ...]:
+    """``USR1,USR2,CONT`` (names with or without ``SIG``, or numbers; ``none``) as signal numbers.
+
+    Raises:
+        UsageError: an unknown signal, or one that stops the job or cannot be caught.
+    """
+    if text.strip().lower() in ("", "none"):
+        return ()
+    found: list[int] = []
+    for word in (w.strip().upper() for w in text.split(",")):
+        name = word if word.startswith("SIG") or word.isdigit() else f"SIG{word}"
+        try:
+            signum = signal.Signals(int(name)) if name.isdigit() else signal.Signals[name]
+        except (KeyError, ValueError):
+            raise UsageError(f"--forward-signals {text}: {word!r} is not a signal; expected names or numbers "
+                             "like USR1,USR2,CONT") from None
+        if signum in _NOT_FORWARDED or signum >= 64:
+            why = _NOT_FORWARDED.get(signum, "cannot be passed through the guard (1..63 only)")
+            raise UsageError(f"--forward-signals {text}: {signum.name} {why}")
+        found.append(int(signum))
+    return tuple(dict.fromkeys(found))
+
+
+def _ranks_on_hosts(slots: Sequence[Slot]) -> str:
+    """``ranks 0,2-3 on h1``, ``rank 4 on h1,h2``, ``ranks 0-511 on 64 hosts``."""
+    hosts = sorted({slot.hostname for slot in slots})
+    where = ",".join(hosts) if len(hosts) <= 3 else f"{len(hosts)} hosts"
+    return f"rank{'s' if len(slots) != 1 else ''} {format_ranks([slot.rank for slot in slots])} on {where}"
+
+
+def stop_signals_handled(on_signal: Callable[[int], None]) -> contextlib.AbstractContextManager[None]:
     """Call ``on_signal(signum)`` for SIGINT, SIGTERM and SIGHUP while inside (main thread only)."""
+    return signals_handled((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), on_signal)
+
+
+@contextlib.contextmanager
+def signals_handled(signals: Sequence[int], on_signal: Callable[[int], None]) -> Iterator[None]:
+    """Call ``on_signal(signum)`` for each of ``signals`` while inside (main thread only; else nothing)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, lambda signum, _frame: on_signal(signum))
-                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, lambda signum, _frame: on_signal(signum)) for s in signals}
     try:
         yield
     finally:

@@ -48,12 +48,12 @@ from hvdrun.hosts import (
     parse_hostfile,
     without_excluded,
 )
-from hvdrun.launch.base import Launcher, WorkerGroup, WorkerSpec
+from hvdrun.launch.base import DEFAULT_FORWARD_SIGNALS, Launcher, WorkerGroup, WorkerSpec, parse_signal_list
 from hvdrun.launch.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.elastic_driver import ElasticDriver, check_settings, make_discovery
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, ElasticSettings
-from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, total_slots
+from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, parse_rank_list, total_slots
 from hvdrun.schedulers import SLURM
 
 if TYPE_CHECKING:
@@ -107,6 +107,9 @@ class RunOptions:
     exclude_hosts: str | None = None  # comma-separated host names
     exclude_hosts_file: str | None = None
     cpu_bind: str | None = None  # none | cores | numa | list:A-B:C-D... (launch/remote/cpubind.py)
+    ranks_output: str | None = None  # the ranks shown on the console: "0", "0,3-5"
+    idle_timeout_s: float | None = None
+    forward_signals: str | None = None  # "USR1,USR2" (default), "none"
 
     @property
     def elastic(self) -> bool:
@@ -130,6 +133,8 @@ class JobPlan:
     mpi_flavour: str | None = None
     elastic: ElasticPlan | None = None
     hosts: tuple[Host, ...] = ()  # every host the job may use (spares included): restarts pick from them
+    console_ranks: frozenset[int] | None = None  # --ranks-output; None: every rank
+    forward_signals: tuple[int, ...] = DEFAULT_FORWARD_SIGNALS
 
     def python_for(self, host: Host) -> str:
         """The Python of ``host``: its own from the cluster YAML, else the launcher's."""
@@ -279,7 +284,23 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
                    cwd=os.getcwd(), default_python=(config.python if config else None) or sys.executable,
                    ssh_port=config.ssh_port if config else None, layout=layout,
                    mpi_flavour=options.mpi_flavour or (config.mpi_flavour if config else None), elastic=elastic,
-                   hosts=hosts)
+                   hosts=hosts, console_ranks=_console_ranks(options, len(slots)),
+                   forward_signals=DEFAULT_FORWARD_SIGNALS if options.forward_signals is None else
+                   parse_signal_list(options.forward_signals))
+
+
+def _console_ranks(options: RunOptions, size: int) -> frozenset[int] | None:
+    """``--ranks-output``: the ranks the console shows (None: all); a rank the job does not have is an error."""
+    if options.ranks_output is None:
+        return None
+    try:
+        ranks = parse_rank_list(options.ranks_output)
+    except UsageError as e:
+        raise UsageError(f"--ranks-output: {e}") from None
+    if size and max(ranks) >= size:
+        raise UsageError(f"--ranks-output {options.ranks_output}: the job has {size} ranks (0-{size - 1}); "
+                         f"e.g. --ranks-output 0")
+    return ranks
 
 
 def _binding_env(options: RunOptions, config: ClusterConfig | None, slots: Sequence[Slot],
@@ -449,7 +470,7 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
     if output_dir and options.max_restarts:
         output_dir = str(Path(output_dir) / f"attempt.{attempt}")
     router = OutputRouter(len(plan.slots), prefix=options.prefix_output, output_dir=output_dir,
-                          console=console, timestamp=options.prefix_timestamp)
+                          console=console, timestamp=options.prefix_timestamp, console_ranks=plan.console_ranks)
     launcher = make_launcher(plan)
     secret, job_id = secrets.token_hex(32), secrets.token_hex(4)
     try:
@@ -457,7 +478,8 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
         endpoint = launcher.endpoint(plan.slots[0].host)
         rendezvous = Rendezvous(endpoint.addr, endpoint.port, endpoint.master_port, secret, job_id, attempt,
                                 options.max_restarts, run_id or job_id)
-        WorkerGroup(launcher, router).run(plan.specs(rendezvous, launcher.cpus))
+        WorkerGroup(launcher, router, idle_timeout_s=options.idle_timeout_s,
+                    forward_signals=plan.forward_signals).run(plan.specs(rendezvous, launcher.cpus))
     except KeyboardInterrupt:
         raise JobInterrupted("interrupted while reaching the hosts; nothing was started", 130) from None
     finally:
@@ -475,7 +497,7 @@ def run_elastic_job(plan: JobPlan, elastic: ElasticPlan, console: dict[str, Text
     options = plan.options
     capacity = elastic.settings.max_np or max(total_slots(elastic.hosts), 1)
     router = OutputRouter(capacity, prefix=options.prefix_output, output_dir=options.output_dir, console=console,
-                          timestamp=options.prefix_timestamp)
+                          timestamp=options.prefix_timestamp, console_ranks=plan.console_ranks)
     launcher = make_launcher(plan)
     secret, job_id = secrets.token_hex(32), secrets.token_hex(4)
 

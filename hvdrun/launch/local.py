@@ -13,6 +13,7 @@ from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host
 from hvdrun.launch.base import GUARD_SCRIPT, Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.remote.guard import forward_byte
 from hvdrun.launch.remote.hostfacts import free_ports
 from hvdrun.ranks import Slot
 
@@ -47,6 +48,16 @@ class LocalWorker(Worker):
         try:
             os.killpg(self.process.pid, signum)
         except (ProcessLookupError, PermissionError):
+            pass
+
+    def forward_signal(self, signum: int) -> None:
+        """Through the guard's lifeline: the guard passes it to the rank's processes, and survives it."""
+        lifeline = self.process.stdin
+        try:
+            assert lifeline is not None
+            lifeline.write(forward_byte(signum))
+            lifeline.flush()
+        except (OSError, ValueError):  # the guard is gone (or the pipe closed): nothing left to signal
             pass
 
 

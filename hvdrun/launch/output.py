@@ -8,7 +8,10 @@ One :class:`OutputRouter` per job decides where every byte a worker writes goes:
   bytes, unprefixed (N zero-padded to the width of the last rank, as Horovod does);
 * the last lines of each rank's stderr are kept for the failure report;
 * a rank whose runtime says it failed because of another rank (a control line on its stderr,
-  :data:`hvdrun.envvars.CONSEQUENCE_MARKER`) is remembered, and the line is dropped.
+  :data:`hvdrun.envvars.CONSEQUENCE_MARKER`) is remembered, and the line is dropped; so are the
+  lines that say a rank entered ``init()`` and joined the job (:data:`hvdrun.envvars.INIT_MARKER`);
+* ``console_ranks`` (``--ranks-output``) limits the console to some ranks; the files and tails keep all;
+* a log file that cannot be written (a full disk) is given up with one warning; the console goes on.
 
 Lines end at ``\\n``, ``\\r\\n`` or ``\\r`` (progress bars), and the terminator is kept; a
 last line without terminator is still delivered at EOF. Lines are cut as bytes (no UTF-8
@@ -19,6 +22,7 @@ lines is not slowed down by hvdrun.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -29,11 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from hvdrun.envvars import CONSEQUENCE_MARKER
+from hvdrun.envvars import CONSEQUENCE_MARKER, INIT_MARKER, JOINED_MARKER
 from hvdrun.launch.remote.lines import LineSplitter
 
 STREAMS = ("stdout", "stderr")
 _READ_SIZE = 1 << 20
+_TAIL_LINE_BYTES = 4096  # a longer stderr line is cut short in the failure report's tail
 # a line of mpiexec's merged output, tagged by hvdrun's rank shim (launch/remote/mpirank.py)
 _TAGGED_RE = re.compile(rb"\[(\d+)\]<(stdout|stderr|exit)>:")
 
@@ -57,11 +62,14 @@ class OutputRouter:
         tail_lines: how many stderr lines to keep per rank for failure reports.
         console: where console lines go per stream (default hvdrun's stdout and stderr).
         timestamp: start each console line with the time (horovodrun's ``--prefix-timestamp``).
+        console_ranks: the ranks whose lines reach the console (``--ranks-output``); None for all.
     """
 
     def __init__(self, size: int, prefix: bool = True, output_dir: str | Path | None = None,
-                 tail_lines: int = 20, console: dict[str, TextIO] | None = None, timestamp: bool = False) -> None:
-        self.size, self.prefix, self.timestamp = size, prefix, timestamp
+                 tail_lines: int = 20, console: dict[str, TextIO] | None = None, timestamp: bool = False,
+                 console_ranks: frozenset[int] | None = None) -> None:
+        self.size, self.prefix, self.timestamp, self.console_ranks = size, prefix, timestamp, console_ranks
+        self.last_output = time.monotonic()  # when a rank last wrote anything (--idle-timeout)
         self.output_dir = Path(output_dir) if output_dir else None
         self._console = console or {"stdout": sys.stdout, "stderr": sys.stderr}
         self._lock = threading.Lock()
@@ -71,6 +79,11 @@ class OutputRouter:
         self._rank_pumps: dict[int, list[threading.Thread]] = {}
         self._rank_logs: dict[tuple[int, str], BinaryIO | None] = {}
         self._consequences: set[int] = set()
+        self.entered_init: set[int] = set()  # ranks that said they entered init()
+        self.joined: set[int] = set()  # ranks whose init() rendezvous completed
+        self._markers = {CONSEQUENCE_MARKER: self._consequences, INIT_MARKER: self.entered_init,
+                         JOINED_MARKER: self.joined}
+        self._disk_warned = False
 
     def attach(self, rank: int, stream: str, fd: int) -> None:
         """Start pumping file descriptor ``fd`` (the worker's ``stream``) until EOF; then close it."""
@@ -119,32 +132,64 @@ class OutputRouter:
         for pump in self._pumps:
             pump.join(timeout_s)
         for log in self._rank_logs.values():
-            if log:
-                log.close()
+            self._close_log(log)
 
     def _open_log(self, rank: int, stream: str) -> BinaryIO | None:
         if self.output_dir is None:
             return None
         folder = self.output_dir / rank_dir_name(rank, self.size)
-        folder.mkdir(parents=True, exist_ok=True)
-        return open(folder / stream, "wb")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            return open(folder / stream, "wb")
+        except OSError as e:
+            self._warn_disk(rank, e)
+            return None
+
+    def _write_log(self, rank: int, log: BinaryIO, data: bytes) -> None:
+        """Append to a rank's log file; a failing write (full disk) closes it, warns once, and is not fatal."""
+        try:
+            log.write(data)
+            log.flush()
+        except OSError as e:
+            self._warn_disk(rank, e)
+            self._close_log(log)
+
+    def _close_log(self, log: BinaryIO | None) -> None:
+        if log is None or log.closed:
+            return
+        try:
+            log.close()
+        except OSError:  # the unflushed rest could not be written: already warned, or warned now
+            with contextlib.suppress(OSError, ValueError):
+                log.close()
+
+    def _warn_disk(self, rank: int, error: OSError) -> None:
+        if not self._disk_warned:
+            self._disk_warned = True
+            self.say(f"hvdrun: warning: cannot write rank {rank}'s output to {self.output_dir}: "
+                     f"{error.strerror or error}; the console still gets it")
+
+    def say(self, line: str) -> None:
+        """One line of hvdrun's own on the console's stderr, between whole lines of the ranks."""
+        self._write_console("stderr", line.encode() + b"\n")
 
     def _pump(self, rank: int, stream: str, read: Callable[[], bytes], close: Callable[[], None],
               log: BinaryIO | None) -> None:
         splitter = LineSplitter()
         try:
             while data := read():
+                self.last_output = time.monotonic()
                 self._deliver(rank, stream, splitter.feed(data), log)
             self._deliver(rank, stream, splitter.close(), log)
         finally:
             close()
-            if log:
-                log.close()
+            self._close_log(log)
 
     def _pump_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None]) -> None:
         splitter = LineSplitter()
         try:
             while data := _read(fd):
+                self.last_output = time.monotonic()
                 for line in splitter.feed(data):
                     self._route_tagged(line, stream, on_exit)
             for line in splitter.close():
@@ -165,20 +210,23 @@ class OutputRouter:
         self._deliver(rank, kind, [text], self._rank_logs.get((rank, kind)))
 
     def _deliver(self, rank: int, stream: str, lines: list[bytes], log: BinaryIO | None) -> None:
-        """One rank's lines to its log file and the console; the runtime's control line is taken out."""
-        if stream == "stderr" and CONSEQUENCE_MARKER in lines:
-            self._consequences.add(rank)
-            lines = [line for line in lines if line != CONSEQUENCE_MARKER]
+        """One rank's lines to its log file and the console; the runtime's control lines are taken out."""
+        if stream == "stderr" and any(line in self._markers for line in lines):
+            for line in lines:
+                self._markers.get(line, set()).add(rank)
+            lines = [line for line in lines if line not in self._markers]
         if log and not log.closed and lines:
-            log.write(b"".join(lines))
-            log.flush()
+            self._write_log(rank, log, b"".join(lines))
         self._emit(rank, stream, lines)
 
     def _emit(self, rank: int, stream: str, lines: list[bytes]) -> None:
         if not lines:
             return
         if stream == "stderr":
-            self._tails[rank].extend(lines)
+            self._tails[rank].extend(line if len(line) <= _TAIL_LINE_BYTES else line[:_TAIL_LINE_BYTES] + b"..."
+                                     for line in lines)
+        if self.console_ranks is not None and rank not in self.console_ranks:
+            return
         tag = f"[{rank}]<{stream}>:".encode() if self.prefix else b""
         if self.timestamp:
             tag = time.asctime().encode() + b" " + tag

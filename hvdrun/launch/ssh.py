@@ -50,7 +50,7 @@ from hvdrun.launch.connections import (
 from hvdrun.launch.hostprobe import explain_probe_failure, probe_command
 from hvdrun.launch.local import LOOPBACK, LocalLauncher
 from hvdrun.launch.output import OutputRouter
-from hvdrun.launch.remote.guard import KILL, TERMINATE
+from hvdrun.launch.remote.guard import KILL, TERMINATE, forward_byte
 from hvdrun.launch.remote.hostfacts import HostFacts, free_ports, interface_address
 from hvdrun.ranks import Slot
 
@@ -239,6 +239,13 @@ class SshWorker(Worker):
             pass
         if signum == signal.SIGKILL and self._kill_sent_at is None:
             self._kill_sent_at = time.monotonic()
+
+    def forward_signal(self, signum: int) -> None:
+        """Through the guard's lifeline (the channel's stdin), as teardown signals go."""
+        try:
+            self.channel.send(forward_byte(signum))
+        except Exception:  # noqa: BLE001,S110 - the channel is gone: nothing left to signal
+            pass
 
 
 def worker_command(spec: WorkerSpec, grace_s: float) -> str:

@@ -142,6 +142,13 @@ def usage_error_hook(previous: Callable[..., Any]) -> Callable[..., Any]:
     return hook
 
 
+def _tell_launcher(environ: Mapping[str, str], marker: bytes) -> None:
+    """Write a control line for hvdrun's launcher on stderr (it strips it); nothing when hvdrun did not launch us."""
+    if envvars.JOB_ID in environ:
+        sys.stderr.flush()
+        os.write(2, marker)
+
+
 def init(environ: Mapping[str, str] | None = None) -> Runtime:
     """Join the job (idempotent): rendezvous, backend, engine thread.
 
@@ -161,6 +168,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
             sys.excepthook = usage_error_hook(sys.excepthook)
             _usage_hook_installed = True
         environ = os.environ if environ is None else environ
+        _tell_launcher(environ, envvars.INIT_MARKER)
         launch = envvars.read_launch_info(environ)
         generation, assignment = _generation, None
         if is_elastic(environ):
@@ -175,6 +183,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         store = (open_store(0, launch.size, timeout_s, launch.rendezvous_addr or "")
                  if device_backend and launch.rank == 0 else None)
         backend, rendezvous = _connect(launch, environ, abort, generation, store.port if store else 0, timeout_s)
+        _tell_launcher(environ, envvars.JOINED_MARKER)
         device = _device_collectives(device_backend, store, backend, launch, timeout_s, generation)
         _generation += 1
         engine = Engine(backend, report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),

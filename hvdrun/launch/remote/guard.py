@@ -10,7 +10,9 @@ The guard leads a process group (and session) that holds the worker and everythi
 worker starts. Its standard input is a *lifeline* from hvdrun (a pipe, or an SSH channel):
 
 * one byte ``T`` on the lifeline sends SIGTERM to the group, ``K`` SIGKILLs every other
-  process of the group (the guard stays to report the worker's status): that is how hvdrun
+  process of the group (the guard stays to report the worker's status); a byte ``0x80 + N``
+  sends signal N to every other process of the group (hvdrun's ``--forward-signals``, e.g.
+  SIGUSR1 from a scheduler: the job goes on): that is how hvdrun
   signals a rank on another host, where sshd refuses signal requests for root;
 * when the lifeline reaches EOF (hvdrun died, even by SIGKILL, or the connection dropped)
   or the guard gets SIGHUP, it sends SIGTERM to its group, waits up to GRACE_S seconds
@@ -44,6 +46,14 @@ from hvdrun.ranks import layout_of
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TERMINATE, KILL = b"T", b"K"
+FORWARD = 0x80  # the byte FORWARD + N passes signal N (1..63) to the worker's processes
+
+
+def forward_byte(signum: int) -> bytes:
+    """The lifeline byte that makes the guard pass ``signum`` to the worker's processes."""
+    if not 0 < signum < 64:
+        raise ValueError(f"signal {signum} cannot be forwarded (1..63)")
+    return bytes([FORWARD + signum])
 
 
 @dataclass
@@ -116,6 +126,21 @@ def _kill_others(options: _Options) -> None:
                 pass
 
 
+def _signal_others(signum: int) -> None:
+    """Send ``signum`` to every process of our group but the guard (which would die of e.g. SIGUSR1)."""
+    me, group = os.getpid(), os.getpgrp()
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return
+    for pid in pids:
+        if pid != me and _belongs(pid, group, []):
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
+
+
 def _remove_files(options: _Options) -> None:
     for pattern in options.remove:
         for path in glob.glob(pattern):
@@ -141,6 +166,9 @@ def _watch_lifeline(options: _Options, worker: subprocess.Popen[bytes]) -> None:
             _kill_others(options)
         elif TERMINATE in data:
             os.killpg(0, signal.SIGTERM)
+        for byte in data:
+            if byte > FORWARD:
+                _signal_others(byte - FORWARD)
 
 
 def _read_line(fd: int) -> str | None:

@@ -2,12 +2,16 @@
 
 Lines end at ``\\n``, ``\\r\\n`` or ``\\r`` (progress bars), and the terminator is kept; a last line
 without terminator is still delivered at EOF. Lines are cut as bytes (no UTF-8 byte sequence contains
-``\\n`` or ``\\r``) in time linear in their length. Standard library only.
+``\\n`` or ``\\r``) in time linear in their length. A line that grows past :data:`MAX_LINE_BYTES` without a
+terminator is passed on in pieces of about that size, so memory stays bounded whatever a rank writes.
+Standard library only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+
+MAX_LINE_BYTES = 8 << 20  # a partial line longer than this is passed on as a piece (no terminator)
 
 
 class LineSplitter:
@@ -15,12 +19,15 @@ class LineSplitter:
 
     Linear in the bytes fed: only new bytes are searched for terminators, and a partial line is
     kept as a list of pieces joined once, when its terminator arrives. A ``\\r`` at the very end
-    of a chunk stays undecided until the next chunk says whether a ``\\n`` follows.
+    of a chunk stays undecided until the next chunk says whether a ``\\n`` follows. A partial line
+    of ``max_line_bytes`` or more is returned as it is (a piece without terminator).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_line_bytes: int = MAX_LINE_BYTES) -> None:
         self._parts: list[bytes] = []
         self._cr_pending = False
+        self._max_line_bytes = max_line_bytes
+        self._size = 0  # bytes in _parts
 
     def feed(self, data: bytes) -> list[bytes]:
         """Add bytes; return every line completed so far (terminator included)."""
@@ -35,30 +42,34 @@ class LineSplitter:
         start = 0
         if self._cr_pending and (data or final):
             if data.startswith(b"\n"):
-                self._parts.append(b"\n")
+                self._add(b"\n")
                 start = 1
             lines.append(self._take())
         for end in _line_ends(data, start):
             if end < 0:  # a \r closing the chunk: maybe the first half of \r\n, decided by the next chunk
                 if final:
-                    self._parts.append(data[start:])
+                    self._add(data[start:])
                     lines.append(self._take())
                     return lines
-                self._parts.append(data[start:])
+                self._add(data[start:])
                 self._cr_pending = True
                 return lines
-            self._parts.append(data[start:end])
+            self._add(data[start:end])
             lines.append(self._take())
             start = end
         if start < len(data):
-            self._parts.append(data[start:])
-        if final and self._parts:
+            self._add(data[start:])
+        if self._parts and (final or self._size >= self._max_line_bytes):
             lines.append(self._take())
         return lines
 
+    def _add(self, part: bytes) -> None:
+        self._parts.append(part)
+        self._size += len(part)
+
     def _take(self) -> bytes:
         line = b"".join(self._parts)
-        self._parts, self._cr_pending = [], False
+        self._parts, self._cr_pending, self._size = [], False, 0
         return line
 
 
