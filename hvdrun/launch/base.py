@@ -94,10 +94,11 @@ class Worker(abc.ABC):
     def signal_group(self, signum: int) -> None:
         """Send ``signum`` to the worker's whole process group; no error if it is gone."""
 
-    def forward_signal(self, signum: int) -> None:
+    def forward_signal(self, signum: int) -> bool:
         """Pass ``signum`` (e.g. SIGUSR1 from a scheduler) to the rank's processes, not to its guard; the job goes
-        on. Default: the whole process group."""
+        on. Default: the whole process group. Returns False when this worker cannot pass it on."""
         self.signal_group(signum)
+        return True
 
 
 class Launcher(abc.ABC):
@@ -296,10 +297,14 @@ class WorkerGroup:
         self._wakeup.clear()
         while self._forward_pending:
             signum = self._forward_pending.pop(0)
-            for worker in running:
-                worker.forward_signal(signum)
-            self.router.say(f"hvdrun: passed {signal.Signals(signum).name} to {len(running)} running "
-                            f"worker{'s' if len(running) != 1 else ''}; the job goes on")
+            name = signal.Signals(signum).name
+            passed = sum(worker.forward_signal(signum) for worker in running)
+            if passed:
+                self.router.say(f"hvdrun: passed {name} to {passed} running worker{'s' if passed != 1 else ''}; "
+                                "the job goes on")
+            else:
+                self.router.say(f"hvdrun: warning: cannot pass {name} to these ranks (launcher "
+                                f"{type(self.launcher).__name__}); ignored, the job goes on")
 
     def _teardown(self) -> None:
         stop_workers(self.workers, self.launcher.grace_s)

@@ -50,7 +50,7 @@ class LocalWorker(Worker):
         except (ProcessLookupError, PermissionError):
             pass
 
-    def forward_signal(self, signum: int) -> None:
+    def forward_signal(self, signum: int) -> bool:
         """Through the guard's lifeline: the guard passes it to the rank's processes, and survives it."""
         lifeline = self.process.stdin
         try:
@@ -59,6 +59,7 @@ class LocalWorker(Worker):
             lifeline.flush()
         except (OSError, ValueError):  # the guard is gone (or the pipe closed): nothing left to signal
             pass
+        return True
 
 
 class LocalLauncher(Launcher):

@@ -265,6 +265,10 @@ class MpiexecWorker(LocalWorker):
     def failure_note(self) -> str:
         return self._note
 
+    def forward_signal(self, signum: int) -> bool:
+        """Not yet: the rank shim (mpirank) would die of SIGUSR1 before passing it on (#22)."""
+        return False
+
     def knows_failed_host(self) -> bool:
         return not self._note  # mpiexec itself failed and no rank said why: its host is not known
 

@@ -240,12 +240,13 @@ class SshWorker(Worker):
         if signum == signal.SIGKILL and self._kill_sent_at is None:
             self._kill_sent_at = time.monotonic()
 
-    def forward_signal(self, signum: int) -> None:
+    def forward_signal(self, signum: int) -> bool:
         """Through the guard's lifeline (the channel's stdin), as teardown signals go."""
         try:
             self.channel.send(forward_byte(signum))
         except Exception:  # noqa: BLE001,S110 - the channel is gone: nothing left to signal
             pass
+        return True
 
 
 def worker_command(spec: WorkerSpec, grace_s: float) -> str:
