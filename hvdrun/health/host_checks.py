@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING
 from hvdrun.errors import LaunchError, UsageError
 from hvdrun.health.host_agent import HealthFacts, ask_token, serve_token, torch_facts
 from hvdrun.hosts import Host
-from hvdrun.launch.connections import SshOptions, SshTarget, connect, peer_address, resolve_targets, run_command
+from hvdrun.launch.connections import (
+    DEFAULT_SSH_PORT,
+    SshOptions,
+    SshTarget,
+    connect,
+    peer_address,
+    resolve_targets,
+    run_command,
+)
 from hvdrun.launch.hostprobe import explain_probe_failure, module_command
 from hvdrun.launch.local import LOOPBACK
 from hvdrun.launch.remote import cpubind
@@ -198,11 +206,18 @@ class HostChecker:
         return "ssh", status, out, err
 
     def _unreached(self, target: CheckTarget, why: str, seconds: float) -> HostReport:
-        fix = ("check that the host is up and sshd runs there, that its key is in known_hosts "
-               "(ssh-keyscan HOST >> ~/.ssh/known_hosts) and that your key is authorised there"
-               if target.remote else "check that this machine can run the Python the ranks use")
+        fix = self._reach_fix(target) if target.remote else "check that this machine can run the Python the ranks use"
         return HostReport(target.host.name, "ssh" if target.remote else "local", seconds=seconds,
                           checks=[Check("reach", False, _reach_expected(target, self._ssh_targets), why, fix)])
+
+    def _reach_fix(self, target: CheckTarget) -> str:
+        """What to check for a host SSH did not reach: the known_hosts file is the one hvdrun used."""
+        ssh = self._ssh_targets[target.host.name]
+        known = self.ssh.known_hosts_path
+        given = " (--ssh-known-hosts)" if self.ssh.known_hosts else ""
+        port = f"-p {ssh.port} " if ssh.port != DEFAULT_SSH_PORT else ""
+        return (f"check that the host is up and sshd listens on {ssh.hostname}:{ssh.port}, that its key is in "
+                f"{known}{given} (ssh-keyscan {port}{ssh.hostname} >> {known}) and that your key is authorised there")
 
     def _where(self, target: CheckTarget) -> str:
         ssh_target = self._ssh_targets.get(target.host.name)

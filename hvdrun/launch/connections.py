@@ -153,11 +153,33 @@ def _is_retryable(error: BaseException) -> bool:
         isinstance(error, OSError) and error.errno in _RETRYABLE_ERRNOS)
 
 
-def _explain(target: SshTarget, error: BaseException, options: SshOptions) -> LaunchError:
-    """The LaunchError that names why ``target`` could not be reached (and blames its host)."""
-    explained = _explanation(target, error, options)
+def _explain(target: SshTarget, error: BaseException, options: SshOptions, timeout_s: float) -> LaunchError:
+    """The LaunchError that names why ``target`` could not be reached (and blames its host) in hvdrun's
+    words, not paramiko's ("No existing session", "Error reading SSH protocol banner")."""
+    explained = _handshake_failure(target, error, timeout_s) or _explanation(target, error, options)
     explained.host = target.host
     return explained
+
+
+def _handshake_failure(target: SshTarget, error: BaseException, timeout_s: float) -> LaunchError | None:
+    """A host that accepted TCP but never finished the SSH greeting: silent, or hung up on us."""
+    import paramiko
+
+    where = f"{target.host} ({target.user}@{target.hostname}:{target.port})"
+    if isinstance(error, (TimeoutError, socket.timeout)):
+        return LaunchError(f"{where} did not answer within {timeout_s:g} s (host down or port blocked?)")
+    if not isinstance(error, paramiko.SSHException) or isinstance(
+            error, (paramiko.AuthenticationException, paramiko.BadHostKeyException)):
+        return None
+    text, cause = str(error), error.__cause__ or error.__context__
+    if text.startswith("Error reading SSH protocol banner") and isinstance(cause, (TimeoutError, socket.timeout)) \
+            or text in ("No existing session", "Negotiation failed."):  # paramiko's start_client gave up waiting
+        return LaunchError(f"{where} did not answer within {timeout_s:g} s: the TCP connection opened but no SSH "
+                           "greeting came (sshd hung or overloaded, or another service on that port?)")
+    if text.startswith("Error reading SSH protocol banner") or isinstance(cause, (EOFError, ConnectionError)):
+        return LaunchError(f"{where} closed the connection during the SSH handshake (sshd's MaxStartups, "
+                           "a firewall or TCP wrapper, or not an SSH server on that port?)")
+    return None
 
 
 def _explanation(target: SshTarget, error: BaseException, options: SshOptions) -> LaunchError:
@@ -173,9 +195,6 @@ def _explanation(target: SshTarget, error: BaseException, options: SshOptions) -
                            f"give the key with -i KEY or add it to ~{target.user}/.ssh/authorized_keys there")
     if isinstance(error, socket.gaierror):
         return LaunchError(f"cannot resolve host name '{target.hostname}' of {target.host}: {error.strerror}")
-    if isinstance(error, (TimeoutError, socket.timeout)):
-        return LaunchError(f"cannot connect to {target.describe()}: timed out after {options.connect_timeout_s:g} s "
-                           "(host down or port blocked?)")
     if isinstance(error, paramiko.ssh_exception.NoValidConnectionsError) and error.errors:
         error = next(iter(error.errors.values()))  # one per address tried; the first says why
     reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error) or type(error).__name__
@@ -193,6 +212,7 @@ def connect(target: SshTarget, options: SshOptions, deadline: float) -> paramiko
 
     _quiet_paramiko()
     attempt = 0
+    given_s = round(max(min(options.connect_timeout_s, deadline - time.monotonic()), 0.1), 1)
     while True:
         client = paramiko.SSHClient()
         if options.known_hosts_path.is_file():
@@ -211,7 +231,7 @@ def connect(target: SshTarget, options: SshOptions, deadline: float) -> paramiko
             client.close()
             attempt += 1
             if not _is_retryable(e) or time.monotonic() + 0.1 > deadline or attempt >= 8:
-                raise _explain(target, e, options) from e
+                raise _explain(target, e, options, given_s) from e
             time.sleep(min(0.05 * 2 ** attempt, 1.0) * (0.5 + random.random()))
 
 
