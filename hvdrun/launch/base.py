@@ -32,7 +32,7 @@ from hvdrun.ranks import Slot, format_ranks
 
 GUARD_SCRIPT = str(Path(__file__).with_name("remote") / "guard.py")
 _POLL_INTERVAL_S = 0.02
-_DRAIN_TIMEOUT_S = 5.0
+_DRAIN_TIMEOUT_S = 2.0  # for output held open by a process that outlived its rank, in all
 # when the first rank to fail failed because of another rank, how long to wait for that root cause
 _SETTLE_S = 3.0
 _CAUSE_LINES = 3  # the last lines of the failed rank's stderr that a restart compares (WorkerFailed.cause)

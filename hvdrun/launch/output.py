@@ -128,9 +128,16 @@ class OutputRouter:
         return [line.decode(errors="replace").rstrip("\r\n") for line in self._tails.get(rank, ())]
 
     def drain(self, timeout_s: float) -> None:
-        """Wait until every stream reached EOF and was written out (or the timeout passed)."""
+        """Wait until every stream reached EOF and was written out, ``timeout_s`` in all: a stream still open
+        then is held by a process that outlived its rank, named in a warning and no longer waited for."""
+        deadline = time.monotonic() + timeout_s
         for pump in self._pumps:
-            pump.join(timeout_s)
+            pump.join(max(deadline - time.monotonic(), 0.0))
+        held = [pump.name.removeprefix("hvdrun-output-") for pump in self._pumps if pump.is_alive()]
+        if held:
+            self._write_console("stderr", f"hvdrun: warning: not waiting for output still held open {timeout_s:g} s "
+                                f"after the ranks ended (a process that outlived its rank?): {', '.join(held)}\n"
+                                .encode())
         for log in self._rank_logs.values():
             self._close_log(log)
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from hvdrun import envvars
 from hvdrun.launch.remote import cpubind
+from hvdrun.launch.remote.escapees import Containment
 from hvdrun.ranks import layout_of
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -94,6 +95,8 @@ def _kill_group(options: _Options, worker: subprocess.Popen[bytes]) -> None:
         time.sleep(0.02)
     _kill_others(options)
     _remove_files(options)
+    if _containment is not None:
+        _containment.close(0.2)
     os.killpg(0, signal.SIGKILL)
 
 
@@ -111,9 +114,26 @@ def _belongs(pid: int, group: int, track: list[bytes]) -> bool:
     return all(entry in entries for entry in track)
 
 
+_containment: Containment | None = None  # the worker's cgroup (or the guard as subreaper), set by main
+
+
+def _stop_escapees(group: int) -> None:
+    """Kill what left the worker's process group (setsid) and name it: it would hold the rank's output open."""
+    if _containment is None:
+        return
+    named = _containment.stop(group)
+    if named:
+        rank = os.environ.get(envvars.RANK, "?")
+        sys.stderr.write(f"hvdrun: warning: rank {rank}: {len(named)} process(es) left the rank's process group "
+                         f"(setsid); stopped: {', '.join(named)}\n")
+        sys.stderr.flush()
+
+
 def _kill_others(options: _Options) -> None:
-    """SIGKILL every process of our group, or tracked by environment, but the guard itself (Linux /proc)."""
+    """SIGKILL every process of our group, or tracked by environment, or in the worker's cgroup, but the guard
+    itself (Linux /proc)."""
     me, group = os.getpid(), os.getpgrp()
+    _stop_escapees(group)
     try:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
@@ -284,9 +304,11 @@ def main(argv: list[str]) -> None:
         signal.signal(signum, lambda *_: None)
     _env_from_stdin(options.env_from_stdin)
     bind_cpus(os.environ)
+    global _containment
+    _containment = Containment(f"{os.environ.get(envvars.JOB_ID, 'job')}-r{os.environ.get(envvars.RANK, '0')}")
     try:
         worker = subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=inherited_fds(os.environ),
-                                  env=command_env(os.environ))
+                                  env=command_env(os.environ), preexec_fn=_containment.enter)  # noqa: PLW1509
     except OSError as e:
         sys.stderr.write(f"hvdrun: cannot start {command[0]!r}: {e.strerror}\n")
         sys.exit(127)
@@ -294,6 +316,7 @@ def main(argv: list[str]) -> None:
     threading.Thread(target=_watch_lifeline, args=(options, worker), daemon=True).start()
     returncode = worker.wait()
     _kill_others(options)
+    _containment.close()
     _remove_files(options)
     _exit_like(returncode, options.signal_as_code)
 
