@@ -105,6 +105,9 @@ def _parse_slots(text: str, where: str) -> int:
 
 def parse_host_item(item: str, where: str = "-H") -> Host:
     """Parse one ``[user@]host:slots`` item (IPv6 hosts in brackets: ``[::1]:2``)."""
+    if any(ord(char) < 32 or ord(char) == 127 for char in item):
+        raise HostSpecError(f"{where}: {item!r} holds a newline or another control character; "
+                            f"expected e.g. {HOST_EXAMPLE}")
     text = item.strip()
     user, rest = _split_user(text, where)
     host_part, sep, slots_part = rest.rpartition(":")
@@ -145,6 +148,10 @@ def parse_host_string(spec: str) -> tuple[Host, ...]:
 def _parse_hostfile_line(line: str, where: str) -> Host:
     fields = line.split()
     user, name = _split_user(fields[0], where)
+    host, sep, count = name.rpartition(":")
+    if sep and count.isdigit() and host and not host.startswith("["):
+        raise HostSpecError(f"{where}: {fields[0]!r} is the -H form; a hostfile line is 'host slots=N': "
+                            f"write '{fields[0].rpartition(':')[0]} slots={count}'")
     slots = None
     for field in fields[1:]:
         key, sep, value = field.partition("=")

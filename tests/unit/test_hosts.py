@@ -122,3 +122,16 @@ def test_detect_allocation_order_and_kinds(tmp_path):
     assert detect_allocation({"COBALT_NODEFILE": str(cobalt)}) == ("cobalt", (Host("thetagpu01", 1),))
     assert detect_allocation({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "3(x2)"}) == (
         "slurm", (Host("n1", 3), Host("n2", 3)))
+
+
+@pytest.mark.parametrize("spec", ["localhost:1\n", "a:1,\nb:1", "a:1\t", "a\r:1"])
+def test_a_control_character_inside_a_host_spec_is_refused(spec):
+    with pytest.raises(HostSpecError, match="holds a newline or another control character"):
+        parse_host_string(spec)
+
+
+def test_a_hostfile_line_in_the_h_form_gets_the_hostfile_form_as_a_hint(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("h0 slots=1\nalice@h1:2\n")
+    with pytest.raises(HostSpecError, match=r"line 2: 'alice@h1:2' is the -H form; .*write 'alice@h1 slots=2'"):
+        parse_hostfile(path)
