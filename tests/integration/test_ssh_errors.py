@@ -64,7 +64,8 @@ def test_connect_names_the_host_and_what_it_did(fake_host, monkeypatch):
     if kind == "silent":
         assert message.startswith(f"h3 ({getpass.getuser()}@127.0.0.1:{port}) did not answer within 2 s"), message
     else:
-        assert message.startswith(f"h3 ({getpass.getuser()}@127.0.0.1:{port}) closed the connection during the SSH handshake"), message
+        where = f"h3 ({getpass.getuser()}@127.0.0.1:{port})"
+        assert message.startswith(f"{where} closed the connection during the SSH handshake"), message
 
 
 def test_check_reports_a_silent_host_within_its_timeout_and_names_the_known_hosts_given(fake_host, tmp_path):
