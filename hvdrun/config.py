@@ -365,8 +365,23 @@ def load_config(path: str | Path) -> ClusterConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        raise ConfigError(yaml_error_message(str(path), e)) from e
     return parse_config(data, str(path))
+
+
+def yaml_error_message(where: str, error: Exception) -> str:
+    """One line for PyYAML's multi-line error, e.g. for ``a: b: c`` in bad.yaml:
+    ``bad.yaml:1:5: not valid YAML: mapping values are not allowed here``."""
+    import yaml
+
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem_mark is None:
+        return f"{where}: not valid YAML: {str(error).splitlines()[0]}"
+    mark = error.problem_mark
+    message = f"{where}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {error.problem}"
+    if error.context and error.context_mark is not None:
+        start = error.context_mark
+        message += f" ({error.context} that starts at {start.line + 1}:{start.column + 1})"
+    return message
 
 
 def available_clusters() -> list[str]:

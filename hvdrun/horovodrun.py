@@ -113,7 +113,9 @@ def load_config_file(path: str) -> HorovodTuning:
     except OSError as e:
         raise ConfigError(f"--config-file {path}: cannot read it: {e.strerror}") from e
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config-file {path}: not valid YAML: {e}") from e
+        from hvdrun.config import yaml_error_message
+
+        raise ConfigError(f"--config-file {yaml_error_message(path, e)}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"--config-file {path}: expected a mapping of sections, got {type(data).__name__}")
     values: dict[str, Any] = {}

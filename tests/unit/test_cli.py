@@ -66,6 +66,13 @@ def test_yaml_error_names_file_and_key(invoke, tmp_path):
     assert_usage_error(invoke("--config", "c.yaml", *START), tmp_path, "c.yaml: unknown key 'slotz'; allowed keys")
 
 
+@pytest.mark.parametrize("option", ["--config", "--config-file"])
+def test_invalid_yaml_is_one_line_with_line_and_column(invoke, tmp_path, option):
+    (tmp_path / "bad.yaml").write_text("launcher: local\nenv:\n  A: b: c\n")
+    assert_usage_error(invoke(option, "bad.yaml", *START), tmp_path,
+                       "bad.yaml:3:7: not valid YAML: mapping values are not allowed here")
+
+
 def test_missing_nodefile_of_the_allocation(invoke, tmp_path):
     result = invoke(*START, env={"PBS_NODEFILE": str(tmp_path / "gone")})
     assert_usage_error(result, tmp_path, "cannot read PBS nodefile", "gone")

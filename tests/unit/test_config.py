@@ -69,6 +69,14 @@ def test_errors_name_file_and_key(tmp_path, text, fragment):
     assert str(path) in str(info.value)
 
 
+def test_invalid_yaml_is_one_line_naming_where_it_broke(tmp_path):
+    path = write(tmp_path, "hosts:\n  - name: n1\nname: [unclosed\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}:4:1: not valid YAML: expected ',' or ']', but got '<stream end>' "
+                               "(while parsing a flow sequence that starts at 3:7)")
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read cluster config"):
         load_config(tmp_path / "none.yaml")
