@@ -136,9 +136,28 @@ def _no_such_option(error: click.NoSuchOption) -> str:
     name = error.option_name
     if name in _FOREIGN_OPTIONS:
         return f"no such option '{name}'; in hvdrun use {_FOREIGN_OPTIONS[name]}"
-    known = [o for p in (error.ctx.command.params if error.ctx else []) for o in getattr(p, "opts", [])]
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
-    return f"no such option '{name}'" + (f"; did you mean '{close[0]}'" if close else "")
+    spellings = {o: "/".join(p.opts) for p in (error.ctx.command.params if error.ctx else [])
+                 if isinstance(p, click.Option) for o in p.opts}
+    close = difflib.get_close_matches(name, list(spellings), n=len(spellings) or 1, cutoff=0.8)
+    if not close:
+        return f"no such option '{name}'"
+    # of the near spellings, the fewest typing slips away ('--hsots' is one swap from --hosts, two from --slots)
+    best = min(close, key=lambda option: _typo_distance(name, option))
+    return f"no such option '{name}'; did you mean '{spellings[best]}'"
+
+
+def _typo_distance(typed: str, word: str) -> int:
+    """Letters inserted, dropped, replaced or swapped with a neighbour to get ``word`` from ``typed``
+    (optimal string alignment distance)."""
+    rows = [list(range(len(word) + 1))]
+    for i, a in enumerate(typed, 1):
+        row = [i]
+        for j, b in enumerate(word, 1):
+            row.append(min(rows[-1][j] + 1, row[j - 1] + 1, rows[-1][j - 1] + (a != b)))
+            if i > 1 and j > 1 and a == word[j - 2] and typed[i - 2] == b:
+                row[j] = min(row[j], rows[-2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
 
 
 
