@@ -181,6 +181,18 @@ class Failure:
         return f"was killed by signal {-self.status} ({signal.Signals(-self.status).name})"
 
 
+def hvdrun_error(stderr_tail: Sequence[str]) -> str | None:
+    """The last error hvdrun reported in a rank's stderr, ``hvdrun: error: ...`` or an uncaught
+    ``hvdrun.errors.RendezvousError: ...`` (a traceback's last line), without its prefix; None if there is none."""
+    for line in reversed(stderr_tail):
+        text = line.strip()
+        if text.startswith("hvdrun: error: "):
+            return text.removeprefix("hvdrun: error: ")
+        if text.startswith("hvdrun.errors.") and ": " in text:
+            return text.split(": ", 1)[1]
+    return None
+
+
 class WorkerGroup:
     """Supervises the workers of one job until all end, one fails, or hvdrun is interrupted.
 
@@ -324,6 +336,9 @@ class WorkerGroup:
         lines = [f"rank {failure.slot.rank} on host {failure.slot.hostname} {failure.describe()} "
                  f"{failure.seconds_after_start:.1f} s after start (first failure); stopped the other "
                  f"{others} rank{'s' if others != 1 else ''}"]
+        error = hvdrun_error(tail)
+        if error:
+            lines.append(f"rank {failure.slot.rank}'s error: {error}")
         lines.extend(self._others_summary(failure, ranks))
         if tail:
             lines.append(f"last lines of rank {failure.slot.rank} stderr:")

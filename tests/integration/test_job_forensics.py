@@ -167,6 +167,24 @@ def test_the_summary_of_a_failed_job_says_what_the_other_ranks_did(run_hvdrun, t
     assert message[4:] == ["last lines of rank 1 stderr:", "    rank 1 is about to fail"]
 
 
+def test_the_summary_names_the_error_hvdrun_reported_on_the_failed_rank(run_hvdrun, tmp_path):
+    path = script(tmp_path, "squat.py", """
+        import os, socket
+        from hvdrun import runtime
+        if os.environ["HVDRUN_RANK"] == "0":  # another program takes the rendezvous port before rank 0 listens
+            squatter = socket.create_server(("", int(os.environ["HVDRUN_RENDEZVOUS_PORT"])))
+        runtime.init()
+    """)
+    result = run_hvdrun("-np", "2", path)
+    assert result.returncode == 1
+    message = result.stderr.split("hvdrun: error: ", 1)[1].splitlines()
+    assert message[0].startswith("rank 0 on host localhost exited with code 1")
+    assert message[1].startswith("rank 0's error: cannot listen on 127.0.0.1:"), message
+    assert message[1].endswith("Address already in use; the port hvdrun chose was taken by another program "
+                               "meanwhile: start the job again")
+    assert message[2] == "other ranks:"
+
+
 def test_a_failing_output_disk_keeps_the_console_whole(run_hvdrun, tmp_path):
     out = tmp_path / "out"
     for rank in range(2):  # every write to these files fails with ENOSPC, as on a full disk
