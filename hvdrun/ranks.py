@@ -136,6 +136,15 @@ def _ranks_per_host(hosts: Sequence[Host], num_proc: int) -> list[int]:
     return counts
 
 
+def _more_slots(hosts: Sequence[Host], num_proc: int) -> str:
+    """Options that give ``hosts`` (all of them) room for ``num_proc`` ranks: ``-H a:6,b:6 or --ranks-per-node 6``."""
+    per_host = -(-num_proc // max(len(hosts), 1))
+    every_host = f"--ranks-per-node {per_host}"
+    if len(hosts) > 4:  # an -H list too long to read
+        return every_host
+    return f"-H {','.join(f'{h.name}:{per_host}' for h in hosts)} or {every_host}"
+
+
 def assign_slots(hosts: Sequence[Host], num_proc: int, gpus: GpuLayout | None = None) -> list[Slot]:
     """Assign ``num_proc`` ranks to ``hosts`` in order.
 
@@ -156,7 +165,7 @@ def assign_slots(hosts: Sequence[Host], num_proc: int, gpus: GpuLayout | None = 
     if num_proc > available:
         listed = ",".join(f"{h.name}:{h.slots}" for h in hosts)
         raise UsageError(f"-np {num_proc} is more than the {available} slots of the hosts ({listed}); "
-                         f"lower -np or add slots, e.g. -H {hosts[0].name}:{num_proc}")
+                         f"lower -np or add slots, e.g. {_more_slots(hosts, num_proc)}")
     layout = gpus or GpuLayout()
     counts = _ranks_per_host(hosts, num_proc)
     used = [host for host, count in zip(hosts, counts, strict=True) for _ in range(count)]

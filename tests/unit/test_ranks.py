@@ -50,6 +50,17 @@ def test_bad_np(num_proc, fragment):
         assign_slots([Host("a", 2), Host("b", 4)], num_proc)
 
 
+@pytest.mark.parametrize("hosts, fix", [
+    ([Host("a", 2), Host("b", 4)], "e.g. -H a:4,b:4 or --ranks-per-node 4"),  # every host kept, not -H a:7
+    ([Host("a", 2)], "e.g. -H a:7 or --ranks-per-node 7"),
+    ([Host(f"n{i}", 1) for i in range(5)], "e.g. --ranks-per-node 2"),
+])
+def test_np_over_the_slots_suggests_slots_on_every_host(hosts, fix):
+    with pytest.raises(UsageError) as info:
+        assign_slots(hosts, 7)
+    assert str(info.value).endswith(f"lower -np or add slots, {fix}")
+
+
 def test_gpu_pinning_default_order():
     slots = assign_slots([Host("a", 4)], 4, GpuLayout(gpus_per_node=4))
     assert [s.devices for s in slots] == [("0",), ("1",), ("2",), ("3",)]
