@@ -12,7 +12,7 @@ has a new request or a peer starts a cycle. Any error that makes further communi
 through the rendezvous.
 
 Four homes: this module decides when cycles run and on which thread;
-:mod:`hvdrun.runtime.submissions` keeps this rank's ops from submission to synchronization;
+:mod:`hvdrun.runtime.submissions` keeps this rank's ops from submission until they finish;
 :mod:`hvdrun.runtime.cycle` is what one cycle does; :mod:`hvdrun.runtime.verdicts` judges the ops
 that can never complete (deadlocks, stalls, departed ranks).
 """
@@ -111,7 +111,7 @@ class Engine:
         return self.ledger.auto_name(kind)
 
     def submit(self, request: Request, array: np.ndarray | None = None, wake: bool = True) -> Handle:
-        """Queue a collective; raises ValueError for a name submitted and not yet synchronized on this rank.
+        """Queue a collective; raises ValueError for a name submitted and not yet finished on this rank.
 
         Args:
             request: what to run.
@@ -136,7 +136,7 @@ class Engine:
         return [op.handle for op in ops]
 
     def release_name(self, name: str) -> None:
-        """The handle of ``name`` was synchronized: the name may be used again on this rank."""
+        """The op ``name`` finished on this rank: the name may be used again here."""
         self.ledger.release_name(name)
 
     @contextlib.contextmanager
@@ -161,7 +161,7 @@ class Engine:
         return self.submit(request, array, wake=False).wait()
 
     def quiet(self) -> bool:
-        """Nothing of this rank in flight or unsynchronized, nothing held, no failure, no timeline, no join: the
+        """Nothing of this rank in flight, nothing held, no failure, no timeline, no join: the
         fast lane may take a blocking allreduce (:func:`hvdrun.runtime.lane.try_allreduce`)."""
         ledger = self.ledger
         return not (ledger.taken or self._holds or ledger.failure is not None or ledger.stopped

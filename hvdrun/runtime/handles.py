@@ -1,8 +1,8 @@
 """What the engine hands out and keeps per op: the :class:`Handle` (a future) and the :class:`LocalOp` record.
 
-A handle finishes once, with a result or an error; a caller that waits on it drives the engine's
-progress on its own thread (:meth:`EngineLike.drive_until`) instead of sleeping, and frees the op's
-name on this rank when the wait returns.
+A handle finishes once, with a result or an error, and frees the op's name on this rank as it does (a
+handle nobody synchronizes keeps no name); a caller that waits on it drives the engine's progress on its
+own thread (:meth:`EngineLike.drive_until`) instead of sleeping.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class EngineLike(Protocol):
         ...
 
     def release_name(self, name: str) -> None:
-        """The handle of ``name`` was synchronized: its name is free again."""
+        """The op ``name`` finished on this rank: its name is free again."""
         ...
 
 
@@ -41,10 +41,16 @@ class Handle:
         self._error: BaseException | None = None
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
-        """Record the outcome and wake waiters (engine side)."""
+        """Record the outcome, free the name and wake waiters (engine side).
+
+        Horovod's rule: a name is taken from submission until the op finishes on this rank, whether or not its
+        handle is ever synchronized (the name leaves Horovod's tensor table when the op is performed).
+        """
         if self._done:
             return
         self._result, self._error, self._done = result, error, True
+        if self._engine is not None and self._name is not None:
+            self._engine.release_name(self._name)  # before waking: a waiter may submit the name again at once
         self._gate.release()
 
     def done(self) -> bool:
@@ -62,19 +68,13 @@ class Handle:
             self._gate.release()
 
     def wait(self, timeout_s: float | None = None) -> Any:
-        """Block until finished (driving communication meanwhile); return the result or raise its error.
-
-        Once it has finished, its name is free again on this rank (Horovod's rule: a name is taken from
-        submission until the handle is synchronized).
-        """
+        """Block until finished (driving communication meanwhile); return the result or raise its error."""
         if not self._done and self._engine is not None:
             self._engine.drive_until(self, timeout_s)
         if not self._done:
             self.block(-1 if timeout_s is None else timeout_s)
         if not self._done:
             raise TimeoutError("collective did not finish in time")
-        if self._engine is not None and self._name is not None:
-            self._engine.release_name(self._name)
         if self._error is not None:
             raise CollectiveError(str(self._error)) from self._error
         return self._result

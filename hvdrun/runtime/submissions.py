@@ -1,7 +1,7 @@
-"""This rank's collectives from submission until their handles are synchronized.
+"""This rank's collectives from submission until they finish.
 
 The ledger the engine and its cycles share: the names taken on this rank (Horovod's rule: a name is
-taken from submission until its handle is synchronized), the automatic names (``allreduce.noname.7``,
+taken from submission until the op finishes, synchronized or not), the automatic names (``allreduce.noname.7``,
 the same on ranks that submit in the same order), the queue of requests not yet announced, the ops in
 flight, the names threads of this rank are blocked on, and the rank's failure. One lock guards all of
 it, and the engine's sleep flags too, so a submission knows whether to wake a sleeping engine.
@@ -38,7 +38,7 @@ class Submissions:
         self.lock = threading.Lock()
         self.new: list[LocalOp] = []  # submitted, not yet announced
         self.inflight: dict[str, LocalOp] = {}
-        self.taken: set[str] = set()  # names submitted and not yet synchronized (a superset of inflight's)
+        self.taken: set[str] = set()  # names submitted and not yet finished (a superset of inflight's)
         self.waiting: list[tuple[str, float]] = []  # (name, since) that threads of this rank are blocked on
         self.async_new = False  # something was submitted for the background thread to announce
         self.sleeping = False  # the background thread sleeps on the wake pipe (set by the engine)
@@ -116,7 +116,7 @@ class Submissions:
         return copy.tobytes()
 
     def release_name(self, name: str) -> None:
-        """The handle of ``name`` was synchronized: the name may be used again on this rank."""
+        """The op ``name`` finished on this rank: the name may be used again here."""
         with self.lock:
             self.taken.discard(name)
 

@@ -54,12 +54,15 @@ def test_broadcast_after_a_deadlock():
 
 
 def test_fails_on_purpose_duplicate_name():
+    if RANK != 0:
+        hvd.barrier()  # submits 'dup' only once rank 0 has tried it twice: it cannot have finished there
     handle = hvd.allreduce_async(torch.ones(2), name="dup")
     try:
         if RANK == 0:
-            time.sleep(0.05)  # the peer's 'dup' has long executed: the name is still taken until synchronized
             hvd.allreduce_async(torch.ones(2), name="dup")
     finally:
+        if RANK == 0:
+            hvd.barrier()
         hvd.synchronize(handle)
 
 
