@@ -38,6 +38,7 @@ FAST_LANE = "HVDRUN_FAST_LANE"  # 0: blocking small allreduces of a one-host job
 # device tensors: the torch.distributed backend that runs them (nccl|gloo), and 1 to route CPU tensors there too
 DEVICE_BACKEND = "HVDRUN_DEVICE_BACKEND"
 CPU_VIA_DEVICE = "HVDRUN_CPU_VIA_DEVICE_BACKEND"
+JOBS_DIR = "HVDRUN_JOBS_DIR"  # where the launcher registers running jobs for `hvdrun stacks` (~/.hvdrun/jobs)
 # --cpu-bind none|cores|numa|depth:D|list:..., applied by the guard (launch/remote/cpubind.py)
 CPU_BIND = "HVDRUN_CPU_BIND"
 GPU_LAYOUT = "HVDRUN_GPU_LAYOUT"  # --cpu-bind cores: the GPU layout, so the guard puts cores beside each GPU

@@ -17,7 +17,7 @@ local rank, ``cross_size`` the number of such hosts.
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hvdrun.errors import UsageError
@@ -203,7 +203,7 @@ def parse_rank_list(text: str) -> frozenset[int]:
     return frozenset(ranks)
 
 
-def format_ranks(ranks: Sequence[int] | frozenset[int]) -> str:
+def format_ranks(ranks: Iterable[int]) -> str:
     """``0,2-7``: ranks, consecutive ones folded into ranges (the inverse of :func:`parse_rank_list`)."""
     ordered = sorted(set(ranks))
     groups: list[list[int]] = []

@@ -202,13 +202,17 @@ class WorkerGroup:
         idle_timeout_s: stop the job (exit 124) when no rank printed for this long (``--idle-timeout``).
         on_idle: called once before an idle job is stopped (e.g. to print every rank's stack).
         forward_signals: signals to hvdrun that are passed to every rank (``--forward-signals``).
+        signal_ranks: passes a signal to every rank's process through the job's control connections, the
+            number reached; used where the workers cannot pass it on (mpiexec).
     """
 
     def __init__(self, launcher: Launcher, router: OutputRouter, idle_timeout_s: float | None = None,
                  on_idle: Callable[[], None] | None = None,
-                 forward_signals: Sequence[int] = DEFAULT_FORWARD_SIGNALS) -> None:
+                 forward_signals: Sequence[int] = DEFAULT_FORWARD_SIGNALS,
+                 signal_ranks: Callable[[int], int] | None = None) -> None:
         self.launcher, self.router = launcher, router
         self.idle_timeout_s, self.on_idle, self.forward_signals = idle_timeout_s, on_idle, tuple(forward_signals)
+        self.signal_ranks = signal_ranks
         self.workers: list[Worker] = []
         self._interrupt: int | None = None
         self._idle = False
@@ -311,9 +315,13 @@ class WorkerGroup:
             signum = self._forward_pending.pop(0)
             name = signal.Signals(signum).name
             passed = sum(worker.forward_signal(signum) for worker in running)
+            reached = self.signal_ranks(signum) if not passed and self.signal_ranks is not None else 0
             if passed:
                 self.router.say(f"hvdrun: passed {name} to {passed} running worker{'s' if passed != 1 else ''}; "
                                 "the job goes on")
+            elif reached:
+                self.router.say(f"hvdrun: passed {name} to {reached} rank{'s' if reached != 1 else ''} through the "
+                                "job's control connections; the job goes on")
             else:
                 self.router.say(f"hvdrun: warning: cannot pass {name} to these ranks (launcher "
                                 f"{type(self.launcher).__name__}); ignored, the job goes on")

@@ -52,6 +52,7 @@ from hvdrun.launch.base import DEFAULT_FORWARD_SIGNALS, Launcher, WorkerGroup, W
 from hvdrun.launch.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.elastic_driver import ElasticDriver, check_settings, make_discovery
 from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.stacks import print_stacks, signal_ranks, stacks_on_demand
 from hvdrun.launch.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, ElasticSettings
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, parse_rank_list, total_slots
 from hvdrun.schedulers import SLURM
@@ -478,13 +479,27 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
         endpoint = launcher.endpoint(plan.slots[0].host)
         rendezvous = Rendezvous(endpoint.addr, endpoint.port, endpoint.master_port, secret, job_id, attempt,
                                 options.max_restarts, run_id or job_id)
-        WorkerGroup(launcher, router, idle_timeout_s=options.idle_timeout_s,
-                    forward_signals=plan.forward_signals).run(plan.specs(rendezvous, launcher.cpus))
+        write = _console_writer(console)
+        with stacks_on_demand(rendezvous, len(plan.slots), write):
+            WorkerGroup(launcher, router, idle_timeout_s=options.idle_timeout_s,
+                        on_idle=lambda: print_stacks(rendezvous, len(plan.slots), write),
+                        signal_ranks=functools.partial(signal_ranks, rendezvous),
+                        forward_signals=plan.forward_signals).run(plan.specs(rendezvous, launcher.cpus))
     except KeyboardInterrupt:
         raise JobInterrupted("interrupted while reaching the hosts; nothing was started", 130) from None
     finally:
         launcher.close()
         remove_files(shm_files_glob(job_id))  # left by ranks killed during init() (their guards remove them too)
+
+
+def _console_writer(console: dict[str, TextIO] | None) -> Callable[[str], None]:
+    """Writes hvdrun's own reports where the ranks' stderr goes."""
+    stream = (console or {}).get("stderr") or sys.stderr
+
+    def write(text: str) -> None:
+        stream.write(text)
+        stream.flush()
+    return write
 
 
 def run_elastic_job(plan: JobPlan, elastic: ElasticPlan, console: dict[str, TextIO] | None = None) -> None:

@@ -266,7 +266,8 @@ class MpiexecWorker(LocalWorker):
         return self._note
 
     def forward_signal(self, signum: int) -> bool:
-        """Not yet: the rank shim (mpirank) would die of SIGUSR1 before passing it on (#22)."""
+        """Not through mpiexec: MPICH's hydra dies of SIGUSR1 instead of passing it on. The group passes
+        it through the job's control connections instead (:meth:`WorkerGroup` ``signal_ranks``)."""
         return False
 
     def knows_failed_host(self) -> bool:

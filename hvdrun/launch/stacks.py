@@ -23,7 +23,7 @@ from typing import Any
 from hvdrun.envvars import JOBS_DIR, Rendezvous
 from hvdrun.errors import RendezvousError, UsageError
 from hvdrun.runtime.forensics import format_reports
-from hvdrun.runtime.rendezvous import INSPECT, REPORT_TIMEOUT_S
+from hvdrun.runtime.rendezvous import INSPECT, REPORT_TIMEOUT_S, SIGNAL
 from hvdrun.runtime.wire import authenticate_server, recv_frame, send_frame
 
 _CONNECT_TIMEOUT_S = 5.0
@@ -41,12 +41,27 @@ def fetch_report(addr: str, port: int, secret: str) -> str:
         OSError: rank 0 cannot be reached (the job ended, or has not started its rendezvous yet).
         RendezvousError: rank 0 refused the secret (another job now serves that port).
     """
+    _, reports, absent, size = _ask_rank0(addr, port, secret, (INSPECT, None))
+    return format_reports(reports, size, dict(absent))
+
+
+def _ask_rank0(addr: str, port: int, secret: str, request: tuple[str, Any]) -> Any:
+    """One authenticated request to rank 0's rendezvous, and its answer."""
     with socket.create_connection((addr, port), timeout=_CONNECT_TIMEOUT_S) as sock:
         sock.settimeout(_CONNECT_TIMEOUT_S + REPORT_TIMEOUT_S)
         authenticate_server(sock, secret.encode(), f"rank 0 at {addr}:{port}")
-        send_frame(sock, (INSPECT, None))
-        _, reports, absent, size = recv_frame(sock)
-    return format_reports(reports, size, dict(absent))
+        send_frame(sock, request)
+        return recv_frame(sock)
+
+
+def signal_ranks(rendezvous: Rendezvous, signum: int) -> int:
+    """Have rank 0 pass ``signum`` to every rank's process over the control connections (where the launcher
+    cannot: MPICH's mpiexec dies of SIGUSR1); the number of ranks reached, 0 when rank 0 does not answer."""
+    try:
+        _, reached = _ask_rank0(rendezvous.addr, rendezvous.port, rendezvous.secret, (SIGNAL, signum))
+        return int(reached)
+    except (OSError, ConnectionError, ValueError, EOFError, RendezvousError):
+        return 0
 
 
 def print_stacks(rendezvous: Rendezvous, size: int, write: Callable[[str], None]) -> None:

@@ -17,6 +17,7 @@ from hvdrun.runtime.backends.base import Backend, World
 from hvdrun.runtime.backends.torchdist import open_store
 from hvdrun.runtime.device import DeviceCollectives, device_backend_name
 from hvdrun.runtime.engine import Engine
+from hvdrun.runtime.forensics import format_reports, rank_report
 from hvdrun.runtime.membership import Assignment, is_elastic, join_round
 from hvdrun.runtime.rendezvous import Rendezvous
 from hvdrun.runtime.timeline import Timeline
@@ -83,6 +84,7 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
                          "start workers with hvdrun")
     rendezvous = Rendezvous(launch.rank, launch.size, launch.rendezvous_addr, launch.rendezvous_port,
                             launch.secret.encode(), abort, generation)
+    rendezvous.set_reporter(lambda: rank_report(launch.rank, launch.hostname, None))  # until the engine runs
     try:
         if name == "gloo":
             from hvdrun.runtime.backends.torchdist import TorchBackend
@@ -189,6 +191,8 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         engine = Engine(backend, report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),
                         device=device, **tuning)
         _runtime = Runtime(launch, backend, engine, rendezvous, device, assignment=assignment)
+        if rendezvous is not None:
+            _answer_reports(rendezvous, engine, launch)
         if assignment is not None and environ is os.environ:  # scripts that read RANK etc. see this round's
             os.environ.update(envvars.topology_env(backend.world))
         _start_configured_timeline(_runtime, environ)
@@ -197,6 +201,30 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
             sys.excepthook = _failure_hook(sys.excepthook)
             _atexit_registered = True
         return _runtime
+
+
+def _answer_reports(rendezvous: Rendezvous, engine: Engine, launch: envvars.LaunchInfo) -> None:
+    """This rank answers report requests with its stacks and flight recorder; rank 0 also prints every rank's
+    report when the stall check warns or fails (:mod:`hvdrun.runtime.forensics`)."""
+    rendezvous.set_reporter(lambda: rank_report(launch.rank, launch.hostname, engine.recorder))
+    if launch.rank != 0:
+        return
+
+    def print_reports(reason: str) -> None:
+        gathered = rendezvous.gather_reports()
+        if gathered is not None:
+            reports, absent = gathered
+            sys.stderr.write(f"hvdrun: {reason}\n{format_reports(reports, launch.size, absent)}\n")
+            sys.stderr.flush()
+
+    def on_stall(text: str, fatal: bool) -> None:
+        reason = f"where every rank is, as the stall check {'fails the job' if fatal else 'warns'}"
+        if fatal:  # before the ranks fail and leave
+            print_reports(reason)
+        else:
+            threading.Thread(target=print_reports, args=(reason,), name="hvdrun-report", daemon=True).start()
+
+    engine.on_stall = on_stall
 
 
 def _is_collective_failure(error: BaseException | None) -> bool:

@@ -34,6 +34,7 @@ from hvdrun.errors import CollectiveError
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.cycle import Cycle
 from hvdrun.runtime.device import DeviceCollectives
+from hvdrun.runtime.forensics import FlightRecorder
 from hvdrun.runtime.handles import Handle, LocalOp
 from hvdrun.runtime.negotiation import JOIN, Request, Table
 from hvdrun.runtime.submissions import Submissions
@@ -65,6 +66,9 @@ class Engine:
         cycle_time_s: cycle period for backends that cannot wake an idle peer.
         eager_bytes: allreduces up to this size travel inside the negotiation message.
         device: executes ops on device tensors (None: no device path).
+
+    ``recorder`` keeps this rank's recent collectives; ``on_stall`` (set by the runtime on rank 0) is called
+    with the stall check's text when it warns (``fatal`` False) and before it fails every rank (True).
     """
 
     def __init__(self, backend: Backend, fusion_threshold: int, stall_warning_s: float, stall_error_s: float,
@@ -76,6 +80,8 @@ class Engine:
             self.lane.configure(stall_warning_s, stall_error_s)
         self.cycle_time_s = cycle_time_s
         self._stalls = StallWatch(stall_warning_s, stall_error_s)
+        self.recorder = FlightRecorder()
+        self.on_stall: Callable[[str, bool], None] | None = None
         self._report_failure = report_failure
         self.ledger = Submissions(self, self.world.size, eager_bytes)
         self._lock = self.ledger.lock
@@ -131,9 +137,21 @@ class Engine:
                     timeline.negotiate_start(op.request.name, op.request.kind)
 
         ops, wake_now = self.ledger.add(items, wake, negotiation_starts)
+        self._record(ops)
         if wake_now:
             os.write(self._wake_write, b"\0")
         return [op.handle for op in ops]
+
+    def _record(self, ops: Sequence[LocalOp]) -> None:
+        """Enter ``ops`` in the flight recorder; each lands when its handle finishes (even before this runs)."""
+        for op in ops:
+            request = op.request
+            if request.kind == "shutdown":
+                continue
+            nbytes = int(getattr(op.array, "nbytes", 0) or 0)
+            flight = op.handle.flight = self.recorder.take_off(request.name, request.kind, nbytes)
+            if op.handle.done():
+                flight.land()
 
     def release_name(self, name: str) -> None:
         """The op ``name`` finished on this rank: the name may be used again here."""
@@ -295,9 +313,16 @@ class Engine:
             self._drain_wake_pipe()
 
     def _check_stalls(self) -> None:
-        warning = self._stalls.check(self._cycle.table, self.world.rank)
+        try:
+            warning = self._stalls.check(self._cycle.table, self.world.rank)
+        except CollectiveError as e:
+            if self.on_stall is not None:
+                self.on_stall(str(e), True)
+            raise
         if warning:
             sys.stderr.write(warning)
+            if self.on_stall is not None:
+                self.on_stall(warning.strip(), False)
 
     def fail(self, reason: str) -> None:
         """Fail this rank's engine: every pending op ends with ``reason`` and the other ranks are told."""

@@ -20,6 +20,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from hvdrun.ranks import format_ranks
+
 RECENT = 8  # finished collectives shown per rank
 _KEPT = 64  # collectives the recorder keeps
 _STACK_LINES = 12  # innermost frames shown per thread
@@ -107,17 +109,6 @@ def _thread_stacks() -> list[list[Any]]:
     return stacks
 
 
-def ranges(ranks: list[int]) -> str:
-    """``[0, 2, 3, 4, 7]`` -> ``0,2-4,7``."""
-    runs: list[list[int]] = []
-    for rank in sorted(ranks):
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
 def format_reports(reports: list[dict[str, Any]], size: int, absent: dict[int, str] | None = None,
                    now: float | None = None) -> str:
     """The job's report: the first divergence, then one entry per group of ranks with identical stacks and
@@ -132,13 +123,13 @@ def format_reports(reports: list[dict[str, Any]], size: int, absent: dict[int, s
         groups.setdefault(_entry(report, now), []).append(report["rank"])
     for entry, ranks in groups.items():
         hosts = sorted({r["host"] for r in reports if r["rank"] in ranks})
-        lines.append(f"rank{'s' if len(ranks) > 1 else ''} {ranges(ranks)} (on {', '.join(hosts)}):")
+        lines.append(f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} (on {', '.join(hosts)}):")
         lines.append(entry)
     reasons: dict[str, list[int]] = {}
     for rank, why in sorted((absent or {}).items()):
         reasons.setdefault(why, []).append(rank)
     for why, ranks in reasons.items():
-        lines.append(f"rank{'s' if len(ranks) > 1 else ''} {ranges(ranks)}: no report: {why}")
+        lines.append(f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}: no report: {why}")
     return "\n".join(lines)
 
 
@@ -185,9 +176,9 @@ def first_divergence(reports: list[dict[str, Any]], now: float | None = None) ->
         return None
     seq, kind = next((row[0], row[2]) for r in reports for row in r["waiting"] if row[1] == name)
     parts = [_elsewhere(report, name, now) for report in others]
-    return (f"rank{'s' if len(others) > 1 else ''} {ranges([r['rank'] for r in others])} "
+    return (f"rank{'s' if len(others) > 1 else ''} {format_ranks([r['rank'] for r in others])} "
             f"{'have' if len(others) > 1 else 'has'} not reached #{seq} {kind} '{name}' that "
-            f"rank{'s' if len(ranks) > 1 else ''} {ranges(ranks)} wait{'' if len(ranks) > 1 else 's'} in: "
+            f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} wait{'' if len(ranks) > 1 else 's'} in: "
             + "; ".join(parts))
 
 

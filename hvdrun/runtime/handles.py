@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hvdrun.errors import CollectiveError
+from hvdrun.runtime.forensics import Flight
 from hvdrun.runtime.negotiation import Request
 
 
@@ -30,7 +31,7 @@ class EngineLike(Protocol):
 class Handle:
     """The future of one submitted collective."""
 
-    __slots__ = ("_done", "_gate", "_result", "_error", "_engine", "_name")
+    __slots__ = ("_done", "_gate", "_result", "_error", "_engine", "_name", "flight")
 
     def __init__(self, engine: EngineLike | None = None, name: str | None = None) -> None:
         self._engine, self._name = engine, name
@@ -39,6 +40,7 @@ class Handle:
         self._gate.acquire()
         self._result: Any = None
         self._error: BaseException | None = None
+        self.flight: Flight | None = None  # this op in the rank's flight recorder
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         """Record the outcome, free the name and wake waiters (engine side).
@@ -49,6 +51,8 @@ class Handle:
         if self._done:
             return
         self._result, self._error, self._done = result, error, True
+        if self.flight is not None:
+            self.flight.land()
         if self._engine is not None and self._name is not None:
             self._engine.release_name(self._name)  # before waking: a waiter may submit the name again at once
         self._gate.release()

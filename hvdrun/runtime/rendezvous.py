@@ -34,6 +34,7 @@ from hvdrun.runtime.wire import AuthError, authenticate_client, authenticate_ser
 _HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this, whatever it sends
 REPORT_TIMEOUT_S = 3.0  # how long rank 0 waits for the ranks' reports (a rank stuck holding the GIL never answers)
 INSPECT = "inspect"
+SIGNAL = "signal"  # an inspector's request: pass signal N to every rank's process (hvdrun --forward-signals)
 Reporter = Callable[[], dict[str, Any]]
 _BIND_RETRY_S = 5.0
 _MIN_BACKLOG = 128
@@ -151,6 +152,19 @@ class _Server:
         reports = list(replies.values()) + ([self.reporter()] if self.reporter else [])
         return sorted(reports, key=lambda r: r["rank"]), absent
 
+    def signal_ranks(self, signum: int) -> int:
+        """Send ``signum`` to every rank's process (rank 0's included); the number of ranks reached."""
+        reached = 0
+        for rank, (sock, _) in list(self.clients.items()):
+            if rank not in self._said_bye:
+                try:
+                    self._send(sock, (SIGNAL, signum))
+                    reached += 1
+                except OSError:
+                    pass
+        os.kill(os.getpid(), signum)
+        return reached + 1
+
     def _send(self, sock: socket.socket, message: Any) -> None:
         with self._send_lock:
             send_frame(sock, message)
@@ -205,6 +219,10 @@ class _Server:
             generation, row = recv_frame(sock)
             if generation == INSPECT:
                 self._serve_inspector(sock)
+                return
+            if generation == SIGNAL:
+                send_frame(sock, ("signalled", self.signal_ranks(int(row))))
+                sock.close()
                 return
             if generation != self.generation:  # a rank already on its next init() reached our old server
                 send_frame(sock, ("retry", f"rank 0 is at init #{self.generation}, not #{generation}"))
@@ -391,6 +409,9 @@ class _Client:
                     return
                 if kind == "bye":  # rank 0 shut down cleanly; our own shutdown is finishing
                     return
+                if kind == SIGNAL:
+                    os.kill(os.getpid(), body)
+                    continue
                 if kind == "report?":
                     report = self.reporter() if self.reporter else {}
                     with self._send_lock:

@@ -145,6 +145,18 @@ def test_sigusr1_reaches_ranks_over_ssh(ssh_hosts, hvdrun_env, tmp_path):
     assert out.count("got SIGUSR1") == 2
 
 
+def test_sigusr1_reaches_ranks_under_mpiexec(hvdrun_env, tmp_path):
+    """MPICH's hydra would die of SIGUSR1: hvdrun passes it through the job's control connections."""
+    in_runtime = WAITS_FOR_USR1.replace('print("ready"', 'from hvdrun import runtime\nruntime.init()\nprint("ready"')
+    path = script(tmp_path, "usr1.py", in_runtime.replace("sys.exit(0 if got else 5)",
+                                                          "runtime.shutdown()\nsys.exit(0 if got else 5)"))
+    process = start_hvdrun(hvdrun_env, tmp_path, "-np", "2", "-H", "localhost:2", "--launcher", "mpiexec", path)
+    out, err = signal_when_ready(process, 2, signal.SIGUSR1)
+    assert process.returncode == 0, err
+    assert out.count("got SIGUSR1") == 2
+    assert "hvdrun: passed SIGUSR1 to 2 ranks through the job's control connections; the job goes on" in err
+
+
 def test_the_summary_of_a_failed_job_says_what_the_other_ranks_did(run_hvdrun, tmp_path):
     path = script(tmp_path, "fail4.py", """
         import os, sys, time

@@ -31,11 +31,11 @@ def launch_args(kind: str, request: pytest.FixtureRequest) -> list[str]:
 
 
 def assert_report(text: str) -> None:
-    assert DIVERGENCE in text and "and waits in no collective (main thread at late_rank.py:15 in slow_data_loader)" \
+    assert DIVERGENCE in text and "and waits in no collective (main thread at late_rank.py:17 in slow_data_loader)" \
         in text, text
     assert "ranks 0-1,3 (on " in text and "  waiting in: #4 allreduce 'grad.fc2' (4000 B" in text, text
     rank_2 = text.split("rank 2 (on ", 1)[1]
-    assert "waiting in: no collective" in rank_2 and "late_rank.py:15 in slow_data_loader" in rank_2, text
+    assert "waiting in: no collective" in rank_2 and "late_rank.py:17 in slow_data_loader" in rank_2, text
     assert "last collectives: #1 'grad.step0', #2 'grad.step1', #3 'grad.step2'" in rank_2
 
 
@@ -73,7 +73,7 @@ def test_stacks_on_demand_ctrl_backslash_and_the_stall_report(kind, request, hvd
             job.wait(10)
         out.close()
         err.close()
-    assert stdout().count("done 4.0") == 4
+    assert stdout().count("done 4.0") == 4 and stdout().count("starting") == 4
     assert not list(jobs.glob("*.json"))  # the job's registration went with it
     assert wait_until(lambda: not job_processes(token)), job_processes(token)
 
@@ -125,3 +125,13 @@ def test_a_rendezvous_that_times_out_says_where_every_rank_is(run_hvdrun, tmp_pa
     assert "rank 1: no report: has not joined rank 0 (not in init() yet, or cannot reach rank 0)" in lines
     assert "rank 2: no report: joined rank 0; waits for the other ranks to join" in lines
     assert "rendezvous timed out: ranks 1 never joined rank 0" in done.stderr
+
+
+def test_an_idle_job_prints_where_every_rank_is_before_it_stops(run_hvdrun, tmp_path):
+    """--idle-timeout: nothing printed for 8 s -> the report, then the job stops with exit 124."""
+    done = run_hvdrun("-np", "4", "--idle-timeout", "8", sys.executable, str(WORKER), str(tmp_path / "never"),
+                      timeout=120)
+    assert done.returncode == 124, done.stderr
+    assert_report(done.stderr)
+    assert done.stderr.strip().splitlines()[-1] == ("hvdrun: error: no rank printed for 8 s (--idle-timeout); "
+                                                    "stopped all 4 workers")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from hvdrun.runtime.forensics import FlightRecorder, first_divergence, format_reports, ranges, rank_report
+from hvdrun.runtime.forensics import FlightRecorder, first_divergence, format_reports, rank_report
 
 NOW = 1000.0
 
@@ -14,10 +14,6 @@ def report(rank, waiting=(), recent=(), main=("train.py:9 in step",)):
             "threads": [["MainThread", list(main)]],
             "waiting": [[seq, name, "allreduce", 8, NOW - 20, 0.0] for seq, name in waiting],
             "recent": [[seq, name, "allreduce", 8, NOW - 30, NOW - 25] for seq, name in recent]}
-
-
-def test_ranges_fold_runs():
-    assert ranges([7, 0, 2, 3, 4]) == "0,2-4,7" and ranges([5]) == "5" and ranges([]) == ""
 
 
 def test_the_recorder_keeps_order_lands_flights_and_scrubs_a_fallback():

@@ -1,4 +1,4 @@
-"""CPU binding of a rank: which cores ``--cpu-bind`` gives local rank L of R. Standard library only.
+"""CPU binding of a rank: which cores ``--cpu-bind`` gives local rank L of R.
 
 Policies (``--cpu-bind`` or the cluster YAML's ``cpu_bind``):
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from hvdrun.ranks import format_ranks
 
 POLICIES = ("none", "cores", "numa")
 _NODE_ROOT = Path("/sys/devices/system/node")
@@ -65,14 +67,8 @@ def parse_cpulist(text: str) -> frozenset[int]:
 
 
 def format_cpulist(cores: set[int] | frozenset[int]) -> str:
-    """``{0, 1, 2, 3, 8}`` -> ``"0-3,8"``."""
-    runs: list[list[int]] = []
-    for core in sorted(cores):
-        if runs and core == runs[-1][1] + 1:
-            runs[-1][1] = core
-        else:
-            runs.append([core, core])
-    return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in runs)
+    """``{0, 1, 2, 3, 8}`` -> ``"0-3,8"`` (the kernel's and taskset's cpulist format)."""
+    return format_ranks(cores)
 
 
 def parse_cpu_bind(text: str) -> CpuBind:

@@ -31,10 +31,12 @@ from collections.abc import Mapping
 
 from hvdrun import envvars
 from hvdrun.hosts import Host
+from hvdrun.launch.remote.guard import forward_byte
 from hvdrun.launch.remote.lines import LineSplitter
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_of, layout_value
 
 _PR_SET_PDEATHSIG = 1
+PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)  # what MPICH's hydra, Open MPI's mpirun and srun pass to their ranks
 _write_lock = threading.Lock()
 
 
@@ -81,6 +83,14 @@ def _pump(rank: int, stream: str, fd: int) -> None:
     os.close(fd)
 
 
+def _pass_on(lifeline: int, signum: int) -> None:
+    """Have the guard pass ``signum`` to the rank's processes (the job goes on)."""
+    try:
+        os.write(lifeline, forward_byte(signum))
+    except OSError:
+        pass  # the guard has ended
+
+
 def _stop(worker: subprocess.Popen[bytes], grace_s: float, signum: int) -> None:
     try:
         os.killpg(worker.pid, signum)
@@ -112,6 +122,8 @@ def main(argv: list[str]) -> None:
         os.close(fd)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda s, _f: threading.Thread(target=_stop, args=(worker, grace_s, s)).start())
+    for signum in PASSED_ON:  # where mpiexec/srun pass these on (Open MPI, srun): the guard hands them to the rank
+        signal.signal(signum, lambda s, _f: _pass_on(_keep_open, s))
     pumps = [threading.Thread(target=_pump, args=(slot.rank, s, fd)) for s, fd in (("stdout", out_r),
                                                                                     ("stderr", err_r))]
     for pump in pumps:

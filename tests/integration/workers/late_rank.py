@@ -5,9 +5,11 @@ import os
 import sys
 import time
 
-import torch
+print("starting", flush=True)  # output keeps an --idle-timeout test's clock from running during the imports
 
-import hvdrun.torch as hvd
+import torch  # noqa: E402
+
+import hvdrun.torch as hvd  # noqa: E402
 
 
 def slow_data_loader(release: str) -> None:
