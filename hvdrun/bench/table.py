@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -15,19 +16,24 @@ if TYPE_CHECKING:
     from hvdrun.bench.sweep import BenchReport
 
 
-def _time(seconds: float) -> str:
-    return f"{seconds * 1e6:,.1f} us" if seconds < 1e-2 else f"{seconds * 1e3:,.2f} ms"
+def _time_unit(seconds: Iterable[float]) -> tuple[str, float, int]:
+    """One unit for a whole column, from its largest time: (name, per second, decimals); us below 10 ms, else ms."""
+    return ("us", 1e6, 1) if max(seconds, default=0.0) < 1e-2 else ("ms", 1e3, 3)
 
 
 def bench_table(report: BenchReport) -> Table:
-    """Per rank count and size: each library's time and bus bandwidth, and hvdrun's speed-up over the others."""
+    """Per rank count and size: each library's time and bus bandwidth, and hvdrun's speed-up over the others.
+
+    Each time column has one unit, named in its header; with 1 rank (no link, nothing to reduce across)
+    bus bandwidth and speed-ups are "-"."""
     libraries = [lib for lib in LIBRARIES if any(r.library == lib for r in report.rows)]
     table = Table(title=f"allreduce (float32 sum, median; launcher {report.launcher})", title_justify="left")
     for column in ("ranks", "hosts", "size"):
         table.add_column(column, justify="right")
+    units = {lib: _time_unit(r.seconds for r in report.rows if r.library == lib) for lib in libraries}
     for library in libraries:
-        table.add_column(f"{library} time", justify="right")
-        table.add_column(f"{library} busbw", justify="right")
+        table.add_column(f"{library} time {units[library][0]}", justify="right")
+        table.add_column(f"{library} busbw GB/s", justify="right")
     others = [lib for lib in libraries if lib != "hvdrun"] if "hvdrun" in libraries else []
     for other in others:
         table.add_column(f"hvdrun vs {other}", justify="right")
@@ -37,9 +43,11 @@ def bench_table(report: BenchReport) -> Table:
         cells: list[str | Text] = [str(ranks), str(hosts), human_bytes(nbytes)]
         for library in libraries:
             row = report.row(library, ranks, nbytes)
-            cells += [_time(row.seconds), f"{row.busbw / 1e9:.2f} GB/s"] if row else ["-", "-"]
+            _, per_second, decimals = units[library]
+            busbw = f"{row.busbw / 1e9:.2f}" if row and ranks > 1 else "-"
+            cells += [f"{row.seconds * per_second:,.{decimals}f}", busbw] if row else ["-", "-"]
         for other in others:
-            speedup = report.speedup(mine, other) if mine else None
+            speedup = report.speedup(mine, other) if mine and ranks > 1 else None
             style = "green" if speedup and speedup >= 1 else "red"
             cells.append(Text(f"{speedup:.2f}x", style=style) if speedup else Text("-"))
         table.add_row(*cells)
