@@ -68,7 +68,7 @@ class Engine:
         device: executes ops on device tensors (None: no device path).
 
     ``recorder`` keeps this rank's recent collectives; ``on_stall`` (set by the runtime on rank 0) is called
-    with the stall check's text when it warns (``fatal`` False) and before it fails every rank (True).
+    with the stall check's text when it warns (``fatal`` False) and a second before it fails every rank (True).
     """
 
     def __init__(self, backend: Backend, fusion_threshold: int, stall_warning_s: float, stall_error_s: float,
@@ -313,16 +313,16 @@ class Engine:
             self._drain_wake_pipe()
 
     def _check_stalls(self) -> None:
-        try:
-            warning = self._stalls.check(self._cycle.table, self.world.rank)
-        except CollectiveError as e:
-            if self.on_stall is not None:
-                self.on_stall(str(e), True)
-            raise
+        warning = self._stalls.check(self._cycle.table, self.world.rank)
         if warning:
             sys.stderr.write(warning)
-            if self.on_stall is not None:
-                self.on_stall(warning.strip(), False)
+        if self.on_stall is None:
+            return
+        if warning:
+            self.on_stall(warning.strip(), False)
+        final = self._stalls.about_to_fail(self._cycle.table)
+        if final:
+            self.on_stall(final, True)
 
     def fail(self, reason: str) -> None:
         """Fail this rank's engine: every pending op ends with ``reason`` and the other ranks are told."""

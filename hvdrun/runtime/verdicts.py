@@ -8,7 +8,7 @@ engine applies it (fails those ops on this rank) and the next collective works a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime.negotiation import Entry, Table
@@ -72,6 +72,17 @@ class StallWatch:
     error_s: float
     period_s: float = 0.25
     _last: float = 0.0
+    _final: set[str] = field(default_factory=set)  # ops whose coming shutdown was announced
+
+    def about_to_fail(self, table: Table) -> str | None:
+        """The stall text of ops that will fail every rank within a second (each announced once): rank 0
+        reports where every rank is then, while every rank is still there to answer."""
+        if not self.error_s:
+            return None
+        near = [entry for entry in table.stalled(self.error_s - min(1.0, self.error_s / 10))
+                if entry.name not in self._final]
+        self._final.update(entry.name for entry in near)
+        return describe_stall(near, table.size, self.error_s) if near else None
 
     def check(self, table: Table, rank: int) -> str | None:
         """The warning to print on this rank, if any; raises CollectiveError past ``error_s``."""
