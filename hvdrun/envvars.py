@@ -8,9 +8,11 @@ so hvdrun, Horovod and torch.distributed ``env://`` scripts all run unchanged.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hvdrun.errors import UsageError
@@ -38,7 +40,6 @@ FAST_LANE = "HVDRUN_FAST_LANE"  # 0: blocking small allreduces of a one-host job
 # device tensors: the torch.distributed backend that runs them (nccl|gloo), and 1 to route CPU tensors there too
 DEVICE_BACKEND = "HVDRUN_DEVICE_BACKEND"
 CPU_VIA_DEVICE = "HVDRUN_CPU_VIA_DEVICE_BACKEND"
-JOBS_DIR = "HVDRUN_JOBS_DIR"  # where the launcher registers running jobs for `hvdrun stacks` (~/.hvdrun/jobs)
 # --cpu-bind none|cores|numa|depth:D|list:..., applied by the guard (launch/remote/cpubind.py)
 CPU_BIND = "HVDRUN_CPU_BIND"
 GPU_LAYOUT = "HVDRUN_GPU_LAYOUT"  # --cpu-bind cores: the GPU layout, so the guard puts cores beside each GPU
@@ -309,8 +310,16 @@ HOROVOD_STALL_CHECK_TIME_SECONDS = STALL_WARNING_S[1]
 HOROVOD_STALL_SHUTDOWN_TIME_SECONDS = STALL_ERROR_S[1]
 HOROVOD_LOG_LEVEL = LOG_LEVEL[1]
 HOROVOD_CACHE_CAPACITY = "HOROVOD_CACHE_CAPACITY"  # horovodrun --cache-capacity, passed on (hvdrun has no cache)
-JOBS_DIR = "HVDRUN_JOBS_DIR"  # where `hvdrun qsub` records submitted jobs (default ~/.hvdrun/jobs)
+JOBS_DIR = "HVDRUN_JOBS_DIR"  # hvdrun's job records (default ~/.hvdrun/jobs): qsub's, and running/ for `stacks`
 LC_ALL = "LC_ALL"  # scheduler commands run with LC_ALL=C: their output is parsed
+
+
+def jobs_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """hvdrun's job records: ``$HVDRUN_JOBS_DIR``, default ``~/.hvdrun/jobs``."""
+    value = (os.environ if environ is None else environ).get(JOBS_DIR)
+    return Path(value) if value else Path.home() / ".hvdrun" / "jobs"
+
+
 # the Environment section of `hvdrun --help`: (name, what it does)
 HELP = (
     (HOROVOD_FUSION_THRESHOLD, "bytes fused into one allreduce (--fusion-threshold-mb)"),
@@ -323,7 +332,7 @@ HELP = (
     (BACKEND, "ring (default), mpi (under mpiexec) or gloo (torch.distributed)"),
     (START_TIMEOUT, "seconds the ranks wait for each other in init() (--start-timeout)"),
     (MPIEXEC, "the mpiexec of --launcher mpiexec"),
-    (JOBS_DIR, "where hvdrun qsub records submitted jobs (~/.hvdrun/jobs)"),
+    (JOBS_DIR, "where hvdrun qsub records submitted jobs and running jobs are registered (~/.hvdrun/jobs)"),
     ("set for every rank", "HVDRUN_RANK/SIZE/LOCAL_RANK/..., HOROVOD_RANK/..., RANK, WORLD_SIZE, LOCAL_RANK, "
                            "MASTER_ADDR/PORT, GROUP_RANK, TORCHELASTIC_RUN_ID, CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS"),
 )

@@ -9,7 +9,6 @@ its output and the file its exit code is written to.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -17,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from hvdrun.envvars import JOBS_DIR
+from hvdrun.envvars import jobs_dir
 from hvdrun.errors import JobError, JobInterrupted, UsageError
 from hvdrun.jobs import DEFAULT_SCHEDULER, SCHEDULERS, scheduler_for
 from hvdrun.jobs.base import FINISHED, UNKNOWN, JobSpec, JobStatus, Scheduler
@@ -40,11 +39,6 @@ class SubmittedJob:
     error: str | None
     exit_file: str
     submitted_at: float
-
-
-def jobs_dir() -> Path:
-    """Where submitted jobs are recorded."""
-    return Path(os.environ.get(JOBS_DIR) or Path.home() / ".hvdrun" / "jobs")
 
 
 def _record_path(job_id: str) -> Path:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hvdrun.envvars import JOBS_DIR, Rendezvous
+from hvdrun.envvars import Rendezvous, jobs_dir
 from hvdrun.errors import RendezvousError, UsageError
 from hvdrun.runtime.forensics import format_reports
 from hvdrun.runtime.rendezvous import INSPECT, REPORT_TIMEOUT_S, SIGNAL
@@ -29,9 +29,9 @@ from hvdrun.runtime.wire import authenticate_server, recv_frame, send_frame
 _CONNECT_TIMEOUT_S = 5.0
 
 
-def jobs_dir() -> Path:
-    """Where running jobs are registered (``$HVDRUN_JOBS_DIR`` or ``~/.hvdrun/jobs``)."""
-    return Path(os.environ.get(JOBS_DIR) or Path.home() / ".hvdrun" / "jobs")
+def running_dir() -> Path:
+    """Where running jobs are registered: ``running/`` in hvdrun's job records (``$HVDRUN_JOBS_DIR``)."""
+    return jobs_dir() / "running"
 
 
 def fetch_report(addr: str, port: int, secret: str) -> str:
@@ -96,11 +96,13 @@ def stacks_on_demand(rendezvous: Rendezvous, size: int, write: Callable[[str], N
 
 def _register(rendezvous: Rendezvous, size: int) -> Path | None:
     """Write the job's file (0600 in a 0700 directory); None where the home directory is not writable."""
-    folder = jobs_dir()
+    folder = running_dir()
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if folder.stat().st_uid == os.getuid():
+            folder.chmod(0o700)  # an older or shared directory: the secrets below are this user's alone
         path = folder / f"{rendezvous.job_id}.json"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as out:
             json.dump({"job_id": rendezvous.job_id, "pid": os.getpid(), "size": size, "addr": rendezvous.addr,
                        "port": rendezvous.port, "secret": rendezvous.secret,
@@ -113,7 +115,7 @@ def _register(rendezvous: Rendezvous, size: int) -> Path | None:
 def running_jobs() -> list[dict[str, Any]]:
     """This user's registered jobs whose hvdrun is still running (files of ended ones are removed)."""
     jobs = []
-    for path in sorted(jobs_dir().glob("*.json")):
+    for path in sorted(running_dir().glob("*.json")):
         try:
             job = json.loads(path.read_text())
             os.kill(int(job["pid"]), 0)
@@ -139,7 +141,7 @@ def choose_job(job_id: str | None) -> dict[str, Any]:
             raise UsageError(f"no running hvdrun job {job_id!r}; running: {_listing(jobs) or 'none'}")
         return match[0]
     if not jobs:
-        raise UsageError(f"no running hvdrun job of this user (looked in {jobs_dir()})")
+        raise UsageError(f"no running hvdrun job of this user (looked in {running_dir()})")
     if len(jobs) > 1:
         raise UsageError(f"{len(jobs)} hvdrun jobs are running; name one: {_listing(jobs)}")
     return jobs[0]

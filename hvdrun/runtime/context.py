@@ -210,12 +210,21 @@ def _answer_reports(rendezvous: Rendezvous, engine: Engine, launch: envvars.Laun
     if launch.rank != 0:
         return
 
+    one_at_a_time = threading.Lock()  # stall warnings come in batches: one report is enough
+
     def print_reports(reason: str) -> None:
-        gathered = rendezvous.gather_reports()
-        if gathered is not None:
-            reports, absent = gathered
-            sys.stderr.write(f"hvdrun: {reason}\n{format_reports(reports, launch.size, absent)}\n")
-            sys.stderr.flush()
+        if not one_at_a_time.acquire(blocking=False):
+            return
+        try:
+            gathered = rendezvous.gather_reports()
+            if gathered is not None:
+                reports, absent = gathered
+                sys.stderr.write(f"hvdrun: {reason}\n{format_reports(reports, launch.size, absent)}\n")
+                sys.stderr.flush()
+        except Exception as e:  # noqa: BLE001 - a report must not fail the engine that asked for it
+            sys.stderr.write(f"hvdrun: warning: could not gather where every rank is: {e}\n")
+        finally:
+            one_at_a_time.release()
 
     def on_stall(text: str, fatal: bool) -> None:
         reason = f"where every rank is, as the stall check {'fails the job' if fatal else 'warns'}"

@@ -29,7 +29,7 @@ _INTERNAL_THREAD = "hvdrun-"  # hvdrun's own threads (engine, rendezvous, report
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../hvdrun
 
 
-@dataclass
+@dataclass(eq=False)  # each flight is itself: found by identity
 class Flight:
     """One collective of this rank: ``ended`` is 0.0 while it is in flight."""
 
@@ -63,11 +63,15 @@ class FlightRecorder:
         return flight
 
     def scrub(self, flight: Flight) -> None:
-        """Forget ``flight`` (a fast-lane attempt that fell back to the engine, which records it again)."""
+        """Forget ``flight`` (a fast-lane attempt that fell back to the engine, which records it again), wherever
+        it sits: another thread may have recorded an op meanwhile. Its number is given back when it was the last
+        one taken, so ranks that take the same ops number them alike."""
         with self._lock:
-            if self._flights and self._flights[-1] is flight:
+            if self._flights and self._flights[-1] is flight and flight.seq == self._seq:
                 self._flights.pop()
                 self._seq -= 1
+            elif flight in self._flights:
+                self._flights.remove(flight)
 
     def snapshot(self) -> list[Flight]:
         """The recorded collectives, oldest first."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import marshal
 import os
 import select
 import socket
@@ -149,11 +150,13 @@ class _Server:
             absent[rank] = f"did not answer within {timeout_s:g} s (busy in code that holds Python's lock?)"
         for rank in set(range(1, self.size)) - set(live) - set(absent):
             absent[rank] = "has not joined rank 0 (not in init() yet, or cannot reach rank 0)"
-        reports = list(replies.values()) + ([self.reporter()] if self.reporter else [])
-        return sorted(reports, key=lambda r: r["rank"]), absent
+        own = _report_or_none(self.reporter)
+        if own is None:
+            absent[0] = "its report failed"
+        return sorted([*replies.values(), *([own] if own else [])], key=lambda r: r["rank"]), absent
 
     def signal_ranks(self, signum: int) -> int:
-        """Send ``signum`` to every rank's process (rank 0's included); the number of ranks reached."""
+        """Send ``signum`` to every other rank's process; the number of ranks it reaches with rank 0's own."""
         reached = 0
         for rank, (sock, _) in list(self.clients.items()):
             if rank not in self._said_bye:
@@ -162,7 +165,6 @@ class _Server:
                     reached += 1
                 except OSError:
                     pass
-        os.kill(os.getpid(), signum)
         return reached + 1
 
     def _send(self, sock: socket.socket, message: Any) -> None:
@@ -221,8 +223,10 @@ class _Server:
                 self._serve_inspector(sock)
                 return
             if generation == SIGNAL:
-                send_frame(sock, ("signalled", self.signal_ranks(int(row))))
+                signum = int(row)
+                send_frame(sock, ("signalled", self.signal_ranks(signum)))
                 sock.close()
+                os.kill(os.getpid(), signum)  # rank 0 last: it may die of it (no handler), after the answer
                 return
             if generation != self.generation:  # a rank already on its next init() reached our old server
                 send_frame(sock, ("retry", f"rank 0 is at init #{self.generation}, not #{generation}"))
@@ -244,9 +248,12 @@ class _Server:
         message = (f"rendezvous timed out: ranks {', '.join(map(str, missing))} never joined rank 0 "
                    f"(raise {START_TIMEOUT} if they start slowly)")
         if self.reporter is not None:  # where every rank is, before they are stopped
-            reports, absent = self.gather_reports(0.0)
-            sys.stderr.write(f"hvdrun: where every rank is, as the rendezvous times out\n"
-                             f"{format_reports(reports, self.size, absent)}\n")
+            try:
+                reports, absent = self.gather_reports(0.0)
+                sys.stderr.write(f"hvdrun: where every rank is, as the rendezvous times out\n"
+                                 f"{format_reports(reports, self.size, absent)}\n")
+            except Exception:  # noqa: BLE001 - a report must never hide the rendezvous error itself
+                pass
         for sock, _ in self.clients.values():
             try:
                 send_frame(sock, ("error", message))
@@ -318,10 +325,30 @@ class _Server:
         os.close(self._wake_write)
         for sock, _ in self.clients.values():
             try:  # rank 0 leaves after the negotiated shutdown: not a crash the others must report
-                send_frame(sock, ("bye",))
+                self._send(sock, ("bye",))
             except OSError:
                 pass
             sock.close()
+
+
+def _report_or_none(reporter: Reporter | None) -> dict[str, Any] | None:
+    """The reporter's report, or None when there is none or it failed: a report never breaks the control plane."""
+    if reporter is None:
+        return None
+    try:
+        report = reporter()
+        marshal.dumps(report)  # what travels must marshal
+        return report
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _signal_self(signum: Any) -> None:
+    """Pass a forwarded signal to this rank's process (its handler runs in the main thread)."""
+    try:
+        os.kill(os.getpid(), int(signum))
+    except (OSError, ValueError, TypeError):
+        pass
 
 
 def _drop(sock: socket.socket) -> None:
@@ -410,10 +437,10 @@ class _Client:
                 if kind == "bye":  # rank 0 shut down cleanly; our own shutdown is finishing
                     return
                 if kind == SIGNAL:
-                    os.kill(os.getpid(), body)
+                    _signal_self(body)
                     continue
                 if kind == "report?":
-                    report = self.reporter() if self.reporter else {}
+                    report = _report_or_none(self.reporter) or {}
                     with self._send_lock:
                         send_frame(self.sock, ("report", body, report))
         except (OSError, ConnectionError, EOFError, ValueError):

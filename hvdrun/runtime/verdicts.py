@@ -72,16 +72,20 @@ class StallWatch:
     error_s: float
     period_s: float = 0.25
     _last: float = 0.0
-    _final: set[str] = field(default_factory=set)  # ops whose coming shutdown was announced
+    _final: set[tuple[str, float]] = field(default_factory=set)  # (name, first seen) of ops announced
+    _last_final: float = 0.0
 
     def about_to_fail(self, table: Table) -> str | None:
         """The stall text of ops that will fail every rank within a second (each announced once): rank 0
         reports where every rank is then, while every rank is still there to answer."""
-        if not self.error_s:
+        now = time.monotonic()
+        if not self.error_s or now - self._last_final < self.period_s:
             return None
+        self._last_final = now
         near = [entry for entry in table.stalled(self.error_s - min(1.0, self.error_s / 10))
-                if entry.name not in self._final]
-        self._final.update(entry.name for entry in near)
+                if (entry.name, entry.first_seen) not in self._final]
+        live = {(entry.name, entry.first_seen) for entry in table.entries.values()}
+        self._final = (self._final & live) | {(entry.name, entry.first_seen) for entry in near}
         return describe_stall(near, table.size, self.error_s) if near else None
 
     def check(self, table: Table, rank: int) -> str | None:

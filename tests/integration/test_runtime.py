@@ -134,6 +134,12 @@ def test_stalled_rank_is_named_then_every_rank_raises(run_hvdrun, hvdrun_env):
     assert "hvdrun: warning: 1 collective(s) waited more than 1 s for some ranks: 'late' missing rank 1" in \
         result.stderr
     assert ranks_reporting(result.stdout, r"rank \d+ raised: stalled: .*'late' missing rank 1") == {0, 1, 2}
+    # rank 0 said where every rank was with the warning, and again a second before the shutdown
+    for moment in ("as the stall check warns", "as the stall check fails the job"):
+        report = result.stderr.split(f"[0]<stderr>:hvdrun: where every rank is, {moment}\n", 1)[1]
+        assert report.startswith("[0]<stderr>:hvdrun: stacks of 3 of 3 rank(s)\n[0]<stderr>:first divergence: rank 1 "
+                                 "has not reached #1 allreduce 'late' that ranks 0,2 wait in: rank 1 has run no "
+                                 "collective yet and waits in no collective (main thread at stall.py:"), report
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["rank-1-dies", "rank-0-dies"])

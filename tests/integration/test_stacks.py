@@ -74,7 +74,7 @@ def test_stacks_on_demand_ctrl_backslash_and_the_stall_report(kind, request, hvd
         out.close()
         err.close()
     assert stdout().count("done 4.0") == 4 and stdout().count("starting") == 4
-    assert not list(jobs.glob("*.json"))  # the job's registration went with it
+    assert not list((jobs / "running").glob("*.json"))  # the job's registration went with it
     assert wait_until(lambda: not job_processes(token)), job_processes(token)
 
 
@@ -83,19 +83,20 @@ def test_stacks_without_a_running_job_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "hvdrun", "stacks"], env=env, capture_output=True, text=True,
                           timeout=30)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == f"hvdrun: error: no running hvdrun job of this user (looked in {tmp_path / 'jobs'})\n"
+    assert done.stderr == ("hvdrun: error: no running hvdrun job of this user (looked in "
+                           f"{tmp_path / 'jobs' / 'running'})\n")
     named = subprocess.run([sys.executable, "-m", "hvdrun", "stacks", "abc123"], env=env, capture_output=True,
                            text=True, timeout=30)
     assert named.returncode == 2 and named.stderr == "hvdrun: error: no running hvdrun job 'abc123'; running: none\n"
 
 
 def test_a_registered_job_whose_hvdrun_ended_is_forgotten(tmp_path):
-    jobs = tmp_path / "jobs"
-    jobs.mkdir()
+    jobs = tmp_path / "jobs" / "running"
+    jobs.mkdir(parents=True)
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (jobs / "dead.json").write_text(f'{{"job_id": "dead", "pid": {int(ended.stdout)}, "size": 2, "addr": "x", '
                                     '"port": 1, "secret": "s", "command": "c"}')
-    env = {**os.environ, "HVDRUN_JOBS_DIR": str(jobs)}
+    env = {**os.environ, "HVDRUN_JOBS_DIR": str(jobs.parent)}
     done = subprocess.run([sys.executable, "-m", "hvdrun", "stacks"], env=env, capture_output=True, text=True,
                           timeout=30)
     assert done.returncode == 2 and "no running hvdrun job of this user" in done.stderr

@@ -21,12 +21,15 @@ def test_the_recorder_keeps_order_lands_flights_and_scrubs_a_fallback():
     first = recorder.take_off("a", "allreduce", 8)
     second = recorder.take_off("b", "allgather", 16)
     first.land()
+    other = recorder.take_off("c", "broadcast", 4)  # another thread's op while the lane tried "b"
     recorder.scrub(second)  # a fast-lane attempt that went to the engine instead
     third = recorder.take_off("b", "allgather", 16)
-    assert [(f.seq, f.name, bool(f.ended)) for f in recorder.snapshot()] == [(1, "a", True), (2, "b", False)]
-    assert third.seq == 2
+    assert [(f.seq, f.name, bool(f.ended)) for f in recorder.snapshot()] == [
+        (1, "a", True), (3, "c", False), (4, "b", False)]
+    assert third.seq == 4 and other.seq == 3
     mine = rank_report(3, "h9", recorder)
-    assert [row[:2] for row in mine["waiting"]] == [[2, "b"]] and [row[:2] for row in mine["recent"]] == [[1, "a"]]
+    assert [row[:2] for row in mine["waiting"]] == [[3, "c"], [4, "b"]]
+    assert [row[:2] for row in mine["recent"]] == [[1, "a"]]
     assert mine["threads"][0][0] == "MainThread" and mine["rank"] == 3
 
 

@@ -95,7 +95,7 @@ class Containment:
 
     def __init__(self, label: str) -> None:
         self.cgroup = _make_cgroup(label)
-        self.subreaper = self.cgroup is None and _become_subreaper()
+        self.subreaper = _become_subreaper()  # also with a cgroup: moving the worker into it may fail
         self._named: set[int] = set()
 
     def enter(self) -> None:
@@ -108,16 +108,18 @@ class Containment:
                 pass
 
     def _members(self) -> list[int]:
+        """The cgroup's processes, and the orphans reparented to the guard (the worker's own child aside)."""
+        members: set[int] = set()
         if self.cgroup is not None:
             try:
                 with open(os.path.join(self.cgroup, "cgroup.procs")) as procs:
-                    return [int(line) for line in procs if line.strip()]
+                    members.update(int(line) for line in procs if line.strip())
             except (OSError, ValueError):
-                return []
-        if not self.subreaper:
-            return []
-        me = os.getpid()
-        return [pid for pid in _all_pids() if (_stat(pid) or ("", 0, 0))[1] == me]
+                pass
+        if self.subreaper:
+            me = os.getpid()
+            members.update(pid for pid in _all_pids() if (_stat(pid) or ("", 0, 0))[1] == me)
+        return sorted(members)
 
     def escapees(self, group: int) -> list[int]:
         """Live processes of the worker that left the process group ``group``."""
@@ -134,9 +136,8 @@ class Containment:
         found = self.escapees(group)
         named = [f"pid {pid} ({command_of(pid)})" for pid in found if pid not in self._named]
         self._named.update(found)
-        if self.cgroup is not None and _write(os.path.join(self.cgroup, "cgroup.kill"), "1"):
-            return named
-        for pid in found if self.cgroup is None else self._members():
+        killed_cgroup = self.cgroup is not None and _write(os.path.join(self.cgroup, "cgroup.kill"), "1")
+        for pid in found if killed_cgroup or self.cgroup is None else self._members():
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:

@@ -124,9 +124,12 @@ def _stop_escapees(group: int) -> None:
     named = _containment.stop(group)
     if named:
         rank = os.environ.get(envvars.RANK, "?")
-        sys.stderr.write(f"hvdrun: warning: rank {rank}: {len(named)} process(es) left the rank's process group "
-                         f"(setsid); stopped: {', '.join(named)}\n")
-        sys.stderr.flush()
+        try:  # hvdrun may be gone (killed): its end of stderr too, and the files must still be removed
+            sys.stderr.write(f"hvdrun: warning: rank {rank}: {len(named)} process(es) left the rank's process "
+                             f"group (setsid); stopped: {', '.join(named)}\n")
+            sys.stderr.flush()
+        except OSError:
+            pass
 
 
 def _kill_others(options: _Options) -> None:
