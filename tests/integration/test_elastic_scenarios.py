@@ -91,9 +91,8 @@ BOTH_HOSTS: Schedule = [(None, [f"{A}:2", f"{B}:2"])]
 START_RANK_0_FAILS_IN_EPOCH_1 = {(1, 0): [0]}
 
 
-@pytest.mark.parametrize("fail_mode, fixed_hosts", [("exception", False), ("kill", False), ("exception", True),
-                                                    ("kill", True)],
-                         ids=["exception", "kill", "exception-fixed-hosts", "kill-fixed-hosts"])
+@pytest.mark.parametrize("fail_mode, fixed_hosts", [("kill", False), ("exception", True)],
+                         ids=["kill", "exception-fixed-hosts"])  # each way to fail, each way to find hosts
 def test_single_rank_failure_blacklists_its_host(run_hvdrun, hvdrun_env, tmp_path, fail_mode, fixed_hosts):
     """Horovod's expectation (its default, and hvdrun's for a job on two hosts): rank 0 fails at the start of
     epoch 1, host A is blacklisted, its other worker leaves, and B's two workers train on (rank 0: start rank 2).

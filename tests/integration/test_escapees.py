@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from hvdrun.launch.output import OutputRouter
-from hvdrun.launch.remote.escapees import Containment
+from hvdrun.launch.remote.escapees import Containment, command_of
 from tests.conftest import wait_until
 from tests.integration.test_local_launch import script
 
@@ -48,7 +48,8 @@ def test_without_a_cgroup_the_guard_reaps_escapees_as_subreaper(tmp_path, monkey
     assert hold.cgroup is None and hold.subreaper
     child = subprocess.Popen(["sh", "-c", "setsid sh -c 'exec env -i sleep 300.5' & exit 0"])
     child.wait()
-    assert wait_until(lambda: bool(hold.escapees(child.pid)), 5.0)  # reparented to this process
+    # reparented to this process, and past its exec (before it, its command line is still setsid's)
+    assert wait_until(lambda: [command_of(pid) for pid in hold.escapees(child.pid)] == ["sleep 300.5"], 5.0)
     named = hold.stop(group=-1)
     assert len(named) == 1 and named[0].endswith("(sleep 300.5)")
     hold.close()

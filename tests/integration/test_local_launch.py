@@ -258,7 +258,7 @@ hvd.allreduce(torch.ones(1), name="next")
 def test_the_rank_whose_failure_came_first_is_blamed_every_time(run_hvdrun, tmp_path):
     """Rank 0 fails too (its peer left), often first; its runtime marks it as a consequence."""
     path = script(tmp_path, "blame.py", BLAME)
-    for attempt in range(10):  # a race: rank 0 often fails first
+    for attempt in range(6):  # a race: rank 0 often fails first
         done = run_hvdrun("-np", "2", "--output-dir", f"logs{attempt}", path)
         assert done.returncode == 1
         summary = done.stderr[done.stderr.index("hvdrun: error:"):]

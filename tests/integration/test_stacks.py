@@ -129,10 +129,10 @@ def test_a_rendezvous_that_times_out_says_where_every_rank_is(run_hvdrun, tmp_pa
 
 
 def test_an_idle_job_prints_where_every_rank_is_before_it_stops(run_hvdrun, tmp_path):
-    """--idle-timeout: nothing printed for 8 s -> the report, then the job stops with exit 124."""
-    done = run_hvdrun("-np", "4", "--idle-timeout", "8", sys.executable, str(WORKER), str(tmp_path / "never"),
+    """--idle-timeout: nothing printed for 6 s -> the report, then the job stops with exit 124."""
+    done = run_hvdrun("-np", "4", "--idle-timeout", "6", sys.executable, str(WORKER), str(tmp_path / "never"),
                       timeout=120)
     assert done.returncode == 124, done.stderr
     assert_report(done.stderr)
-    assert done.stderr.strip().splitlines()[-1] == ("hvdrun: error: no rank printed for 8 s (--idle-timeout); "
+    assert done.stderr.strip().splitlines()[-1] == ("hvdrun: error: no rank printed for 6 s (--idle-timeout); "
                                                     "stopped all 4 workers")
