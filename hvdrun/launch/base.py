@@ -276,6 +276,8 @@ class WorkerGroup:
 
     def _note_if_never_joined(self, worker: Worker, ended: Failure) -> None:
         """Remember a rank that exited 0 without entering ``init()`` (its output read to the end first)."""
+        if worker.slot.rank in self.router.entered_init:
+            return  # the common case, known long before the exit: no wait on the supervision loop
         self.router.failed_because_of_another_rank(worker.slot.rank)  # waits for its output to end
         if worker.slot.rank not in self.router.entered_init:
             self._never_joined.append(ended)
