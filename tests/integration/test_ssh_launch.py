@@ -273,7 +273,7 @@ def test_connections_to_a_default_sshd_are_capped_and_retried(tmp_path, monkeypa
     is_retryable = connections._is_retryable
     monkeypatch.setattr(connections, "_is_retryable", lambda e: retried.append(e) or is_retryable(e))
 
-    env = {**fixture_names(os.getpid() + 1), "HVD_FX_MAXSTARTUPS": "10:30:100"}
+    env = {**fixture_names(os.getpid() + 2), "HVD_FX_MAXSTARTUPS": "10:30:100"}  # +1 is the Slurm cluster's
     directory = Path(f"/tmp/hvdrun-ms-{tmp_path.name[-8:]}")
     hosts = start_ssh_hosts(directory, 1, env)
     try:
