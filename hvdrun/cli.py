@@ -607,13 +607,12 @@ def stacks(job: str | None) -> int:
     """Print where every rank of a running job is: each thread's Python stack, the collective it waits in,
     its last collectives (ranks alike folded together). JOB: the job id or hvdrun's pid (default: the only
     job of this user that is running). Ctrl-\\ to a running hvdrun prints the same."""
-    from hvdrun.errors import RendezvousError
-    from hvdrun.launch.stacks import choose_job, fetch_report
+    from hvdrun.launch.stacks import NO_ANSWER, choose_job, fetch_report
 
     chosen = choose_job(job)
     try:
         click.echo(fetch_report(chosen["addr"], int(chosen["port"]), chosen["secret"]))
-    except (OSError, ConnectionError, ValueError, EOFError, RendezvousError) as e:
+    except NO_ANSWER as e:
         click.echo(f"hvdrun: error: job {chosen['job_id']}: rank 0 at {chosen['addr']}:{chosen['port']} did not "
                    f"answer ({e}); its ranks may not have reached init() yet", err=True)
         return 1

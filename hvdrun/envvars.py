@@ -28,6 +28,9 @@ HOSTNAME = "HVDRUN_HOSTNAME"
 RENDEZVOUS_ADDR = "HVDRUN_RENDEZVOUS_ADDR"
 RENDEZVOUS_PORT = "HVDRUN_RENDEZVOUS_PORT"
 SECRET = "HVDRUN_SECRET"
+# never on a command line (`ps` shows those to every user of a node): mpiexec gets them in its environment,
+# an SSH guard reads them from its channel (launch/mpiexec.py, launch/ssh.py)
+OFF_THE_COMMAND_LINE = (SECRET,)
 JOB_ID = "HVDRUN_JOB_ID"
 BACKEND = "HVDRUN_BACKEND"
 MPIEXEC = "HVDRUN_MPIEXEC"  # the mpiexec --launcher mpiexec runs (default: beside this Python, then PATH)

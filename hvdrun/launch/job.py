@@ -482,7 +482,7 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
         write = _console_writer(console)
         with stacks_on_demand(rendezvous, len(plan.slots), write):
             WorkerGroup(launcher, router, idle_timeout_s=options.idle_timeout_s,
-                        on_idle=lambda: print_stacks(rendezvous, len(plan.slots), write),
+                        on_idle=lambda: print_stacks(rendezvous, write),
                         signal_ranks=functools.partial(signal_ranks, rendezvous),
                         forward_signals=plan.forward_signals).run(plan.specs(rendezvous, launcher.cpus))
     except KeyboardInterrupt:

@@ -41,7 +41,6 @@ from hvdrun.ranks import GpuLayout, Slot
 
 FLAVOURS = ("mpich", "openmpi", "pals")
 SRUN = "srun"  # Slurm's srun starts the ranks inside an allocation: one more flavour of "one command, all ranks"
-_HIDDEN = frozenset({envvars.SECRET})  # passed through mpiexec's environment, never its command line
 
 
 def detect_flavour(version_text: str) -> str | None:
@@ -103,17 +102,17 @@ class MpiexecCommand:
     def process_env(self, base: Mapping[str, str]) -> dict[str, str]:
         """The environment mpiexec itself runs with: the secret, and for srun (which passes its own
         environment to every rank) every variable of the job."""
-        hidden = {name: value for name, value in self.env.items() if name in _HIDDEN}
+        hidden = {name: value for name, value in self.env.items() if name in envvars.OFF_THE_COMMAND_LINE}
         if self.flavour != SRUN:
             return {**base, **hidden}
         return {**base, **self.env, **({envvars.SLURM_HOSTFILE: self.hostfile} if self.hostfile else {})}
 
     def _shown_env(self) -> list[tuple[str, str]]:
         """The variables passed by value on the command line (all but the secret), sorted."""
-        return sorted((name, value) for name, value in self.env.items() if name not in _HIDDEN)
+        return sorted((name, value) for name, value in self.env.items() if name not in envvars.OFF_THE_COMMAND_LINE)
 
     def _hidden_names(self) -> list[str]:
-        return sorted(name for name in self.env if name in _HIDDEN)
+        return sorted(name for name in self.env if name in envvars.OFF_THE_COMMAND_LINE)
 
     def _srun(self) -> list[str]:
         return [f"--nodes={len(self.hosts)}", f"--ntasks={self.num_proc}", "--distribution=arbitrary",

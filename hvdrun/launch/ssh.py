@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hvdrun.envvars import SECRET, guard_options, remote_env
+from hvdrun.envvars import OFF_THE_COMMAND_LINE, guard_options, remote_env
 from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host, is_local_host
 from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
@@ -60,7 +60,6 @@ if TYPE_CHECKING:
 SESSIONS_PER_CONNECTION = 8  # below sshd's default MaxSessions (10)
 _KILL_CONFIRM_S = 3.0
 _LOST_CONNECTION = -1  # paramiko's exit status when the channel closed without one
-_FROM_STDIN = (SECRET,)  # sent over the channel, never on the remote command line
 
 
 @dataclass
@@ -251,8 +250,8 @@ class SshWorker(Worker):
 
 def worker_command(spec: WorkerSpec, grace_s: float) -> str:
     """The remote shell command of one rank: its working directory, environment and guarded command."""
-    env = {name: value for name, value in remote_env(spec.env).items() if name not in _FROM_STDIN}
-    from_stdin = [word for name in _FROM_STDIN if name in spec.env for word in ("--env-from-stdin", name)]
+    env = {name: value for name, value in remote_env(spec.env).items() if name not in OFF_THE_COMMAND_LINE}
+    from_stdin = [word for name in OFF_THE_COMMAND_LINE if name in spec.env for word in ("--env-from-stdin", name)]
     if spec.python != sys.executable:  # a host's own Python (YAML python:/venv:): its bin/ first on PATH
         env["PATH"] = f"{os.path.dirname(spec.python)}:{env.get('PATH', '/usr/bin:/bin')}"
     words = ["env", "--", *(f"{name}={value}" for name, value in sorted(env.items())),
@@ -263,7 +262,7 @@ def worker_command(spec: WorkerSpec, grace_s: float) -> str:
 
 def stdin_preamble(spec: WorkerSpec) -> bytes:
     """What hvdrun writes first to a rank's channel: the values the guard reads with ``--env-from-stdin``."""
-    return "".join(f"{spec.env[name]}\n" for name in _FROM_STDIN if name in spec.env).encode()
+    return "".join(f"{spec.env[name]}\n" for name in OFF_THE_COMMAND_LINE if name in spec.env).encode()
 
 
 def _reader(receive: Callable[[int], bytes]) -> Callable[[], bytes]:

@@ -27,6 +27,8 @@ from hvdrun.runtime.rendezvous import INSPECT, REPORT_TIMEOUT_S, SIGNAL
 from hvdrun.runtime.wire import authenticate_server, recv_frame, send_frame
 
 _CONNECT_TIMEOUT_S = 5.0
+# rank 0 did not answer: the job ended or has not reached init(), a port now served by another job
+NO_ANSWER = (OSError, ValueError, EOFError, RendezvousError)
 
 
 def running_dir() -> Path:
@@ -60,15 +62,15 @@ def signal_ranks(rendezvous: Rendezvous, signum: int) -> int:
     try:
         _, reached = _ask_rank0(rendezvous.addr, rendezvous.port, rendezvous.secret, (SIGNAL, signum))
         return int(reached)
-    except (OSError, ConnectionError, ValueError, EOFError, RendezvousError):
+    except NO_ANSWER:
         return 0
 
 
-def print_stacks(rendezvous: Rendezvous, size: int, write: Callable[[str], None]) -> None:
+def print_stacks(rendezvous: Rendezvous, write: Callable[[str], None]) -> None:
     """Print every rank's report of the running job, or one line saying why there is none."""
     try:
         text = fetch_report(rendezvous.addr, rendezvous.port, rendezvous.secret)
-    except (OSError, ConnectionError, ValueError, EOFError, RendezvousError) as e:
+    except NO_ANSWER as e:
         text = (f"hvdrun: no stacks: rank 0's rendezvous at {rendezvous.addr}:{rendezvous.port} did not answer "
                 f"({e}); the ranks may not have reached init() yet")
     write(text + "\n")
@@ -79,7 +81,7 @@ def stacks_on_demand(rendezvous: Rendezvous, size: int, write: Callable[[str], N
     """While the job runs: Ctrl-\\ prints every rank's stacks (in a thread: supervision goes on), and the job
     is registered for ``hvdrun stacks``."""
     def on_quit(signum: int, frame: Any) -> None:
-        threading.Thread(target=print_stacks, args=(rendezvous, size, write), name="hvdrun-stacks",
+        threading.Thread(target=print_stacks, args=(rendezvous, write), name="hvdrun-stacks",
                          daemon=True).start()
 
     registered = _register(rendezvous, size)

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 from hvdrun.ranks import format_ranks
@@ -29,16 +28,15 @@ _INTERNAL_THREAD = "hvdrun-"  # hvdrun's own threads (engine, rendezvous, report
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../hvdrun
 
 
-@dataclass(eq=False)  # each flight is itself: found by identity
 class Flight:
-    """One collective of this rank: ``ended`` is 0.0 while it is in flight."""
+    """One collective of this rank: ``ended`` is 0.0 while it is in flight. A plain class with slots, compared
+    by identity: one is made per collective, fast-lane ones included (a dataclass cost a third more)."""
 
-    seq: int
-    name: str
-    kind: str
-    nbytes: int
-    started: float = field(default_factory=time.time)
-    ended: float = 0.0
+    __slots__ = ("seq", "name", "kind", "nbytes", "started", "ended")
+
+    def __init__(self, seq: int, name: str, kind: str, nbytes: int) -> None:
+        self.seq, self.name, self.kind, self.nbytes = seq, name, kind, nbytes
+        self.started, self.ended = time.time(), 0.0
 
     def land(self) -> None:
         """The collective finished (done or failed) on this rank."""

@@ -226,7 +226,7 @@ class _Server:
                 signum = int(row)
                 send_frame(sock, ("signalled", self.signal_ranks(signum)))
                 sock.close()
-                os.kill(os.getpid(), signum)  # rank 0 last: it may die of it (no handler), after the answer
+                _signal_self(signum)  # rank 0 last: it may die of it (no handler), after the answer
                 return
             if generation != self.generation:  # a rank already on its next init() reached our old server
                 send_frame(sock, ("retry", f"rank 0 is at init #{self.generation}, not #{generation}"))
@@ -440,26 +440,28 @@ class _Client:
                     _signal_self(body)
                     continue
                 if kind == "report?":
-                    report = _report_or_none(self.reporter) or {}
-                    with self._send_lock:
-                        send_frame(self.sock, ("report", body, report))
+                    self._send(("report", body, _report_or_none(self.reporter) or {}))
         except (OSError, ConnectionError, EOFError, ValueError):
             if not self._closing:
                 self.abort.set(f"lost the connection to rank 0 at {self.addr}: rank 0 exited or crashed")
 
+    def _send(self, message: Any) -> None:
+        """One frame to rank 0: the watch thread's answers and the caller's messages never interleave."""
+        assert self.sock is not None
+        with self._send_lock:
+            send_frame(self.sock, message)
+
     def report_failure(self, reason: str) -> None:
         """Ask rank 0 to abort every rank with ``reason``."""
         if self.sock is not None:
-            with self._send_lock:
-                send_frame(self.sock, ("abort", reason))
+            self._send(("abort", reason))
 
     def close(self) -> None:
         """Say goodbye so rank 0 does not report us as crashed."""
         self._closing = True
         if self.sock is not None:
             try:
-                with self._send_lock:
-                    send_frame(self.sock, ("bye",))
+                self._send(("bye",))
             except OSError:
                 pass
             self.sock.close()

@@ -135,29 +135,20 @@ def _stop_escapees(group: int) -> None:
 def _kill_others(options: _Options) -> None:
     """SIGKILL every process of our group, or tracked by environment, or in the worker's cgroup, but the guard
     itself (Linux /proc)."""
-    me, group = os.getpid(), os.getpgrp()
-    _stop_escapees(group)
-    try:
-        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return
-    for pid in pids:
-        if pid != me and _belongs(pid, group, options.track):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+    _stop_escapees(os.getpgrp())
+    _signal_others(signal.SIGKILL, options.track)
 
 
-def _signal_others(signum: int) -> None:
-    """Send ``signum`` to every process of our group but the guard (which would die of e.g. SIGUSR1)."""
+def _signal_others(signum: int, track: list[bytes] | None = None) -> None:
+    """Send ``signum`` to every process of our group (or tracked by environment) but the guard, which would
+    die of e.g. SIGUSR1."""
     me, group = os.getpid(), os.getpgrp()
     try:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
         return
     for pid in pids:
-        if pid != me and _belongs(pid, group, []):
+        if pid != me and _belongs(pid, group, track or []):
             try:
                 os.kill(pid, signum)
             except OSError:
