@@ -42,6 +42,10 @@ class Ledger(Protocol):
         """An unnamed op failed before the other ranks used its number: reuse it next."""
         ...
 
+    def catch_up_auto_name(self, name: str) -> None:
+        """The others used the unnamed op's number while this rank had joined: take the next one."""
+        ...
+
     def mark_stopped(self) -> None:
         """The job's shutdown completed on every rank."""
         ...
@@ -128,10 +132,10 @@ class Cycle:
 
     def _execute(self, batch: list[Entry]) -> None:
         ops = self._ops_of(batch)
+        self._catch_up_names_others_took(batch)
         if batch[0].error:
             for op in ops:
                 op.handle.finish(error=CollectiveError(batch[0].error))
-            self._give_back_names_others_never_took(batch)
             return
         kind = batch[0].first.kind
         timeline = self.timeline if kind != "shutdown" else None
@@ -152,12 +156,15 @@ class Cycle:
         if kind == "shutdown":
             self.ledger.mark_stopped()
 
-    def _give_back_names_others_never_took(self, batch: list[Entry]) -> None:
-        """A failed op that some ranks of its set never submitted (they joined): its automatic number was used
-        only here, so this rank's next unnamed op of that kind takes it again and names stay in step."""
+    def _catch_up_names_others_took(self, batch: list[Entry]) -> None:
+        """Ops that this rank took part in without a request (it joined): their automatic numbers were used by
+        the ranks that submitted them, so this rank's next unnamed op of that kind takes the one after, as
+        theirs does. (Giving the number back on the submitting ranks instead raced with their next
+        submissions: two unnamed allgathers in flight when a peer joined got different numbers on different
+        ranks.)"""
         for entry in batch:
-            if self.world.rank in entry.requests and not set(entry.members) <= set(entry.requests):
-                self.ledger.give_back_auto_name(entry.name)
+            if self.world.rank in entry.absent and self.world.rank in entry.members:
+                self.ledger.catch_up_auto_name(entry.name)
 
     def _run_executor(self, kind: str, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:
         if batch[0].first.device == "cpu":

@@ -57,7 +57,7 @@ class Submissions:
         """An unnamed op that the other ranks never submitted fails: its number was never used by them, so
         this rank's next unnamed op of that kind takes it again and the ranks' names stay in step. Numbers come
         off the top of the count only: one given back below a number still in use waits until that one comes
-        back too (two unnamed allgathers in flight when a peer joined fail in either order)."""
+        back too (two unnamed ops of a deadlock fail in either order)."""
         kind, sep, number = name.rpartition(".noname.")
         if not (sep and number.isdigit()):
             return
@@ -67,6 +67,14 @@ class Submissions:
             while self._counters[kind] in returned:
                 returned.discard(self._counters[kind])
                 self._counters[kind] -= 1
+
+    def catch_up_auto_name(self, name: str) -> None:
+        """The other ranks ran (or failed) the unnamed op ``name`` while this rank had joined: its number is
+        used, so this rank's next unnamed op of that kind takes the one after it, as theirs does."""
+        kind, sep, number = name.rpartition(".noname.")
+        if sep and number.isdigit():
+            with self.lock:
+                self._counters[kind] = max(self._counters[kind], int(number))
 
     def add(self, items: Sequence[tuple[Request, np.ndarray | None]], wake: bool,
             on_queued: Callable[[LocalOp], None] | None = None) -> tuple[list[LocalOp], bool]:

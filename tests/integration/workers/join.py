@@ -44,6 +44,8 @@ for _ in range(2):
 if RANK == 0:
     hvd.join()
 else:
+    # an unnamed allreduce the joined rank takes part in with zeros: its number is used on every rank
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == SIZE - 1
     handles = [hvd.allgather_async(torch.ones(1)) for _ in range(2)]
     for handle in handles:
         try:
