@@ -242,9 +242,11 @@ def forwarded_env(specs: Sequence[str], environ: Mapping[str, str]) -> dict[str,
 SHM_DIR = "/dev/shm"
 
 
-def shm_segment_base(job_key: str, rank: int) -> str:
-    """``/dev/shm/hvdrun-JOB-GEN-RANK`` (+ ``.ring`` / ``.bell``) for ``job_key`` = ``JOB-GEN``."""
-    return f"{SHM_DIR}/hvdrun-{job_key}-{rank}"
+def shm_segment_base(job_key: str, rank: int, sender: int | None = None) -> str:
+    """``/dev/shm/hvdrun-JOB-GEN-RANK`` (+ ``.ring`` / ``.bell``) for ``job_key`` = ``JOB-GEN``; a link's own
+    segment (what ``sender`` writes to ``rank``) adds ``.fromSENDER``."""
+    base = f"{SHM_DIR}/hvdrun-{job_key}-{rank}"
+    return base if sender is None else f"{base}.from{sender}"
 
 
 def shm_files_glob(job_id: str, rank: int | str = "*") -> str:
@@ -294,6 +296,11 @@ FUSION_THRESHOLD = ("HVDRUN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD")
 STALL_WARNING_S = ("HVDRUN_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS")
 STALL_ERROR_S = ("HVDRUN_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
 EAGER_BYTES = ("HVDRUN_EAGER_BYTES",)
+# across hosts: auto | flat | ring | doubling | halving (runtime/collectives/hierarchical.py), and the crossovers
+ALGORITHM = ("HVDRUN_ALGORITHM",)
+ALGORITHMS = ("auto", "flat", "ring", "doubling", "halving")
+DOUBLING_MAX_BYTES = ("HVDRUN_DOUBLING_MAX_BYTES",)
+HALVING_MAX_BYTES = ("HVDRUN_HALVING_MAX_BYTES",)
 OVERLAP = "HVDRUN_OVERLAP"
 TIMELINE = ("HVDRUN_TIMELINE", "HOROVOD_TIMELINE")
 TIMELINE_MARK_CYCLES = ("HVDRUN_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES")
@@ -427,8 +434,12 @@ def check_tuning(environ: Mapping[str, str]) -> None:
     Raises:
         UsageError: a variable's value is not a finite, non-negative number.
     """
-    for names in ((START_TIMEOUT,), FUSION_THRESHOLD, STALL_WARNING_S, STALL_ERROR_S, EAGER_BYTES, CYCLE_TIME_MS):
+    for names in ((START_TIMEOUT,), FUSION_THRESHOLD, STALL_WARNING_S, STALL_ERROR_S, EAGER_BYTES, CYCLE_TIME_MS,
+                  DOUBLING_MAX_BYTES, HALVING_MAX_BYTES):
         env_number(environ, names, 0.0)
+    algorithm = env_text(environ, ALGORITHM)
+    if algorithm is not None and algorithm not in ALGORITHMS:
+        raise UsageError(f"{ALGORITHM[0]}={algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
 
 
 def _hostname(environ: Mapping[str, str]) -> str:

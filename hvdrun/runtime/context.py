@@ -15,6 +15,11 @@ from hvdrun import envvars
 from hvdrun.errors import CollectiveError, NotInitializedError, UsageError
 from hvdrun.runtime.backends.base import Backend, World
 from hvdrun.runtime.backends.torchdist import open_store
+from hvdrun.runtime.collectives.hierarchical import (
+    DEFAULT_DOUBLING_MAX_BYTES,
+    DEFAULT_HALVING_MAX_BYTES,
+    AlgorithmChoice,
+)
 from hvdrun.runtime.device import DeviceCollectives, device_backend_name
 from hvdrun.runtime.engine import Engine
 from hvdrun.runtime.forensics import format_reports, rank_report
@@ -94,10 +99,24 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
 
         use_shm = environ.get(envvars.TRANSPORT, "").lower() != "tcp"
         return NativeBackend.connect(rendezvous, launch.hostname, f"{launch.job_id}-{generation}",
-                                   launch.secret.encode(), abort, timeout_s, use_shm, store_port), rendezvous
+                                     launch.secret.encode(), abort, timeout_s, use_shm, store_port,
+                                     algorithm_choice(environ)), rendezvous
     except BaseException:
         rendezvous.close()
         raise
+
+
+def algorithm_choice(environ: Mapping[str, str]) -> AlgorithmChoice:
+    """Which algorithm crosses hosts, from ``HVDRUN_ALGORITHM`` and the crossover sizes.
+
+    Raises:
+        UsageError: a value is not one of the algorithms or not a size.
+    """
+    envvars.check_tuning(environ)
+    return AlgorithmChoice(
+        envvars.env_text(environ, envvars.ALGORITHM) or "auto",
+        int(envvars.env_number(environ, envvars.DOUBLING_MAX_BYTES, DEFAULT_DOUBLING_MAX_BYTES)),
+        int(envvars.env_number(environ, envvars.HALVING_MAX_BYTES, DEFAULT_HALVING_MAX_BYTES)))
 
 
 def _device_collectives(name: str | None, store: Any, backend: Backend, launch: envvars.LaunchInfo,

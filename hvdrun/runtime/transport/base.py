@@ -126,6 +126,7 @@ class Waiter:
 
     def __init__(self, own_bell: Doorbell | None, abort: AbortFlag, spin_s: float = DEFAULT_SPIN_S) -> None:
         self.own_bell, self.abort, self.spin_s = own_bell, abort, spin_s
+        self.bells = [own_bell] if own_bell is not None else []  # every segment this rank reads (links add theirs)
         self._idle_since: float | None = None
         self._count_lock = threading.Lock()  # two threads of a rank may sleep at once
 
@@ -152,16 +153,19 @@ class Waiter:
             r, w = channel.wait_fds()
             read_fds += r
             write_fds += w
-        bell = self.own_bell
-        if bell is not None:
+        bells = self.bells
+        if bells:
             with self._count_lock:  # a count, and the lock's atomic operation is the fence
-                bell.sleeping[0] += 1  # type: ignore[index]
+                for bell in bells:
+                    bell.sleeping[0] += 1  # type: ignore[index]
         try:
             if not any(channel.ready() for channel in channels):
                 select.select(read_fds, write_fds, [], timeout_s)
         finally:
-            if bell is not None:
+            if bells:
                 with self._count_lock:
-                    bell.sleeping[0] -= 1  # type: ignore[index]
-                bell.drain()
+                    for bell in bells:
+                        bell.sleeping[0] -= 1  # type: ignore[index]
+                for bell in bells:
+                    bell.drain()
         self.abort.check()

@@ -36,16 +36,19 @@ def shm_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and SHM_DIR.is_dir()
 
 
-def _paths(job_key: str, rank: int) -> tuple[Path, Path]:
-    base = envvars.shm_segment_base(job_key, rank)
+def _paths(job_key: str, rank: int, sender: int | None) -> tuple[Path, Path]:
+    base = envvars.shm_segment_base(job_key, rank, sender)
     return Path(base + ".ring"), Path(base + ".bell")
 
 
 class ShmSegment:
-    """A rank's receive ring and doorbell, created by that rank or opened by its peer."""
+    """A rank's receive ring and doorbell, created by that rank or opened by its peer.
 
-    def __init__(self, job_id: str, rank: int, capacity: int, create: bool) -> None:
-        self.ring_path, self.bell_path = _paths(job_id, rank)
+    ``sender``: the segment of one link (what that rank writes to ``rank``), beside the ring's own.
+    """
+
+    def __init__(self, job_id: str, rank: int, capacity: int, create: bool, sender: int | None = None) -> None:
+        self.ring_path, self.bell_path = _paths(job_id, rank, sender)
         self.capacity = capacity
         if create:
             fd = os.open(self.ring_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -1,8 +1,7 @@
 """Collective algorithms over channels between ranks.
 
-Today: the ring, over a pair of channels (``tx`` to the next rank, ``rx`` from the previous one).
-Algorithms that are chosen by message size and host count (hierarchical, recursive doubling,
-Rabenseifner) belong here too; the reduction rules they apply live in :mod:`hvdrun.runtime.reduce`.
+The ring, over a pair of channels (``tx`` to the next rank, ``rx`` from the previous one): the
+algorithm for large buffers, and the one every job has (its negotiation and alltoall run on it).
 
 The ring's allreduce is a reduce-scatter followed by an all-gather. The buffer is cut into N chunks
 (sizes differ by at most one element). Worked example with 4 ranks, chunks a b c d, and
@@ -24,98 +23,25 @@ Transfers are padded to a multiple of 8 bytes so elements never straddle a ring 
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 
 import numpy as np
 
-from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds, padded
+from hvdrun.runtime.collectives.streams import (
+    SEGMENT_BYTES,
+    SMALL_MESSAGE_BYTES,
+    ZEROS,
+    ChainSink,
+    CopySink,
+    MessageSink,
+    ReduceSink,
+    Sink,
+    message_parts,
+    move,
+    swap_small,
+)
+from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
 from hvdrun.runtime.transport.base import RxChannel, TxChannel, Waiter
-
-SEGMENT_BYTES = 1 << 19
-SMALL_MESSAGE_BYTES = 256 << 10
-_ZEROS = memoryview(bytes(8))
-_LENGTH = struct.Struct("<Q")
-
-
-class Sink:
-    """Consumes a received transfer of known padded length."""
-
-    def __init__(self, length: int) -> None:
-        self.length, self.total, self.received = length, padded(length), 0
-
-    @property
-    def done(self) -> bool:
-        """True when the whole transfer, padding included, was consumed."""
-        return self.received >= self.total
-
-    def accept(self, view: memoryview) -> int:
-        """Use some of ``view``; return how many bytes were consumed."""
-        if self.received >= self.length:  # padding
-            count = min(len(view), self.total - self.received)
-        else:
-            count = self._take(view[:self.length - self.received])
-        self.received += count
-        return count
-
-    def _take(self, view: memoryview) -> int:
-        raise NotImplementedError
-
-
-class CopySink(Sink):
-    """Copies the payload into ``dst``."""
-
-    def __init__(self, dst: memoryview) -> None:
-        super().__init__(len(dst))
-        self.dst = dst
-
-    def _take(self, view: memoryview) -> int:
-        self.dst[self.received:self.received + len(view)] = view
-        return len(view)
-
-
-class ReduceSink(Sink):
-    """Reduces the payload element-wise into ``dst`` with ``reduce(dst, incoming, out=dst)``."""
-
-    def __init__(self, dst: np.ndarray, reduce: ReduceFn) -> None:
-        super().__init__(dst.nbytes)
-        self.dst, self.reduce, self.itemsize = dst, reduce, dst.itemsize
-
-    def _take(self, view: memoryview) -> int:
-        count = len(view) - len(view) % self.itemsize
-        if count:
-            first = self.received // self.itemsize
-            target = self.dst[first:first + count // self.itemsize]
-            self.reduce(target, np.frombuffer(view[:count], dtype=self.dst.dtype), target)
-        return count
-
-
-class MessageSink(Sink):
-    """Receives ``length (8 bytes) + payload`` whose size is learnt from the header."""
-
-    def __init__(self) -> None:
-        super().__init__(_LENGTH.size)
-        self.payload: bytearray | None = None
-
-    def _take(self, view: memoryview) -> int:
-        if self.payload is None:
-            if len(view) < _LENGTH.size:
-                return 0
-            (size,) = _LENGTH.unpack(view[:_LENGTH.size])
-            self.payload = bytearray(size)
-            self.length, self.total = _LENGTH.size + size, padded(_LENGTH.size + size)
-            return _LENGTH.size
-        offset = self.received - _LENGTH.size
-        self.payload[offset:offset + len(view)] = view
-        return len(view)
-
-
-def message_parts(payload: bytes | memoryview) -> list[memoryview]:
-    """The parts that send ``payload`` as a message: its length, then the payload (small ones as one part)."""
-    header = _LENGTH.pack(len(payload))
-    if len(payload) <= SEGMENT_BYTES // 8:
-        return [memoryview(header + bytes(payload))]
-    return [memoryview(header), memoryview(payload)]
 
 
 class Ring:
@@ -135,32 +61,8 @@ class Ring:
     # -- the progress loop ---------------------------------------------------------------
     def transfer(self, parts: Sequence[memoryview], sink: Sink | None) -> None:
         """Send ``parts`` (padded to 8 bytes) to the next rank while ``sink`` takes what the previous sends."""
-        tx, rx, waiter = self.tx, self.rx, self.waiter
-        assert tx is not None and rx is not None
-        pad = padded(sum(len(p) for p in parts)) - sum(len(p) for p in parts)
-        queue = [p for p in parts if len(p)] + ([_ZEROS[:pad]] if pad else [])
-        index, offset = 0, 0
-        while index < len(queue) or (sink is not None and not sink.done):
-            moved = False
-            if index < len(queue):
-                part = queue[index]
-                sent = tx.send_some(part[offset:offset + SEGMENT_BYTES])
-                if sent:
-                    moved, offset = True, offset + sent
-                    if offset == len(part):
-                        index, offset = index + 1, 0
-            if sink is not None and not sink.done:
-                view = rx.peek(SEGMENT_BYTES)
-                if len(view):
-                    used = sink.accept(view)
-                    if used:
-                        rx.consume(used)
-                        moved = True
-            if moved:
-                waiter.progressed()
-            else:  # wait only on the directions still in use
-                sending, receiving = index < len(queue), sink is not None and not sink.done
-                waiter.idle((tx, rx) if sending and receiving else (tx,) if sending else (rx,))
+        assert self.tx is not None and self.rx is not None
+        move(self.tx, self.rx, self.waiter, parts, sink)
 
     def _chunk(self, flat: np.ndarray, bounds: list[tuple[int, int]], index: int) -> np.ndarray:
         start, stop = bounds[index % self.size]
@@ -200,13 +102,22 @@ class Ring:
     def allgatherv(self, out: memoryview, sizes: Sequence[int]) -> None:
         """``out`` holds this rank's block at its offset; fill in every other rank's block (byte sizes)."""
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
+        self.allgather_blocks([[out[offsets[i]:offsets[i + 1]]] for i in range(self.size)])
 
-        def block(index: int) -> memoryview:
-            index %= self.size
-            return out[offsets[index]:offsets[index + 1]]
-
+    def allgather_blocks(self, blocks: Sequence[Sequence[memoryview]]) -> None:
+        """``blocks[i]``: the parts that member i owns (this rank's are filled in); fill in everyone's."""
         for step in range(self.size - 1):
-            self.transfer([block(self.rank - step)], CopySink(block(self.rank - step - 1)))
+            send, receive = blocks[(self.rank - step) % self.size], blocks[(self.rank - step - 1) % self.size]
+            self.transfer(send, ChainSink([CopySink(part) for part in receive]))
+
+    def reduce_scatter_blocks(self, flat: np.ndarray, blocks: Sequence[Sequence[tuple[int, int]]],
+                              reduce: ReduceFn) -> None:
+        """Reduce in place; afterwards the element ranges ``blocks[rank]`` are reduced over every member."""
+        for step in range(self.size - 1):
+            send = blocks[(self.rank - step - 1) % self.size]
+            receive = blocks[(self.rank - step - 2) % self.size]
+            self.transfer([as_bytes(flat[a:b]) for a, b in send],
+                          ChainSink([ReduceSink(flat[a:b], reduce) for a, b in receive]))
 
     def broadcast(self, buffer: memoryview, root: int) -> None:
         """Copy ``buffer`` of rank ``root`` to every rank, relayed around the ring in segments."""
@@ -238,7 +149,7 @@ class Ring:
             if forwarded < available:
                 sent = tx.send_some(buffer[forwarded:min(available, forwarded + SEGMENT_BYTES)])
             elif forwarded < sink.received:  # padding
-                sent = tx.send_some(_ZEROS[:sink.received - forwarded])
+                sent = tx.send_some(ZEROS[:sink.received - forwarded])
             else:
                 sent = 0
             forwarded += sent
@@ -276,41 +187,16 @@ class Ring:
         """Every rank's ``payload``, indexed by rank."""
         messages: list[bytes] = [b""] * self.size
         messages[self.rank] = payload
+        tx, rx = self.tx, self.rx
         for step in range(self.size - 1):
             outgoing = messages[(self.rank - step) % self.size]
             source = (self.rank - step - 1) % self.size
             if len(outgoing) <= SMALL_MESSAGE_BYTES:
-                messages[source] = self._swap_small(outgoing)
+                assert tx is not None and rx is not None
+                messages[source] = swap_small(tx, rx, self.waiter, outgoing)
                 continue
             sink = MessageSink()
             self.transfer(message_parts(outgoing), sink)
             assert sink.payload is not None
             messages[source] = bytes(sink.payload)
         return messages
-
-    def _swap_small(self, payload: bytes) -> bytes:
-        """Send a small message and receive the previous rank's: a lean loop for the latency-bound case."""
-        tx, rx, waiter = self.tx, self.rx, self.waiter
-        assert tx is not None and rx is not None
-        header = _LENGTH.pack(len(payload))
-        outgoing = memoryview(header + payload + bytes(padded(len(payload) + 8) - len(payload) - 8))
-        received = bytearray()
-        total = -1
-        while outgoing or len(received) != total:
-            moved = False
-            if outgoing and (sent := tx.send_some(outgoing)):
-                outgoing, moved = outgoing[sent:], True
-            if len(received) != total:
-                view = rx.peek(total - len(received) if total >= 0 else 8)
-                if len(view):
-                    received += view
-                    rx.consume(len(view))
-                    moved = True
-                    if total < 0 and len(received) >= 8:
-                        total = padded(_LENGTH.unpack_from(received)[0] + 8)
-            if moved:
-                waiter.progressed()
-            else:
-                waiter.idle((tx, rx) if outgoing else (rx,))
-        (length,) = _LENGTH.unpack_from(received)
-        return bytes(received[8:8 + length])

@@ -1,0 +1,183 @@
+"""Collectives across hosts: shared memory inside a host, only what must cross between hosts.
+
+The job is a grid: ``grid[h][l]`` is the rank with local rank ``l`` on host ``h`` (every host has
+the same number ``L`` of ranks; otherwise the job keeps the flat ring). A rank belongs to two groups:
+its host's ``L`` ranks (a ring over shared memory) and the ``H`` ranks of its local rank across
+hosts (a ring and a :class:`~hvdrun.runtime.collectives.pairwise.Pairwise` group over TCP).
+
+- allreduce: reduce-scatter inside the host (local rank l owns 1/L of the buffer), an allreduce of
+  that part among the l-th ranks of every host (L exchanges in parallel, as NCCL runs one ring per
+  channel), all-gather inside the host. A host's link carries about 2 (H - 1) / H of the buffer.
+  Across hosts: recursive doubling for small parts, Rabenseifner for medium ones, the ring for large.
+- allgather / reducescatter: the same two levels, each rank's block crossing hosts once.
+- broadcast: the root's local rank across hosts (a binomial tree, or the ring for large buffers),
+  then a ring inside each host.
+- negotiation (every rank's message): all-gather inside the host, then recursive doubling of the
+  hosts' bundles: L - 1 + log2(H) steps, not N - 1.
+"""
+
+from __future__ import annotations
+
+import marshal
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
+from hvdrun.runtime.collectives.ring import Ring
+from hvdrun.runtime.reduce import ReduceFn, chunk_bounds
+from hvdrun.runtime.transport.base import Waiter
+
+DEFAULT_DOUBLING_MAX_BYTES = 64 << 10
+DEFAULT_HALVING_MAX_BYTES = 4 << 20
+BROADCAST_TREE_MAX_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class AlgorithmChoice:
+    """Which algorithm crosses hosts (``HVDRUN_ALGORITHM``), and the sizes where ``auto`` switches.
+
+    Args:
+        algorithm: ``auto`` (by size), ``flat`` (one ring through every rank, no hierarchy), or one of
+            ``ring``, ``doubling``, ``halving`` for every size.
+        doubling_max_bytes: ``auto`` uses recursive doubling up to this buffer size.
+        halving_max_bytes: ``auto`` uses Rabenseifner up to this size, the ring above it.
+    """
+
+    algorithm: str = "auto"
+    doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
+    halving_max_bytes: int = DEFAULT_HALVING_MAX_BYTES
+
+    def across_hosts(self, nbytes: int) -> str:
+        """``ring``, ``doubling`` or ``halving`` for an allreduce of ``nbytes``."""
+        if self.algorithm != "auto":
+            return self.algorithm
+        if nbytes <= self.doubling_max_bytes:
+            return "doubling"
+        return "halving" if nbytes <= self.halving_max_bytes else "ring"
+
+
+def grid_of(host_keys: Sequence[str]) -> list[list[int]] | None:
+    """``grid[h][l]``: the rank of local rank l on host h (hosts in order of their first rank); None when the
+    hosts run different numbers of ranks or there is one host (the flat ring serves those jobs)."""
+    hosts: dict[str, list[int]] = {}
+    for rank, key in enumerate(host_keys):
+        hosts.setdefault(key, []).append(rank)
+    grid = list(hosts.values())
+    if len(grid) < 2 or len({len(ranks) for ranks in grid}) != 1:
+        return None
+    return grid
+
+
+def position(grid: list[list[int]], rank: int) -> tuple[int, int]:
+    """(host, local rank) of ``rank`` in ``grid``."""
+    for host, ranks in enumerate(grid):
+        if rank in ranks:
+            return host, ranks.index(rank)
+    raise ValueError(f"rank {rank} is not in the grid")
+
+
+def link_partners(grid: list[list[int]], rank: int) -> set[int]:
+    """Every rank that ``rank`` needs a link to: its host's ring neighbours, its local rank's ring neighbours
+    across hosts, and its recursive-doubling partners there."""
+    host, local = position(grid, rank)
+    hosts, locals_ = len(grid), len(grid[0])
+    found = {grid[host][(local + 1) % locals_], grid[host][(local - 1) % locals_]}
+    found |= {grid[(host + 1) % hosts][local], grid[(host - 1) % hosts][local]}
+    found |= {grid[member][local] for member in partners(host, hosts)}
+    found.discard(rank)
+    return found
+
+
+class Hierarchy:
+    """The two-level collectives of one rank (see the module docstring).
+
+    Args:
+        grid: ``grid[h][l]``, from :func:`grid_of`.
+        rank: this rank.
+        local: the ring of this rank's host (member index = local rank).
+        cross_ring: the ring of this rank's local rank across hosts (member index = host).
+        cross: the pairwise group of the same ranks.
+        choice: the algorithm settings.
+    """
+
+    def __init__(self, grid: list[list[int]], rank: int, local: Ring, cross_ring: Ring, cross: Pairwise,
+                 choice: AlgorithmChoice) -> None:
+        self.grid, self.local, self.cross_ring, self.cross, self.choice = grid, local, cross_ring, cross, choice
+        self.host, self.local_rank = position(grid, rank)
+        self.hosts, self.locals = len(grid), len(grid[0])
+
+    @classmethod
+    def build(cls, grid: list[list[int]], rank: int, links: dict[int, Link], waiter: Waiter,
+              choice: AlgorithmChoice) -> Hierarchy:
+        """The groups of ``rank`` over ``links`` (rank -> link, for every rank of :func:`link_partners`)."""
+        host, local = position(grid, rank)
+        hosts, locals_ = len(grid), len(grid[0])
+        if locals_ > 1:
+            local_ring = Ring(local, locals_, links[grid[host][(local + 1) % locals_]].tx,
+                              links[grid[host][(local - 1) % locals_]].rx, waiter)
+        else:
+            local_ring = Ring(0, 1, None, None, waiter)
+        cross_ring = Ring(host, hosts, links[grid[(host + 1) % hosts][local]].tx,
+                          links[grid[(host - 1) % hosts][local]].rx, waiter)
+        cross = Pairwise(host, hosts, {member: links[grid[member][local]] for member in partners(host, hosts)}, waiter)
+        return cls(grid, rank, local_ring, cross_ring, cross, choice)
+
+    def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
+        """Reduce the contiguous ``array`` in place across every rank."""
+        flat = array.reshape(-1)
+        if not flat.size:
+            return
+        bounds = chunk_bounds(flat.size, self.locals)
+        self.local.reduce_scatter(flat, reduce, bounds, shift=0)  # local rank l owns chunk l + 1
+        start, stop = bounds[(self.local_rank + 1) % self.locals]
+        algorithm = self.choice.across_hosts(flat.nbytes)
+        part = flat[start:stop]
+        if algorithm == "doubling":
+            self.cross.allreduce_doubling(part, reduce)
+        elif algorithm == "halving":
+            self.cross.allreduce_halving(part, reduce)
+        else:
+            self.cross_ring.allreduce(part, reduce)
+        self.local.all_gather_chunks(flat, bounds)
+
+    def reducescatter(self, array: np.ndarray, reduce: ReduceFn, bounds: list[tuple[int, int]]) -> None:
+        """Reduce in place; afterwards this rank's chunk (element ``bounds[rank]``) is reduced over every rank."""
+        flat = array.reshape(-1)
+        self.local.reduce_scatter_blocks(flat, [[bounds[ranks[local]] for ranks in self.grid]
+                                                for local in range(self.locals)], reduce)
+        self.cross_ring.reduce_scatter_blocks(flat, [[bounds[ranks[self.local_rank]]] for ranks in self.grid],
+                                              reduce)
+
+    def allgatherv(self, out: memoryview, sizes: Sequence[int]) -> None:
+        """``out`` holds this rank's block at its offset; fill in every other rank's block (byte sizes)."""
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
+
+        def block(rank: int) -> memoryview:
+            return out[offsets[rank]:offsets[rank + 1]]
+
+        self.cross_ring.allgather_blocks([[block(ranks[self.local_rank])] for ranks in self.grid])
+        self.local.allgather_blocks([[block(ranks[local]) for ranks in self.grid] for local in range(self.locals)])
+
+    def broadcast(self, buffer: memoryview, root: int) -> None:
+        """Copy ``root``'s buffer to every rank: across hosts among the root's local rank, then inside hosts."""
+        if not len(buffer):
+            return
+        root_host, root_local = position(self.grid, root)
+        if self.local_rank == root_local:
+            if len(buffer) <= BROADCAST_TREE_MAX_BYTES:
+                self.cross.broadcast(buffer, root_host)
+            else:
+                self.cross_ring.broadcast(buffer, root_host)
+        self.local.broadcast(buffer, root_local)
+
+    def allgather_messages(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload``, indexed by rank."""
+        bundles = self.cross.allgather_messages(marshal.dumps(self.local.allgather_messages(payload)))
+        messages: list[bytes] = [b""] * (self.hosts * self.locals)
+        for ranks, bundle in zip(self.grid, bundles, strict=True):
+            for rank, message in zip(ranks, marshal.loads(bundle), strict=True):
+                messages[rank] = message
+        return messages
+

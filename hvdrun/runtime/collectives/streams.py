@@ -1,0 +1,178 @@
+"""Byte streams between two ranks: what a transfer sends, the sinks that take what it receives, and the
+progress loop that moves both directions at once.
+
+Every algorithm in this package is a sequence of transfers: send some parts to one peer while a
+sink consumes what another (or the same) peer sends. Transfers are padded to a multiple of 8 bytes
+so elements never straddle a shared-memory ring's end.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from hvdrun.runtime.reduce import ReduceFn, padded
+from hvdrun.runtime.transport.base import RxChannel, TxChannel, Waiter
+
+SEGMENT_BYTES = 1 << 19
+SMALL_MESSAGE_BYTES = 256 << 10
+ZEROS = memoryview(bytes(8))
+_LENGTH = struct.Struct("<Q")
+
+
+class Sink:
+    """Consumes a received transfer of known padded length."""
+
+    def __init__(self, length: int) -> None:
+        self.length, self.total, self.received = length, padded(length), 0
+
+    @property
+    def done(self) -> bool:
+        """True when the whole transfer, padding included, was consumed."""
+        return self.received >= self.total
+
+    def accept(self, view: memoryview) -> int:
+        """Use some of ``view``; return how many bytes were consumed."""
+        if self.received >= self.length:  # padding
+            count = min(len(view), self.total - self.received)
+        else:
+            count = self._take(view[:self.length - self.received])
+        self.received += count
+        return count
+
+    def _take(self, view: memoryview) -> int:
+        raise NotImplementedError
+
+
+class CopySink(Sink):
+    """Copies the payload into ``dst``."""
+
+    def __init__(self, dst: memoryview) -> None:
+        super().__init__(len(dst))
+        self.dst = dst
+
+    def _take(self, view: memoryview) -> int:
+        self.dst[self.received:self.received + len(view)] = view
+        return len(view)
+
+
+class ReduceSink(Sink):
+    """Reduces the payload element-wise into ``dst`` with ``reduce(dst, incoming, out=dst)``."""
+
+    def __init__(self, dst: np.ndarray, reduce: ReduceFn) -> None:
+        super().__init__(dst.nbytes)
+        self.dst, self.reduce, self.itemsize = dst, reduce, dst.itemsize
+
+    def _take(self, view: memoryview) -> int:
+        count = len(view) - len(view) % self.itemsize
+        if count:
+            first = self.received // self.itemsize
+            target = self.dst[first:first + count // self.itemsize]
+            self.reduce(target, np.frombuffer(view[:count], dtype=self.dst.dtype), target)
+        return count
+
+
+class ChainSink(Sink):
+    """Takes one transfer into several sinks in turn (their parts arrive back to back, unpadded)."""
+
+    def __init__(self, sinks: Sequence[Sink]) -> None:
+        super().__init__(sum(sink.length for sink in sinks))
+        self.sinks, self.index = [sink for sink in sinks if sink.length], 0
+
+    def _take(self, view: memoryview) -> int:
+        used = 0
+        while used < len(view) and self.index < len(self.sinks):
+            sink = self.sinks[self.index]
+            count = sink._take(view[used:used + sink.length - sink.received])
+            if not count:
+                break  # a partial element: wait for the rest of it
+            sink.received += count
+            used += count
+            if sink.received == sink.length:
+                self.index += 1
+        return used
+
+
+class MessageSink(Sink):
+    """Receives ``length (8 bytes) + payload`` whose size is learnt from the header."""
+
+    def __init__(self) -> None:
+        super().__init__(_LENGTH.size)
+        self.payload: bytearray | None = None
+
+    def _take(self, view: memoryview) -> int:
+        if self.payload is None:
+            if len(view) < _LENGTH.size:
+                return 0
+            (size,) = _LENGTH.unpack(view[:_LENGTH.size])
+            self.payload = bytearray(size)
+            self.length, self.total = _LENGTH.size + size, padded(_LENGTH.size + size)
+            return _LENGTH.size
+        offset = self.received - _LENGTH.size
+        self.payload[offset:offset + len(view)] = view
+        return len(view)
+
+
+def message_parts(payload: bytes | memoryview) -> list[memoryview]:
+    """The parts that send ``payload`` as a message: its length, then the payload (small ones as one part)."""
+    header = _LENGTH.pack(len(payload))
+    if len(payload) <= SEGMENT_BYTES // 8:
+        return [memoryview(header + bytes(payload))]
+    return [memoryview(header), memoryview(payload)]
+
+
+def move(tx: TxChannel, rx: RxChannel, waiter: Waiter, parts: Sequence[memoryview], sink: Sink | None) -> None:
+    """Send ``parts`` (padded to 8 bytes) on ``tx`` while ``sink`` takes what arrives on ``rx``; one loop drives
+    both directions in segments, so the receive of one segment overlaps the send of the next."""
+    pad = padded(sum(len(p) for p in parts)) - sum(len(p) for p in parts)
+    queue = [p for p in parts if len(p)] + ([ZEROS[:pad]] if pad else [])
+    index, offset = 0, 0
+    while index < len(queue) or (sink is not None and not sink.done):
+        moved = False
+        if index < len(queue):
+            part = queue[index]
+            sent = tx.send_some(part[offset:offset + SEGMENT_BYTES])
+            if sent:
+                moved, offset = True, offset + sent
+                if offset == len(part):
+                    index, offset = index + 1, 0
+        if sink is not None and not sink.done:
+            view = rx.peek(SEGMENT_BYTES)
+            if len(view):
+                used = sink.accept(view)
+                if used:
+                    rx.consume(used)
+                    moved = True
+        if moved:
+            waiter.progressed()
+        else:  # wait only on the directions still in use
+            sending, receiving = index < len(queue), sink is not None and not sink.done
+            waiter.idle((tx, rx) if sending and receiving else (tx,) if sending else (rx,))
+
+
+def swap_small(tx: TxChannel, rx: RxChannel, waiter: Waiter, payload: bytes) -> bytes:
+    """Send a small message on ``tx`` and receive one from ``rx``: a lean loop for the latency-bound case."""
+    header = _LENGTH.pack(len(payload))
+    outgoing = memoryview(header + payload + bytes(padded(len(payload) + 8) - len(payload) - 8))
+    received = bytearray()
+    total = -1
+    while outgoing or len(received) != total:
+        moved = False
+        if outgoing and (sent := tx.send_some(outgoing)):
+            outgoing, moved = outgoing[sent:], True
+        if len(received) != total:
+            view = rx.peek(total - len(received) if total >= 0 else 8)
+            if len(view):
+                received += view
+                rx.consume(len(view))
+                moved = True
+                if total < 0 and len(received) >= 8:
+                    total = padded(_LENGTH.unpack_from(received)[0] + 8)
+        if moved:
+            waiter.progressed()
+        else:
+            waiter.idle((tx, rx) if outgoing else (rx,))
+    (length,) = _LENGTH.unpack_from(received)
+    return bytes(received[8:8 + length])
