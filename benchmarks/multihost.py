@@ -41,8 +41,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -92,10 +94,7 @@ def start_hosts(directory: Path, count: int) -> dict:
 def stop_hosts(directory: Path) -> None:
     subprocess.run(["bash", str(FIXTURE), "stop", "-d", str(directory), "--purge"], env={**os.environ, **FIXTURE_ENV},
                    capture_output=True)
-    try:
-        directory.rmdir()
-    except OSError:
-        pass
+    shutil.rmtree(directory, ignore_errors=True)  # --purge leaves the fixture's .lock
 
 
 def hvdrun(args: list[str], env: dict[str, str] | None = None, timeout: float = 900) -> str:
@@ -229,7 +228,8 @@ def sweep_report(rows: list[dict], kinds: list[str]) -> str:
         for hosts, per_host in pairs:
             for nbytes in sorted({b for h, r, b in points if (h, r) == (hosts, per_host)}):
                 cells = [str(hosts), f"{per_host} vs 1", human_bytes(nbytes)]
-                cells += [ratio(index.get((k, hosts, per_host, nbytes)), index.get((k, hosts, 1, nbytes))) for k in kinds]
+                cells += [ratio(index.get((k, hosts, per_host, nbytes)), index.get((k, hosts, 1, nbytes)))
+                          for k in kinds]
                 lines.append("| " + " | ".join(cells) + " |")
 
     host_counts = sorted({h for h, _, _ in points})
@@ -247,8 +247,6 @@ def sweep_report(rows: list[dict], kinds: list[str]) -> str:
 
 
 def _log2_ratio(few: int, many: int) -> str:
-    import math
-
     return f"{math.log2(many) / math.log2(few):.1f}x" if few > 1 else "-"
 
 
@@ -326,8 +324,8 @@ def machine() -> dict:
             "commit": commit.stdout.strip() + (" (hvdrun/ modified)" if dirty.stdout.strip() else ""),
             # whether this runtime reads HVDRUN_ALGORITHM at all (envvars.py spells every variable it reads)
             "hvdrun_reads_algorithm": '"HVDRUN_ALGORITHM"' in envvars_text,
-            "crossovers": {name: os.environ[name] for name in ("HVDRUN_DOUBLING_MAX_BYTES", "HVDRUN_HALVING_MAX_BYTES")
-                           if name in os.environ}}
+            # crossovers, eager size and the like, when set here (the jobs inherit them)
+            "hvdrun_env": {name: value for name, value in os.environ.items() if name.startswith("HVDRUN_")}}
 
 
 def other_heavy_jobs() -> list[str]:
@@ -365,7 +363,7 @@ def main() -> None:
     parser.add_argument("--ranks-per-host", type=csv_ints, default=[1, 2], help="ranks on each host (default 1,2)")
     parser.add_argument("--sizes", type=csv_sizes, default=csv_sizes("4K,64K,16M"), help="default 4K,64K,16M")
     parser.add_argument("--algorithms", type=csv_algorithms, default=["auto", "flat"],
-                        help=f"hvdrun jobs, one per HVDRUN_ALGORITHM value ({', '.join(ALGORITHMS)}); default auto,flat")
+                        help=f"hvdrun jobs, one per HVDRUN_ALGORITHM ({', '.join(ALGORITHMS)}); default auto,flat")
     parser.add_argument("--no-mpi", action="store_true", help="leave out the MPI jobs")
     parser.add_argument("--ucx-tls", default="tcp,self", help="UCX_TLS of the MPI jobs (default tcp,self)")
     parser.add_argument("--rounds", "--repeats", type=int, default=3, help="jobs per kind, alternating; medians")

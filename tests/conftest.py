@@ -72,8 +72,9 @@ def run_hvdrun(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
 def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
     """Start ranks of one job directly (hvdrun's env contract, no supervising launcher).
 
-    Returns ``start(script, size, ranks=None, env=None) -> {rank: Popen}``; afterwards every
-    process is killed and the test fails if any was left running.
+    Returns ``start(script, size, ranks=None, env=None, hosts=None) -> {rank: Popen}``; afterwards every
+    process is killed and the test fails if any was left running. ``hosts``: ``[(name, slots), ...]`` gives ranks
+    host names of their own (``HVDRUN_HOSTNAME``), so the runtime sees several hosts and connects them by TCP.
     """
     from hvdrun.envvars import Rendezvous, worker_env
     from hvdrun.hosts import Host
@@ -84,10 +85,11 @@ def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
     job_ids: set[str] = set()
 
     def start(script: str, size: int, ranks: list[int] | None = None, env: dict[str, str] | None = None,
-              args: tuple[str, ...] = (), rendezvous: Rendezvous | None = None) -> dict[int, subprocess.Popen[str]]:
+              args: tuple[str, ...] = (), rendezvous: Rendezvous | None = None,
+              hosts: list[tuple[str, int]] | None = None) -> dict[int, subprocess.Popen[str]]:
         rendezvous = rendezvous or Rendezvous("127.0.0.1", *free_ports(2), uuid.uuid4().hex, "t" + token[:6])
         procs = {}
-        for slot in assign_slots([Host("localhost", size)], size):
+        for slot in assign_slots([Host(name, slots) for name, slots in hosts or [("localhost", size)]], size):
             if ranks is not None and slot.rank not in ranks:
                 continue
             full_env = {**hvdrun_env, **worker_env(slot, rendezvous), "OMP_NUM_THREADS": "1", **(env or {})}

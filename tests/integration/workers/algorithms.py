@@ -10,6 +10,7 @@ import numpy as np
 from hvdrun.runtime import context
 from hvdrun.runtime.collectives.hierarchical import BROADCAST_TREE_MAX_BYTES
 from hvdrun.runtime.negotiation import Request
+from hvdrun.runtime.transport.tcp import TcpTx
 
 runtime = context.init()
 size, rank = runtime.world.size, runtime.world.rank
@@ -53,11 +54,22 @@ with runtime.engine.paused() as backend:
             checked += 1
     messages = backend.allgather_messages(f"rank {rank}".encode() * (rank + 1))
     assert messages == [f"rank {r}".encode() * (r + 1) for r in range(size)]
+    # only what must cross: with the ring across hosts each rank sends 2 (H - 1) / H of its 1/L share over TCP
+    hosts, local_size = runtime.world.cross_size, runtime.world.local_size
+    hierarchy.choice = dataclasses.replace(hierarchy.choice, algorithm="ring")
+    array = np.ones(1024 * hosts * local_size, np.int64)
+    tcp = [link.tx for link in backend._links if isinstance(link.tx, TcpTx)]
+    before = sum(tx.bytes_sent for tx in tcp)
+    backend.allreduce(array, np.add)
+    crossed = sum(tx.bytes_sent for tx in tcp) - before
+    assert np.all(array == size)
+    assert crossed == 2 * (hosts - 1) * array.nbytes // (hosts * local_size), (crossed, array.nbytes)
 # through the engine: negotiation, the eager path and fused allreduces
 for elements in (10, 100_000):
     handles = [runtime.engine.submit(Request(f"sum.{elements}.{i}", "allreduce", "int64", (elements,)),
                                      np.full(elements, rank + i, np.int64)) for i in range(3)]
     for i, handle in enumerate(handles):
         assert np.all(handle.wait() == sum(r + i for r in range(size)))
-print(f"rank {rank}: {checked} checks ok on {runtime.world.cross_size} hosts x {runtime.world.local_size}", flush=True)
+print(f"rank {rank}: {checked} checks ok on {hosts} hosts x {local_size}; {crossed} of {array.nbytes} bytes "
+      "crossed hosts", flush=True)
 context.shutdown()

@@ -1,0 +1,55 @@
+"""Collectives across hosts: every algorithm exact on even and odd host counts, the hierarchy's choice of
+algorithm, and what crosses between hosts.
+
+Ranks given host names of their own (``spawn_ranks(hosts=...)``) are separate hosts to the runtime: shared
+memory among a host's ranks, authenticated TCP between hosts, as on a cluster; the SSH test runs the same
+worker on real namespace hosts.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+WORKER = str(Path(__file__).parent / "workers" / "algorithms.py")
+
+
+def _finish(procs) -> dict[int, str]:
+    outputs = {}
+    for rank, proc in procs.items():
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"rank {rank}:\n{err[-3000:]}"
+        outputs[rank] = out
+    return outputs
+
+
+@pytest.mark.parametrize(("hosts", "per_host"), [(16, 2), (5, 3), (7, 1)], ids=["16x2", "5x3", "7x1"])
+def test_every_algorithm_is_exact_on_many_hosts(spawn_ranks, hosts, per_host):
+    size = hosts * per_host
+    outputs = _finish(spawn_ranks(WORKER, size, hosts=[(f"node{h}", per_host) for h in range(hosts)]))
+    for rank, out in outputs.items():
+        found = re.search(rf"rank {rank}: \d+ checks ok on {hosts} hosts x {per_host}; (\d+) of (\d+) bytes", out)
+        assert found, out
+        crossed, total = map(int, found.groups())
+        assert crossed == 2 * (hosts - 1) * total // (hosts * per_host)
+
+
+def test_every_algorithm_is_exact_on_three_real_hosts(run_hvdrun, ssh_hosts):
+    done = run_hvdrun("-H", ssh_hosts.hosts(2, count=3), *ssh_hosts.args(), WORKER, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(re.findall(r"checks ok on 3 hosts x 2", done.stdout)) == 6, done.stdout[-2000:]
+
+
+def test_flat_keeps_one_ring_and_a_bad_algorithm_is_a_usage_error(spawn_ranks, run_hvdrun):
+    procs = spawn_ranks(WORKER, 4, hosts=[("a", 2), ("b", 2)], env={"HVDRUN_ALGORITHM": "flat"})
+    for proc in procs.values():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and "did not get the hierarchical collectives" in err
+    bad = run_hvdrun("-np", "2", "-x", "HVDRUN_ALGORITHM=fastest", WORKER)
+    assert bad.returncode == 2
+    assert "HVDRUN_ALGORITHM='fastest'; expected one of auto, flat, ring, doubling, halving" in bad.stderr
+    assert "Traceback" not in bad.stderr
