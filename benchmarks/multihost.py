@@ -97,16 +97,20 @@ def stop_hosts(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)  # --purge leaves the fixture's .lock
 
 
+class JobFailed(RuntimeError):
+    """One hvdrun job exited non-zero or ran too long."""
+
+
 def hvdrun(args: list[str], env: dict[str, str] | None = None, timeout: float = 900) -> str:
-    """Run one hvdrun job; its stdout, or SystemExit with the end of its stderr."""
+    """Run one hvdrun job; its stdout, or :class:`JobFailed` with the end of its stderr."""
     command = [sys.executable, "-m", "hvdrun", "--no-prefix", *args]
     try:
         done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout,
                               env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     except subprocess.TimeoutExpired as e:
-        raise SystemExit(f"{' '.join(command)} ran past {timeout:.0f} s") from e
+        raise JobFailed(f"{' '.join(command)} ran past {timeout:.0f} s") from e
     if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        raise JobFailed(f"{' '.join(command)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return done.stdout
 
 
@@ -125,12 +129,13 @@ def host_list(info: dict, hosts: int, per_host: int) -> str:
 
 
 def job_command(kind: str, info: dict, hosts: int, per_host: int, sizes: str,
-                ucx_tls: str) -> tuple[list[str], dict[str, str]]:
+                mpi_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """hvdrun's arguments and the extra environment of one sweep job."""
     where = ["-H", host_list(info, hosts, per_host), *ssh_args(info), "--start-timeout", str(START_TIMEOUT_S)]
-    if kind == MPI:  # hydra over ssh; -x puts the variable on mpiexec's -genv as well as in its environment
-        return (["--launcher", "mpiexec", *where, "-x", f"UCX_TLS={ucx_tls}", str(ALLREDUCE), "--worker", "mpi",
-                 "--sizes", sizes], {"UCX_TLS": ucx_tls})
+    if kind == MPI:  # hydra over ssh; -x puts each variable on mpiexec's -genv as well as in its environment
+        forward = [word for name, value in mpi_env.items() for word in ("-x", f"{name}={value}")]
+        return (["--launcher", "mpiexec", *where, *forward, str(ALLREDUCE), "--worker", "mpi", "--sizes", sizes],
+                dict(mpi_env))
     algorithm = kind.split()[1]
     return ([*where, "--network-interface", "eth0", "-x", f"HVDRUN_ALGORITHM={algorithm}", str(ALLREDUCE),
              "--worker", "hvdrun", "--sizes", sizes], {"HVDRUN_ALGORITHM": algorithm})
@@ -151,11 +156,11 @@ def sweep(info: dict, args: argparse.Namespace, kinds: list[str], save) -> tuple
                 done += 1
                 label = f"{kind}, {hosts} hosts x {per_host}, round {round_index + 1} of {args.rounds}"
                 print(f"[{done}/{total}] {label}...", file=sys.stderr, end=" ", flush=True)
-                command, env = job_command(kind, info, hosts, per_host, sizes, args.ucx_tls)
+                command, env = job_command(kind, info, hosts, per_host, sizes, args.mpi_env)
                 start = time.monotonic()
                 try:
                     rows = results(hvdrun(command, env, args.job_timeout))
-                except SystemExit as e:
+                except JobFailed as e:
                     print("FAILED", file=sys.stderr, flush=True)
                     failures.append({"kind": kind, "hosts": hosts, "ranks_per_host": per_host,
                                      "round": round_index, "error": str(e)[-2000:]})
@@ -222,8 +227,8 @@ def sweep_report(rows: list[dict], kinds: list[str]) -> str:
 
     pairs = sorted({(h, r) for h, r, _ in points if r > 1 and (h, 1) in {(p[0], p[1]) for p in points}})
     if pairs:
-        lines += ["", "H hosts x R ranks against H hosts x 1 (time ratio; ideal for the hierarchy: near 1 for small "
-                  "sizes, the extra local ranks being nearly free):", "",
+        lines += ["", f"H hosts x R ranks against H hosts x 1 (time ratio; where H x R exceeds this machine's "
+                  f"{os.cpu_count()} cores, the ranks share them):", "",
                   "| hosts | ranks per host | size | " + " | ".join(kinds) + " |", "|" + "---|" * (3 + len(kinds))]
         for hosts, per_host in pairs:
             for nbytes in sorted({b for h, r, b in points if (h, r) == (hosts, per_host)}):
@@ -238,11 +243,14 @@ def sweep_report(rows: list[dict], kinds: list[str]) -> str:
         smallest = min(b for _, _, b in points)
         lines += ["", f"{human_bytes(smallest)}: time on {many} hosts over time on {few} (flat ring: grows with "
                   f"the ranks; recursive doubling: with log2 of the hosts, {_log2_ratio(few, many)} here):", "",
-                  f"| ranks per host | kind | {few} hosts | {many} hosts | growth |", "|---|---|---|---|---|"]
+                  f"| ranks per host | kind | {few} hosts | {many} hosts | growth | ranks per core |",
+                  "|---|---|---|---|---|---|"]
+        cores = os.cpu_count() or 1
         for per_host in sorted({r for _, r, _ in points}):
+            per_core = f"{few * per_host / cores:g} -> {many * per_host / cores:g}"
             for kind in kinds:
                 a, b = index.get((kind, few, per_host, smallest)), index.get((kind, many, per_host, smallest))
-                lines.append(f"| {per_host} | {kind} | {fmt_time(a)} | {fmt_time(b)} | {ratio(b, a)} |")
+                lines.append(f"| {per_host} | {kind} | {fmt_time(a)} | {fmt_time(b)} | {ratio(b, a)} | {per_core} |")
     return "\n".join(lines)
 
 
@@ -366,6 +374,8 @@ def main() -> None:
                         help=f"hvdrun jobs, one per HVDRUN_ALGORITHM ({', '.join(ALGORITHMS)}); default auto,flat")
     parser.add_argument("--no-mpi", action="store_true", help="leave out the MPI jobs")
     parser.add_argument("--ucx-tls", default="tcp,self", help="UCX_TLS of the MPI jobs (default tcp,self)")
+    parser.add_argument("--mpi-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="more environment for the MPI jobs, e.g. MPIR_CVAR_POLLS_BEFORE_YIELD=10 (repeatable)")
     parser.add_argument("--rounds", "--repeats", type=int, default=3, help="jobs per kind, alternating; medians")
     parser.add_argument("--no-sweep", action="store_true", help="skip the sweep (with --loopback / --startup)")
     parser.add_argument("--loopback", action="store_true",
@@ -385,12 +395,16 @@ def main() -> None:
     if args.no_sweep and not (args.loopback or args.startup):
         raise SystemExit("--no-sweep leaves nothing to run: add --loopback and/or --startup")
     kinds = [f"hvdrun {a}" for a in args.algorithms] + ([] if args.no_mpi else [MPI])
+    bad = [item for item in args.mpi_env if "=" not in item or not item.partition("=")[0].isidentifier()]
+    if bad:
+        raise SystemExit(f"--mpi-env: expected NAME=VALUE, got {', '.join(bad)}")
+    args.mpi_env = {"UCX_TLS": args.ucx_tls, **dict(item.partition("=")[::2] for item in args.mpi_env)}
     busy = other_heavy_jobs()
     if busy:
         print("warning: other test or benchmark processes are running; the numbers will be noisy:\n  "
               + "\n  ".join(busy), file=sys.stderr)
     meta = {**machine(), "hosts": args.hosts, "ranks_per_host": args.ranks_per_host, "sizes": args.sizes,
-            "rounds": args.rounds, "kinds": kinds, "ucx_tls": args.ucx_tls}
+            "rounds": args.rounds, "kinds": kinds, "mpi_env": args.mpi_env}
     output: dict = {"meta": meta}
 
     def save(runs: list[dict], failures: list[dict]) -> None:
@@ -418,6 +432,8 @@ def main() -> None:
         if args.startup:
             output["startup"] = startup_rows(info, args.rounds)
             reports.append(startup_report(output["startup"]))
+    except JobFailed as e:
+        raise SystemExit(str(e)) from e
     finally:
         stop_hosts(directory)
         if args.json and len(output) > 1:

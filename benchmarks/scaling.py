@@ -163,8 +163,8 @@ def cross_hosts(algorithm: str, hosts: int, nbytes: float, python: bool = True) 
 def hvdrun_cost(algorithm: str, hosts: int, per_host: int, nbytes: float, setting: Setting) -> tuple[Cost, str]:
     """(cost, path) of one hvdrun allreduce: negotiation + algorithm, or the eager all-gather.
 
-    ``algorithm``: flat, ring, doubling, halving; ``auto`` (the runtime's crossovers, what a measured job ran);
-    ``best`` (the cheapest path under default parameters is picked by :func:`best_hvdrun`, not here).
+    ``algorithm``: flat, ring, doubling or halving, or ``auto`` for the runtime's own crossovers (what a measured
+    job ran); :func:`best_hvdrun` picks the cheapest path instead. Sizes up to ``setting.eager_bytes`` go eager.
     """
     ranks = hosts * per_host
     if ranks == 1:
@@ -295,6 +295,12 @@ def load_points(paths: list[str]) -> tuple[list[Point], bool, dict]:
     return points, reads, env
 
 
+def fitted(point: Point) -> bool:
+    """Whether a point takes part in the fit: not MPI with more ranks than cores (MPICH's ranks poll, and
+    polling ranks that share a core take each other's time slices, which no per-step cost describes)."""
+    return not (point.kind == "MPI" and point.hosts * point.per_host > point.cores)
+
+
 def fit(points: list[Point], names: tuple[str, ...], start: dict[str, float], setting: Setting,
         reads_algorithm: bool, prior: float = 0.0) -> dict[str, float]:
     """Non-negative least squares on relative errors over the parameters ``names``; the others stay at ``start``.
@@ -305,6 +311,7 @@ def fit(points: list[Point], names: tuple[str, ...], start: dict[str, float], se
     """
     import numpy as np
 
+    points = [p for p in points if fitted(p)]
     costs = [point_cost(p, setting, reads_algorithm)[0] for p in points]
     names = tuple(n for n in names if any(c.get(n, 0.0) for c in costs))
     if not names:
@@ -379,16 +386,21 @@ def prediction_table(params: dict[str, float], setting: Setting, hosts: list[int
 def check_table(points: list[Point], params: dict[str, float], setting: Setting, reads_algorithm: bool) -> str:
     lines = ["| kind | hosts x ranks | size | measured | model | model / measured - 1 | model's path |",
              "|---|---|---|---|---|---|---|"]
-    errors = []
+    errors: list[float] = []
     for p in sorted(points, key=lambda p: (p.kind, p.hosts, p.per_host, p.nbytes)):
         cost, path = point_cost(p, setting, reads_algorithm)
         model = cost.seconds(params)
-        errors.append(model / p.seconds - 1)
+        error = model / p.seconds - 1
+        if fitted(p):
+            errors.append(error)
+        else:
+            path += " (not fitted: MPI, more ranks than cores)"
         lines.append(f"| {p.kind} | {p.hosts} x {p.per_host} | {human(p.nbytes)} | {fmt_time(p.seconds)} | "
-                     f"{fmt_time(model)} | {errors[-1]:+.0%} | {path} |")
-    lines.append(f"\nMedian |error| {statistics.median(abs(e) for e in errors):.0%}, largest "
-                 f"{max(abs(e) for e in errors):.0%}, over {len(errors)} points (model times include the "
-                 f"oversubscription factor max(1, N / cores)).")
+                     f"{fmt_time(model)} | {error:+.0%} | {path} |")
+    if errors:
+        lines.append(f"\nMedian |error| {statistics.median(abs(e) for e in errors):.0%}, largest "
+                     f"{max(abs(e) for e in errors):.0%}, over the {len(errors)} fitted points (model times include "
+                     "the oversubscription factor max(1, N / cores)).")
     if not reads_algorithm:
         lines.append("The measured runtime did not read HVDRUN_ALGORITHM: every hvdrun job ran the flat ring, and is "
                      "modelled so.")
@@ -498,7 +510,7 @@ def main() -> None:
             ("halving_max_bytes", "HVDRUN_HALVING_MAX_BYTES")) if name in env})
         source = f"fitted to {', '.join(args.fit)}"
     else:
-        points, reads, source = list(ISSUE_POINTS), False, "fitted to the issue's measured figures (defaults)"
+        points, reads, source = list(ISSUE_POINTS), False, "defaults, fitted to the issue's measured figures"
     if args.eager_bytes is not None:
         setting = replace(setting, eager_bytes=args.eager_bytes)
     if args.cores:

@@ -296,6 +296,7 @@ FUSION_THRESHOLD = ("HVDRUN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD")
 STALL_WARNING_S = ("HVDRUN_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS")
 STALL_ERROR_S = ("HVDRUN_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
 EAGER_BYTES = ("HVDRUN_EAGER_BYTES",)
+CACHE_CAPACITY = ("HVDRUN_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY")
 # across hosts: auto | flat | ring | doubling | halving (runtime/collectives/hierarchical.py), and the crossovers
 ALGORITHM = ("HVDRUN_ALGORITHM",)
 ALGORITHMS = ("auto", "flat", "ring", "doubling", "halving")
@@ -435,7 +436,7 @@ def check_tuning(environ: Mapping[str, str]) -> None:
         UsageError: a variable's value is not a finite, non-negative number.
     """
     for names in ((START_TIMEOUT,), FUSION_THRESHOLD, STALL_WARNING_S, STALL_ERROR_S, EAGER_BYTES, CYCLE_TIME_MS,
-                  DOUBLING_MAX_BYTES, HALVING_MAX_BYTES):
+                  DOUBLING_MAX_BYTES, HALVING_MAX_BYTES, CACHE_CAPACITY):
         env_number(environ, names, 0.0)
     algorithm = env_text(environ, ALGORITHM)
     if algorithm is not None and algorithm not in ALGORITHMS:

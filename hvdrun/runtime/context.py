@@ -24,6 +24,7 @@ from hvdrun.runtime.device import DeviceCollectives, device_backend_name
 from hvdrun.runtime.engine import Engine
 from hvdrun.runtime.forensics import format_reports, rank_report
 from hvdrun.runtime.membership import Assignment, is_elastic, join_round
+from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY
 from hvdrun.runtime.rendezvous import Rendezvous
 from hvdrun.runtime.timeline import Timeline
 from hvdrun.runtime.transport.base import AbortFlag
@@ -146,6 +147,7 @@ def _engine_settings(environ: Mapping[str, str]) -> dict[str, Any]:
         "stall_error_s": 0.0 if no_stall_check else envvars.env_number(environ, envvars.STALL_ERROR_S, 300.0),
         "cycle_time_s": envvars.env_number(environ, envvars.CYCLE_TIME_MS, 1.0) / 1000,
         "eager_bytes": int(envvars.env_number(environ, envvars.EAGER_BYTES, DEFAULT_EAGER_BYTES)),
+        "cache_capacity": int(envvars.env_number(environ, envvars.CACHE_CAPACITY, DEFAULT_CACHE_CAPACITY)),
     }
 
 

@@ -21,7 +21,7 @@ from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.executors import EXECUTORS, reduce_contributions, stand_in
 from hvdrun.runtime.handles import LocalOp
-from hvdrun.runtime.negotiation import Entry, Request, Table, plan
+from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY, Entry, Request, ResponseCache, Table, plan
 from hvdrun.runtime.timeline import Timeline
 
 
@@ -62,16 +62,18 @@ class Cycle:
     """
 
     def __init__(self, backend: Backend, ledger: Ledger, fusion_threshold: int,
-                 device: DeviceCollectives | None = None) -> None:
+                 device: DeviceCollectives | None = None, cache_capacity: int = DEFAULT_CACHE_CAPACITY) -> None:
         self.backend, self.world, self.device, self.ledger = backend, backend.world, device, ledger
         self.fusion_threshold = fusion_threshold
         self.table = Table(self.world.size)
+        self.cache = ResponseCache(cache_capacity)
         self.timeline: Timeline | None = None
         self._fusion: dict[str, np.ndarray] = {}
 
     def run(self, new: list[LocalOp], waiting: list[str]) -> None:
         """One round: every rank's new requests and the names it is blocked on, then whatever became ready."""
-        announcement = ([(op.request.wire(), op.payload) for op in new], waiting)
+        cache = self.cache
+        announcement = ([(cache.encode(op.request.wire()), op.payload) for op in new], waiting)
         decoded = [marshal.loads(m) for m in self.backend.allgather_messages(marshal.dumps(announcement))]
         if self.timeline is not None:
             self.timeline.cycle()
@@ -79,10 +81,12 @@ class Cycle:
             return
         for rank, (items, _) in enumerate(decoded):
             for values, payload in items:
-                self.table.add(rank, Request.from_wire(values), payload)
+                self.table.add(rank, Request.from_wire(cache.decode(values)), payload)
         for entry, error in verdicts.departed(self.table):
             self.ledger.finish_local(entry.name, error)
-        for batch in plan(self.table.pop_ready(), self.fusion_threshold):
+        ready = self.table.pop_ready()
+        cache.remember(ready)
+        for batch in plan(ready, self.fusion_threshold):
             self._execute(batch)
         blocked = {rank: names for rank, (_, names) in enumerate(decoded) if names}
         if blocked:
@@ -108,10 +112,11 @@ class Cycle:
         """
         if self.table.entries or len(new) != 1 or new[0].payload is None:
             return False
-        mine = new[0].request.wire()
+        mine = self.cache.encode(new[0].request.wire())
         if any(len(items) != 1 or items[0][0] != mine or items[0][1] is None for items, _ in decoded):
             return False
         op, timeline = new[0], self.timeline
+        self.cache.remember_wire(op.request.wire())
         self.ledger.take_inflight([op.request.name])
         if timeline is not None:
             timeline.execute_start(op.request.name, "allreduce")

@@ -36,7 +36,7 @@ from hvdrun.runtime.cycle import Cycle
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.forensics import FlightRecorder
 from hvdrun.runtime.handles import Handle, LocalOp
-from hvdrun.runtime.negotiation import JOIN, Request, Table
+from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY, JOIN, Request, Table
 from hvdrun.runtime.submissions import Submissions
 from hvdrun.runtime.timeline import Timeline
 from hvdrun.runtime.verdicts import SHUTDOWN, StallWatch
@@ -66,6 +66,7 @@ class Engine:
         cycle_time_s: cycle period for backends that cannot wake an idle peer.
         eager_bytes: allreduces up to this size travel inside the negotiation message.
         device: executes ops on device tensors (None: no device path).
+        cache_capacity: requests the negotiation remembers and sends as numbers (0: none).
 
     ``recorder`` keeps this rank's recent collectives; ``on_stall`` (set by the runtime on rank 0) is called
     with the stall check's text when it warns (``fatal`` False) and a second before it fails every rank (True).
@@ -73,7 +74,8 @@ class Engine:
 
     def __init__(self, backend: Backend, fusion_threshold: int, stall_warning_s: float, stall_error_s: float,
                  report_failure: Callable[[str], None], cycle_time_s: float = 0.001,
-                 eager_bytes: int = 0, device: DeviceCollectives | None = None) -> None:
+                 eager_bytes: int = 0, device: DeviceCollectives | None = None,
+                 cache_capacity: int = DEFAULT_CACHE_CAPACITY) -> None:
         self.backend, self.world, self.lane = backend, backend.world, backend.lane
         self.cycles = 0  # negotiation cycles run on this rank (the fast lane watches it for engine traffic)
         if self.lane is not None:
@@ -85,7 +87,7 @@ class Engine:
         self._report_failure = report_failure
         self.ledger = Submissions(self, self.world.size, eager_bytes)
         self._lock = self.ledger.lock
-        self._cycle = Cycle(backend, self.ledger, fusion_threshold, device)
+        self._cycle = Cycle(backend, self.ledger, fusion_threshold, device, cache_capacity)
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._idle_fds = [self._wake_read] + ([self.lane.bell_fd] if self.lane and self.world.rank == 0 else [])

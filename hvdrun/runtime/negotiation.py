@@ -24,6 +24,7 @@ from hvdrun.runtime.reduce import OP_NAMES, SUM
 GLOBAL_SET = 0
 _DEVICE_ITEMSIZES = {"bfloat16": 2}  # device tensors' dtypes that numpy lacks
 JOIN = "__join__"  # the name of hvd.join()'s request
+DEFAULT_CACHE_CAPACITY = 1024  # Horovod's default HOROVOD_CACHE_CAPACITY
 
 
 class Request(NamedTuple):
@@ -135,6 +136,51 @@ def validate(entry: Entry, size: int) -> str | None:
     if kind == "broadcast" and entry.first.root not in entry.members:
         return f"broadcast '{entry.name}': root rank {entry.first.root} is not one of the ranks {list(entry.members)}"
     return None
+
+
+class ResponseCache:
+    """Requests agreed before, numbered alike on every rank (Horovod's response cache): a repeated request
+    travels in the negotiation as its number, a few bytes instead of its whole description.
+
+    Every rank remembers the same requests at the same point of the same cycle (those of entries that became
+    ready without an error), so the numbers agree without a message; the oldest is forgotten first.
+
+    Args:
+        capacity: requests remembered (0: none, every request travels whole).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._numbers: dict[tuple, int] = {}
+        self._wires: dict[int, tuple] = {}
+        self._next = 0
+
+    def encode(self, wire: tuple) -> tuple | int:
+        """What travels for ``wire``: its number when remembered."""
+        return self._numbers.get(wire, wire)
+
+    def decode(self, value: tuple | int) -> tuple:
+        """The request a received value stands for."""
+        return self._wires[value] if isinstance(value, int) else value
+
+    def remember(self, entries: list[Entry]) -> None:
+        """Number the requests of ``entries`` (ready, in the order every rank saw them) not numbered yet."""
+        if not self.capacity:
+            return
+        for entry in entries:
+            if entry.error:
+                continue
+            for request in entry.requests.values():
+                self.remember_wire(request.wire())
+
+    def remember_wire(self, wire: tuple) -> None:
+        """Number one request every rank agreed on now (the eager fast path's)."""
+        if wire in self._numbers or not self.capacity:
+            return
+        if len(self._wires) >= self.capacity:
+            del self._numbers[self._wires.pop(next(iter(self._wires)))]
+        self._numbers[wire], self._wires[self._next] = self._next, wire
+        self._next += 1
 
 
 class Table:
