@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hvdrun.measure.timing import human_bytes, parse_size
@@ -141,7 +142,8 @@ def job_command(kind: str, info: dict, hosts: int, per_host: int, sizes: str,
              "--worker", "hvdrun", "--sizes", sizes], {"HVDRUN_ALGORITHM": algorithm})
 
 
-def sweep(info: dict, args: argparse.Namespace, kinds: list[str], save) -> tuple[list[dict], list[dict]]:  # noqa: ANN001
+def sweep(info: dict, args: argparse.Namespace, kinds: list[str],
+          save: Callable[[list[dict], list[dict]], None]) -> tuple[list[dict], list[dict]]:
     """Every (round, configuration, kind) job; returns (one row per job and size, failed jobs)."""
     sizes = ",".join(str(s) for s in args.sizes)
     configs = [(h, r) for h in args.hosts for r in args.ranks_per_host]

@@ -22,6 +22,7 @@ from hvdrun.runtime.negotiation import Request
 from hvdrun.runtime.reduce import scale
 
 _NO_DATA = np.empty(0, np.uint8)
+EAGER_JOB_BYTES = 256 << 10  # eager ops at most this much data from all ranks together (32 KiB each up to 8)
 
 
 class Submissions:
@@ -30,11 +31,14 @@ class Submissions:
     Args:
         engine: what the handles drive while a caller waits on them.
         world_size: ranks in the job (a job of one rank sends no data eagerly).
-        eager_bytes: allreduces up to this size travel inside the negotiation message.
+        eager_bytes: allreduces up to this size travel inside the negotiation message (at most
+            ``EAGER_JOB_BYTES`` / ``world_size``).
     """
 
     def __init__(self, engine: EngineLike, world_size: int, eager_bytes: int) -> None:
-        self.engine, self.world_size, self.eager_bytes = engine, world_size, eager_bytes
+        # every rank receives every rank's eager data: the job's total, not each op's, is what must stay small
+        self.engine, self.world_size = engine, world_size
+        self.eager_bytes = min(eager_bytes, EAGER_JOB_BYTES // max(world_size, 1))
         self.lock = threading.Lock()
         self.new: list[LocalOp] = []  # submitted, not yet announced
         self.inflight: dict[str, LocalOp] = {}

@@ -49,13 +49,15 @@ class AlgorithmChoice:
     doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
     halving_max_bytes: int = DEFAULT_HALVING_MAX_BYTES
 
-    def across_hosts(self, nbytes: int) -> str:
-        """``ring``, ``doubling`` or ``halving`` for an allreduce of ``nbytes``."""
+    def across_hosts(self, nbytes: int, hosts: int = 2) -> str:
+        """``ring``, ``doubling`` or ``halving`` for an allreduce of ``nbytes`` among ``hosts``: the ring's
+        2 (hosts - 1) steps pay off only for buffers that grow with the hosts (the model in docs/scaling.md), so
+        its crossover is ``halving_max_bytes`` times hosts / 8 beyond 8 hosts."""
         if self.algorithm != "auto":
             return self.algorithm
         if nbytes <= self.doubling_max_bytes:
             return "doubling"
-        return "halving" if nbytes <= self.halving_max_bytes else "ring"
+        return "halving" if nbytes <= self.halving_max_bytes * max(1, hosts // 8) else "ring"
 
 
 def grid_of(host_keys: Sequence[str]) -> list[list[int]] | None:
@@ -132,7 +134,7 @@ class Hierarchy:
         bounds = chunk_bounds(flat.size, self.locals)
         self.local.reduce_scatter(flat, reduce, bounds, shift=0)  # local rank l owns chunk l + 1
         start, stop = bounds[(self.local_rank + 1) % self.locals]
-        algorithm = self.choice.across_hosts(flat.nbytes)
+        algorithm = self.choice.across_hosts(flat.nbytes, self.hosts)
         part = flat[start:stop]
         if algorithm == "doubling":
             self.cross.allreduce_doubling(part, reduce)
