@@ -98,7 +98,7 @@ class NativeBackend(Backend):
                 segments += [segment, opened]
             if grid is not None:
                 ring.allgather_messages(b"")  # every peer has opened our link segments: names may go
-            hierarchy = Hierarchy.build(grid, rank, links, waiter, choice) if grid is not None else None
+            hierarchy = Hierarchy.build(grid, rank, links, ring, choice) if grid is not None else None
             backend = cls(world, ring, segments, peers, hierarchy, list(links.values()))
             backend.lane = lane
             return backend

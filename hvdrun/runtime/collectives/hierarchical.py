@@ -27,7 +27,6 @@ import numpy as np
 from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
 from hvdrun.runtime.collectives.ring import Ring
 from hvdrun.runtime.reduce import ReduceFn, chunk_bounds
-from hvdrun.runtime.transport.base import Waiter
 
 DEFAULT_DOUBLING_MAX_BYTES = 64 << 10
 DEFAULT_HALVING_MAX_BYTES = 4 << 20
@@ -85,9 +84,12 @@ def link_partners(grid: list[list[int]], rank: int) -> set[int]:
     across hosts, and its recursive-doubling partners there."""
     host, local = position(grid, rank)
     hosts, locals_ = len(grid), len(grid[0])
-    found = {grid[host][(local + 1) % locals_], grid[host][(local - 1) % locals_]}
-    found |= {grid[(host + 1) % hosts][local], grid[(host - 1) % hosts][local]}
-    found |= {grid[member][local] for member in partners(host, hosts)}
+    if locals_ == 1:  # the job's own ring is the ring across hosts; with 2 hosts it is the doubling partner too
+        found = {grid[member][0] for member in partners(host, hosts)} if hosts > 2 else set()
+    else:
+        found = {grid[host][(local + 1) % locals_], grid[host][(local - 1) % locals_],
+                 grid[(host + 1) % hosts][local], grid[(host - 1) % hosts][local]}
+        found |= {grid[member][local] for member in partners(host, hosts)}
     found.discard(rank)
     return found
 
@@ -111,18 +113,22 @@ class Hierarchy:
         self.hosts, self.locals = len(grid), len(grid[0])
 
     @classmethod
-    def build(cls, grid: list[list[int]], rank: int, links: dict[int, Link], waiter: Waiter,
+    def build(cls, grid: list[list[int]], rank: int, links: dict[int, Link], ring: Ring,
               choice: AlgorithmChoice) -> Hierarchy:
-        """The groups of ``rank`` over ``links`` (rank -> link, for every rank of :func:`link_partners`)."""
+        """The groups of ``rank`` over ``links`` (rank -> link, for every rank of :func:`link_partners`) and the
+        job's ring (``ring``: with one rank per host it is the ring across hosts, and links it has need none)."""
         host, local = position(grid, rank)
         hosts, locals_ = len(grid), len(grid[0])
-        if locals_ > 1:
+        waiter = ring.waiter
+        if locals_ == 1:
+            links = {**links, **{p: Link(ring.tx, ring.rx) for p in (grid[(host + 1) % hosts][0],)
+                                 if hosts == 2 and ring.tx is not None and ring.rx is not None}}
+            local_ring, cross_ring = Ring(0, 1, None, None, waiter), ring
+        else:
             local_ring = Ring(local, locals_, links[grid[host][(local + 1) % locals_]].tx,
                               links[grid[host][(local - 1) % locals_]].rx, waiter)
-        else:
-            local_ring = Ring(0, 1, None, None, waiter)
-        cross_ring = Ring(host, hosts, links[grid[(host + 1) % hosts][local]].tx,
-                          links[grid[(host - 1) % hosts][local]].rx, waiter)
+            cross_ring = Ring(host, hosts, links[grid[(host + 1) % hosts][local]].tx,
+                              links[grid[(host - 1) % hosts][local]].rx, waiter)
         cross = Pairwise(host, hosts, {member: links[grid[member][local]] for member in partners(host, hosts)}, waiter)
         return cls(grid, rank, local_ring, cross_ring, cross, choice)
 
@@ -176,6 +182,8 @@ class Hierarchy:
 
     def allgather_messages(self, payload: bytes) -> list[bytes]:
         """Every rank's ``payload``, indexed by rank."""
+        if self.locals == 1:  # ranks are hosts, in order
+            return self.cross.allgather_messages(payload)
         bundles = self.cross.allgather_messages(marshal.dumps(self.local.allgather_messages(payload)))
         messages: list[bytes] = [b""] * (self.hosts * self.locals)
         for ranks, bundle in zip(self.grid, bundles, strict=True):

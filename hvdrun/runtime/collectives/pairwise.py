@@ -206,6 +206,9 @@ class Pairwise:
         The fold is a swap too, so a member that folds out hears from its partner at once (a sleeping
         rank wakes on the first bytes of a cycle).
         """
+        if self.size == 2:  # one swap, nothing to merge
+            other = self._swap_message(1 - self.member, payload)
+            return [payload, other] if self.member == 0 else [other, payload]
         known = {self.member: payload}
         if self.member < 2 * self.rem:
             known.update(marshal.loads(self._swap_message(self.member ^ 1, marshal.dumps(known))))
