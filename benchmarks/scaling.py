@@ -24,11 +24,16 @@ link) beta (+ gamma for hvdrun); concurrent messages of one step overlap. Algori
     negotiation       every hvdrun op first all-gathers every rank's announcement (m bytes): flat, a ring of
                       N - 1 steps; hierarchical, L - 1 local steps then recursive doubling of the hosts' bundles
                       (log2 H steps, the bundle doubling every step)
-    eager             an allreduce of at most HVDRUN_EAGER_BYTES travels inside that all-gather (m + n bytes a
-                      rank), and every rank reduces the N contributions itself
-    hvdrun auto       the cheapest of eager (when the size allows it), ring, doubling and halving
-    hvdrun rules      what the runtime's rules pick: eager up to HVDRUN_EAGER_BYTES, doubling up to
-                      HVDRUN_DOUBLING_MAX_BYTES, halving up to HVDRUN_HALVING_MAX_BYTES, the ring above
+    eager             an allreduce of at most min(HVDRUN_EAGER_BYTES, EAGER_JOB_BYTES / N) travels inside that
+                      all-gather (m + n bytes a rank), and every rank reduces the N contributions itself; the
+                      runtime caps the job's eager data at EAGER_JOB_BYTES = 256 KiB from all ranks together
+                      (hvdrun/runtime/submissions.py)
+    hvdrun auto       the model's cheapest of eager (up to HVDRUN_EAGER_BYTES, without the job's cap), ring,
+                      doubling and halving: what the best rules could do
+    hvdrun rules      what the runtime's rules pick, by calling them: eager up to the capped size above, then
+                      AlgorithmChoice.across_hosts (hvdrun/runtime/collectives/hierarchical.py): doubling up to
+                      HVDRUN_DOUBLING_MAX_BYTES, halving up to HVDRUN_HALVING_MAX_BYTES x max(1, H // 8), the ring
+                      above; "hvdrun flat" also keeps the runtime's eager cap
     MPI               MPICH's documented selection (Thakur, Rabenseifner & Gropp 2005; MPICH's
                       MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE = 2048 and its SMP-aware allreduce): binomial reduce to a
                       leader per host, recursive doubling (n <= 2 KB) or Rabenseifner among the leaders, binomial
@@ -69,6 +74,27 @@ try:
     from hvdrun.runtime.collectives.hierarchical import DEFAULT_DOUBLING_MAX_BYTES, DEFAULT_HALVING_MAX_BYTES
 except ImportError:  # pragma: no cover
     DEFAULT_DOUBLING_MAX_BYTES, DEFAULT_HALVING_MAX_BYTES = 64 << 10, 4 << 20
+try:  # eager data a job may carry in one negotiation, from all ranks together
+    from hvdrun.runtime.submissions import EAGER_JOB_BYTES
+except ImportError:  # pragma: no cover
+    EAGER_JOB_BYTES = 256 << 10
+try:  # the runtime's own choice of the algorithm across hosts
+    from hvdrun.runtime.collectives.hierarchical import AlgorithmChoice
+except ImportError:  # pragma: no cover
+    @dataclass(frozen=True)
+    class AlgorithmChoice:  # type: ignore[no-redef]
+        """The runtime's rule as of docs/scaling.md: the ring's crossover grows with the hosts beyond 8."""
+
+        algorithm: str = "auto"
+        doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
+        halving_max_bytes: int = DEFAULT_HALVING_MAX_BYTES
+
+        def across_hosts(self, nbytes: int, hosts: int = 2) -> str:
+            if self.algorithm != "auto":
+                return self.algorithm
+            if nbytes <= self.doubling_max_bytes:
+                return "doubling"
+            return "halving" if nbytes <= self.halving_max_bytes * max(1, hosts // 8) else "ring"
 
 MPI_SHORT_BYTES = 2048  # MPICH's MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE default
 
@@ -80,9 +106,22 @@ class Setting:
     # one rank's announcement of one allreduce: 20 B once the response cache knows the op (its number), 99 B the
     # first time (the whole Request); a training step's ops are cached after the first step
     message_bytes: int = 20
-    eager_bytes: int = DEFAULT_EAGER_BYTES
+    eager_bytes: int = DEFAULT_EAGER_BYTES  # HVDRUN_EAGER_BYTES: a rank's limit
+    eager_job_bytes: int | None = EAGER_JOB_BYTES  # the job's cap (None: no cap)
     doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
     halving_max_bytes: int = DEFAULT_HALVING_MAX_BYTES
+
+    def eager_limit(self, ranks: int) -> int:
+        """The largest allreduce that goes eager in a job of ``ranks`` (Submissions.eager_bytes)."""
+        if self.eager_job_bytes is None:
+            return self.eager_bytes
+        return min(self.eager_bytes, self.eager_job_bytes // max(ranks, 1))
+
+    def across_hosts(self, nbytes: float, hosts: int) -> str:
+        """The runtime's algorithm across hosts for ``auto`` (AlgorithmChoice.across_hosts)."""
+        choice = AlgorithmChoice(algorithm="auto", doubling_max_bytes=self.doubling_max_bytes,
+                                 halving_max_bytes=self.halving_max_bytes)
+        return choice.across_hosts(int(nbytes), hosts)
 
 
 # -- costs: linear in the parameters ---------------------------------------------------------------------
@@ -166,17 +205,16 @@ def hvdrun_cost(algorithm: str, hosts: int, per_host: int, nbytes: float, settin
     """(cost, path) of one hvdrun allreduce: negotiation + algorithm, or the eager all-gather.
 
     ``algorithm``: flat, ring, doubling or halving, or ``auto`` for the runtime's own crossovers (what a measured
-    job ran); :func:`best_hvdrun` picks the cheapest path instead. Sizes up to ``setting.eager_bytes`` go eager.
+    job ran); :func:`best_hvdrun` picks the cheapest path instead. Sizes up to ``setting.eager_limit(N)`` go eager.
     """
     ranks = hosts * per_host
     if ranks == 1:
         return Cost(), "one rank"
     hierarchical = algorithm != "flat" and hosts > 1  # one host, or uneven hosts: the flat ring
     if algorithm == "auto":
-        algorithm = ("doubling" if nbytes <= setting.doubling_max_bytes else
-                     "halving" if nbytes <= setting.halving_max_bytes else "ring")
+        algorithm = setting.across_hosts(nbytes, hosts)
     gather = hier_allgather if hierarchical else flat_allgather
-    if nbytes <= setting.eager_bytes:
+    if nbytes <= setting.eager_limit(ranks):
         reduce = Cost({"beta_local": (ranks - 1) * nbytes})  # each rank sums N contributions
         return gather(hosts, per_host, setting.message_bytes + nbytes) + reduce, \
             f"eager ({'hierarchical' if hierarchical else 'flat'})"
@@ -188,11 +226,12 @@ def hvdrun_cost(algorithm: str, hosts: int, per_host: int, nbytes: float, settin
 
 def best_hvdrun(hosts: int, per_host: int, nbytes: float, setting: Setting,
                 params: dict[str, float]) -> tuple[float, str]:
-    """hvdrun auto as it should choose: the cheapest of eager (if the size allows), ring, doubling, halving."""
+    """hvdrun auto as it should choose: the cheapest of eager (up to HVDRUN_EAGER_BYTES, ignoring the job's cap),
+    ring, doubling, halving."""
     no_eager = replace(setting, eager_bytes=-1)
     options = [hvdrun_cost(a, hosts, per_host, nbytes, no_eager) for a in ("ring", "doubling", "halving")]
     if nbytes <= setting.eager_bytes:
-        options.append(hvdrun_cost("ring", hosts, per_host, nbytes, setting))
+        options.append(hvdrun_cost("ring", hosts, per_host, nbytes, replace(setting, eager_job_bytes=None)))
     return min((cost.seconds(params), path) for cost, path in options)
 
 
@@ -222,7 +261,7 @@ def column_time(column: str, hosts: int, per_host: int, nbytes: float, setting: 
     """Predicted seconds (one rank per core, one link per host) and the path taken."""
     if column == "hvdrun auto":
         return best_hvdrun(hosts, per_host, nbytes, setting, params)
-    if column == "hvdrun rules":  # what the runtime's eager size and crossovers pick
+    if column == "hvdrun rules":  # what the runtime's eager cap and AlgorithmChoice.across_hosts pick
         cost, path = hvdrun_cost("auto", hosts, per_host, nbytes, setting)
         return cost.seconds(params), path
     if column.startswith("hvdrun "):
@@ -410,14 +449,17 @@ def check_table(points: list[Point], params: dict[str, float], setting: Setting,
 
 
 def crossover_line(params: dict[str, float], setting: Setting, hosts: int, per_host: int) -> str:
-    """Where the model's cheapest path changes, against the runtime's configured crossovers."""
+    """Where the model's cheapest path changes, against where the runtime's rules change."""
     sizes = [1 << e for e in range(8, 31)]
-    picks = [best_hvdrun(hosts, per_host, n, setting, params)[1] for n in sizes]
-    changes = [f"{picks[i - 1]} -> {picks[i]} at {human(sizes[i])}" for i in range(1, len(sizes))
-               if picks[i] != picks[i - 1]]
-    return (f"{hosts:,} hosts x {per_host}: the model's cheapest path: {picks[0]} from 256 B"
-            + (", " + ", ".join(changes) if changes else "") + f" (runtime: eager up to {human(setting.eager_bytes)}, "
-            f"doubling up to {human(setting.doubling_max_bytes)}, halving up to {human(setting.halving_max_bytes)})")
+
+    def changes(picks: list[str]) -> str:
+        return f"{picks[0]} from 256 B" + "".join(f", {picks[i - 1]} -> {picks[i]} at {human(sizes[i])}"
+                                                  for i in range(1, len(sizes)) if picks[i] != picks[i - 1])
+
+    best = [best_hvdrun(hosts, per_host, n, setting, params)[1] for n in sizes]
+    rules = [hvdrun_cost("auto", hosts, per_host, n, setting)[1] for n in sizes]
+    return (f"{hosts:,} hosts x {per_host}: the model's cheapest path: {changes(best)}; the runtime's rules: "
+            f"{changes(rules)} (eager up to {human(setting.eager_limit(hosts * per_host))})")
 
 
 def negotiation_line(params: dict[str, float], setting: Setting, hosts: int, per_host: int) -> str:
@@ -496,7 +538,8 @@ def main() -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, help=f"set {name} (seconds), after any fit")
     parser.add_argument("--message-bytes", type=int, default=Setting.message_bytes,
                         help="one rank's announcement in the negotiation (default 20: a cached op)")
-    parser.add_argument("--eager-bytes", type=int, help=f"HVDRUN_EAGER_BYTES (default {DEFAULT_EAGER_BYTES})")
+    parser.add_argument("--eager-bytes", type=int, help=f"HVDRUN_EAGER_BYTES (default {DEFAULT_EAGER_BYTES}; the "
+                        f"runtime caps it at {EAGER_JOB_BYTES} / ranks)")
     parser.add_argument("--cores", type=int, help="cores of the measuring machine (default: from the JSON, else 2)")
     parser.add_argument("--markdown", action="store_true", help="print only the markdown of docs/scaling.md, no plot")
     parser.add_argument("--plot", default=str(REPO / "docs" / "scaling.png"), help="where to draw (default docs/)")

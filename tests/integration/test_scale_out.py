@@ -53,3 +53,13 @@ def test_flat_keeps_one_ring_and_a_bad_algorithm_is_a_usage_error(spawn_ranks, r
     assert bad.returncode == 2
     assert "HVDRUN_ALGORITHM='fastest'; expected one of auto, flat, ring, doubling, halving" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(("worker", "done"), [("process_sets.py", "process sets ok"),
+                                               ("join.py", "unnamed ops in step after join")])
+def test_process_sets_and_join_across_hosts(spawn_ranks, worker, done):
+    """Both ride on the world's collectives (non-members and joined ranks take part with stand-ins), so they
+    work unchanged through the hierarchy: 2 hosts x 2 ranks."""
+    path = str(Path(__file__).parent / "workers" / worker)
+    outputs = _finish(spawn_ranks(path, 4, hosts=[("a", 2), ("b", 2)]))
+    assert all(f"rank {rank}: {done}" in out for rank, out in outputs.items()), outputs
