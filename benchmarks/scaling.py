@@ -32,7 +32,7 @@ link) beta (+ gamma for hvdrun); concurrent messages of one step overlap. Algori
                       doubling and halving: what the best rules could do
     hvdrun rules      what the runtime's rules pick, by calling them: eager up to the capped size above, then
                       AlgorithmChoice.across_hosts (hvdrun/runtime/collectives/hierarchical.py): doubling up to
-                      HVDRUN_DOUBLING_MAX_BYTES, halving up to HVDRUN_HALVING_MAX_BYTES x max(1, H // 8), the ring
+                      HVDRUN_DOUBLING_MAX_BYTES, halving up to HVDRUN_HALVING_MAX_BYTES x H / 8, the ring
                       above; "hvdrun flat" also keeps the runtime's eager cap
     MPI               MPICH's documented selection (Thakur, Rabenseifner & Gropp 2005; MPICH's
                       MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE = 2048 and its SMP-aware allreduce): binomial reduce to a
@@ -94,7 +94,7 @@ except ImportError:  # pragma: no cover
                 return self.algorithm
             if nbytes <= self.doubling_max_bytes:
                 return "doubling"
-            return "halving" if nbytes <= self.halving_max_bytes * max(1, hosts // 8) else "ring"
+            return "halving" if nbytes * 8 <= self.halving_max_bytes * hosts else "ring"
 
 MPI_SHORT_BYTES = 2048  # MPICH's MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE default
 

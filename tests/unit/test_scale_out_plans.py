@@ -36,9 +36,11 @@ def test_grid_needs_several_hosts_with_equal_ranks():
 
 def test_auto_picks_doubling_then_halving_then_ring():
     choice = AlgorithmChoice("auto", doubling_max_bytes=100, halving_max_bytes=1000)
-    assert [choice.across_hosts(n) for n in (1, 100, 101, 1000, 1001)] == [
+    assert [choice.across_hosts(n, 8) for n in (1, 100, 101, 1000, 1001)] == [
         "doubling", "doubling", "halving", "halving", "ring"]
     assert AlgorithmChoice("ring").across_hosts(1) == "ring"
+    # the ring's crossover grows with the hosts: halving_max_bytes x hosts / 8
+    assert [choice.across_hosts(400, hosts) for hosts in (2, 4, 8)] == ["ring", "halving", "halving"]
     assert [choice.across_hosts(1500, hosts) for hosts in (8, 16, 64)] == ["ring", "halving", "halving"]
 
 

@@ -50,13 +50,14 @@ class AlgorithmChoice:
 
     def across_hosts(self, nbytes: int, hosts: int = 2) -> str:
         """``ring``, ``doubling`` or ``halving`` for an allreduce of ``nbytes`` among ``hosts``: the ring's
-        2 (hosts - 1) steps pay off only for buffers that grow with the hosts (the model in docs/scaling.md), so
-        its crossover is ``halving_max_bytes`` times hosts / 8 beyond 8 hosts."""
+        2 (hosts - 1) steps pay off only for buffers that grow with the hosts, so Rabenseifner runs up to
+        ``halving_max_bytes`` x hosts / 8 (measured on 2, 4 and 8 hosts: benchmarks/results/crossover-loopback.txt;
+        the model in docs/scaling.md)."""
         if self.algorithm != "auto":
             return self.algorithm
         if nbytes <= self.doubling_max_bytes:
             return "doubling"
-        return "halving" if nbytes <= self.halving_max_bytes * max(1, hosts // 8) else "ring"
+        return "halving" if nbytes * 8 <= self.halving_max_bytes * hosts else "ring"
 
 
 def grid_of(host_keys: Sequence[str]) -> list[list[int]] | None:
