@@ -49,6 +49,11 @@ def test_flat_keeps_one_ring_and_a_bad_algorithm_is_a_usage_error(spawn_ranks, r
     for proc in procs.values():
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 1 and "did not get the hierarchical collectives" in err
+    uneven = spawn_ranks(WORKER, 3, hosts=[("a", 2), ("b", 1)])
+    for rank, proc in uneven.items():  # the flat ring, and rank 0 says how to get more
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and "did not get the hierarchical collectives" in err
+        assert ("hvdrun: note: hosts run different numbers of ranks (a: 2, b: 1)" in err) == (rank == 0), err
     bad = run_hvdrun("-np", "2", "-x", "HVDRUN_ALGORITHM=fastest", WORKER)
     assert bad.returncode == 2
     assert "HVDRUN_ALGORITHM='fastest'; expected one of auto, flat, ring, doubling, halving" in bad.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,13 @@ import numpy as np
 from hvdrun.runtime.backends.base import Backend, World, topology
 from hvdrun.runtime.backends.links import LINK, RING, Acceptor, dial, shm_link, tcp_link
 from hvdrun.runtime.collectives import Ring
-from hvdrun.runtime.collectives.hierarchical import AlgorithmChoice, Hierarchy, grid_of, link_partners
+from hvdrun.runtime.collectives.hierarchical import (
+    AlgorithmChoice,
+    Hierarchy,
+    grid_of,
+    link_partners,
+    uneven_hosts_note,
+)
 from hvdrun.runtime.collectives.pairwise import Link
 from hvdrun.runtime.lane import FastLane, create_board, open_lane
 from hvdrun.runtime.reduce import ReduceFn
@@ -81,6 +88,9 @@ class NativeBackend(Backend):
                 return cls(world, Ring(0, 1, None, None, Waiter(None, abort)), [], peers)
             spin = DEFAULT_SPIN_S if world.local_size <= (os.cpu_count() or 1) else 0.0
             grid = grid_of([p.host_key for p in peers]) if choice.algorithm != "flat" else None
+            note = uneven_hosts_note([p.host_key for p in peers], [p.hostname for p in peers])
+            if rank == 0 and note is not None and choice.algorithm != "flat":
+                sys.stderr.write(note + "\n")
             partners = link_partners(grid, rank) if grid is not None else set()
             local = {p for p in partners if own is not None and peers[p].host_key == me.host_key}
             receiving = [ShmSegment(job_key, rank, LINK_CAPACITY_BYTES, create=True, sender=p) for p in sorted(local)]

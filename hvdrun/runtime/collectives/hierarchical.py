@@ -72,6 +72,22 @@ def grid_of(host_keys: Sequence[str]) -> list[list[int]] | None:
     return grid
 
 
+def uneven_hosts_note(host_keys: Sequence[str], hostnames: Sequence[str]) -> str | None:
+    """The one line rank 0 prints when hosts run different numbers of ranks (the hierarchy needs equal ones),
+    saying how to get faster collectives; None when there is nothing to say."""
+    counts: dict[str, int] = {}
+    names: dict[str, str] = {}
+    for key, name in zip(host_keys, hostnames, strict=True):
+        counts[key] = counts.get(key, 0) + 1
+        names.setdefault(key, name)
+    if len(counts) < 2 or len(set(counts.values())) == 1:
+        return None
+    shown = ", ".join(f"{names[key]}: {count}" for key, count in list(counts.items())[:6])
+    return (f"hvdrun: note: hosts run different numbers of ranks ({shown}{', ...' if len(counts) > 6 else ''}), so "
+            "collectives across hosts take one ring through every rank; give every host the same number of ranks "
+            "for the hierarchical ones, or run with --launcher mpiexec (MPI's collectives)")
+
+
 def position(grid: list[list[int]], rank: int) -> tuple[int, int]:
     """(host, local rank) of ``rank`` in ``grid``."""
     for host, ranks in enumerate(grid):
