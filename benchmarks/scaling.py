@@ -26,7 +26,7 @@ link) beta (+ gamma for hvdrun); concurrent messages of one step overlap. Algori
                       (log2 H steps, the bundle doubling every step)
     eager             an allreduce of at most min(HVDRUN_EAGER_BYTES, EAGER_JOB_BYTES / N) travels inside that
                       all-gather (m + n bytes a rank), and every rank reduces the N contributions itself; the
-                      runtime caps the job's eager data at EAGER_JOB_BYTES = 256 KiB from all ranks together
+                      runtime caps the job's eager data at EAGER_JOB_BYTES = 128 KiB from all ranks together
                       (hvdrun/runtime/submissions.py)
     hvdrun auto       the model's cheapest of eager (up to HVDRUN_EAGER_BYTES, without the job's cap), ring,
                       doubling and halving: what the best rules could do
@@ -77,7 +77,7 @@ except ImportError:  # pragma: no cover
 try:  # eager data a job may carry in one negotiation, from all ranks together
     from hvdrun.runtime.submissions import EAGER_JOB_BYTES
 except ImportError:  # pragma: no cover
-    EAGER_JOB_BYTES = 256 << 10
+    EAGER_JOB_BYTES = 128 << 10
 try:  # the runtime's own choice of the algorithm across hosts
     from hvdrun.runtime.collectives.hierarchical import AlgorithmChoice
 except ImportError:  # pragma: no cover

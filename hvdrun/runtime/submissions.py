@@ -22,7 +22,9 @@ from hvdrun.runtime.negotiation import Request
 from hvdrun.runtime.reduce import scale
 
 _NO_DATA = np.empty(0, np.uint8)
-EAGER_JOB_BYTES = 256 << 10  # eager ops at most this much data from all ranks together (32 KiB each up to 8)
+# eager ops carry at most this much data from all ranks together (32 KiB each up to 4 ranks, 16 KiB at 8): every rank
+# receives all of it, and recursive doubling's last message (half of it) past 64 KiB cost 2x doubling's time at 8 hosts
+EAGER_JOB_BYTES = 128 << 10
 
 
 class Submissions:

@@ -47,8 +47,8 @@ def test_auto_picks_doubling_then_halving_then_ring():
 def test_eager_data_shrinks_as_the_job_grows():
     from hvdrun.runtime.submissions import EAGER_JOB_BYTES, Submissions
 
-    assert [Submissions(None, n, 32 << 10).eager_bytes for n in (2, 8, 64, 4096)] == [
-        32 << 10, 32 << 10, EAGER_JOB_BYTES // 64, EAGER_JOB_BYTES // 4096]
+    assert [Submissions(None, n, 32 << 10).eager_bytes for n in (2, 4, 8, 64, 4096)] == [
+        32 << 10, 32 << 10, 16 << 10, EAGER_JOB_BYTES // 64, EAGER_JOB_BYTES // 4096]
 
 
 def test_the_response_cache_numbers_agreed_requests_and_forgets_the_oldest():
