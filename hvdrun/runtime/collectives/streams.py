@@ -17,7 +17,8 @@ from hvdrun.runtime.reduce import ReduceFn, padded
 from hvdrun.runtime.transport.base import RxChannel, TxChannel, Waiter
 
 SEGMENT_BYTES = 1 << 19
-SMALL_MESSAGE_BYTES = 256 << 10
+# larger messages go through move() into one buffer: swap_small() took 310 us for 128 KiB, move() 80 us
+SMALL_MESSAGE_BYTES = 64 << 10
 ZEROS = memoryview(bytes(8))
 _LENGTH = struct.Struct("<Q")
 
