@@ -95,6 +95,13 @@ class Pairwise:
         self.member, self.size, self.links, self.waiter = member, size, links, waiter
         self.pof2, self.rem = _fold(size)
         self.core = core_index(member, size)
+        self._scratch = np.empty(0, np.uint8)  # reused: a fresh large buffer per op costs its page faults
+
+    def _incoming(self, like: np.ndarray) -> np.ndarray:
+        """A scratch array shaped like ``like`` (contents undefined), reused across collectives."""
+        if self._scratch.nbytes < like.nbytes:
+            self._scratch = np.empty(like.nbytes, np.uint8)
+        return self._scratch[:like.nbytes].view(like.dtype)
 
     # -- point to point -----------------------------------------------------------------------------
     def _exchange(self, peer: int, send: np.ndarray | memoryview | None, sink: Sink | None) -> None:
@@ -138,7 +145,7 @@ class Pairwise:
             return
         self._fold_in(flat, reduce)
         if self.core is not None:
-            incoming = np.empty_like(flat)
+            incoming = self._incoming(flat)
             for peer in self._core_partners():
                 self._exchange(peer, flat, CopySink(as_bytes(incoming)))
                 reduce(flat, incoming, flat)
@@ -151,7 +158,7 @@ class Pairwise:
         self._fold_in(flat, reduce)
         if self.core is not None:
             bounds = chunk_bounds(flat.size, self.pof2)
-            incoming = np.empty_like(flat)
+            incoming = self._incoming(flat)
             low, high, steps = 0, self.pof2, []
             for peer in self._core_partners(descending=True):
                 middle = (low + high) // 2
