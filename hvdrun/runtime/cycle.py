@@ -86,6 +86,7 @@ class Cycle:
             self.ledger.finish_local(entry.name, error)
         ready = self.table.pop_ready()
         cache.remember(ready)
+        self._catch_up_names_others_took(ready)  # before any op completes: a joined caller may name its next one
         for batch in plan(ready, self.fusion_threshold):
             self._execute(batch)
         blocked = {rank: names for rank, (_, names) in enumerate(decoded) if names}
@@ -116,7 +117,8 @@ class Cycle:
         if any(len(items) != 1 or items[0][0] != mine or items[0][1] is None for items, _ in decoded):
             return False
         op, timeline = new[0], self.timeline
-        self.cache.remember_wire(op.request.wire())
+        if ".noname." not in op.request.name:
+            self.cache.remember_wire(op.request.wire())
         self.ledger.take_inflight([op.request.name])
         if timeline is not None:
             timeline.execute_start(op.request.name, "allreduce")
@@ -137,7 +139,6 @@ class Cycle:
 
     def _execute(self, batch: list[Entry]) -> None:
         ops = self._ops_of(batch)
-        self._catch_up_names_others_took(batch)
         if batch[0].error:
             for op in ops:
                 op.handle.finish(error=CollectiveError(batch[0].error))

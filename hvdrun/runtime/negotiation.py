@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hvdrun.envvars import EAGER_BYTES
+from hvdrun.errors import CollectiveError
 from hvdrun.runtime.reduce import OP_NAMES, SUM
 
 GLOBAL_SET = 0
@@ -160,8 +161,18 @@ class ResponseCache:
         return self._numbers.get(wire, wire)
 
     def decode(self, value: tuple | int) -> tuple:
-        """The request a received value stands for."""
-        return self._wires[value] if isinstance(value, int) else value
+        """The request a received value stands for.
+
+        Raises:
+            CollectiveError: a number this rank never assigned (the ranks' cache capacities differ).
+        """
+        if not isinstance(value, int):
+            return value
+        wire = self._wires.get(value)
+        if wire is None:
+            raise CollectiveError(f"a rank sent cached request #{value}, which this rank does not have: "
+                                  "HVDRUN_CACHE_CAPACITY (HOROVOD_CACHE_CAPACITY) must be the same on every rank")
+        return wire
 
     def remember(self, entries: list[Entry]) -> None:
         """Number the requests of ``entries`` (ready, in the order every rank saw them) not numbered yet."""
@@ -170,6 +181,8 @@ class ResponseCache:
         for entry in entries:
             if entry.error:
                 continue
+            if ".noname." in entry.name:
+                continue  # an automatic name never comes back: it would only push out ops that do
             for request in entry.requests.values():
                 self.remember_wire(request.wire())
 

@@ -97,6 +97,7 @@ class Peer:
     data_addr: str
     data_port: int
     store_port: int = 0  # rank 0: the TCPStore of the device process group (0: none)
+    settings: str = ""  # what must be the same on every rank (the algorithms across hosts), compared after the exchange
 
     def describe(self) -> str:
         """``rank 3 (host n2, pid 1234)``."""

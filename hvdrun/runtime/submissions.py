@@ -27,6 +27,14 @@ _NO_DATA = np.empty(0, np.uint8)
 EAGER_JOB_BYTES = 128 << 10
 
 
+def _auto_number(name: str) -> tuple[str, int] | None:
+    """(kind, number) of an automatic name: ``allreduce.noname.7``, or ``grouped_allreduce.noname.7.2`` (a
+    grouped op's third tensor); None for a name the user gave."""
+    kind, sep, rest = name.rpartition(".noname.")
+    number = rest.split(".", 1)[0]
+    return (kind, int(number)) if sep and number.isdigit() else None
+
+
 class Submissions:
     """The ops of one rank (see the module docstring).
 
@@ -64,12 +72,13 @@ class Submissions:
         this rank's next unnamed op of that kind takes it again and the ranks' names stay in step. Numbers come
         off the top of the count only: one given back below a number still in use waits until that one comes
         back too (two unnamed ops of a deadlock fail in either order)."""
-        kind, sep, number = name.rpartition(".noname.")
-        if not (sep and number.isdigit()):
+        parsed = _auto_number(name)
+        if parsed is None:
             return
+        kind, number = parsed
         with self.lock:
             returned = self._given_back[kind]
-            returned.add(int(number))
+            returned.add(number)
             while self._counters[kind] in returned:
                 returned.discard(self._counters[kind])
                 self._counters[kind] -= 1
@@ -77,10 +86,10 @@ class Submissions:
     def catch_up_auto_name(self, name: str) -> None:
         """The other ranks ran (or failed) the unnamed op ``name`` while this rank had joined: its number is
         used, so this rank's next unnamed op of that kind takes the one after it, as theirs does."""
-        kind, sep, number = name.rpartition(".noname.")
-        if sep and number.isdigit():
+        parsed = _auto_number(name)
+        if parsed is not None:
             with self.lock:
-                self._counters[kind] = max(self._counters[kind], int(number))
+                self._counters[parsed[0]] = max(self._counters[parsed[0]], parsed[1])
 
     def add(self, items: Sequence[tuple[Request, np.ndarray | None]], wake: bool,
             on_queued: Callable[[LocalOp], None] | None = None) -> tuple[list[LocalOp], bool]:

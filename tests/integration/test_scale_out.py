@@ -54,6 +54,15 @@ def test_flat_keeps_one_ring_and_a_bad_algorithm_is_a_usage_error(spawn_ranks, r
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 1 and "did not get the hierarchical collectives" in err
         assert ("hvdrun: note: hosts run different numbers of ranks (a: 2, b: 1)" in err) == (rank == 0), err
+    hosts = [("a", 2), ("b", 2)]
+    first = spawn_ranks(WORKER, 4, ranks=[0, 1, 2], hosts=hosts)
+    last = spawn_ranks(WORKER, 4, ranks=[3], hosts=hosts, env={"HVDRUN_HALVING_MAX_BYTES": "1024"},
+                       rendezvous=spawn_ranks.rendezvous)
+    for proc in [*first.values(), *last.values()]:  # every rank refuses, none waits for the others
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, err
+        assert ("ranks were given different collective settings (ranks 0-2: HVDRUN_ALGORITHM=auto "
+                "HVDRUN_DOUBLING_MAX_BYTES=65536 HVDRUN_HALVING_MAX_BYTES=67108864; rank 3: ") in err, err
     bad = run_hvdrun("-np", "2", "-x", "HVDRUN_ALGORITHM=fastest", WORKER)
     assert bad.returncode == 2
     assert "HVDRUN_ALGORITHM='fastest'; expected one of auto, flat, ring, doubling, halving" in bad.stderr

@@ -66,3 +66,25 @@ def test_the_response_cache_numbers_agreed_requests_and_forgets_the_oldest():
     off = ResponseCache(capacity=0)
     off.remember_wire(first.wire())
     assert off.encode(first.wire()) == first.wire()
+
+
+def test_a_joined_rank_catches_up_on_grouped_and_plain_automatic_numbers():
+    from hvdrun.runtime.submissions import Submissions
+
+    ledger = Submissions(None, 2, 0)
+    ledger.catch_up_auto_name("grouped_allreduce.noname.3.1")  # a grouped op's second tensor
+    ledger.catch_up_auto_name("allreduce.noname.2")
+    ledger.catch_up_auto_name("grad.7")  # a user's name: nothing to count
+    assert ledger.auto_name("grouped_allreduce") == "grouped_allreduce.noname.4"
+    assert ledger.auto_name("allreduce") == "allreduce.noname.3"
+
+
+def test_the_cache_keeps_no_automatic_names():
+    cache = ResponseCache(capacity=4)
+    unnamed = Request("allreduce.noname.1", "allreduce", "float32", (1,))
+    cache.remember([Entry(unnamed.name, {0: unnamed, 1: unnamed})])
+    assert cache.encode(unnamed.wire()) == unnamed.wire()
+    from hvdrun.errors import CollectiveError
+
+    with pytest.raises(CollectiveError, match="HVDRUN_CACHE_CAPACITY"):
+        cache.decode(7)

@@ -42,16 +42,22 @@ class Acceptor:
         while time.monotonic() < deadline and set(self.accepted) != self.expected:
             try:
                 sock, _ = listener.accept()
+            except OSError as e:
+                if listener.fileno() < 0:
+                    return  # set-up failed and closed the listener: nobody waits for the rest
+                self.error = str(e)
+                continue
+            try:
                 sock.settimeout(CONNECT_TIMEOUT_S)
                 authenticate_client(sock, self.secret)
                 frame = tuple(recv_frame(sock))
+                if frame not in self.expected or frame in self.accepted:
+                    raise ValueError(f"unexpected connection {frame}")
+                tune(sock)
             except (OSError, ConnectionError, ValueError, EOFError, AuthError, TypeError) as e:
                 self.error = str(e)
-                continue
-            if frame not in self.expected or frame in self.accepted:
                 sock.close()
                 continue
-            tune(sock)
             self.accepted[frame] = sock  # type: ignore[index]
 
     def take(self, purpose: str, peer: Peer) -> socket.socket:
@@ -63,7 +69,8 @@ class Acceptor:
         self._thread.join(CONNECT_TIMEOUT_S + 1)
         sock = self.accepted.get((purpose, peer.rank))
         if sock is None:
-            raise RendezvousError(f"{peer.describe()} did not connect to this rank's data port: {self.error}")
+            raise RendezvousError(f"{peer.describe()} did not connect to this rank's data port within "
+                                  f"{CONNECT_TIMEOUT_S:.0f} s" + (f" (last error: {self.error})" if self.error else ""))
         return sock
 
 
@@ -75,9 +82,16 @@ def dial(me: Peer, peer: Peer, secret: bytes, purpose: str) -> socket.socket:
     """
     try:
         sock = socket.create_connection((peer.data_addr, peer.data_port), timeout=CONNECT_TIMEOUT_S)
+    except OSError as e:
+        raise RendezvousError(f"cannot connect to {peer.describe()} at {peer.data_addr}:{peer.data_port}: {e}") from e
+    try:
         authenticate_server(sock, secret, peer.describe())
         send_frame(sock, (purpose, me.rank))
+    except AuthError:
+        sock.close()
+        raise
     except OSError as e:
+        sock.close()
         raise RendezvousError(f"cannot connect to {peer.describe()} at {peer.data_addr}:{peer.data_port}: {e}") from e
     tune(sock)
     return sock

@@ -24,6 +24,7 @@ from hvdrun.runtime.collectives import Ring
 from hvdrun.runtime.collectives.hierarchical import (
     AlgorithmChoice,
     Hierarchy,
+    check_same_settings,
     grid_of,
     link_partners,
     uneven_hosts_note,
@@ -76,13 +77,15 @@ class NativeBackend(Backend):
         use_shm = use_shm and shm_supported()
         own = ShmSegment(job_key, rank, SHM_CAPACITY_BYTES, create=True) if use_shm and size > 1 else None
         board = create_board(job_key, rank, size, own is not None)
-        listener, receiving = None, []  # receiving: this rank's link segments, unlinked once opened
+        listener = None
+        receiving: list[ShmSegment] = []  # this rank's link segments, unlinked once opened
         try:
             address = rendezvous.local_address(deadline)  # the data port listens where the others reach us
             listener = socket.create_server((bind_host(address), 0))
             me = Peer(rank, hostname, f"{hostname}/{_boot_id()}", os.getpid(), address, listener.getsockname()[1],
-                      store_port)
+                      store_port, choice.describe())
             peers = rendezvous.exchange(me, max(deadline - time.monotonic(), 0.1))
+            check_same_settings([p.settings for p in peers])
             world = topology(rank, [p.host_key for p in peers], [p.hostname for p in peers])
             if size == 1:
                 return cls(world, Ring(0, 1, None, None, Waiter(None, abort)), [], peers)
@@ -93,7 +96,8 @@ class NativeBackend(Backend):
                 sys.stderr.write(note + "\n")
             partners = link_partners(grid, rank) if grid is not None else set()
             local = {p for p in partners if own is not None and peers[p].host_key == me.host_key}
-            receiving = [ShmSegment(job_key, rank, LINK_CAPACITY_BYTES, create=True, sender=p) for p in sorted(local)]
+            for p in sorted(local):  # one at a time: those made before a failure are unlinked too
+                receiving.append(ShmSegment(job_key, rank, LINK_CAPACITY_BYTES, create=True, sender=p))
             acceptor = Acceptor(listener, _expected(me, peers, own, partners - local), secret)
             tx, rx, segments = _channels(me, peers, own, acceptor, job_key, secret)
             links = {p: tcp_link(dial(me, peers[p], secret, LINK) if p > rank else acceptor.take(LINK, peers[p]),

@@ -24,12 +24,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hvdrun import envvars
+from hvdrun.errors import UsageError
+from hvdrun.ranks import format_ranks
 from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
 from hvdrun.runtime.collectives.ring import Ring
 from hvdrun.runtime.reduce import ReduceFn, chunk_bounds
 
 DEFAULT_DOUBLING_MAX_BYTES = 64 << 10
-DEFAULT_HALVING_MAX_BYTES = 4 << 20
+DEFAULT_HALVING_MAX_BYTES = 64 << 20
 BROADCAST_TREE_MAX_BYTES = 256 << 10
 
 
@@ -48,16 +51,35 @@ class AlgorithmChoice:
     doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
     halving_max_bytes: int = DEFAULT_HALVING_MAX_BYTES
 
+    def describe(self) -> str:
+        """The settings as the variables that set them (every rank must have the same)."""
+        return (f"{envvars.ALGORITHM[0]}={self.algorithm} {envvars.DOUBLING_MAX_BYTES[0]}={self.doubling_max_bytes} "
+                f"{envvars.HALVING_MAX_BYTES[0]}={self.halving_max_bytes}")
+
     def across_hosts(self, nbytes: int, hosts: int = 2) -> str:
         """``ring``, ``doubling`` or ``halving`` for an allreduce of ``nbytes`` among ``hosts``: the ring's
         2 (hosts - 1) steps pay off only for buffers that grow with the hosts, so Rabenseifner runs up to
-        ``halving_max_bytes`` x hosts / 8 (measured on 2, 4 and 8 hosts: benchmarks/results/crossover-loopback.txt;
+        ``halving_max_bytes`` x hosts / 8 (measured on 2, 4 and 8 hosts: benchmarks/results/crossover-after-scratch.txt;
         the model in docs/scaling.md)."""
         if self.algorithm != "auto":
             return self.algorithm
         if nbytes <= self.doubling_max_bytes:
             return "doubling"
         return "halving" if nbytes * 8 <= self.halving_max_bytes * hosts else "ring"
+
+
+def check_same_settings(settings: Sequence[str]) -> None:
+    """Raise UsageError, alike on every rank, when ranks were given different algorithm settings (they would
+    pick different algorithms and wait for each other forever)."""
+    if len(set(settings)) <= 1:
+        return
+    groups: dict[str, list[int]] = {}
+    for rank, value in enumerate(settings):
+        groups.setdefault(value, []).append(rank)
+    parts = "; ".join(f"rank{'s' if len(r) > 1 else ''} {format_ranks(r)}: {value or '(none)'}"
+                      for value, r in groups.items())
+    raise UsageError(f"ranks were given different collective settings ({parts}); set them alike for every rank "
+                     "(hvdrun -x passes a variable to all)")
 
 
 def grid_of(host_keys: Sequence[str]) -> list[list[int]] | None:
