@@ -39,7 +39,7 @@ def test_every_algorithm_is_exact_on_many_hosts(spawn_ranks, hosts, per_host):
 
 
 def test_every_algorithm_is_exact_on_three_real_hosts(run_hvdrun, ssh_hosts):
-    done = run_hvdrun("-H", ssh_hosts.hosts(2, count=3), *ssh_hosts.args(), WORKER, timeout=240)
+    done = run_hvdrun("-H", ssh_hosts.hosts(2, count=3), *ssh_hosts.args(), WORKER, "quick", timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(re.findall(r"checks ok on 3 hosts x 2", done.stdout)) == 6, done.stdout[-2000:]
 
