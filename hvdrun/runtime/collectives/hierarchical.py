@@ -32,7 +32,7 @@ from hvdrun.runtime.collectives.ring import Ring
 from hvdrun.runtime.reduce import ReduceFn, chunk_bounds
 
 DEFAULT_DOUBLING_MAX_BYTES = 64 << 10
-DEFAULT_HALVING_MAX_BYTES = 64 << 20
+DEFAULT_HALVING_MAX_BYTES = 4 << 20
 BROADCAST_TREE_MAX_BYTES = 256 << 10
 
 
@@ -59,8 +59,8 @@ class AlgorithmChoice:
     def across_hosts(self, nbytes: int, hosts: int = 2) -> str:
         """``ring``, ``doubling`` or ``halving`` for an allreduce of ``nbytes`` among ``hosts``: the ring's
         2 (hosts - 1) steps pay off only for buffers that grow with the hosts, so Rabenseifner runs up to
-        ``halving_max_bytes`` x hosts / 8 (measured on 2, 4 and 8 hosts: benchmarks/results/crossover-after-scratch.txt;
-        the model in docs/scaling.md)."""
+        ``halving_max_bytes`` x hosts / 8 (measured on 2, 4 and 8 hosts over loopback and veth:
+        benchmarks/results/crossover-after-scratch.txt, multihost-final-*.md; the model in docs/scaling.md)."""
         if self.algorithm != "auto":
             return self.algorithm
         if nbytes <= self.doubling_max_bytes:
