@@ -86,24 +86,25 @@ class NativeBackend(Backend):
                       store_port, choice.describe())
             peers = rendezvous.exchange(me, max(deadline - time.monotonic(), 0.1))
             check_same_settings([p.settings for p in peers])
-            world = topology(rank, [p.host_key for p in peers], [p.hostname for p in peers])
+            host_keys = [p.host_key for p in peers]
+            world = topology(rank, host_keys, [p.hostname for p in peers])
             if size == 1:
                 return cls(world, Ring(0, 1, None, None, Waiter(None, abort)), [], peers)
             spin = DEFAULT_SPIN_S if world.local_size <= (os.cpu_count() or 1) else 0.0
-            grid = grid_of([p.host_key for p in peers]) if choice.algorithm != "flat" else None
-            note = uneven_hosts_note([p.host_key for p in peers], [p.hostname for p in peers])
-            if rank == 0 and note is not None and choice.algorithm != "flat":
-                sys.stderr.write(note + "\n")
+            grid = grid_of(host_keys) if choice.algorithm != "flat" else None
+            if rank == 0 and grid is None and choice.algorithm != "flat":
+                note = uneven_hosts_note(host_keys, world.hostnames)
+                if note is not None:
+                    sys.stderr.write(note + "\n")
             partners = link_partners(grid, rank) if grid is not None else set()
-            local = {p for p in partners if own is not None and peers[p].host_key == me.host_key}
+            local = {p for p in partners if _over_shm(me, peers[p], own)}
             for p in sorted(local):  # one at a time: those made before a failure are unlinked too
                 receiving.append(ShmSegment(job_key, rank, LINK_CAPACITY_BYTES, create=True, sender=p))
             acceptor = Acceptor(listener, _expected(me, peers, own, partners - local), secret)
             tx, rx, segments = _channels(me, peers, own, acceptor, job_key, secret)
             links = {p: tcp_link(dial(me, peers[p], secret, LINK) if p > rank else acceptor.take(LINK, peers[p]),
                                  peers[p]) for p in sorted(partners - local)}
-            waiter = Waiter(own.bell if own else None, abort, spin)
-            waiter.bells += [segment.bell for segment in receiving]
+            waiter = Waiter(own.bell if own else None, abort, spin, [segment.bell for segment in receiving])
             ring = Ring(rank, size, tx, rx, waiter)
             lane = open_lane(board, job_key, rank, size, world.local_size, abort, use_shm, own_core=spin > 0)
             ring.allgather_messages(b"")  # every peer has opened our ring (and the board) and made its link segments
@@ -181,9 +182,14 @@ def _expected(me: Peer, peers: Sequence[Peer], own: ShmSegment | None, tcp_partn
     """The connections this rank accepts: its ring's previous rank over TCP, and the lower-ranked TCP links."""
     prev = peers[(me.rank - 1) % len(peers)]
     expected = {(LINK, p) for p in tcp_partners if p < me.rank}
-    if prev.host_key != me.host_key or own is None:
+    if not _over_shm(me, prev, own):
         expected.add((RING, prev.rank))
     return expected
+
+
+def _over_shm(me: Peer, peer: Peer, own: ShmSegment | None) -> bool:
+    """Whether this rank talks to ``peer`` through shared memory (same host, and this rank has its segment)."""
+    return own is not None and peer.host_key == me.host_key
 
 
 def _channels(me: Peer, peers: Sequence[Peer], own: ShmSegment | None, acceptor: Acceptor, job_key: str,
@@ -199,11 +205,13 @@ def _channels(me: Peer, peers: Sequence[Peer], own: ShmSegment | None, acceptor:
             segments.append(opened[peer.rank])
         return opened[peer.rank]
 
-    if nxt.host_key == me.host_key and own is not None:
+    if _over_shm(me, nxt, own):
+        assert own is not None
         tx: TxChannel = ShmTx(segment_of(nxt), own.bell_fd)
     else:
         tx = TcpTx(dial(me, nxt, secret, RING), nxt.describe())
-    if prev.host_key == me.host_key and own is not None:
+    if _over_shm(me, prev, own):
+        assert own is not None
         rx: RxChannel = ShmRx(own, segment_of(prev).bell)
     else:
         rx = TcpRx(acceptor.take(RING, prev), prev.describe())

@@ -68,14 +68,20 @@ class AlgorithmChoice:
         return "halving" if nbytes * 8 <= self.halving_max_bytes * hosts else "ring"
 
 
+def _ranks_by(values: Sequence[str]) -> dict[str, list[int]]:
+    """The ranks of each value (``values[rank]``), values in order of their first rank."""
+    ranks: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks.setdefault(value, []).append(rank)
+    return ranks
+
+
 def check_same_settings(settings: Sequence[str]) -> None:
     """Raise UsageError, alike on every rank, when ranks were given different algorithm settings (they would
     pick different algorithms and wait for each other forever)."""
-    if len(set(settings)) <= 1:
+    groups = _ranks_by(settings)
+    if len(groups) <= 1:
         return
-    groups: dict[str, list[int]] = {}
-    for rank, value in enumerate(settings):
-        groups.setdefault(value, []).append(rank)
     parts = "; ".join(f"rank{'s' if len(r) > 1 else ''} {format_ranks(r)}: {value or '(none)'}"
                       for value, r in groups.items())
     raise UsageError(f"ranks were given different collective settings ({parts}); set them alike for every rank "
@@ -85,10 +91,7 @@ def check_same_settings(settings: Sequence[str]) -> None:
 def grid_of(host_keys: Sequence[str]) -> list[list[int]] | None:
     """``grid[h][l]``: the rank of local rank l on host h (hosts in order of their first rank); None when the
     hosts run different numbers of ranks or there is one host (the flat ring serves those jobs)."""
-    hosts: dict[str, list[int]] = {}
-    for rank, key in enumerate(host_keys):
-        hosts.setdefault(key, []).append(rank)
-    grid = list(hosts.values())
+    grid = list(_ranks_by(host_keys).values())
     if len(grid) < 2 or len({len(ranks) for ranks in grid}) != 1:
         return None
     return grid
@@ -97,15 +100,11 @@ def grid_of(host_keys: Sequence[str]) -> list[list[int]] | None:
 def uneven_hosts_note(host_keys: Sequence[str], hostnames: Sequence[str]) -> str | None:
     """The one line rank 0 prints when hosts run different numbers of ranks (the hierarchy needs equal ones),
     saying how to get faster collectives; None when there is nothing to say."""
-    counts: dict[str, int] = {}
-    names: dict[str, str] = {}
-    for key, name in zip(host_keys, hostnames, strict=True):
-        counts[key] = counts.get(key, 0) + 1
-        names.setdefault(key, name)
-    if len(counts) < 2 or len(set(counts.values())) == 1:
+    hosts = list(_ranks_by(host_keys).values())
+    if len(hosts) < 2 or len({len(ranks) for ranks in hosts}) == 1:
         return None
-    shown = ", ".join(f"{names[key]}: {count}" for key, count in list(counts.items())[:6])
-    return (f"hvdrun: note: hosts run different numbers of ranks ({shown}{', ...' if len(counts) > 6 else ''}), so "
+    shown = ", ".join(f"{hostnames[ranks[0]]}: {len(ranks)}" for ranks in hosts[:6])
+    return (f"hvdrun: note: hosts run different numbers of ranks ({shown}{', ...' if len(hosts) > 6 else ''}), so "
             "collectives across hosts take one ring through every rank; give every host the same number of ranks "
             "for the hierarchical ones, or run with --launcher mpiexec (MPI's collectives)")
 

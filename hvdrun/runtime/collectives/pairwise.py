@@ -28,14 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from hvdrun.runtime.collectives.streams import (
-    SMALL_MESSAGE_BYTES,
     CopySink,
-    MessageSink,
     ReduceSink,
     Sink,
-    message_parts,
     move,
-    swap_small,
+    swap_message,
 )
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
 from hvdrun.runtime.transport.base import RxChannel, TxChannel, Waiter
@@ -111,12 +108,7 @@ class Pairwise:
 
     def _swap_message(self, peer: int, payload: bytes) -> bytes:
         link = self.links[peer]
-        if len(payload) <= SMALL_MESSAGE_BYTES:
-            return swap_small(link.tx, link.rx, self.waiter, payload)
-        sink = MessageSink()
-        move(link.tx, link.rx, self.waiter, message_parts(payload), sink)
-        assert sink.payload is not None
-        return bytes(sink.payload)
+        return swap_message(link.tx, link.rx, self.waiter, payload)
 
     def _core_partners(self, descending: bool = False) -> list[int]:
         """This core member's partner in each step (members), nearest first (or farthest first)."""

@@ -29,16 +29,13 @@ import numpy as np
 
 from hvdrun.runtime.collectives.streams import (
     SEGMENT_BYTES,
-    SMALL_MESSAGE_BYTES,
     ZEROS,
     ChainSink,
     CopySink,
-    MessageSink,
     ReduceSink,
     Sink,
-    message_parts,
     move,
-    swap_small,
+    swap_message,
 )
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
 from hvdrun.runtime.transport.base import RxChannel, TxChannel, Waiter
@@ -189,14 +186,7 @@ class Ring:
         messages[self.rank] = payload
         tx, rx = self.tx, self.rx
         for step in range(self.size - 1):
+            assert tx is not None and rx is not None
             outgoing = messages[(self.rank - step) % self.size]
-            source = (self.rank - step - 1) % self.size
-            if len(outgoing) <= SMALL_MESSAGE_BYTES:
-                assert tx is not None and rx is not None
-                messages[source] = swap_small(tx, rx, self.waiter, outgoing)
-                continue
-            sink = MessageSink()
-            self.transfer(message_parts(outgoing), sink)
-            assert sink.payload is not None
-            messages[source] = bytes(sink.payload)
+            messages[(self.rank - step - 1) % self.size] = swap_message(tx, rx, self.waiter, outgoing)
         return messages

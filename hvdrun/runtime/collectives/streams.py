@@ -153,6 +153,17 @@ def move(tx: TxChannel, rx: RxChannel, waiter: Waiter, parts: Sequence[memoryvie
             waiter.idle((tx, rx) if sending and receiving else (tx,) if sending else (rx,))
 
 
+def swap_message(tx: TxChannel, rx: RxChannel, waiter: Waiter, payload: bytes) -> bytes:
+    """Send ``payload`` on ``tx`` and receive the peer's message from ``rx`` (lengths may differ): small ones in
+    :func:`swap_small`'s lean loop, larger ones through :func:`move` into one buffer."""
+    if len(payload) <= SMALL_MESSAGE_BYTES:
+        return swap_small(tx, rx, waiter, payload)
+    sink = MessageSink()
+    move(tx, rx, waiter, message_parts(payload), sink)
+    assert sink.payload is not None
+    return bytes(sink.payload)
+
+
 def swap_small(tx: TxChannel, rx: RxChannel, waiter: Waiter, payload: bytes) -> bytes:
     """Send a small message on ``tx`` and receive one from ``rx``: a lean loop for the latency-bound case."""
     header = _LENGTH.pack(len(payload))

@@ -122,11 +122,14 @@ class Waiter:
         own_bell: this rank's doorbell (its FIFO and its sleeping word), or None.
         abort: the job's abort flag.
         spin_s: how long to spin with sched_yield before sleeping.
+        link_bells: the doorbells of the rank's other receive segments (its links'): a sleeping rank raises
+            the sleeping word of every segment it reads, so any writer rings.
     """
 
-    def __init__(self, own_bell: Doorbell | None, abort: AbortFlag, spin_s: float = DEFAULT_SPIN_S) -> None:
-        self.own_bell, self.abort, self.spin_s = own_bell, abort, spin_s
-        self.bells = [own_bell] if own_bell is not None else []  # every segment this rank reads (links add theirs)
+    def __init__(self, own_bell: Doorbell | None, abort: AbortFlag, spin_s: float = DEFAULT_SPIN_S,
+                 link_bells: Sequence[Doorbell] = ()) -> None:
+        self.abort, self.spin_s = abort, spin_s
+        self.bells = ([own_bell] if own_bell is not None else []) + list(link_bells)  # every segment this rank reads
         self._idle_since: float | None = None
         self._count_lock = threading.Lock()  # two threads of a rank may sleep at once
 
