@@ -1,18 +1,26 @@
-"""Start workers on this machine, each under its own guard process (see ``remote/guard.py``)."""
+"""Start workers on this machine, each under its own guard process (see ``remote/guard.py``).
+
+The guards are forked by one fork server per job (``remote/forkserver.py``): one Python start for the
+host instead of one per rank, every guard still its rank's own process with its own lifeline.
+"""
 
 from __future__ import annotations
 
 import fcntl
+import marshal
 import os
+import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from hvdrun.envvars import guard_options
 from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host
 from hvdrun.launch.base import GUARD_SCRIPT, Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.remote import forkserver
 from hvdrun.launch.remote.guard import forward_byte
 from hvdrun.launch.remote.hostfacts import free_ports
 from hvdrun.ranks import Slot
@@ -62,12 +70,154 @@ class LocalWorker(Worker):
         return True
 
 
+class ForkServer:
+    """The launcher's end of ``remote/forkserver.py``: starts guards by fork, learns how they end.
+
+    Args:
+        grace_s: the guards' grace period (SIGTERM to SIGKILL).
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for sock in (ours, theirs):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, forkserver.SOCKET_BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, forkserver.SOCKET_BUFFER_BYTES)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, forkserver.__file__, str(theirs.fileno())], stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),), start_new_session=True)
+        except OSError as e:
+            raise LaunchError(f"cannot start hvdrun's fork server on this machine: {e}") from e
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._answers: dict[int, tuple[str, int | str]] = {}  # request -> ("started", pid) | ("failed", why)
+        self.exited: dict[int, int] = {}  # pid -> returncode
+        self.gone = False  # the server's end closed
+        self._changed = threading.Condition()
+        self._requests = 0
+        threading.Thread(target=self._read_answers, name="hvdrun-forkserver", daemon=True).start()
+
+    def request(self, spec: WorkerSpec, fds: Sequence[int]) -> int:
+        """Ask for ``spec``'s guard, with ``fds`` as its lifeline, stdout and stderr; the request's number."""
+        argv = [str(self.grace_s), *guard_options(spec.env), "--", *spec.argv]
+        message = marshal.dumps((argv, dict(spec.env), spec.cwd))
+        if len(message) > forkserver.MAX_MESSAGE_BYTES:
+            raise LaunchError(f"rank {spec.slot.rank}'s command and environment take {len(message)} bytes; "
+                              f"at most {forkserver.MAX_MESSAGE_BYTES} fit")
+        try:
+            socket.send_fds(self._sock, [message], list(fds))
+        except OSError as e:
+            raise LaunchError(f"cannot start rank {spec.slot.rank} on this machine: hvdrun's fork server: {e}") from e
+        self._requests += 1
+        return self._requests - 1
+
+    def pid_of(self, request: int, rank: int) -> int:
+        """The pid of the guard started for ``request`` (waits for the server's answer).
+
+        Raises:
+            LaunchError: the server could not fork it, or is gone.
+        """
+        with self._changed:
+            self._changed.wait_for(lambda: request in self._answers or self.gone)
+            answer = self._answers.get(request)
+        if answer is None or answer[0] != "started":
+            why = answer[1] if answer is not None else "it ended"
+            raise LaunchError(f"cannot start rank {rank} on this machine: hvdrun's fork server: {why}")
+        return int(answer[1])
+
+    def _read_answers(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(forkserver.MAX_MESSAGE_BYTES)
+            except OSError:
+                data = b""
+            with self._changed:
+                if not data:
+                    self.gone = True
+                    self._changed.notify_all()
+                    return
+                kind, key, value = marshal.loads(data)
+                if kind == "exited":
+                    self.exited[key] = value
+                else:
+                    self._answers[key] = (kind, value)
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        """Let the server go (its guards stay with their lifelines) and reap it."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes our reader; a plain close would wait for its recv()
+        except OSError:
+            pass
+        self._sock.close()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class ForkedWorker(Worker):
+    """A worker whose guard the fork server started; its guard leads the worker's process group."""
+
+    def __init__(self, slot: Slot, pid: int, server: ForkServer, lifeline: int) -> None:
+        super().__init__(slot)
+        self.pid, self._server, self._lifeline = pid, server, lifeline
+        self._note = ""
+
+    def poll(self) -> int | None:
+        status = self._server.exited.get(self.pid)
+        if status is None and self._server.gone and not _alive(self.pid):
+            self._note = "ended, but hvdrun's fork server that reports its status was gone"
+            status = self._server.exited.setdefault(self.pid, 1)
+        if status is not None and self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
+        return status
+
+    def failure_note(self) -> str:
+        return self._note
+
+    def signal_group(self, signum: int) -> None:
+        if self.pid in self._server.exited:
+            return  # reaped: the pid may already be someone else's
+        try:
+            os.killpg(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def forward_signal(self, signum: int) -> bool:
+        """Through the guard's lifeline: the guard passes it to the rank's processes, and survives it."""
+        if self._lifeline >= 0:
+            try:
+                os.write(self._lifeline, forward_byte(signum))
+            except OSError:  # the guard is gone: nothing left to signal
+                pass
+        return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class LocalLauncher(Launcher):
     """Runs each worker as ``python guard.py GRACE -- argv`` in a new session.
 
     The guard's stdin is a pipe that hvdrun never writes to and never closes: if hvdrun
     dies, even by SIGKILL, the kernel closes it and the guard kills the worker's group.
     """
+
+    def __init__(self, grace_s: float) -> None:
+        super().__init__(grace_s)
+        self._server: ForkServer | None = None
 
     def endpoint(self, host: Host) -> Endpoint:
         """Every rank is on this machine: rank 0 is reached over loopback."""
@@ -91,11 +241,42 @@ class LocalLauncher(Launcher):
             widen_pipe(pipe.fileno())
         return process
 
-    def start(self, spec: WorkerSpec, router: OutputRouter) -> LocalWorker:
-        process = self.spawn(spec)
-        assert process.stdout is not None and process.stderr is not None
-        router.attach(spec.slot.rank, "stdout", os.dup(process.stdout.fileno()))
-        router.attach(spec.slot.rank, "stderr", os.dup(process.stderr.fileno()))
-        process.stdout.close()
-        process.stderr.close()
-        return LocalWorker(spec.slot, process)
+    def start(self, spec: WorkerSpec, router: OutputRouter) -> Worker:
+        return next(self.start_all([spec], router))
+
+    def start_all(self, specs: Sequence[WorkerSpec], router: OutputRouter) -> Iterator[Worker]:
+        """Ask the fork server for every rank's guard at once, then yield the workers in order."""
+        if self._server is None:
+            self._server = ForkServer(self.grace_s)
+        server = self._server
+        requested: list[tuple[WorkerSpec, int, int]] = []
+        for spec in specs:
+            lifeline, ends = self._pipes_for(spec, router)
+            try:
+                requested.append((spec, server.request(spec, ends), lifeline))
+            except LaunchError:
+                os.close(lifeline)
+                raise
+            finally:
+                for fd in ends:
+                    os.close(fd)
+        for spec, request, lifeline in requested:
+            yield ForkedWorker(spec.slot, server.pid_of(request, spec.slot.rank), server, lifeline)
+
+    @staticmethod
+    def _pipes_for(spec: WorkerSpec, router: OutputRouter) -> tuple[int, list[int]]:
+        """The rank's lifeline (our end) and the guard's ends: lifeline, stdout, stderr (output attached)."""
+        guard_ends = []
+        lifeline_read, lifeline = os.pipe()
+        guard_ends.append(lifeline_read)
+        for stream in ("stdout", "stderr"):
+            read, write = os.pipe()
+            widen_pipe(read)
+            router.attach(spec.slot.rank, stream, read)
+            guard_ends.append(write)
+        return lifeline, guard_ends
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None

@@ -107,19 +107,34 @@ class Containment:
             except OSError:
                 pass
 
+    def _cgroup_members(self) -> set[int]:
+        if self.cgroup is None:
+            return set()
+        try:
+            with open(os.path.join(self.cgroup, "cgroup.procs")) as procs:
+                return {int(line) for line in procs if line.strip()}
+        except (OSError, ValueError):
+            return set()
+
     def _members(self) -> list[int]:
         """The cgroup's processes, and the orphans reparented to the guard (the worker's own child aside)."""
-        members: set[int] = set()
-        if self.cgroup is not None:
-            try:
-                with open(os.path.join(self.cgroup, "cgroup.procs")) as procs:
-                    members.update(int(line) for line in procs if line.strip())
-            except (OSError, ValueError):
-                pass
+        members = self._cgroup_members()
         if self.subreaper:
             me = os.getpid()
             members.update(pid for pid in _all_pids() if (_stat(pid) or ("", 0, 0))[1] == me)
         return sorted(members)
+
+    def holds_nothing(self) -> bool:
+        """Whether the worker, once reaped, left no process at all: as subreaper the guard has no child (every
+        live descendant would be one, or the child of one) and the cgroup is empty. Reads no other process's
+        files, so that a host's guards ending together do not each scan every process of the host."""
+        if not self.subreaper:
+            return False
+        try:
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return not self._cgroup_members()
+        return False
 
     def escapees(self, group: int) -> list[int]:
         """Live processes of the worker that left the process group ``group``."""
@@ -151,7 +166,7 @@ class Containment:
         if self.cgroup is None:
             return
         deadline = time.monotonic() + wait_s
-        while self._members() and time.monotonic() < deadline:
+        while self._cgroup_members() and time.monotonic() < deadline:
             time.sleep(0.01)
         _remove(self.cgroup)
 

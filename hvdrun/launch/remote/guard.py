@@ -2,7 +2,8 @@
 
 Options: ``--signal-as-code``; ``--remove GLOB`` (files the worker leaves, removed once it is gone:
 its shared-memory ring); ``--track NAME=VALUE`` (repeatable: processes whose environment holds all
-these entries belong to the worker even if they left its process group with ``setsid``);
+these entries belong to the worker even if they left its process group with ``setsid``; looked for
+when the worker's cgroup or the guard as subreaper (``escapees.py``) still holds a process);
 ``--env-from-stdin NAME`` (repeatable: the first lines of the lifeline are these variables' values, in
 order, so that a secret reaches the worker without appearing on any command line).
 
@@ -309,7 +310,8 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGHUP, lambda *_: _kill_group(options, worker))
     threading.Thread(target=_watch_lifeline, args=(options, worker), daemon=True).start()
     returncode = worker.wait()
-    _kill_others(options)
+    if not _containment.holds_nothing():
+        _kill_others(options)
     _containment.close()
     _remove_files(options)
     _exit_like(returncode, options.signal_as_code)
