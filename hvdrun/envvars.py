@@ -286,12 +286,17 @@ def remote_env(env: Mapping[str, str]) -> dict[str, str]:
 SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_HOSTFILE = "SLURM_HOSTFILE"  # srun's host list for --distribution=arbitrary
 PMI_FD = "PMI_FD"  # hydra's PMI connection, inherited by the rank through the guard
+SSH_CONNECTION = "SSH_CONNECTION"  # sshd's "client_ip client_port server_ip server_port" (launch/remote/hostfacts.py)
+# hosts hvdrun reaches itself over SSH; past that many, the host agents reach the others in a tree (launch/agents.py)
+SSH_FANOUT = "HVDRUN_SSH_FANOUT"
 TASK = "HVDRUN_TASK"  # hvdrun.run(fn): the pickled call a rank runs (launch/remote/task.py)
 
 # -- the worker side: who started us? -------------------------------------------------------
 
 START_TIMEOUT = "HVDRUN_START_TIMEOUT"
 TRANSPORT = "HVDRUN_TRANSPORT"
+# flat: every rank joins rank 0 itself (default: a host's ranks join through its local rank 0, runtime/rendezvous/)
+RENDEZVOUS = "HVDRUN_RENDEZVOUS"
 FUSION_THRESHOLD = ("HVDRUN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD")
 STALL_WARNING_S = ("HVDRUN_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS")
 STALL_ERROR_S = ("HVDRUN_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
@@ -343,6 +348,7 @@ HELP = (
     (BACKEND, "ring (default), mpi (under mpiexec) or gloo (torch.distributed)"),
     (START_TIMEOUT, "seconds the ranks wait for each other in init() (--start-timeout)"),
     (MPIEXEC, "the mpiexec of --launcher mpiexec"),
+    (SSH_FANOUT, "hosts hvdrun reaches over SSH itself (32); the agents on those reach the others, a tree"),
     (JOBS_DIR, "where hvdrun qsub records submitted jobs and running jobs are registered (~/.hvdrun/jobs)"),
     ("set for every rank", "HVDRUN_RANK/SIZE/LOCAL_RANK/..., HOROVOD_RANK/..., RANK, WORLD_SIZE, LOCAL_RANK, "
                            "MASTER_ADDR/PORT, GROUP_RANK, TORCHELASTIC_RUN_ID, CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS"),

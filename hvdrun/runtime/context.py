@@ -88,8 +88,9 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
     if not launch.secret or launch.rendezvous_addr is None or launch.rendezvous_port is None:
         raise UsageError(f"rank {launch.rank}: {envvars.SECRET} and the rendezvous address are required; "
                          "start workers with hvdrun")
+    local_rank, local_size = (None, None) if is_elastic(environ) else _host_place(environ)  # elastic: places change
     rendezvous = Rendezvous(launch.rank, launch.size, launch.rendezvous_addr, launch.rendezvous_port,
-                            launch.secret.encode(), abort, generation)
+                            launch.secret.encode(), abort, generation, local_rank, local_size)
     rendezvous.set_reporter(lambda: rank_report(launch.rank, launch.hostname, None))  # until the engine runs
     try:
         if name == "gloo":
@@ -105,6 +106,16 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
     except BaseException:
         rendezvous.close()
         raise
+
+
+def _host_place(environ: Mapping[str, str]) -> tuple[int | None, int | None]:
+    """(local rank, local size) as the launcher set them, for the rendezvous's host leaders; (None, None) when
+    they are missing or make no sense (every rank then joins rank 0 itself)."""
+    try:
+        local_rank, local_size = int(environ[envvars.LOCAL_RANK]), int(environ[envvars.LOCAL_SIZE])
+    except (KeyError, ValueError):
+        return None, None
+    return (local_rank, local_size) if 0 <= local_rank < local_size else (None, None)
 
 
 def algorithm_choice(environ: Mapping[str, str]) -> AlgorithmChoice:

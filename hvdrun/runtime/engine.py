@@ -328,8 +328,8 @@ class Engine:
 
     def fail(self, reason: str) -> None:
         """Fail this rank's engine: every pending op ends with ``reason`` and the other ranks are told."""
-        self.ledger.fail_all(reason)
-        try:
+        try:  # first: a rank whose user code exits as soon as its op fails has told the others (and its host) why
             self._report_failure(reason)
         except OSError:
             pass
+        self.ledger.fail_all(reason)

@@ -258,7 +258,10 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried_then_named(spawn_ranks):
     port, master = free_ports(2)
     squatter = socket.create_server(("127.0.0.1", port))
     rendezvous = Rendezvous("127.0.0.1", port, master, "ab" * 32, "tport")
-    procs = spawn_ranks(worker("order.py"), 2, rendezvous=rendezvous, env={"HVDRUN_START_TIMEOUT": "20"})
+    # flat: rank 1 joins rank 0 over TCP itself (by default it would join through its host's leader, rank 0's
+    # local socket, and never meet the squatter)
+    procs = spawn_ranks(worker("order.py"), 2, rendezvous=rendezvous,
+                        env={"HVDRUN_START_TIMEOUT": "20", "HVDRUN_RENDEZVOUS": "flat"})
     squatter.settimeout(15)
     caught, _ = squatter.accept()  # rank 1 reached the squatter instead of rank 0
     caught.close()

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from hvdrun.errors import RendezvousError
 from hvdrun.runtime.collectives.pairwise import Link
-from hvdrun.runtime.rendezvous import Peer
+from hvdrun.runtime.peers import Peer
 from hvdrun.runtime.transport.shm import ShmRx, ShmSegment, ShmTx
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx, tune
 from hvdrun.runtime.wire import AuthError, authenticate_client, authenticate_server, recv_frame, send_frame

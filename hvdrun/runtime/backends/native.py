@@ -13,7 +13,7 @@ import select
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +27,14 @@ from hvdrun.runtime.collectives.hierarchical import (
     check_same_settings,
     grid_of,
     link_partners,
+    link_partners_at,
     uneven_hosts_note,
 )
 from hvdrun.runtime.collectives.pairwise import Link
 from hvdrun.runtime.lane import FastLane, create_board, open_lane
+from hvdrun.runtime.peers import Layout, NeedsPlan, Peer
 from hvdrun.runtime.reduce import ReduceFn
-from hvdrun.runtime.rendezvous import Peer, Rendezvous, bind_host
+from hvdrun.runtime.rendezvous import Rendezvous, bind_host
 from hvdrun.runtime.transport.base import DEFAULT_SPIN_S, AbortFlag, RxChannel, TxChannel, Waiter
 from hvdrun.runtime.transport.shm import ShmRx, ShmSegment, ShmTx, shm_supported
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx
@@ -57,7 +59,7 @@ class NativeBackend(Backend):
 
     def __init__(self, world: World, ring: Ring, segments: Sequence[ShmSegment], peers: Sequence[Peer] = (),
                  hierarchy: Hierarchy | None = None, links: Sequence[Link] = ()) -> None:
-        self.world, self.ring, self._segments, self.peers = world, ring, list(segments), list(peers)
+        self.world, self.ring, self._segments, self.peers = world, ring, list(segments), peers
         self.hierarchy, self._links = hierarchy, list(links)
         self.lane: FastLane | None = None  # one-host jobs: blocking small allreduces on a shared board
         # where the first bytes of a peer's cycle arrive: the ring, or any link of the hierarchy
@@ -84,10 +86,10 @@ class NativeBackend(Backend):
             listener = socket.create_server((bind_host(address), 0))
             me = Peer(rank, hostname, f"{hostname}/{_boot_id()}", os.getpid(), address, listener.getsockname()[1],
                       store_port, choice.describe())
-            peers = rendezvous.exchange(me, max(deadline - time.monotonic(), 0.1))
-            check_same_settings([p.settings for p in peers])
-            host_keys = [p.host_key for p in peers]
-            world = topology(rank, host_keys, [p.hostname for p in peers])
+            peers = rendezvous.exchange(me, max(deadline - time.monotonic(), 0.1), needs_plan(choice))
+            check_same_settings(peers.layout.settings)
+            host_keys = peers.layout.rank_host_keys()
+            world = topology(rank, host_keys, peers.layout.rank_hostnames())
             if size == 1:
                 return cls(world, Ring(0, 1, None, None, Waiter(None, abort)), [], peers)
             spin = DEFAULT_SPIN_S if world.local_size <= (os.cpu_count() or 1) else 0.0
@@ -176,6 +178,21 @@ class NativeBackend(Backend):
                 channel.close()
         for segment in self._segments:
             segment.close()
+
+
+def needs_plan(choice: AlgorithmChoice) -> NeedsPlan:
+    """The records a rank needs (see :mod:`hvdrun.runtime.peers`): its ring neighbours and, with the hierarchy, its
+    links' partners; computed by rank 0 for every rank from the layout, as each rank computes its own."""
+    def plan(layout: Layout) -> Callable[[int], set[int]]:
+        size = layout.size
+        grid = grid_of(layout.rank_host_keys()) if choice.algorithm != "flat" else None
+        where = {rank: (host, local) for host, ranks in enumerate(grid or []) for local, rank in enumerate(ranks)}
+
+        def needs(rank: int) -> set[int]:
+            ring = {(rank - 1) % size, (rank + 1) % size}
+            return ring | link_partners_at(grid, *where[rank]) if grid is not None else ring
+        return needs
+    return plan
 
 
 def _expected(me: Peer, peers: Sequence[Peer], own: ShmSegment | None, tcp_partners: set[int]) -> set[tuple[str, int]]:

@@ -18,8 +18,9 @@ import numpy as np
 from hvdrun.envvars import LaunchInfo
 from hvdrun.runtime.backends.base import Backend, World, topology
 from hvdrun.runtime.device import TorchGroup
+from hvdrun.runtime.peers import Peer
 from hvdrun.runtime.reduce import MAX, MIN, PRODUCT, SUM, ReduceFn
-from hvdrun.runtime.rendezvous import Peer, Rendezvous, bind_host, listen
+from hvdrun.runtime.rendezvous import Rendezvous, bind_host, listen
 
 _OP_OF: dict[Any, int] = {np.add: SUM, np.minimum: MIN, np.maximum: MAX, np.multiply: PRODUCT}
 
@@ -46,7 +47,7 @@ class TorchBackend(Backend):
     wakeable = False
 
     def __init__(self, world: World, group: TorchGroup, store: Any, peers: Sequence[Peer]) -> None:
-        self.world, self.group, self._store, self.peers = world, group, store, list(peers)
+        self.world, self.group, self._store, self.peers = world, group, store, peers
 
     @classmethod
     def connect(cls, launch: LaunchInfo, rendezvous: Rendezvous, timeout_s: float, generation: int,
@@ -60,7 +61,7 @@ class TorchBackend(Backend):
         if store is None:
             store = open_store(launch.rank, launch.size, timeout_s, peers[0].data_addr, peers[0].data_port)
         group = TorchGroup.create("gloo", store, f"hvdrun{generation}", launch.rank, launch.size, timeout_s)
-        world = topology(launch.rank, [p.host_key for p in peers], [p.hostname for p in peers])
+        world = topology(launch.rank, peers.layout.rank_host_keys(), peers.layout.rank_hostnames())
         return cls(world, group, store, peers)
 
     def allgather_messages(self, payload: bytes) -> list[bytes]:

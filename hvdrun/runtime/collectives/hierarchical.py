@@ -120,7 +120,13 @@ def position(grid: list[list[int]], rank: int) -> tuple[int, int]:
 def link_partners(grid: list[list[int]], rank: int) -> set[int]:
     """Every rank that ``rank`` needs a link to: its host's ring neighbours, its local rank's ring neighbours
     across hosts, and its recursive-doubling partners there."""
-    host, local = position(grid, rank)
+    found = link_partners_at(grid, *position(grid, rank))
+    found.discard(rank)
+    return found
+
+
+def link_partners_at(grid: list[list[int]], host: int, local: int) -> set[int]:
+    """:func:`link_partners` of the rank at ``(host, local)`` (which it may contain)."""
     hosts, locals_ = len(grid), len(grid[0])
     if locals_ == 1:  # the job's own ring is the ring across hosts; with 2 hosts it is the doubling partner too
         found = {grid[member][0] for member in partners(host, hosts)} if hosts > 2 else set()
@@ -128,7 +134,6 @@ def link_partners(grid: list[list[int]], rank: int) -> set[int]:
         found = {grid[host][(local + 1) % locals_], grid[host][(local - 1) % locals_],
                  grid[(host + 1) % hosts][local], grid[(host - 1) % hosts][local]}
         found |= {grid[member][local] for member in partners(host, hosts)}
-    found.discard(rank)
     return found
 
 

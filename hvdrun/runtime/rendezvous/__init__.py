@@ -1,0 +1,129 @@
+"""Rendezvous: rank 0 serves an authenticated TCP control socket that every rank joins, itself or through its host.
+
+1. Every rank sends its :class:`Peer` record (host, pid, data endpoint); rank 0 answers with the job's
+   :class:`~hvdrun.runtime.peers.Layout` (every rank's host, small) and the full records that rank's collectives
+   need (its ring neighbours and links: :data:`~hvdrun.runtime.peers.NeedsPlan`), or with an error naming the
+   ranks that never arrived. On a host with several ranks, its local rank 0 leads it (:mod:`.leader`): the host's
+   ranks join it over a local socket and it joins rank 0 for them, so rank 0 holds one connection per host.
+2. Afterwards the control connections are the job's failure detector: if one drops without a goodbye, rank 0
+   (or the host's leader) tells every other rank which rank died; if rank 0 drops, every rank notices (through
+   its leader). Either way the :class:`AbortFlag` is set and every wait loop raises.
+3. They also carry reports (:mod:`hvdrun.runtime.forensics`): an inspector that knows the secret
+   (``hvdrun stacks``, or hvdrun on Ctrl-\\) connects to rank 0 and sends ``("inspect",)``; rank 0 asks
+   every rank for its report over the control connections (a leader answers for its host) and answers with all
+   of them. Rank 0's stall check gathers the same reports itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from hvdrun import envvars
+from hvdrun.runtime.peers import NeedsPlan, Peer, PeerTable, ring_neighbours
+from hvdrun.runtime.rendezvous.client import Client
+from hvdrun.runtime.rendezvous.common import (
+    INSPECT,
+    REPORT_TIMEOUT_S,
+    SIGNAL,
+    Reporter,
+    Upstream,
+    bind_host,
+    listen,
+    local_socket_name,
+    reserve_listener,
+    route_to,
+)
+from hvdrun.runtime.rendezvous.leader import HostLeader
+from hvdrun.runtime.rendezvous.server import RootServer
+from hvdrun.runtime.transport.base import AbortFlag
+
+__all__ = ["INSPECT", "REPORT_TIMEOUT_S", "SIGNAL", "Peer", "PeerTable", "Rendezvous", "bind_host", "listen",
+           "reserve_listener"]
+
+
+class Rendezvous:
+    """One rank's membership in the job's control plane.
+
+    With ``local_rank``/``local_size`` known (hvdrun's launchers set them) and more than one rank on a host,
+    the host's local rank 0 leads it: the host's other ranks join it over a local socket, it joins rank 0 for
+    all of them and relays aborts, reports and signals (:mod:`hvdrun.runtime.host_leader`), so rank 0 holds one
+    connection per host. Without them every rank joins rank 0 itself.
+
+    Args:
+        rank: this rank.
+        size: number of ranks.
+        addr: rank 0's advertised address.
+        port: rank 0's control port.
+        secret: the job's secret (bytes).
+        abort: the flag to set when a peer fails.
+        generation: how many times this process called init() before; all ranks agree on it.
+        local_rank: this rank's index on its host (None: unknown, join rank 0 directly).
+        local_size: number of ranks on this host.
+    """
+
+    def __init__(self, rank: int, size: int, addr: str, port: int, secret: bytes, abort: AbortFlag,
+                 generation: int = 0, local_rank: int | None = None, local_size: int | None = None) -> None:
+        self.rank, self.size, self.addr, self.port = rank, size, addr, port
+        self.abort, self.secret, self.generation = abort, secret, generation
+        self.grouped = local_rank is not None and (local_size or 1) > 1 and sys.platform.startswith("linux") \
+            and os.environ.get(envvars.RENDEZVOUS, "").lower() != "flat"
+        self.role = "root" if rank == 0 else "leader" if self.grouped and local_rank == 0 else \
+            "local" if self.grouped else "client"
+        self._server = RootServer(addr, port, size, secret, abort, generation) if rank == 0 else None
+        self._client: Client | None = None
+        self._leader: HostLeader | None = None
+        if self.role == "client":
+            self._client = Client(Upstream(addr, port), secret, abort, generation)
+
+    def local_address(self, deadline: float) -> str:
+        """The address of this rank that the others can reach (the route to rank 0)."""
+        if self.role == "root":
+            return self.addr
+        if self._client is not None:
+            return str(self._client.connect(deadline).getsockname()[0])
+        return route_to(self.addr, self.port)
+
+    def exchange(self, me: Peer, timeout_s: float, needs: NeedsPlan = ring_neighbours) -> PeerTable:
+        """Publish ``me``; return the job's layout with the records this rank needs (``needs``), by rank."""
+        deadline = time.monotonic() + timeout_s
+        local_name = local_socket_name(self.secret, self.generation, me.host_key) if self.grouped else None
+        if self._server is not None:
+            return self._server.gather(me, deadline, needs, local_name)
+        if self.role == "leader":
+            assert local_name is not None
+            self._leader = HostLeader(Client(Upstream(self.addr, self.port), self.secret, self.abort,
+                                              self.generation), local_name)
+            return self._leader.exchange(me, deadline)
+        if self.role == "local":
+            self._client = Client(Upstream(self.addr, self.port, local_name), self.secret, self.abort,
+                                   self.generation)
+        assert self._client is not None
+        return self._client.join_table(me, deadline)
+
+    def set_reporter(self, reporter: Reporter) -> None:
+        """What this rank answers when asked for its report."""
+        for endpoint in (self._server, self._leader, self._client):
+            if endpoint is not None:
+                endpoint.reporter = reporter
+
+    def gather_reports(self) -> tuple[list[dict[str, Any]], dict[int, str]] | None:
+        """Rank 0: every rank's report and why some have none (other ranks: None)."""
+        return self._server.gather_reports() if self._server is not None else None
+
+    def report_failure(self, reason: str) -> None:
+        """Tell the other ranks that this rank hit a fatal error (rank 0 relays it)."""
+        if self._server is not None:
+            self._server.broadcast_abort(reason)
+            return
+        endpoint = self._leader or self._client
+        if endpoint is not None:
+            endpoint.report_failure(reason)
+
+    def close(self) -> None:
+        """Leave the job cleanly."""
+        for endpoint in (self._server, self._leader, self._client):
+            if endpoint is not None:
+                endpoint.close()

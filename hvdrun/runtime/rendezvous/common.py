@@ -1,0 +1,160 @@
+"""What every role of the rendezvous shares: constants, listening sockets, local sockets and small helpers."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import ipaddress
+import marshal
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hvdrun import envvars
+from hvdrun.errors import RendezvousError
+
+HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this, whatever it sends
+REPORT_TIMEOUT_S = 3.0  # how long rank 0 waits for the ranks' reports (a rank stuck holding the GIL never answers)
+INSPECT = "inspect"
+SIGNAL = "signal"  # an inspector's request: pass signal N to every rank's process (hvdrun --forward-signals)
+Reporter = Callable[[], dict[str, Any]]
+_BIND_RETRY_S = 5.0
+MIN_BACKLOG = 128
+# Rank 0 keeps its listening socket for the life of the process: between a shutdown() and the
+# next init() the kernel could otherwise hand the port to another socket (an ephemeral port).
+_listeners: dict[tuple[str, int], socket.socket] = {}
+
+
+def bind_host(addr: str) -> str:
+    """Where to listen so that ranks reach ``addr``: that address itself when it is an IP address
+    (loopback for a job on one machine, the advertised interface otherwise), every interface for a name."""
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        return ""
+    return addr
+
+
+def listen(addr: str, port: int, backlog: int) -> socket.socket:
+    """A listening socket on ``bind_host(addr):port``; a port taken by someone else is retried for a while.
+
+    Raises:
+        RendezvousError: the port stayed taken.
+    """
+    deadline = time.monotonic() + _BIND_RETRY_S
+    while True:
+        try:
+            return socket.create_server((bind_host(addr), port), backlog=max(backlog, MIN_BACKLOG))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                where, reason = f"{bind_host(addr) or '*'}:{port}", os.strerror(e.errno or 0)
+                raise RendezvousError(f"cannot listen on {where}: {reason}; the port hvdrun chose was taken by "
+                                      "another program meanwhile: start the job again") from e
+            time.sleep(0.1)
+
+
+def reserve_listener(addr: str, port: int, sock: socket.socket) -> None:
+    """Keep ``sock`` (listening on ``addr:port``) for a later rank 0 of this process to serve on."""
+    _listeners[(addr, port)] = sock
+
+
+def listener_for(addr: str, port: int, size: int) -> socket.socket:
+    sock = _listeners.get((addr, port))
+    if sock is None or sock.fileno() < 0:
+        sock = _listeners[(addr, port)] = listen(addr, port, size)
+    else:
+        sock.listen(max(size, MIN_BACKLOG))  # a larger job than last time: room for all its ranks at once
+    return sock
+
+
+def report_or_none(reporter: Reporter | None) -> dict[str, Any] | None:
+    """The reporter's report, or None when there is none or it failed: a report never breaks the control plane."""
+    if reporter is None:
+        return None
+    try:
+        report = reporter()
+        marshal.dumps(report)  # what travels must marshal
+        return report
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def signal_self(signum: Any) -> None:
+    """Pass a forwarded signal to this rank's process (its handler runs in the main thread)."""
+    try:
+        os.kill(os.getpid(), int(signum))
+    except (OSError, ValueError, TypeError):
+        pass
+
+
+def drop_handshake(sock: socket.socket) -> None:
+    """End a handshake that took too long (the admitting thread's recv then fails)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def local_socket_name(secret: bytes, generation: int, host_key: str) -> str:
+    """The abstract Unix socket (Linux) where a host's leader gathers that host's ranks: derived from the job's
+    secret (not revealing it), the init generation and the host, so jobs and hosts never share one."""
+    digest = hashlib.sha256(secret + f"/{generation}/{host_key}".encode()).hexdigest()[:32]
+    return f"\0hvdrun-rdv-{digest}"
+
+
+def listen_local(name: str) -> socket.socket:
+    """Listen on the abstract Unix socket ``name``.
+
+    Raises:
+        RendezvousError: it is taken (another process leads this host's ranks for the same job and init).
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(name)
+    except OSError as e:
+        sock.close()
+        raise RendezvousError(f"cannot gather this host's ranks: its local socket is taken ({e.strerror}): two ranks "
+                              f"of this host both have local rank 0 ({envvars.LOCAL_RANK})") from e
+    sock.listen(MIN_BACKLOG)
+    return sock
+
+
+def route_to(addr: str, port: int) -> str:
+    """This host's address on the route to ``addr`` (a UDP socket's source address: nothing is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((addr, port))
+            return str(probe.getsockname()[0])
+        except OSError:
+            return addr
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where a rank joins: rank 0 over TCP, or its host's leader over a local socket (``local_name``)."""
+
+    addr: str
+    port: int
+    local_name: str | None = None
+
+    def describe(self) -> str:
+        """``rank 0 at ADDR:PORT`` or ``this host's leader (local rank 0)``."""
+        return "this host's leader (local rank 0)" if self.local_name else f"rank 0 at {self.addr}:{self.port}"
+
+    def open(self) -> socket.socket:
+        """A connected socket (not yet authenticated)."""
+        if self.local_name is None:
+            return socket.create_connection((self.addr, self.port), timeout=HANDSHAKE_TIMEOUT_S)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            sock.connect(self.local_name)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+

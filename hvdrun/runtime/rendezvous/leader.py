@@ -1,0 +1,293 @@
+"""A host's leader (its local rank 0, when it is not rank 0): one connection to rank 0 for the whole host.
+
+The host's other ranks join the leader on a local socket (authenticated with the job's secret, as rank 0's
+TCP socket is). The leader joins rank 0 with its own record, then sends each local rank's record as it
+arrives (so rank 0 still names exactly the ranks that never came), hands its ranks the table rank 0 sent for
+the host, and from then on relays:
+
+* down, from rank 0: aborts, signals, goodbyes and report requests (answered with every local rank's report,
+  and why some have none, in one message);
+* up, from its ranks: aborts, and a rank that disconnects without a goodbye, named as rank 0 would name it.
+
+If rank 0 goes, the leader tells its ranks with the words every rank used when it watched rank 0 itself.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from dataclasses import astuple
+from typing import Any
+
+from hvdrun.errors import RendezvousError
+from hvdrun.runtime.peers import Peer, PeerTable
+from hvdrun.runtime.rendezvous.client import Client
+from hvdrun.runtime.rendezvous.common import (
+    HANDSHAKE_TIMEOUT_S,
+    REPORT_TIMEOUT_S,
+    SIGNAL,
+    Reporter,
+    listen_local,
+    report_or_none,
+    signal_self,
+)
+from hvdrun.runtime.wire import AuthError, authenticate_client, recv_frame, send_frame
+
+_LOCAL_HANDSHAKE_S = 2.0  # a local rank's handshake; a connection that stalls longer is dropped
+
+
+class _Pending:
+    """A report request of rank 0 that the leader's ranks are answering."""
+
+    def __init__(self, request: int, expected: set[int], timeout_s: float) -> None:
+        self.request, self.expected, self.timeout_s = request, expected, timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.reports: dict[int, Any] = {}
+        self.absent: dict[int, str] = {}
+
+    def done(self) -> bool:
+        return not self.expected - set(self.reports) - set(self.absent) or time.monotonic() >= self.deadline
+
+
+class HostLeader:
+    """The leader of one host's ranks (see the module docstring).
+
+    Args:
+        up: this rank's connection to rank 0 (not yet joined).
+        local_name: the local socket the host's ranks join.
+    """
+
+    def __init__(self, up: Client, local_name: str) -> None:
+        self.up, self.abort = up, up.abort
+        self.listener = listen_local(local_name)
+        self.locals: dict[socket.socket, Peer] = {}
+        self._said_bye: set[socket.socket] = set()
+        self._pending: dict[int, _Pending] = {}
+        self._send_lock = threading.Lock()
+        self._closing = False
+        self._wake_read, self._wake_write = os.pipe()
+        self._watcher: threading.Thread | None = None
+        self.reporter: Reporter | None = None
+        self.me: Peer | None = None
+
+    # -- joining ------------------------------------------------------------------------------------------
+    def exchange(self, me: Peer, deadline: float) -> PeerTable:
+        """Join rank 0 for the host: gather local ranks until rank 0 answers with the table (or an error)."""
+        self.me = me
+        rows: list[tuple[Any, ...]] = [astuple(me)]
+        sock = self.up.connect(deadline)
+        send_frame(sock, (self.up.generation, [list(row) for row in rows]))
+        while True:
+            remaining = deadline + HANDSHAKE_TIMEOUT_S - time.monotonic()
+            if remaining <= 0:
+                self._fail_locals("rank 0 did not answer the rendezvous in time")
+                raise RendezvousError(f"rank 0 at {self.up.addr} did not answer the rendezvous in time")
+            readable = select.select([self.listener, sock], [], [], min(remaining, 0.5))[0]
+            if self.listener in readable:
+                peer = self._admit_local()
+                if peer is not None:
+                    rows.append(astuple(peer))
+                    send_frame(sock, ("rows", [list(astuple(peer))]))
+            if sock in readable:
+                message = self._answer_of_rank0()
+                if message[0] == "retry":  # rank 0 of an earlier init(): join its next one
+                    sock = self._rejoin(rows, deadline)
+                    continue
+                return self._hand_out(message)
+
+    def _answer_of_rank0(self) -> tuple[Any, ...]:
+        try:
+            return self.up.receive_answer()
+        except RendezvousError as e:
+            self._fail_locals(str(e))
+            raise
+
+    def _rejoin(self, rows: list[tuple[Any, ...]], deadline: float) -> socket.socket:
+        assert self.up.sock is not None
+        self.up.sock.close()
+        self.up.sock = None
+        time.sleep(0.02)
+        sock = self.up.connect(deadline)
+        send_frame(sock, (self.up.generation, [list(row) for row in rows]))
+        return sock
+
+    def _hand_out(self, message: tuple[Any, ...]) -> PeerTable:
+        """Pass rank 0's answer to every local rank; the table, or the error raised."""
+        if message[0] != "table":
+            self._fail_locals(str(message[1]))
+            raise RendezvousError(str(message[1]))
+        assert self.me is not None and self.up.sock is not None
+        for sock in self.locals:
+            self._send(sock, ("table", message[1], message[2], self.me.describe()))
+        self.up.sock.settimeout(None)
+        self._watcher = threading.Thread(target=self._watch, name="hvdrun-host-leader", daemon=True)
+        self._watcher.start()
+        return PeerTable.decode(message[1], message[2])
+
+    def _admit_local(self) -> Peer | None:
+        """One local rank's handshake and record; None for a connection that is not one."""
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return None
+        sock.settimeout(_LOCAL_HANDSHAKE_S)
+        try:
+            authenticate_client(sock, self.up.secret)
+            generation, row = recv_frame(sock)
+            peer = Peer(*row)
+            if generation != self.up.generation or any(p.rank == peer.rank for p in self.locals.values()):
+                send_frame(sock, ("error", f"rank {peer.rank} is not expected by this host's leader"))
+                sock.close()
+                return None
+        except (OSError, ValueError, TypeError, EOFError, AuthError, ConnectionError):
+            sock.close()
+            return None
+        sock.settimeout(None)
+        self.locals[sock] = peer
+        return peer
+
+    def _fail_locals(self, why: str) -> None:
+        for sock in self.locals:
+            try:
+                send_frame(sock, ("error", why))
+            except OSError:
+                pass
+
+    # -- relaying -----------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        up = self.up.sock
+        assert up is not None
+        while not self._closing:
+            live = [sock for sock in self.locals if sock not in self._said_bye]
+            watched: list[Any] = [up, self._wake_read, *live]
+            try:
+                readable = select.select(watched, [], [], self._next_timeout())[0]
+            except (OSError, ValueError):
+                return
+            if self._wake_read in readable:
+                return
+            if up in readable and not self._from_rank0(up):
+                return
+            for sock in readable:
+                if sock in self.locals:
+                    self._from_local(sock)
+            self._answer_reports()
+
+    def _next_timeout(self) -> float:
+        if not self._pending:
+            return 0.5
+        return max(min(p.deadline for p in self._pending.values()) - time.monotonic(), 0.0)
+
+    def _from_rank0(self, up: socket.socket) -> bool:
+        """Relay one message of rank 0; False when watching rank 0 is over."""
+        try:
+            message = recv_frame(up)
+            kind = message[0]
+        except (OSError, ConnectionError, EOFError, ValueError, IndexError, TypeError):
+            if not self._closing:
+                self._abort_all(f"lost the connection to rank 0 at {self.up.addr}: rank 0 exited or crashed")
+            return False
+        if kind == "abort":
+            self._abort_all(str(message[1]))
+        elif kind == "bye":  # rank 0 shut down cleanly: so does everyone
+            self._to_locals(("bye",))
+            return False
+        elif kind == SIGNAL:
+            self._to_locals(message)
+            signal_self(message[1])
+        elif kind == "report?":
+            self._ask_reports(int(message[1]), float(message[2]) if len(message) > 2 else REPORT_TIMEOUT_S)
+        return True
+
+    def _from_local(self, sock: socket.socket) -> None:
+        peer = self.locals[sock]
+        try:
+            message = recv_frame(sock)
+            kind = message[0]
+        except (OSError, ConnectionError, EOFError, ValueError, IndexError, TypeError):
+            message, kind = None, None
+        if kind == "bye":
+            self._said_bye.add(sock)
+        elif kind == "report":
+            pending = self._pending.get(message[1])
+            if pending is not None:
+                pending.reports[peer.rank] = message[2]
+        elif kind == "abort":
+            self._up_send(("abort", message[1]))
+        elif not self._closing:
+            self._said_bye.add(sock)  # no longer watched
+            reason = f"{peer.describe()} disconnected without shutting down: it exited or crashed"
+            self._abort_all(reason)
+            self._up_send(("abort", reason))
+
+    def _ask_reports(self, request: int, timeout_s: float) -> None:
+        live = {sock: peer for sock, peer in self.locals.items() if sock not in self._said_bye}
+        # answer rank 0 before its own wait ends
+        pending = _Pending(request, {peer.rank for peer in live.values()}, timeout_s * 0.8)
+        pending.absent.update({peer.rank: "it left the job" for sock, peer in self.locals.items()
+                               if sock in self._said_bye})
+        own = report_or_none(self.reporter)
+        if own is not None and self.me is not None:
+            pending.reports[self.me.rank] = own
+        for sock, peer in live.items():
+            try:
+                self._send(sock, ("report?", request))
+            except OSError as e:
+                pending.absent[peer.rank] = f"its control connection failed: {e}"
+        self._pending[request] = pending
+
+    def _answer_reports(self) -> None:
+        for request, pending in list(self._pending.items()):
+            if pending.done():
+                del self._pending[request]
+                for rank in pending.expected - set(pending.reports) - set(pending.absent):
+                    pending.absent[rank] = (f"did not answer within {pending.timeout_s:.2g} s (busy in code "
+                                           "that holds Python's lock?)")
+                self._up_send(("reports", request, pending.reports, pending.absent))
+
+    def _abort_all(self, reason: str) -> None:
+        self.abort.set(reason)
+        self._to_locals(("abort", reason))
+
+    def _to_locals(self, message: Any) -> None:
+        for sock in [s for s in self.locals if s not in self._said_bye]:
+            try:
+                self._send(sock, message)
+            except OSError:
+                pass
+
+    def _send(self, sock: socket.socket, message: Any) -> None:
+        with self._send_lock:
+            send_frame(sock, message)
+
+    def _up_send(self, message: Any) -> None:
+        try:
+            self.up.send(message)
+        except (OSError, AssertionError):
+            pass
+
+    # -- leaving ------------------------------------------------------------------------------------------
+    def report_failure(self, reason: str) -> None:
+        """Ask rank 0 to abort every rank with ``reason``, and tell this host's ranks at once (rank 0 may be the
+        rank that is gone, and this rank may exit as soon as it returns)."""
+        self._up_send(("abort", reason))
+        self._abort_all(reason)
+
+    def close(self) -> None:
+        """Leave cleanly: goodbye to rank 0 and to this host's ranks."""
+        if self._closing:
+            return
+        self._closing = True
+        os.write(self._wake_write, b"\0")
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(2.0)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+        self._to_locals(("bye",))
+        for sock in self.locals:
+            sock.close()
+        self.listener.close()
+        self.up.close()

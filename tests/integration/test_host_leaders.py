@@ -1,0 +1,48 @@
+"""The rendezvous through host leaders (runtime/rendezvous/leader.py): a host's ranks join its local rank 0, which
+joins rank 0 for them and relays failures, reports and goodbyes. Ranks given host names of their own
+(``spawn_ranks(hosts=...)``) are separate hosts to the runtime; 3 hosts x 2 ranks: ranks 2 and 4 lead theirs."""
+
+import re
+
+import pytest
+
+from tests.integration.test_runtime import worker
+
+WORKER = worker("host_leaders.py")
+HOSTS = [("a", 2), ("b", 2), ("c", 2)]
+
+
+def _finish(procs: dict) -> dict[int, tuple[str, str]]:
+    return {rank: proc.communicate(timeout=90) for rank, proc in procs.items()}
+
+
+def test_ranks_join_through_their_hosts_leaders_and_reports_come_back_through_them(spawn_ranks):
+    procs = spawn_ranks(WORKER, 6, args=("stacks",), hosts=HOSTS)
+    outputs = _finish(procs)
+    for rank, (stdout, stderr) in outputs.items():
+        assert procs[rank].returncode == 0 and f"rank {rank}: ok" in stdout, stderr[-2000:]
+    assert "reports from ranks [0, 1, 2, 3, 4, 5], absent []" in outputs[0][0]
+
+
+@pytest.mark.parametrize("victim, named", [(5, "rank 5 (host c,"), (4, "rank 4 (host c,"), (0, "rank 0")],
+                         ids=["a-leaders-rank-dies", "a-leader-dies", "rank-0-dies"])
+def test_a_death_anywhere_reaches_every_rank_through_the_leaders(spawn_ranks, victim, named):
+    procs = spawn_ranks(WORKER, 6, args=("die", str(victim)), hosts=HOSTS)
+    outputs = _finish(procs)
+    assert procs[victim].returncode == -9
+    for rank, (stdout, stderr) in outputs.items():
+        if rank == victim:
+            continue
+        assert procs[rank].returncode == 0, stderr[-2000:]
+        seconds = float(re.search(r"raised after ([\d.]+) s", stdout).group(1))
+        assert seconds < 30, stdout  # a bound against hanging, not a timing claim
+        assert named in stdout, stdout
+
+
+def test_a_rank_that_never_comes_is_named_exactly(spawn_ranks):
+    procs = spawn_ranks(WORKER, 6, ranks=[0, 1, 2, 4, 5], args=("ok",), hosts=HOSTS,
+                        env={"HVDRUN_START_TIMEOUT": "4"})
+    outputs = _finish(procs)
+    assert all(proc.returncode != 0 for proc in procs.values())
+    assert "ranks 3 never joined rank 0" in outputs[0][1], outputs[0][1][-2000:]
+    assert "ranks 3 never joined rank 0" in outputs[2][1], outputs[2][1][-2000:]  # its leader hears rank 0's error
