@@ -113,6 +113,7 @@ class PeerTable(Sequence[Peer]):
 
     def __init__(self, layout: Layout, records: dict[int, Peer]) -> None:
         self.layout, self._records = layout, records
+        self._encoded_layout: tuple[Any, ...] | None = None  # the same for every rank: encoded once
 
     @classmethod
     def decode(cls, layout: Sequence[Any], rows: Sequence[Sequence[Any]]) -> PeerTable:
@@ -122,7 +123,9 @@ class PeerTable(Sequence[Peer]):
 
     def encode_for(self, ranks: set[int]) -> tuple[Any, list[tuple[Any, ...]]]:
         """The message for a rank that needs ``ranks`` (rank 0's record is always included)."""
-        return self.layout.encode(), [astuple(self._records[r]) for r in sorted(ranks | {0})]
+        if self._encoded_layout is None:
+            self._encoded_layout = self.layout.encode()
+        return self._encoded_layout, [astuple(self._records[r]) for r in sorted(ranks | {0})]
 
     def __len__(self) -> int:
         return self.layout.size

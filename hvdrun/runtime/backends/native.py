@@ -109,12 +109,12 @@ class NativeBackend(Backend):
             waiter = Waiter(own.bell if own else None, abort, spin, [segment.bell for segment in receiving])
             ring = Ring(rank, size, tx, rx, waiter)
             lane = open_lane(board, job_key, rank, size, world.local_size, abort, use_shm, own_core=spin > 0)
-            ring.allgather_messages(b"")  # every peer has opened our ring (and the board) and made its link segments
+            rendezvous.barrier(1, deadline)  # every peer has opened our ring (and the board) and made its link segments
             for p, segment in zip(sorted(local), receiving, strict=True):
                 links[p], opened = shm_link(job_key, rank, p, segment, LINK_CAPACITY_BYTES)
                 segments += [segment, opened]
             if grid is not None:
-                ring.allgather_messages(b"")  # every peer has opened our link segments: names may go
+                rendezvous.barrier(2, deadline)  # every peer has opened our link segments: names may go
             hierarchy = Hierarchy.build(grid, rank, links, ring, choice) if grid is not None else None
             backend = cls(world, ring, segments, peers, hierarchy, list(links.values()))
             backend.lane = lane

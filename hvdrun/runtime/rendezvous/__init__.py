@@ -113,6 +113,17 @@ class Rendezvous:
         """Rank 0: every rank's report and why some have none (other ranks: None)."""
         return self._server.gather_reports() if self._server is not None else None
 
+    def barrier(self, number: int, deadline: float) -> None:
+        """Set-up barrier ``number`` over the control connections: returns once every rank reached it.
+
+        Raises:
+            CollectiveError: the job was aborted meanwhile (a rank died).
+            RendezvousError: not every rank arrived by the monotonic ``deadline``.
+        """
+        endpoint = self._server or self._leader or self._client
+        if endpoint is not None:
+            endpoint.barrier(number, deadline)
+
     def report_failure(self, reason: str) -> None:
         """Tell the other ranks that this rank hit a fatal error (rank 0 relays it)."""
         if self._server is not None:

@@ -13,6 +13,7 @@ from hvdrun.runtime.peers import Peer, PeerTable
 from hvdrun.runtime.rendezvous.common import (
     HANDSHAKE_TIMEOUT_S,
     SIGNAL,
+    Barriers,
     Reporter,
     Upstream,
     report_or_none,
@@ -35,6 +36,7 @@ class Client:
         self._lost = f"lost the connection to rank 0 at {upstream.addr}: rank 0 exited or crashed"
         self.reporter: Reporter | None = None  # this rank's report (set by the runtime)
         self._send_lock = threading.Lock()
+        self.barriers = Barriers(abort)
 
     def connect(self, deadline: float) -> socket.socket:
         """Connect upstream and authenticate, retrying until ``deadline``.
@@ -127,6 +129,8 @@ class Client:
                     continue
                 if kind == "report?":
                     self.send(("report", message[1], report_or_none(self.reporter) or {}))
+                elif kind == "go":
+                    self.barriers.release(message[1])
         except (OSError, ConnectionError, EOFError, ValueError, IndexError, TypeError):
             if not self._closing:
                 self.abort.set(self._lost)
@@ -136,6 +140,11 @@ class Client:
         assert self.sock is not None
         with self._send_lock:
             send_frame(self.sock, message)
+
+    def barrier(self, number: int, deadline: float) -> None:
+        """Set-up barrier ``number``: tell upstream this rank reached it, wait until every rank did."""
+        self.send(("ready", number, 1))
+        self.barriers.wait(number, deadline)
 
     def report_failure(self, reason: str) -> None:
         """Ask rank 0 to abort every rank with ``reason``."""

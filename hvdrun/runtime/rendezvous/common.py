@@ -8,6 +8,7 @@ import ipaddress
 import marshal
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 
 from hvdrun import envvars
 from hvdrun.errors import RendezvousError
+from hvdrun.runtime.transport.base import AbortFlag
 
 HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this, whatever it sends
 REPORT_TIMEOUT_S = 3.0  # how long rank 0 waits for the ranks' reports (a rank stuck holding the GIL never answers)
@@ -158,3 +160,42 @@ class Upstream:
         return sock
 
 
+
+
+class Barriers:
+    """Set-up barriers over the control connections (the data plane's links are not all usable yet): how many
+    ranks reached barrier N so far, and whether N was released. Waits end on release, abort or deadline."""
+
+    def __init__(self, abort: AbortFlag) -> None:
+        self.abort = abort
+        self._changed = threading.Condition()
+        self._counts: dict[int, int] = {}
+        self._released: set[int] = set()
+
+    def add(self, number: int, count: int) -> int:
+        """``count`` more ranks reached barrier ``number``; the total so far."""
+        with self._changed:
+            self._counts[number] = self._counts.get(number, 0) + count
+            self._changed.notify_all()
+            return self._counts[number]
+
+    def release(self, number: int) -> None:
+        """Barrier ``number`` is complete everywhere."""
+        with self._changed:
+            self._released.add(number)
+            self._changed.notify_all()
+
+    def wait(self, number: int, deadline: float, reached: int | None = None) -> None:
+        """Until barrier ``number`` is released (or, with ``reached``, until that many ranks reached it).
+
+        Raises:
+            CollectiveError: the job was aborted meanwhile (a rank died).
+            RendezvousError: the deadline passed.
+        """
+        with self._changed:
+            while not (number in self._released if reached is None else self._counts.get(number, 0) >= reached):
+                self.abort.check()
+                if time.monotonic() > deadline:
+                    raise RendezvousError(f"set-up barrier {number}: not every rank arrived before the start "
+                                          f"deadline (raise {envvars.START_TIMEOUT} if they start slowly)")
+                self._changed.wait(0.05)

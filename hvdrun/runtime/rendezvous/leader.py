@@ -29,6 +29,7 @@ from hvdrun.runtime.rendezvous.common import (
     HANDSHAKE_TIMEOUT_S,
     REPORT_TIMEOUT_S,
     SIGNAL,
+    Barriers,
     Reporter,
     listen_local,
     report_or_none,
@@ -72,6 +73,7 @@ class HostLeader:
         self._watcher: threading.Thread | None = None
         self.reporter: Reporter | None = None
         self.me: Peer | None = None
+        self.barriers = Barriers(self.abort)
 
     # -- joining ------------------------------------------------------------------------------------------
     def exchange(self, me: Peer, deadline: float) -> PeerTable:
@@ -200,6 +202,9 @@ class HostLeader:
             signal_self(message[1])
         elif kind == "report?":
             self._ask_reports(int(message[1]), float(message[2]) if len(message) > 2 else REPORT_TIMEOUT_S)
+        elif kind == "go":
+            self._to_locals(message)
+            self.barriers.release(message[1])
         return True
 
     def _from_local(self, sock: socket.socket) -> None:
@@ -217,6 +222,8 @@ class HostLeader:
                 pending.reports[peer.rank] = message[2]
         elif kind == "abort":
             self._up_send(("abort", message[1]))
+        elif kind == "ready":
+            self._reached(message[1], message[2])
         elif not self._closing:
             self._said_bye.add(sock)  # no longer watched
             reason = f"{peer.describe()} disconnected without shutting down: it exited or crashed"
@@ -268,6 +275,15 @@ class HostLeader:
             self.up.send(message)
         except (OSError, AssertionError):
             pass
+
+    def barrier(self, number: int, deadline: float) -> None:
+        """Set-up barrier ``number``: once this rank and every local rank reached it, rank 0 hears it for the host."""
+        self._reached(number, 1)
+        self.barriers.wait(number, deadline)
+
+    def _reached(self, number: int, count: int) -> None:
+        if self.barriers.add(number, count) == len(self.locals) + 1:
+            self._up_send(("ready", number, len(self.locals) + 1))
 
     # -- leaving ------------------------------------------------------------------------------------------
     def report_failure(self, reason: str) -> None:

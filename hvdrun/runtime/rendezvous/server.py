@@ -19,6 +19,7 @@ from hvdrun.runtime.rendezvous.common import (
     INSPECT,
     REPORT_TIMEOUT_S,
     SIGNAL,
+    Barriers,
     Reporter,
     drop_handshake,
     listen_local,
@@ -60,6 +61,7 @@ class RootServer:
         self._absent: dict[int, dict[int, str]] = {}  # request id -> rank -> why a leader has no report for it
         self._reported = threading.Condition()
         self._requests = 0
+        self.barriers = Barriers(abort)
 
     def _live(self) -> list[_Conn]:
         return [conn for conn in list(self.conns.values()) if not conn.said_bye]
@@ -280,6 +282,8 @@ class RootServer:
         kind = message[0] if isinstance(message, tuple) and message else None
         if kind in ("report", "reports"):
             self._take_reports(conn, message)
+        elif kind == "ready":
+            self.barriers.add(message[1], message[2])
         elif kind == "abort":
             self.broadcast_abort(str(message[1]))
         else:
@@ -297,6 +301,13 @@ class RootServer:
                 self._reports[request].update(message[2])
                 self._absent[request].update(message[3])
             self._reported.notify_all()
+
+    def barrier(self, number: int, deadline: float) -> None:
+        """Set-up barrier ``number``: wait until every other rank reached it (a leader counts for its host), then
+        release them all."""
+        self.barriers.wait(number, deadline, reached=self.size - 1)
+        for conn in self._live():
+            self._send(conn.sock, ("go", number))
 
     def broadcast_abort(self, reason: str) -> None:
         """Set our abort flag and tell every other rank why."""

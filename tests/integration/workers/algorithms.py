@@ -17,9 +17,10 @@ QUICK = sys.argv[1:] == ["quick"]  # fewer sizes and roots: the same paths over 
 runtime = context.init()
 size, rank = runtime.world.size, runtime.world.rank
 checked = 0
+# before any collective: a rank that fails this exits, and would fail its peers' next collective
+assert runtime.engine.backend.hierarchy is not None, "the job did not get the hierarchical collectives"
 with runtime.engine.paused() as backend:
     hierarchy = backend.hierarchy
-    assert hierarchy is not None, "the job did not get the hierarchical collectives"
     for algorithm in ("ring", "doubling", "halving"):
         hierarchy.choice = dataclasses.replace(hierarchy.choice, algorithm=algorithm)
         for elements in (size + 3, 65_537) if QUICK else (1, size - 1, size + 3, 1000, 65_537):
