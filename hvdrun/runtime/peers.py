@@ -9,6 +9,7 @@ rendezvous sends O(log hosts) records to each rank, not the whole table to every
 
 from __future__ import annotations
 
+import marshal
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import astuple, dataclass
 from typing import Any, overload
@@ -113,18 +114,19 @@ class PeerTable(Sequence[Peer]):
 
     def __init__(self, layout: Layout, records: dict[int, Peer]) -> None:
         self.layout, self._records = layout, records
-        self._encoded_layout: tuple[Any, ...] | None = None  # the same for every rank: encoded once
+        self._encoded_layout: bytes | None = None  # the same for every rank: marshalled once
 
     @classmethod
-    def decode(cls, layout: Sequence[Any], rows: Sequence[Sequence[Any]]) -> PeerTable:
-        """From the rendezvous message: an encoded layout and record rows."""
+    def decode(cls, layout: bytes, rows: Sequence[Sequence[Any]]) -> PeerTable:
+        """From the rendezvous message: the marshalled layout and record rows."""
         records = {peer.rank: peer for peer in (Peer(*row) for row in rows)}
-        return cls(Layout.decode(layout), records)
+        return cls(Layout.decode(marshal.loads(layout)), records)
 
-    def encode_for(self, ranks: set[int]) -> tuple[Any, list[tuple[Any, ...]]]:
-        """The message for a rank that needs ``ranks`` (rank 0's record is always included)."""
+    def encode_for(self, ranks: set[int]) -> tuple[bytes, list[tuple[Any, ...]]]:
+        """The message for a rank that needs ``ranks`` (rank 0's record is always included); the layout is marshalled
+        once for all ranks (at thousands of hosts it is the largest part)."""
         if self._encoded_layout is None:
-            self._encoded_layout = self.layout.encode()
+            self._encoded_layout = marshal.dumps(self.layout.encode())
         return self._encoded_layout, [astuple(self._records[r]) for r in sorted(ranks | {0})]
 
     def __len__(self) -> int:
