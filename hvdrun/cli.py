@@ -190,6 +190,9 @@ def _host_options(with_np: bool = True) -> Any:
                      help="Private key for SSH (also tried: ~/.ssh/config IdentityFile, default keys, agent)."),
         click.option("--ssh-known-hosts", type=click.Path(exists=True, dir_okay=False),
                      help="known_hosts file that vouches for host keys (default ~/.ssh/known_hosts)."),
+        click.option("--ssh-fanout", type=click.IntRange(1), metavar="N",
+                     help="Hosts hvdrun reaches over SSH itself (default 32, HVDRUN_SSH_FANOUT); the host agents on "
+                          "those reach the others, a tree."),
         click.option("--network-interface", help="Interface whose address rank 0 advertises to the other hosts."),
         click.option("--mpi-flavour", type=click.Choice(["mpich", "openmpi", "pals"]),
                      help="The MPI of --launcher mpiexec (default: from 'mpiexec --version')."),
@@ -277,6 +280,20 @@ def _elastic_options(command: Any) -> Any:
     return command
 
 
+_STAGE_ENV_HELP = ("Copy the ranks' Python environment (a venv or conda env) once to every host's own disk and run "
+                   "the ranks from the copy, not from the shared file system; the copy stays there for the next "
+                   "job (DIR/hvdrun-UID/env-FINGERPRINT; a changed environment gets a new one). Local and ssh "
+                   "launchers.")
+_STAGE_DIR_HELP = ("Where --stage-env copies it on each host (implies --stage-env; default: the cluster's local_dir, "
+                   "else /tmp).")
+
+
+def _stage_options(command: Any) -> Any:
+    """Environment staging (launch/staging.py): run, and qsub for the job's hvdrun."""
+    command = click.option("--stage-dir", metavar="DIR", help=_STAGE_DIR_HELP)(command)
+    return click.option("--stage-env", is_flag=True, help=_STAGE_ENV_HELP)(command)
+
+
 def _restart_options(command: Any) -> Any:
     """Restarts of the whole job (torchrun's --max-restarts), routed around the host that failed."""
     options = [
@@ -338,6 +355,7 @@ def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[
               help="Signals to hvdrun passed on to every rank, the job going on (default USR1,USR2; 'none').")
 @click.option("--horovod-compat", is_flag=True,
               help="'import horovod' and 'import horovod.torch' in the ranks resolve to hvdrun.")
+@_stage_options
 @_elastic_options
 @_restart_options
 @_horovodrun_options
@@ -542,6 +560,7 @@ def _job_options(command: Any) -> Any:
 
 @cli.command(context_settings={"allow_interspersed_args": False})
 @_job_options
+@_stage_options
 @click.option("--dry-run", is_flag=True, help="Print the job script (the default when not submitting).")
 @click.option("--submit", is_flag=True, help="Write the script next to the output and submit it.")
 @click.option("--wait", is_flag=True, help="Submit, follow the job and exit with its exit code.")

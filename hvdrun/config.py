@@ -14,6 +14,7 @@ A cluster file describes one machine type::
     hosts: ["x3001c0s7b0n0:4"] # optional; usually the scheduler allocation is used
                                # or mappings: {name: n1, slots: 4, user: me, python: /x/bin/python}
     python: /opt/conda/bin/python  # the workers' Python on every host (or venv: /path/to/venv)
+    local_dir: /tmp            # a directory on each node's own disk: where --stage-env copies the environment
     ssh_port: 22
     mpi_flavour: pals          # launcher mpiexec: mpich | openmpi | pals (default: detected)
     ranks_per_node: 4          # ranks on every host (default: its slots, or one per GPU)
@@ -57,7 +58,7 @@ REQUIRABLE = ("account", "walltime", "filesystems", "queue")
 
 _TOP_KEYS = ("name", "description", "launcher", "gpus_per_node", "gpu_order", "gpus_per_rank", "hosts", "env",
              "ssh_port", "python", "venv", "scheduler", "mpi_flavour", "ranks_per_node", "gpu_vendor", "tiles_per_gpu",
-             "cpu_bind", "gpu_bind")
+             "cpu_bind", "gpu_bind", "local_dir")
 _HOST_KEYS = ("name", "slots", "user", "python", "venv")
 _SCHEDULER_KEYS = ("kind", "queue", "account", "walltime", "filesystems", "template", "extra_directives",
                    "skip_directives", "max_nodes", "system", "place", "required", "valid_filesystems", "setup",
@@ -168,6 +169,7 @@ class ClusterConfig:
     tiles_per_gpu: int = 1
     cpu_bind: str | None = None
     gpu_bind: str = "hvdrun"
+    local_dir: str | None = None  # node-local directory for --stage-env (launch/staging.py)
 
 
 class _Section:
@@ -247,6 +249,15 @@ def _python(section: _Section) -> str | None:
         if value is not None and (not value.startswith("/") or any(c in value for c in "\n\0")):
             raise ConfigError(f"{section.source}: '{section.prefix}{key}' must be an absolute path, got {value!r}")
     return python or (f"{venv.rstrip('/')}/bin/python" if venv else None)
+
+
+def _absolute_path(section: _Section, key: str) -> str | None:
+    """An absolute path (no line break or NUL), or None when the key is missing."""
+    value = section.get(key, str)
+    if value is not None and (not value.startswith("/") or any(c in value for c in "\n\r\0")):
+        raise ConfigError(f"{section.source}: '{section.prefix}{key}' must be an absolute path, e.g. /tmp, "
+                          f"got {value!r}")
+    return value
 
 
 def _parse_env(section: _Section) -> dict[str, str]:
@@ -349,6 +360,7 @@ def parse_config(data: Any, source: str) -> ClusterConfig:
         ranks_per_node=top.positive_int("ranks_per_node", None), gpu_vendor=vendor, tiles_per_gpu=tiles,
         cpu_bind=top.get("cpu_bind", str),  # checked where it is used (launch/job.py)
         gpu_bind=top.choice("gpu_bind", GPU_BINDERS, "hvdrun") or "hvdrun",
+        local_dir=_absolute_path(top, "local_dir"),
     )
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,21 @@ def job_processes(token: str) -> list[psutil.Process]:
     for proc in psutil.process_iter():
         try:
             if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(TOKEN_VAR) == token:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def host_processes(addrs: Sequence[str]) -> list[psutil.Process]:
+    """Live processes started through the sshd of the hosts at ``addrs``: their environment (the login session's,
+    below every rank's own) names the address the host was reached at in ``SSH_CONNECTION``. Host agents, their
+    fork servers and the guards they fork carry no job variables in their environment, but this one."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            words = proc.environ().get("SSH_CONNECTION", "").split()
+            if len(words) == 4 and words[2] in addrs and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

@@ -27,7 +27,10 @@ from typing import TYPE_CHECKING
 from hvdrun.errors import LaunchError, UsageError
 from hvdrun.health.host_agent import HealthFacts, ask_token, serve_token, torch_facts
 from hvdrun.hosts import Host
-from hvdrun.launch.connections import (
+from hvdrun.launch.hostprobe import explain_probe_failure, module_command
+from hvdrun.launch.local import LOOPBACK
+from hvdrun.launch.remote import cpubind
+from hvdrun.launch.remote.connections import (
     DEFAULT_SSH_PORT,
     SshOptions,
     SshTarget,
@@ -36,9 +39,6 @@ from hvdrun.launch.connections import (
     resolve_targets,
     run_command,
 )
-from hvdrun.launch.hostprobe import explain_probe_failure, module_command
-from hvdrun.launch.local import LOOPBACK
-from hvdrun.launch.remote import cpubind
 from hvdrun.launch.remote.hostfacts import interface_address
 from hvdrun.ranks import GpuLayout
 from hvdrun.version import __version__

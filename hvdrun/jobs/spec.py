@@ -32,6 +32,7 @@ from hvdrun.errors import UsageError
 from hvdrun.jobs import SCHEDULERS, scheduler_class
 from hvdrun.jobs.base import JobSpec, quote
 from hvdrun.launch.remote.cpubind import CpuBindError, parse_cpu_bind
+from hvdrun.schedulers import SLURM
 
 DEFAULT_OUTPUT_DIR = "hvdrun-jobs"
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}")
@@ -70,6 +71,8 @@ class JobRequest:
     run_args: str | None = None
     max_restarts: int | None = None
     spares: int | None = None
+    stage_env: bool = False
+    stage_dir: str | None = None
 
 
 def load_job_config(request: JobRequest) -> tuple[ClusterConfig | None, list[str]]:
@@ -272,19 +275,50 @@ def _restart_args(request: JobRequest, nodes: int, unit: str) -> list[str]:
     return args + (["--spares", str(spares)] if spares else [])
 
 
+def _run_args(request: JobRequest) -> list[str]:
+    """``--run-args``, split as the shell would."""
+    try:
+        return shlex.split(request.run_args or "")
+    except ValueError as e:
+        raise UsageError(f"--run-args {request.run_args!r}: {e}") from None
+
+
+def _job_launcher(run_args: Sequence[str], config: ClusterConfig | None, kind: str, nodes: int) -> tuple[str, str]:
+    """The launcher the job's hvdrun will use, and where that choice comes from (as ``launch/job.py`` chooses:
+    srun in a Slurm job of several nodes)."""
+    given = [word.split("=", 1)[1] if "=" in word else (run_args[i + 1] if i + 1 < len(run_args) else "")
+             for i, word in enumerate(run_args) if word.split("=", 1)[0] == "--launcher"]
+    if given:
+        return given[-1], "--run-args"
+    if config is not None and config.launcher:
+        return config.launcher, f"the launcher of {config.source}"
+    return ("srun", "hvdrun's default in a Slurm job") if kind == SLURM and nodes > 1 else ("ssh", "hvdrun's default")
+
+
+def _stage_args(request: JobRequest, config: ClusterConfig | None, kind: str, nodes: int) -> list[str]:
+    """``--stage-env [--stage-dir DIR]`` for the job's hvdrun, whose launcher must be local or ssh."""
+    from hvdrun.launch.staging import check_stage_dir
+
+    if not (request.stage_env or request.stage_dir):
+        return []
+    launcher, source = _job_launcher(_run_args(request), config, kind, nodes)
+    if launcher not in ("local", "ssh"):
+        raise UsageError(f"--stage-env works with the local and ssh launchers, and the job's hvdrun would use "
+                         f"{launcher} ({source}): add --run-args '--launcher ssh' (the job's hvdrun then reaches "
+                         "its nodes over SSH)")
+    directory = check_stage_dir(request.stage_dir, "--stage-dir") if request.stage_dir else None
+    return ["--stage-env", *(["--stage-dir", directory] if directory else [])]
+
+
 def _launch(request: JobRequest, config_args: list[str], python: str, ranks_per_node: int,
-            restart_args: Sequence[str]) -> tuple[str, ...]:
+            run_options: Sequence[str]) -> tuple[str, ...]:
     from hvdrun.launch.job import resolve_command
 
     command = resolve_command(request.command, check_program=False)
     args = [python, "-m", "hvdrun", *config_args, "--ranks-per-node", str(ranks_per_node)]
     if request.gpus_per_node is not None:
         args += ["--gpus-per-node", str(request.gpus_per_node)]
-    args += restart_args
-    try:
-        args += shlex.split(request.run_args or "")
-    except ValueError as e:
-        raise UsageError(f"--run-args {request.run_args!r}: {e}") from None
+    args += [*run_options, *_run_args(request)]
     return (*args, "--", *command)
 
 
@@ -314,7 +348,7 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
     ranks_per_node = request.ranks_per_node or (nodes if unit == "gpus" else None) or (
         config.ranks_per_node if config else None) or max(gpus // per_rank, 1)
     _check_cpu_bind(config, ranks_per_node)
-    restart_args = _restart_args(request, nodes, unit)
+    run_options = [*_restart_args(request, nodes, unit), *_stage_args(request, config, kind, nodes)]
     name = _job_name(request)
     output, error, exit_file, script_path = _output_paths(request, name, kind, time.time() if now is None else now)
     setup = _setup_lines(request, defaults)
@@ -327,5 +361,5 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
         gpus_per_node=gpus if unit == "nodes" else nodes, system=defaults.system, place=defaults.place,
         directives=(*defaults.extra_directives, *request.directives), skip_directives=defaults.skip_directives,
         after=after, launch=_launch(request, config_args, _python(request, config), ranks_per_node,
-                                    restart_args),
+                                    run_options),
         template=request.template or defaults.template)

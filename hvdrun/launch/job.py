@@ -53,12 +53,14 @@ from hvdrun.launch.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.elastic_driver import ElasticDriver, check_settings, make_discovery
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.stacks import print_stacks, signal_ranks, stacks_on_demand
+from hvdrun.launch.staging import DEFAULT_STAGE_DIR, StagePlan, check_stage_dir, plan_staging, staged_env
 from hvdrun.launch.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, ElasticSettings
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, parse_rank_list, total_slots
 from hvdrun.schedulers import SLURM
 
 if TYPE_CHECKING:
-    from hvdrun.launch.connections import SshOptions
+    from hvdrun.launch.remote.connections import SshOptions
+    from hvdrun.launch.staging import Reach
 
 DEFAULT_START_TIMEOUT_S = 60.0
 PROBE_TIMEOUT_S = 10.0  # the probe of the next attempt's hosts between two restarts (connect + answer)
@@ -88,6 +90,7 @@ class RunOptions:
     ssh_identity_file: str | None = None
     ssh_known_hosts: str | None = None
     network_interface: str | None = None
+    ssh_fanout: int | None = None
     mpi_flavour: str | None = None
     mpi_args: str | None = None
     ranks_per_node: int | None = None
@@ -111,6 +114,8 @@ class RunOptions:
     ranks_output: str | None = None  # the ranks shown on the console: "0", "0,3-5"
     idle_timeout_s: float | None = None
     forward_signals: str | None = None  # "USR1,USR2" (default), "none"
+    stage_env: bool = False  # copy the ranks' environment to every host's disk first (launch/staging.py)
+    stage_dir: str | None = None  # where on each host (implies stage_env); default: the YAML's local_dir, else /tmp
 
     @property
     def elastic(self) -> bool:
@@ -136,10 +141,13 @@ class JobPlan:
     hosts: tuple[Host, ...] = ()  # every host the job may use (spares included): restarts pick from them
     console_ranks: frozenset[int] | None = None  # --ranks-output; None: every rank
     forward_signals: tuple[int, ...] = DEFAULT_FORWARD_SIGNALS
+    stage: StagePlan | None = None  # --stage-env: what to stage where
+    staged: Mapping[str, str] = field(default_factory=dict)  # host name -> its staged copy's Python, once staged
 
     def python_for(self, host: Host) -> str:
-        """The Python of ``host``: its own from the cluster YAML, else the launcher's."""
-        return host.python or self.default_python
+        """The Python of ``host``: its staged copy's (``--stage-env``), its own from the cluster YAML, else the
+        launcher's."""
+        return self.staged.get(host.name) or host.python or self.default_python
 
     def argv_for(self, host: Host) -> tuple[str, ...]:
         """The command on ``host``: ``train.py ...`` (or a module, with ``--module``) runs under that host's Python."""
@@ -152,8 +160,10 @@ class JobPlan:
     def spec(self, slot: Slot, rendezvous: Rendezvous, cpus: Callable[[Host], int],
              extra_env: Mapping[str, str] | None = None) -> WorkerSpec:
         """The spec of the rank in ``slot``."""
-        return WorkerSpec(slot=slot, argv=self.argv_for(slot.host), cwd=self.cwd, python=self.python_for(slot.host),
-                          env={**self.base_env, **thread_env(slot, cpus(slot.host), self.base_env),
+        python = self.python_for(slot.host)
+        staged = staged_env(python, self.base_env) if slot.host.name in self.staged else {}
+        return WorkerSpec(slot=slot, argv=self.argv_for(slot.host), cwd=self.cwd, python=python,
+                          env={**self.base_env, **staged, **thread_env(slot, cpus(slot.host), self.base_env),
                                **worker_env(slot, rendezvous), **(extra_env or {})})
 
     def specs(self, rendezvous: Rendezvous, cpus: Callable[[Host], int]) -> tuple[WorkerSpec, ...]:
@@ -281,13 +291,38 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     if options.timeline_filename:
         base_env[TIMELINE[0]] = str(Path(options.timeline_filename).resolve())
     base_env.update(_binding_env(options, config, slots, layout))
+    default_python = (config.python if config else None) or sys.executable
     return JobPlan(slots=tuple(slots), command=command, launcher=launcher, options=options, base_env=base_env,
-                   cwd=os.getcwd(), default_python=(config.python if config else None) or sys.executable,
+                   cwd=os.getcwd(), default_python=default_python,
                    ssh_port=config.ssh_port if config else None, layout=layout,
                    mpi_flavour=options.mpi_flavour or (config.mpi_flavour if config else None), elastic=elastic,
                    hosts=hosts, console_ranks=_console_ranks(options, len(slots)),
                    forward_signals=DEFAULT_FORWARD_SIGNALS if options.forward_signals is None else
-                   parse_signal_list(options.forward_signals))
+                   parse_signal_list(options.forward_signals),
+                   stage=_stage_plan(options, config, launcher, hosts, default_python))
+
+
+def _stage_plan(options: RunOptions, config: ClusterConfig | None, launcher: str, hosts: Sequence[Host],
+                default_python: str) -> StagePlan | None:
+    """``--stage-env``: the directory (``--stage-dir``, the YAML's ``local_dir``, else /tmp) and the environment
+    of every host's Python (spares too); None without it."""
+    if not (options.stage_env or options.stage_dir):
+        return None
+    if options.elastic:
+        raise UsageError("--stage-env copies the environment before the ranks start, and an elastic job's hosts "
+                         "join while it runs: drop --stage-env, or the elastic options")
+    if launcher not in ("local", "ssh"):
+        raise UsageError(f"--stage-env works with the local and ssh launchers, and this job's is {launcher}: add "
+                         "--launcher ssh (inside a PBS or Slurm job hvdrun reaches the nodes over SSH), or stage it "
+                         "yourself: 'tar -C ENV -cf ENV.tar .' once, then one rank per node runs 'mkdir -p /tmp/env "
+                         "&& tar -xf ENV.tar -C /tmp/env', and the job runs /tmp/env/bin/python")
+    if options.stage_dir:
+        directory = check_stage_dir(options.stage_dir, "--stage-dir")
+    elif config is not None and config.local_dir:
+        directory = check_stage_dir(config.local_dir, f"{config.source}: local_dir")
+    else:
+        directory = DEFAULT_STAGE_DIR
+    return plan_staging(directory, [host.python or default_python for host in hosts])
 
 
 def _console_ranks(options: RunOptions, size: int) -> frozenset[int] | None:
@@ -399,12 +434,12 @@ def make_launcher(plan: JobPlan) -> Launcher:
     from hvdrun.launch.ssh import SshLauncher
 
     return SshLauncher(options.grace_s, ssh, plan.cwd, plan.python_for, options.network_interface,
-                       everywhere=options.launcher == "ssh")
+                       everywhere=options.launcher == "ssh", fanout=options.ssh_fanout)
 
 
 def ssh_options(plan: JobPlan) -> SshOptions:
     """How ``plan``'s launcher reaches remote hosts (``-p``, ``-i``, known_hosts, the YAML's port)."""
-    from hvdrun.launch.connections import SshOptions
+    from hvdrun.launch.remote.connections import SshOptions
 
     options = plan.options
     return SshOptions(port=options.ssh_port, identity_file=options.ssh_identity_file,
@@ -474,12 +509,13 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
                           console=console, timestamp=options.prefix_timestamp, console_ranks=plan.console_ranks)
     launcher = make_launcher(plan)
     secret, job_id = secrets.token_hex(32), secrets.token_hex(4)
+    write = _console_writer(console)
     try:
         launcher.prepare(plan.slots, time.monotonic() + _start_timeout(options))
+        plan = stage_environment(plan, launcher, write)
         endpoint = launcher.endpoint(plan.slots[0].host)
         rendezvous = Rendezvous(endpoint.addr, endpoint.port, endpoint.master_port, secret, job_id, attempt,
                                 options.max_restarts, run_id or job_id)
-        write = _console_writer(console)
         with stacks_on_demand(rendezvous, len(plan.slots), write):
             WorkerGroup(launcher, router, idle_timeout_s=options.idle_timeout_s,
                         on_idle=lambda: print_stacks(rendezvous, write),
@@ -490,6 +526,32 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
     finally:
         launcher.close()
         remove_files(shm_files_glob(job_id))  # left by ranks killed during init() (their guards remove them too)
+
+
+def stage_environment(plan: JobPlan, launcher: Launcher, write: Callable[[str], None]) -> JobPlan:
+    """``--stage-env``: stage ``plan``'s environments on its hosts (the launcher has reached them), say what it
+    did in one line, and return the plan whose ranks run the copies; ``plan`` itself without it.
+
+    Raises:
+        UsageError: the staging directory cannot be used on a host.
+        LaunchError: a host could not unpack the copy.
+    """
+    if plan.stage is None:
+        return plan
+    from hvdrun.launch.staging import stage
+
+    hosts = [(host, plan.python_for(host)) for host in dict.fromkeys(slot.host for slot in plan.slots)]
+    staged, line = stage(plan.stage, hosts, _reach(launcher), shared_dir=plan.cwd)
+    write(f"{line}\n")
+    return replace(plan, staged={name: host.python for name, host in staged.items()})
+
+
+def _reach(launcher: Launcher) -> Reach:
+    """How staging reaches the hosts: the ssh launcher's connections, else this machine only."""
+    from hvdrun.launch.ssh import SshLauncher
+    from hvdrun.launch.staging import ThisMachine
+
+    return launcher if isinstance(launcher, SshLauncher) else ThisMachine()
 
 
 def _console_writer(console: dict[str, TextIO] | None) -> Callable[[str], None]:

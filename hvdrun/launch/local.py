@@ -7,12 +7,9 @@ host instead of one per rank, every guard still its rank's own process with its 
 from __future__ import annotations
 
 import fcntl
-import marshal
 import os
-import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 
 from hvdrun.envvars import guard_options
@@ -20,7 +17,7 @@ from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host
 from hvdrun.launch.base import GUARD_SCRIPT, Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
-from hvdrun.launch.remote import forkserver
+from hvdrun.launch.remote.forkserver import ForkServer
 from hvdrun.launch.remote.guard import forward_byte
 from hvdrun.launch.remote.hostfacts import free_ports
 from hvdrun.ranks import Slot
@@ -68,95 +65,6 @@ class LocalWorker(Worker):
         except (OSError, ValueError):  # the guard is gone (or the pipe closed): nothing left to signal
             pass
         return True
-
-
-class ForkServer:
-    """The launcher's end of ``remote/forkserver.py``: starts guards by fork, learns how they end.
-
-    Args:
-        grace_s: the guards' grace period (SIGTERM to SIGKILL).
-    """
-
-    def __init__(self, grace_s: float) -> None:
-        self.grace_s = grace_s
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        for sock in (ours, theirs):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, forkserver.SOCKET_BUFFER_BYTES)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, forkserver.SOCKET_BUFFER_BYTES)
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, forkserver.__file__, str(theirs.fileno())], stdin=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),), start_new_session=True)
-        except OSError as e:
-            raise LaunchError(f"cannot start hvdrun's fork server on this machine: {e}") from e
-        finally:
-            theirs.close()
-        self._sock = ours
-        self._answers: dict[int, tuple[str, int | str]] = {}  # request -> ("started", pid) | ("failed", why)
-        self.exited: dict[int, int] = {}  # pid -> returncode
-        self.gone = False  # the server's end closed
-        self._changed = threading.Condition()
-        self._requests = 0
-        threading.Thread(target=self._read_answers, name="hvdrun-forkserver", daemon=True).start()
-
-    def request(self, spec: WorkerSpec, fds: Sequence[int]) -> int:
-        """Ask for ``spec``'s guard, with ``fds`` as its lifeline, stdout and stderr; the request's number."""
-        argv = [str(self.grace_s), *guard_options(spec.env), "--", *spec.argv]
-        message = marshal.dumps((argv, dict(spec.env), spec.cwd))
-        if len(message) > forkserver.MAX_MESSAGE_BYTES:
-            raise LaunchError(f"rank {spec.slot.rank}'s command and environment take {len(message)} bytes; "
-                              f"at most {forkserver.MAX_MESSAGE_BYTES} fit")
-        try:
-            socket.send_fds(self._sock, [message], list(fds))
-        except OSError as e:
-            raise LaunchError(f"cannot start rank {spec.slot.rank} on this machine: hvdrun's fork server: {e}") from e
-        self._requests += 1
-        return self._requests - 1
-
-    def pid_of(self, request: int, rank: int) -> int:
-        """The pid of the guard started for ``request`` (waits for the server's answer).
-
-        Raises:
-            LaunchError: the server could not fork it, or is gone.
-        """
-        with self._changed:
-            self._changed.wait_for(lambda: request in self._answers or self.gone)
-            answer = self._answers.get(request)
-        if answer is None or answer[0] != "started":
-            why = answer[1] if answer is not None else "it ended"
-            raise LaunchError(f"cannot start rank {rank} on this machine: hvdrun's fork server: {why}")
-        return int(answer[1])
-
-    def _read_answers(self) -> None:
-        while True:
-            try:
-                data = self._sock.recv(forkserver.MAX_MESSAGE_BYTES)
-            except OSError:
-                data = b""
-            with self._changed:
-                if not data:
-                    self.gone = True
-                    self._changed.notify_all()
-                    return
-                kind, key, value = marshal.loads(data)
-                if kind == "exited":
-                    self.exited[key] = value
-                else:
-                    self._answers[key] = (kind, value)
-                self._changed.notify_all()
-
-    def close(self) -> None:
-        """Let the server go (its guards stay with their lifelines) and reap it."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes our reader; a plain close would wait for its recv()
-        except OSError:
-            pass
-        self._sock.close()
-        try:
-            self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 class ForkedWorker(Worker):
@@ -247,13 +155,14 @@ class LocalLauncher(Launcher):
     def start_all(self, specs: Sequence[WorkerSpec], router: OutputRouter) -> Iterator[Worker]:
         """Ask the fork server for every rank's guard at once, then yield the workers in order."""
         if self._server is None:
-            self._server = ForkServer(self.grace_s)
+            self._server = ForkServer.spawn()
         server = self._server
         requested: list[tuple[WorkerSpec, int, int]] = []
         for spec in specs:
             lifeline, ends = self._pipes_for(spec, router)
+            argv = [str(self.grace_s), *guard_options(spec.env), "--", *spec.argv]
             try:
-                requested.append((spec, server.request(spec, ends), lifeline))
+                requested.append((spec, server.request(argv, dict(spec.env), spec.cwd, ends, spec.slot.rank), lifeline))
             except LaunchError:
                 os.close(lifeline)
                 raise

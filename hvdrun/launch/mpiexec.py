@@ -31,9 +31,9 @@ from hvdrun import envvars
 from hvdrun.errors import LaunchError, UsageError
 from hvdrun.hosts import Host, is_local_host
 from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
-from hvdrun.launch.connections import SshOptions
 from hvdrun.launch.local import LOOPBACK, LocalLauncher, LocalWorker
 from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.remote.connections import SshOptions
 from hvdrun.launch.remote.cpubind import parse_cpu_bind
 from hvdrun.launch.remote.hostfacts import free_ports, interface_address
 from hvdrun.launch.remote.mpirank import plan_value

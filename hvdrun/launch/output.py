@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 import threading
 import time
@@ -34,13 +33,11 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from hvdrun.envvars import CONSEQUENCE_MARKER, INIT_MARKER, JOINED_MARKER
-from hvdrun.launch.remote.lines import LineSplitter
+from hvdrun.launch.remote.lines import TAGGED_LINE_BYTES, LineSplitter, untag
 
 STREAMS = ("stdout", "stderr")
 _READ_SIZE = 1 << 20
 _TAIL_LINE_BYTES = 4096  # a longer stderr line is cut short in the failure report's tail
-# a line of mpiexec's merged output, tagged by hvdrun's rank shim (launch/remote/mpirank.py)
-_TAGGED_RE = re.compile(rb"\[(\d+)\]<(stdout|stderr|exit)>:")
 
 
 def rank_dir_name(rank: int, size: int) -> str:
@@ -76,6 +73,7 @@ class OutputRouter:
         self._tails: dict[int, deque[bytes]] = {}
         self._tail_lines = tail_lines
         self._pumps: list[threading.Thread] = []
+        self._feeds: dict[str, threading.Event] = {}  # tagged streams read by others: set at their end
         self._rank_pumps: dict[int, list[threading.Thread]] = {}
         self._rank_logs: dict[tuple[int, str], BinaryIO | None] = {}
         self._consequences: set[int] = set()
@@ -100,16 +98,37 @@ class OutputRouter:
     def attach_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None]) -> threading.Thread:
         """Pump mpiexec's merged ``stream``.
 
-        Lines tagged ``[rank]<stdout|stderr>:`` go to that rank as if it had written them itself;
-        ``[rank]<exit>:CODE`` calls ``on_exit(rank, code)``; untagged lines (mpiexec's own) are
-        written as they are.
+        Lines tagged ``[rank]<stdout|stderr>:`` (:mod:`hvdrun.launch.remote.lines`) go to that rank as if it
+        had written them itself; ``[rank]<exit>:CODE`` calls ``on_exit(rank, code)``; other lines (mpiexec's
+        own) are written as they are.
         """
+        self._open_multiplexed()
+        return self._start_pump(f"mpiexec-{stream}", self._pump_multiplexed, stream, fd, on_exit)
+
+    def multiplexed(self, name: str, on_exit: Callable[[int, int], None]) -> Callable[[bytes], None]:
+        """A feed for tagged lines that a reader of their own takes from their source (a host agent's SSH
+        channel): call it with each whole line, routed as :meth:`attach_multiplexed` routes them, and with
+        ``b""`` at the end of the source; :meth:`drain` waits for that end (``name`` names it if it never comes).
+        """
+        self._open_multiplexed()
+        ended = self._feeds.setdefault(name, threading.Event())
+
+        def feed(line: bytes) -> None:
+            if not line:
+                ended.set()
+                return
+            self.last_output = time.monotonic()
+            self._route_tagged(line, "stdout", on_exit)
+
+        return feed
+
+    def _open_multiplexed(self) -> None:
+        """Every rank's log files and tail, for streams that carry many ranks' lines."""
         if not self._rank_logs:  # shared by both streams: a launcher may put a rank's stderr on its stdout
             self._rank_logs.update({(rank, name): self._open_log(rank, name)
                                     for rank in range(self.size) for name in STREAMS})
         for rank in range(self.size):
             self._tails.setdefault(rank, deque(maxlen=self._tail_lines))
-        return self._start_pump(f"mpiexec-{stream}", self._pump_multiplexed, stream, fd, on_exit)
 
     def _start_pump(self, name: str, target: Callable[..., None], *args: object) -> threading.Thread:
         pump = threading.Thread(target=target, args=args, name=f"hvdrun-output-{name}", daemon=True)
@@ -133,7 +152,10 @@ class OutputRouter:
         deadline = time.monotonic() + timeout_s
         for pump in self._pumps:
             pump.join(max(deadline - time.monotonic(), 0.0))
+        for ended in self._feeds.values():
+            ended.wait(max(deadline - time.monotonic(), 0.0))
         held = [pump.name.removeprefix("hvdrun-output-") for pump in self._pumps if pump.is_alive()]
+        held += [name for name, ended in self._feeds.items() if not ended.is_set()]
         if held:
             self._write_console("stderr", f"hvdrun: warning: not waiting for output still held open {timeout_s:g} s "
                                 f"after the ranks ended (a process that outlived its rank?): {', '.join(held)}\n"
@@ -193,7 +215,7 @@ class OutputRouter:
             self._close_log(log)
 
     def _pump_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None]) -> None:
-        splitter = LineSplitter()
+        splitter = LineSplitter(TAGGED_LINE_BYTES)
         try:
             while data := _read(fd):
                 self.last_output = time.monotonic()
@@ -205,16 +227,13 @@ class OutputRouter:
             os.close(fd)
 
     def _route_tagged(self, line: bytes, stream: str, on_exit: Callable[[int, int], None]) -> None:
-        match = _TAGGED_RE.match(line)
-        rank = int(match.group(1)) if match else -1
-        if not match or not 0 <= rank < self.size:
+        tagged = untag(line)
+        if tagged is None or not 0 <= tagged.number < self.size or tagged.kind not in (*STREAMS, "exit"):
             self._write_console(stream, _with_newline(line))
-            return
-        kind, text = match.group(2).decode(), line[match.end():]
-        if kind == "exit":
-            on_exit(rank, int(text.strip() or 0))
-            return
-        self._deliver(rank, kind, [text], self._rank_logs.get((rank, kind)))
+        elif tagged.kind == "exit":
+            on_exit(tagged.number, int(tagged.text.strip() or 0))
+        else:
+            self._deliver(tagged.number, tagged.kind, [tagged.text], self._rank_logs.get((tagged.number, tagged.kind)))
 
     def _deliver(self, rank: int, stream: str, lines: list[bytes], log: BinaryIO | None) -> None:
         """One rank's lines to its log file and the console; the runtime's control lines are taken out."""

@@ -1,11 +1,18 @@
 """Start ranks on other hosts over SSH (paramiko), each under the same guard as a local rank.
 
-Before any rank starts, :meth:`SshLauncher.prepare` connects to every remote host at once
-(host keys verified, see :mod:`hvdrun.launch.connections`) and runs the probe there
-(:mod:`hvdrun.launch.remote.hostfacts`): a missing working directory, Python or hvdrun, or a missing
-``--network-interface``, stops the launch naming the host, before anything runs anywhere.
+Before any rank starts, :meth:`SshLauncher.prepare` starts a host agent on every remote host
+(:mod:`hvdrun.launch.agents`): up to the fan-out (``HVDRUN_SSH_FANOUT``, 32) hvdrun connects to each host itself
+(host keys verified, see :mod:`hvdrun.launch.remote.connections`), past it the agents of the hosts it reaches
+reach the others, a tree. Each agent answers with its host's facts (:mod:`hvdrun.launch.remote.hostfacts`): a
+missing working directory, Python or hvdrun, or a missing ``--network-interface``, stops the launch naming the
+host, before anything runs anywhere.
 
-One rank's remote command (every value shell-quoted)::
+A job's ranks (:meth:`SshLauncher.start_all`) start through the agents: one SSH channel per host, one Python
+start per host (the agent's fork server forks each rank's guard), each rank under its own guard and lifeline.
+The plan, secrets included, travels on the channel's stdin; the ranks' output comes back as tagged lines.
+
+A rank started alone (:meth:`SshLauncher.start`: elastic jobs) gets a channel of its own, with this remote
+command (every value shell-quoted)::
 
     cd -- /work/dir && exec env -- HVDRUN_RANK=3 ... /venv/bin/python -m hvdrun.launch.remote.guard 5 \\
         --signal-as-code --env-from-stdin HVDRUN_SECRET -- /venv/bin/python -u train.py --lr 0.1
@@ -13,32 +20,47 @@ One rank's remote command (every value shell-quoted)::
 The job's secret is not in it (``ps`` on the host would show it to every user): the first line hvdrun
 writes to the channel is its value, which the guard reads into the environment.
 
-The SSH channel's stdin is the guard's lifeline: ``T``/``K`` on it signal the rank's process
-group, and EOF (hvdrun closed the channel, died, or the connection dropped) makes the guard
-stop the group by itself, so no rank outlives hvdrun on any host. Ranks on hosts that are this
-machine start through the local launcher unless ``everywhere`` asks for SSH to them too.
+The SSH channel's stdin is the guard's lifeline, or the agent's, which holds the lifeline of every rank of its
+host: ``T``/``K`` signal a rank's process group, and EOF (hvdrun closed the channel, died, or the connection
+dropped) makes every guard stop its group by itself, so no rank outlives hvdrun on any host. Ranks on hosts
+that are this machine start through the local launcher unless ``everywhere`` asks for SSH to them too.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 import shlex
 import signal
-import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from hvdrun.envvars import OFF_THE_COMMAND_LINE, guard_options, remote_env
-from hvdrun.errors import LaunchError
+from hvdrun import envvars
+from hvdrun.envvars import OFF_THE_COMMAND_LINE, guard_options
+from hvdrun.errors import LaunchError, UsageError
 from hvdrun.hosts import Host, is_local_host
+from hvdrun.launch.agents import (
+    DEFAULT_FANOUT,
+    KILL_CONFIRM_S,
+    LOST_STATUS,
+    AgentForest,
+    AgentHost,
+    AgentWorker,
+    PlanEntry,
+    lost_note,
+    plan_entry,
+    rank_env,
+    tree_nodes,
+)
 from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
-from hvdrun.launch.connections import (
+from hvdrun.launch.hostprobe import explain_probe_failure, module_command, probe_command
+from hvdrun.launch.local import LOOPBACK, LocalLauncher
+from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.remote.connections import (
     SshOptions,
     SshTarget,
     connect,
@@ -47,9 +69,6 @@ from hvdrun.launch.connections import (
     resolve_targets,
     run_command,
 )
-from hvdrun.launch.hostprobe import explain_probe_failure, probe_command
-from hvdrun.launch.local import LOOPBACK, LocalLauncher
-from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.remote.guard import KILL, TERMINATE, forward_byte
 from hvdrun.launch.remote.hostfacts import HostFacts, free_ports, interface_address
 from hvdrun.ranks import Slot
@@ -57,25 +76,43 @@ from hvdrun.ranks import Slot
 if TYPE_CHECKING:
     import paramiko
 
-SESSIONS_PER_CONNECTION = 8  # below sshd's default MaxSessions (10)
-_KILL_CONFIRM_S = 3.0
+SESSIONS_PER_CONNECTION = 8  # below sshd's default MaxSessions (10), with the host agent's channel
 _LOST_CONNECTION = -1  # paramiko's exit status when the channel closed without one
+AGENT_MODULE = "hvdrun.launch.remote.hostagent"
 
 
 @dataclass
 class _RemoteHost:
-    """A remote host of the job: its connections and what its probe said."""
+    """A remote host of the job: its agent, what it said, and hvdrun's own connections to it."""
 
     target: SshTarget
-    clients: list[paramiko.SSHClient]
+    forest: AgentForest
+    index: int  # among the forest's hosts
+    clients: list[paramiko.SSHClient] = field(default_factory=list)  # none for a host beneath another's agent
     facts: HostFacts | None = None
     sessions: int = 0
 
-    def next_client(self) -> paramiko.SSHClient:
-        """The connection for the next rank: SESSIONS_PER_CONNECTION ranks share one."""
-        client = self.clients[min(self.sessions // SESSIONS_PER_CONNECTION, len(self.clients) - 1)]
+    def client(self, ssh: SshOptions) -> paramiko.SSHClient:
+        """hvdrun's connection to the host: the one that started its agent, or one opened now.
+
+        Raises:
+            LaunchError: the host cannot be reached from here.
+        """
+        if not self.clients:
+            self.clients.append(connect(self.target, ssh, time.monotonic() + 2 * ssh.connect_timeout_s))
+        return self.clients[0]
+
+    def next_client(self, ssh: SshOptions) -> paramiko.SSHClient:
+        """The connection for the next rank started alone: SESSIONS_PER_CONNECTION ranks share one.
+
+        Raises:
+            LaunchError: the host cannot be reached from here.
+        """
+        wanted = self.sessions // SESSIONS_PER_CONNECTION
+        while len(self.clients) <= wanted:
+            self.clients.append(connect(self.target, ssh, time.monotonic() + 2 * ssh.connect_timeout_s))
         self.sessions += 1
-        return client
+        return self.clients[wanted]
 
 
 class SshLauncher(Launcher):
@@ -85,17 +122,24 @@ class SshLauncher(Launcher):
         grace_s: seconds between SIGTERM and SIGKILL when stopping ranks.
         ssh: how to reach hosts.
         workdir: the working directory of every rank (the launcher's).
-        python_for: the Python that runs on a host (the plan's rule); the probe checks that one.
+        python_for: the Python that runs on a host (the plan's rule); the agent runs under that one.
         network_interface: advertise rank 0 on this interface's address.
         everywhere: use SSH for hosts that are this machine too.
+        fanout: hosts hvdrun reaches itself; the agents reach the others (default: ``HVDRUN_SSH_FANOUT``, 32).
     """
 
     def __init__(self, grace_s: float, ssh: SshOptions, workdir: str, python_for: Callable[[Host], str],
-                 network_interface: str | None = None, everywhere: bool = False) -> None:
+                 network_interface: str | None = None, everywhere: bool = False, fanout: int | None = None) -> None:
         super().__init__(grace_s)
         self.ssh, self.workdir, self.python_for = ssh, workdir, python_for
         self.network_interface, self.everywhere = network_interface, everywhere
+        self.fanout = fanout if fanout is not None else envvars.env_int(os.environ, envvars.SSH_FANOUT,
+                                                                         DEFAULT_FANOUT)
+        if self.fanout < 1:
+            raise UsageError(f"{envvars.SSH_FANOUT}={self.fanout}: hvdrun must reach at least 1 host itself; "
+                             f"give a number like {DEFAULT_FANOUT}")
         self._remote: dict[Host, _RemoteHost] = {}
+        self._forests: list[AgentForest] = []
         self._local = LocalLauncher(grace_s)
 
     def is_remote(self, host: Host) -> bool:
@@ -103,22 +147,67 @@ class SshLauncher(Launcher):
         return self.everywhere or not is_local_host(host.name)
 
     def prepare(self, slots: Sequence[Slot], deadline: float) -> None:
-        ranks_on = Counter(slot.host for slot in slots)
-        hosts = [host for host in ranks_on if self.is_remote(host)]
-        targets = resolve_targets(hosts, self.ssh)
-        per_host = [math.ceil(ranks_on[h] / SESSIONS_PER_CONNECTION) for h in hosts]
-        clients = connect_all([t for t, n in zip(targets, per_host, strict=True) for _ in range(n)], self.ssh,
-                              deadline)
-        for host, target, count in zip(hosts, targets, per_host, strict=True):
-            self._remote[host], clients = _RemoteHost(target, clients[:count]), clients[count:]
+        hosts = [host for host in Counter(slot.host for slot in slots) if self.is_remote(host)]
         rank0_host = slots[0].host
-        _in_parallel([functools.partial(self._probe, h, 2 if h == rank0_host else 0, deadline) for h in hosts])
+        if hosts:
+            self._reach(hosts, rank0_host, deadline)
         if self.network_interface and not self.is_remote(rank0_host) and self._local_interface_addr() is None:
             raise LaunchError(f"this machine has no IPv4 address on --network-interface '{self.network_interface}'")
 
-    def _probe(self, host: Host, ports: int, deadline: float) -> None:
-        remote = self._remote[host]
-        remote.facts = self._ask(host, remote.target, remote.clients[0], ports, deadline)
+    def _reach(self, hosts: list[Host], rank0_host: Host, deadline: float) -> None:
+        """Start an agent on every host (a tree past the fan-out) and take their facts.
+
+        Raises:
+            LaunchError: a host could not be reached or cannot run ranks; names the first such host.
+        """
+        targets = resolve_targets(hosts, self.ssh)
+        agents = [AgentHost(host.name, target, module_command(self.workdir, self.python_for(host), AGENT_MODULE, []),
+                            2 if host == rank0_host else 0) for host, target in zip(hosts, targets, strict=True)]
+        roots = tree_nodes(agents, self.fanout)
+        clients = connect_all([targets[root["index"]] for root in roots], self.ssh, deadline)
+        forest = AgentForest(roots, clients)
+        self._forests.append(forest)
+        for index, (host, target) in enumerate(zip(hosts, targets, strict=True)):
+            self._remote[host] = _RemoteHost(target, forest, index)
+        for root, client in zip(roots, clients, strict=True):
+            self._remote[hosts[root["index"]]].clients.append(client)
+        forest.start(self._job(), deadline)
+        silent = forest.wait(deadline)
+        for index, host in enumerate(hosts):
+            self._remote[host].facts = self._facts(host, forest, index, index in silent)
+
+    def _job(self) -> dict[str, Any]:
+        """What every host's agent shares: the interface to look up, and how to reach the hosts beneath it."""
+        ssh = {"identity_file": self.ssh.identity_file, "known_hosts": self.ssh.known_hosts,
+               "connect_timeout_s": self.ssh.connect_timeout_s}
+        return {"interface": self.network_interface, "ssh": ssh}
+
+    def _facts(self, host: Host, forest: AgentForest, index: int, silent: bool) -> HostFacts:
+        """``host``'s facts, or the LaunchError that says why it has none."""
+        where = self._remote[host].target.describe()
+        via = forest.path(index)
+        through = f" (reached through {' -> '.join(via)})" if via else ""
+        failed = forest.failed.get(index)
+        if failed is not None:
+            raise LaunchError(self._failure(host, where, failed) + through, host.name)
+        if silent:
+            raise LaunchError(f"{where} did not answer hvdrun's probe in time (--start-timeout){through}", host.name)
+        facts = forest.facts[index]
+        if self.network_interface and facts.interface_addr is None:
+            raise LaunchError(f"{where} has no IPv4 address on --network-interface '{self.network_interface}'",
+                              host.name)
+        return facts
+
+    def _failure(self, host: Host, where: str, failed: dict[str, Any]) -> str:
+        """Why a host's agent did not answer, in hvdrun's words."""
+        if "connect" in failed:
+            return str(failed["connect"])
+        if "unreached" in failed:
+            return f"{where} was not reached: the host that reaches it, {failed['unreached']}, failed first"
+        status = int(failed.get("status", _LOST_CONNECTION))
+        if status == _LOST_CONNECTION:
+            return f"{where} {lost_note(host.name, {'status': status})} before hvdrun's probe answered"
+        return explain_probe_failure(where, status, str(failed.get("stderr", "")), self.workdir, self.python_for(host))
 
     def _ask(self, host: Host, target: SshTarget, client: paramiko.SSHClient, ports: int,
              deadline: float) -> HostFacts:
@@ -138,7 +227,7 @@ class SshLauncher(Launcher):
         return facts
 
     def probe_hosts(self, hosts: Sequence[Host], deadline: float) -> dict[str, str]:
-        """Connect to every remote host of ``hosts`` at once and run the probe there, as :meth:`prepare` does;
+        """Connect to every remote host of ``hosts`` at once and run the probe there (no agent: no rank starts);
         hosts that are this machine need none."""
         remote = [host for host in dict.fromkeys(hosts) if self.is_remote(host)]
         if not remote:
@@ -162,6 +251,17 @@ class SshLauncher(Launcher):
         finally:
             client.close()
 
+    def connection(self, host: Host) -> paramiko.SSHClient | None:
+        """hvdrun's connection to ``host`` (None: its ranks start on this machine), opened now for a host that
+        :meth:`prepare` reached through another host's agent; for work before the ranks start (``--stage-env``,
+        :mod:`hvdrun.launch.staging`).
+
+        Raises:
+            LaunchError: the host cannot be reached from here.
+        """
+        remote = self._remote.get(host)
+        return remote.client(self.ssh) if remote is not None else None
+
     def _local_interface_addr(self) -> str | None:
         return interface_address(self.network_interface) if self.network_interface else None
 
@@ -169,20 +269,38 @@ class SshLauncher(Launcher):
         remote = self._remote.get(host)
         if remote is not None:
             assert remote.facts is not None
-            addr = remote.facts.interface_addr or peer_address(remote.clients[0])[1]
-            return Endpoint(addr, *remote.facts.ports[:2])
-        route = peer_address(next(iter(self._remote.values())).clients[0])[0] if self._remote else LOOPBACK
+            reached = peer_address(remote.clients[0])[1] if remote.clients else remote.facts.address
+            return Endpoint(remote.facts.interface_addr or reached or remote.target.hostname, *remote.facts.ports[:2])
+        clients = [remote.clients[0] for remote in self._remote.values() if remote.clients]
+        route = peer_address(clients[0])[0] if clients else LOOPBACK
         return Endpoint(self._local_interface_addr() or route, *free_ports(2))
 
     def cpus(self, host: Host) -> int:
         remote = self._remote.get(host)
         return remote.facts.cpus if remote is not None and remote.facts is not None else super().cpus(host)
 
+    def start_all(self, specs: Sequence[WorkerSpec], router: OutputRouter) -> Iterator[Worker]:
+        """Start this machine's ranks through the local launcher and every remote host's ranks through its agent
+        (one plan per host), then yield the workers in ``specs``' order."""
+        workers = {worker.slot.rank: worker for worker in
+                   self._local.start_all([spec for spec in specs if spec.slot.host not in self._remote], router)}
+        plans: dict[AgentForest, dict[int, list[PlanEntry]]] = {}
+        for spec in specs:
+            remote = self._remote.get(spec.slot.host)
+            if remote is not None:
+                plans.setdefault(remote.forest, {}).setdefault(remote.index, []).append(plan_entry(spec, self.grace_s))
+                workers[spec.slot.rank] = AgentWorker(spec.slot, remote.forest, remote.index)
+        for forest, plan in plans.items():
+            forest.run(plan, router)
+        for spec in specs:
+            yield workers[spec.slot.rank]
+
     def start(self, spec: WorkerSpec, router: OutputRouter) -> Worker:
+        """Start one rank on a channel of its own (a rank started alone, e.g. by an elastic job)."""
         remote = self._remote.get(spec.slot.host)
         if remote is None:
             return self._local.start(spec, router)
-        transport = remote.next_client().get_transport()
+        transport = remote.next_client(self.ssh).get_transport()
         try:
             assert transport is not None and transport.is_active()
             channel = transport.open_session(timeout=10)
@@ -196,9 +314,12 @@ class SshLauncher(Launcher):
         return SshWorker(spec.slot, channel)
 
     def close(self) -> None:
+        for forest in self._forests:
+            forest.close()
         for remote in self._remote.values():
             for client in remote.clients:
                 client.close()
+        self._local.close()
 
 
 class SshWorker(Worker):
@@ -215,15 +336,15 @@ class SshWorker(Worker):
         if self._status is None:
             if self.channel.exit_status_ready():
                 self._status = self._decode(self.channel.recv_exit_status())
-            elif self._kill_sent_at is not None and time.monotonic() - self._kill_sent_at > _KILL_CONFIRM_S:
+            elif self._kill_sent_at is not None and time.monotonic() - self._kill_sent_at > KILL_CONFIRM_S:
                 self.channel.close()  # the guard there sees EOF and kills what is left
                 self._status = -signal.SIGKILL
         return self._status
 
     def _decode(self, code: int) -> int:
         if code == _LOST_CONNECTION:
-            self._note = f"lost its SSH connection (host {self.slot.hostname} down, or sshd killed the session)"
-            return 255
+            self._note = lost_note(self.slot.hostname, {"status": code})
+            return LOST_STATUS
         if 128 < code <= 128 + 64:  # the guard reports death by signal N as 128 + N
             return 128 - code
         return code
@@ -250,10 +371,8 @@ class SshWorker(Worker):
 
 def worker_command(spec: WorkerSpec, grace_s: float) -> str:
     """The remote shell command of one rank: its working directory, environment and guarded command."""
-    env = {name: value for name, value in remote_env(spec.env).items() if name not in OFF_THE_COMMAND_LINE}
+    env = {name: value for name, value in rank_env(spec).items() if name not in OFF_THE_COMMAND_LINE}
     from_stdin = [word for name in OFF_THE_COMMAND_LINE if name in spec.env for word in ("--env-from-stdin", name)]
-    if spec.python != sys.executable:  # a host's own Python (YAML python:/venv:): its bin/ first on PATH
-        env["PATH"] = f"{os.path.dirname(spec.python)}:{env.get('PATH', '/usr/bin:/bin')}"
     words = ["env", "--", *(f"{name}={value}" for name, value in sorted(env.items())),
              spec.python, "-m", "hvdrun.launch.remote.guard", f"{grace_s:g}", "--signal-as-code",
              *guard_options(spec.env), *from_stdin, "--", *spec.argv]
@@ -274,12 +393,3 @@ def _reader(receive: Callable[[int], bytes]) -> Callable[[], bytes]:
 
     return read
 
-
-def _in_parallel(tasks: Sequence[Callable[[], None]]) -> None:
-    """Run ``tasks`` concurrently; raise the first failure in task order."""
-    if not tasks:
-        return
-    with ThreadPoolExecutor(max_workers=min(len(tasks), 64), thread_name_prefix="hvdrun-probe") as pool:
-        futures = [pool.submit(task) for task in tasks]
-    for future in futures:
-        future.result()

@@ -18,7 +18,7 @@ import pytest
 
 from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host
-from hvdrun.launch.connections import SshOptions, connect, resolve_targets
+from hvdrun.launch.remote.connections import SshOptions, connect, resolve_targets
 
 pytestmark = pytest.mark.integration
 

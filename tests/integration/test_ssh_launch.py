@@ -20,7 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, fixture_names, job_processes, start_ssh_hosts, stop_ssh_hosts, wait_until
+from tests.conftest import (
+    REPO,
+    fixture_names,
+    host_processes,
+    job_processes,
+    start_ssh_hosts,
+    stop_ssh_hosts,
+    wait_until,
+)
 from tests.integration.test_local_launch import script
 
 pytestmark = pytest.mark.integration
@@ -241,19 +249,23 @@ def start_and_wait_ready(ssh_hosts, hvdrun_env, tmp_path, *extra: str) -> subpro
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupting_hvdrun_stops_every_remote_rank(ssh_hosts, hvdrun_env, tmp_path, token, signum):
     proc = start_and_wait_ready(ssh_hosts, hvdrun_env, tmp_path)
-    assert wait_until(lambda: len(job_processes(token)) >= 1 + 4 * 3)  # hvdrun + (guard, worker, child) x 4
+    assert wait_until(lambda: len(job_processes(token)) >= 1 + 4 * 2)  # hvdrun + (worker, child) x 4 (the guards,
+    # forked by each host's agent, carry its login environment: host_processes finds them)
     proc.send_signal(signum)
     assert proc.wait(timeout=30) == 128 + signum
     assert f"received {signal.Signals(signum).name}; stopped all 4 workers" in proc.stderr.read()
-    assert wait_until(lambda: not job_processes(token), 10), job_processes(token)
+    assert wait_until(lambda: not job_processes(token) and not host_processes(ssh_hosts.addrs), 10), \
+        host_processes(ssh_hosts.addrs)
 
 
 def test_sigkill_of_hvdrun_leaves_nothing_on_any_host(ssh_hosts, hvdrun_env, tmp_path, token):
     proc = start_and_wait_ready(ssh_hosts, hvdrun_env, tmp_path, "--grace-period", "1")
-    assert wait_until(lambda: len(job_processes(token)) >= 1 + 4 * 3)
+    assert wait_until(lambda: len(job_processes(token)) >= 1 + 4 * 2)
+    assert len(host_processes(ssh_hosts.addrs[:2])) >= 2 * 2 + 4 * 3  # (agent, fork server) x 2 + (guard, ...) x 4
     proc.kill()
     proc.wait(timeout=10)
-    assert wait_until(lambda: not job_processes(token), 10), job_processes(token)
+    assert wait_until(lambda: not job_processes(token) and not host_processes(ssh_hosts.addrs), 10), \
+        host_processes(ssh_hosts.addrs)
 
 
 def test_host_names_with_shell_syntax_are_refused_everywhere(run_hvdrun, tmp_path):
@@ -266,8 +278,8 @@ def test_host_names_with_shell_syntax_are_refused_everywhere(run_hvdrun, tmp_pat
 
 def test_connections_to_a_default_sshd_are_capped_and_retried(tmp_path, monkeypatch, capfd):
     """sshd's default MaxStartups (10:30:100) drops handshakes beyond 10; hvdrun caps and retries."""
-    from hvdrun.launch import connections
-    from hvdrun.launch.connections import SshOptions, SshTarget, connect_all
+    from hvdrun.launch.remote import connections
+    from hvdrun.launch.remote.connections import SshOptions, SshTarget, connect_all
 
     retried = []
     is_retryable = connections._is_retryable

@@ -48,6 +48,8 @@ CASES = {
         directives=("#SBATCH --constraint=a100", "--exclusive"), after=("77",), exports=("A=1",),
         python="/usr/bin/python3", run_args="--launcher ssh --network-interface ib0"),
     "polaris-restarts": dict(cluster="polaris", nodes=2, account="MyProject", max_restarts=3, spares=1),
+    "polaris-stage-env": dict(cluster="polaris", nodes=2, account="MyProject", stage_env=True,
+                              stage_dir="/local/scratch", run_args="--launcher ssh"),
     "slurm-gpu": dict(cluster="slurm-gpu", nodes=2, account="MyProject"),
     "slurm-amd": dict(cluster="slurm-amd", nodes=4, account="MyProject", walltime="02:00:00"),
 }
@@ -115,6 +117,24 @@ def test_restarts_reach_the_hvdrun_line_of_every_scheduler(fields):
     assert " --max-restarts 2 --spares 1 -- train.py " in launch(max_restarts=2, spares=1)
     assert " --max-restarts 0 -- train.py " in launch(max_restarts=0)  # given: passed on as given
     assert "--max-restarts" not in launch() and "--spares" not in launch()
+
+
+def test_stage_env_reaches_the_hvdrun_line_when_its_launcher_can_stage():
+    def launch(**fields):
+        return next(line for line in render(nodes=2, account="P", **fields).splitlines() if " -m hvdrun " in line)
+
+    assert " --stage-env --launcher ssh -- train.py " in launch(cluster="polaris", stage_env=True,
+                                                                  run_args="--launcher ssh")
+    assert " --stage-env --stage-dir /l --launcher=local -- train.py " in launch(
+        cluster="slurm", stage_dir="/l/", run_args="--launcher=local")
+    with pytest.raises(UsageError, match="the job's hvdrun would use mpiexec .the launcher of .*aurora.yaml.: add "
+                                         "--run-args '--launcher ssh'"):
+        launch(cluster="aurora", stage_env=True, walltime="50", queue="debug-scaling")
+    with pytest.raises(UsageError, match="would use srun .hvdrun's default in a Slurm job."):
+        launch(scheduler="slurm", stage_env=True)
+    assert " --stage-env -- train.py " in render(scheduler="slurm", nodes=1, stage_env=True)  # one node: local
+    with pytest.raises(UsageError, match="--stage-dir 'scratch': expected an absolute path"):
+        launch(cluster="polaris", stage_dir="scratch", run_args="--launcher ssh")
 
 
 def test_default_output_is_a_stamped_file_in_hvdrun_jobs(tmp_path):

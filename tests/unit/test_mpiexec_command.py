@@ -16,8 +16,8 @@ import pytest
 
 from hvdrun.errors import UsageError
 from hvdrun.hosts import Host
-from hvdrun.launch.connections import SshOptions
 from hvdrun.launch.mpiexec import SRUN, MpiexecCommand, detect_flavour, ssh_agent_script
+from hvdrun.launch.remote.connections import SshOptions
 from hvdrun.launch.remote.mpirank import plan_value, slot_of, worker_environment
 from hvdrun.ranks import GpuLayout
 

@@ -2,9 +2,15 @@
 
 * ``guard.py``: leads each rank's process group and stops it when hvdrun's lifeline ends
   (run as a script, standard library only);
+* ``forkserver.py``: forks each rank's guard (one Python start per host, not per rank), and its client;
+* ``hostagent.py``: a host's agent under one SSH channel (``python -m hvdrun.launch.remote.hostagent``): runs
+  the host's ranks through ``agentranks.py``, reaches the hosts beneath it through ``agentlink.py``, speaking
+  ``agentwire.py``;
+* ``connections.py``: SSH connections with verified host keys, for hvdrun and for the agents alike;
 * ``mpirank.py``: the shim mpiexec starts as each rank (``python -m hvdrun.launch.remote.mpirank``);
 * ``task.py``: a rank of :func:`hvdrun.run` (``python -m hvdrun.launch.remote.task``);
 * ``hostfacts.py``: what a host says about itself before ranks start there
-  (``python -m hvdrun.launch.remote.hostfacts``);
-* ``lines.py``: byte streams cut into lines, which the shim and the launcher's output router share.
+  (``python -m hvdrun.launch.remote.hostfacts``, and the agents' first answer);
+* ``lines.py``: byte streams cut into lines and tagged lines, which the shim, the agents and the launcher's
+  output router share.
 """

@@ -1,7 +1,8 @@
 """One Python start per host instead of one per rank: a fork server that forks each rank's guard.
 
 ``python forkserver.py FD`` serves requests on the ``SOCK_SEQPACKET`` socket ``FD`` (its launcher's end is
-:class:`hvdrun.launch.local.ForkServer`). A request is one message, ``marshal((guard_argv, env, cwd))``, carrying
+:class:`ForkServer`: the local launcher spawns the server, a host agent forks it at its start,
+:mod:`hvdrun.launch.remote.hostagent`). A request is one message, ``marshal((guard_argv, env, cwd))``, carrying
 three file descriptors: the rank's lifeline (the guard's stdin) and its stdout and stderr. The server forks; the
 child becomes that rank's guard exactly as ``python guard.py GUARD_ARGV`` would be (its own session, the lifeline
 on its stdin, see ``guard.py``), without paying an interpreter start and the guard's imports again. Every
@@ -21,9 +22,15 @@ import os
 import select
 import signal
 import socket
+import subprocess
 import sys
+import threading
+import time
 import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from hvdrun.errors import LaunchError
 
 MAX_MESSAGE_BYTES = 8 << 20  # one request: a rank's argv and environment
 SOCKET_BUFFER_BYTES = 8 << 20
@@ -119,7 +126,8 @@ def serve(fd: int) -> None:
     signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
     number = 0
     while True:
-        ready, _, _ = select.select([sock, wake_read], [], [])
+        waiting: list[Any] = [sock, wake_read]
+        ready, _, _ = select.select(waiting, [], [])
         if wake_read in ready:
             os.read(wake_read, 4096)
         _reap(sock)
@@ -127,6 +135,160 @@ def serve(fd: int) -> None:
             if not _serve_request(sock, (wake_read, wake_write), number):
                 return
             number += 1
+
+
+def _socket_pair() -> tuple[socket.socket, socket.socket]:
+    pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for sock in pair:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    return pair
+
+
+class ForkServer:
+    """The launcher's end of a fork server: starts guards by fork, learns how they end.
+
+    Make one with :meth:`spawn` (a fresh interpreter) or :meth:`fork` (this process, while it has one thread).
+
+    Args:
+        sock: our end of the server's socket.
+        server: the server, our child: its process, or its pid.
+        where: the host, for error messages (``this machine``, ``h3``).
+        on_exit: called with ``(pid, returncode)`` when a guard ends, from the thread that reads the answers.
+    """
+
+    def __init__(self, sock: socket.socket, server: subprocess.Popen[bytes] | int, where: str,
+                 on_exit: Callable[[int, int], None] | None = None) -> None:
+        self._sock, self._server, self.where, self._on_exit = sock, server, where, on_exit
+        self._answers: dict[int, tuple[str, int | str]] = {}  # request -> ("started", pid) | ("failed", why)
+        self.exited: dict[int, int] = {}  # pid -> returncode
+        self.gone = False  # the server's end closed
+        self._changed = threading.Condition()
+        self._requests = 0
+        threading.Thread(target=self._read_answers, name="hvdrun-forkserver", daemon=True).start()
+
+    @classmethod
+    def spawn(cls, where: str = "this machine", on_exit: Callable[[int, int], None] | None = None) -> ForkServer:
+        """Start the server as ``python forkserver.py FD`` in a session of its own.
+
+        Raises:
+            LaunchError: it could not be started.
+        """
+        ours, theirs = _socket_pair()
+        try:
+            process = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], stdin=subprocess.DEVNULL,
+                                       pass_fds=(theirs.fileno(),), start_new_session=True)
+        except OSError as e:
+            ours.close()
+            raise LaunchError(f"cannot start hvdrun's fork server on {where}: {e}") from e
+        finally:
+            theirs.close()
+        return cls(ours, process, where, on_exit)
+
+    @classmethod
+    def fork(cls, where: str, on_exit: Callable[[int, int], None] | None = None) -> ForkServer:
+        """Fork this process into the server: no interpreter start. Call it before this process starts a thread
+        (a fork copies only the calling thread, and the locks the others held). The server's standard streams
+        become /dev/null: it holds nothing of ours open (an SSH channel would never end)."""
+        ours, theirs = _socket_pair()
+        pid = os.fork()
+        if pid == 0:  # the server
+            ours.close()
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.close(null)
+            try:
+                serve(theirs.detach())
+            finally:
+                os._exit(0)
+        theirs.close()
+        return cls(ours, pid, where, on_exit)
+
+    def request(self, guard_argv: Sequence[str], env: dict[str, str], cwd: str, fds: Sequence[int], rank: int) -> int:
+        """Ask for a guard (``guard.py GUARD_ARGV`` in ``cwd`` with ``env``) with ``fds`` as its lifeline, stdout
+        and stderr; the request's number.
+
+        Raises:
+            LaunchError: the request does not fit, or the server is gone.
+        """
+        message = marshal.dumps((list(guard_argv), env, cwd))
+        if len(message) > MAX_MESSAGE_BYTES:
+            raise LaunchError(f"rank {rank}'s command and environment take {len(message)} bytes; "
+                              f"at most {MAX_MESSAGE_BYTES} fit")
+        try:
+            socket.send_fds(self._sock, [message], list(fds))
+        except OSError as e:
+            raise LaunchError(f"cannot start rank {rank} on {self.where}: hvdrun's fork server: {e}") from e
+        self._requests += 1
+        return self._requests - 1
+
+    def pid_of(self, request: int, rank: int) -> int:
+        """The pid of the guard started for ``request`` (waits for the server's answer).
+
+        Raises:
+            LaunchError: the server could not fork it, or is gone.
+        """
+        with self._changed:
+            self._changed.wait_for(lambda: request in self._answers or self.gone)
+            answer = self._answers.get(request)
+        if answer is None or answer[0] != "started":
+            why = answer[1] if answer is not None else "it ended"
+            raise LaunchError(f"cannot start rank {rank} on {self.where}: hvdrun's fork server: {why}")
+        return int(answer[1])
+
+    def _read_answers(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(MAX_MESSAGE_BYTES)
+            except OSError:
+                data = b""
+            with self._changed:
+                if not data:
+                    self.gone = True
+                    self._changed.notify_all()
+                    return
+                kind, key, value = marshal.loads(data)
+                if kind == "exited":
+                    self.exited[key] = value
+                else:
+                    self._answers[key] = (kind, value)
+                self._changed.notify_all()
+            if kind == "exited" and self._on_exit is not None:
+                self._on_exit(key, value)
+
+    def close(self) -> None:
+        """Let the server go (its guards stay with their lifelines) and reap it."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes our reader; a plain close would wait for its recv()
+        except OSError:
+            pass
+        self._sock.close()
+        if isinstance(self._server, int):
+            _reap_child(self._server)
+            return
+        try:
+            self._server.wait(5)
+        except subprocess.TimeoutExpired:
+            self._server.kill()
+            self._server.wait()
+
+
+def _reap_child(pid: int, timeout_s: float = 5.0) -> None:
+    """Wait up to ``timeout_s`` for our child ``pid`` to end, SIGKILL it then, and reap it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(0.01)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """What a host says about itself before ranks start there: ``python -m hvdrun.launch.remote.hostfacts [OPTIONS]``.
 
-The SSH launcher runs this on every remote host (in the job's working directory, under the
-host's Python) and reads one JSON line: hostname, Python and package versions, CPU count,
-the address of ``--interface`` and free ports for rank 0's rendezvous. A host where the
+A host's agent (:mod:`hvdrun.launch.remote.hostagent`) answers with these facts first; the SSH launcher runs
+this module on a host to check it without starting an agent (before a restart), in the job's working directory
+under the host's Python, and reads one JSON line: hostname, Python and package versions, CPU count, the address
+of ``--interface``, free ports for rank 0's rendezvous and the address sshd was reached at. A host where the
 working directory, the Python or hvdrun is missing fails before it (the launcher's side,
 :mod:`hvdrun.launch.hostprobe`, builds the command and explains such a failure).
 :func:`free_ports` and :func:`interface_address` serve the launcher's own machine too.
@@ -15,8 +16,11 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
+
+from hvdrun.envvars import SSH_CONNECTION
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class HostFacts:
     cpus: int
     interface_addr: str | None
     ports: tuple[int, ...]
+    address: str | None = None  # where the host was reached over SSH (sshd's SSH_CONNECTION), if it was
 
     @classmethod
     def from_json(cls, text: str) -> HostFacts:
@@ -79,7 +84,14 @@ def facts(interface: str | None, ports: int) -> HostFacts:
 
     return HostFacts(hostname=socket.gethostname(), python=sys.version.split()[0], executable=sys.executable,
                      hvdrun=__version__, torch=_version("torch"), cpus=os.cpu_count() or 1,
-                     interface_addr=interface_address(interface) if interface else None, ports=free_ports(ports))
+                     interface_addr=interface_address(interface) if interface else None, ports=free_ports(ports),
+                     address=reached_at(os.environ))
+
+
+def reached_at(environ: Mapping[str, str]) -> str | None:
+    """The address this host was reached at over SSH: the third word of sshd's ``SSH_CONNECTION``."""
+    words = environ.get(SSH_CONNECTION, "").split()
+    return words[2] if len(words) == 4 else None
 
 
 def main(argv: list[str] | None = None) -> None:

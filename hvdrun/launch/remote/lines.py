@@ -5,13 +5,50 @@ without terminator is still delivered at EOF. Lines are cut as bytes (no UTF-8 b
 ``\\n`` or ``\\r``) in time linear in their length. A line that grows past :data:`MAX_LINE_BYTES` without a
 terminator is passed on in pieces of about that size, so memory stays bounded whatever a rank writes.
 Standard library only.
+
+Many streams on one (mpiexec's merged output, a host agent's SSH channel) travel as *tagged lines*:
+``[N]<kind>:`` and one line. ``N`` is a rank for the kinds ``stdout``, ``stderr`` (a line the rank wrote, its
+terminator kept) and ``exit`` (the rank's exit code, negative for a signal), a host's index in its job for the
+host agents' kinds (:mod:`hvdrun.launch.remote.hostagent`). A line that had no terminator (the last line of a
+stream, or a piece of a huge line) gets ``\\n`` and a ``~`` after its kind (``[3]<stdout~>:no newline\\n``),
+which :func:`untag` takes off again: what a rank wrote arrives byte for byte.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from typing import NamedTuple
 
 MAX_LINE_BYTES = 8 << 20  # a partial line longer than this is passed on as a piece (no terminator)
+TAGGED_LINE_BYTES = 2 * MAX_LINE_BYTES  # a tagged line is at most a piece and its tag: cut none on the way
+_TAG_RE = re.compile(rb"\[(\d+)\]<([a-z]+)(~?)>:")
+
+
+class Tagged(NamedTuple):
+    """One tagged line, untagged: who (a rank or a host index), what kind, and the text as it was written."""
+
+    number: int
+    kind: str
+    text: bytes
+
+
+def tag(number: int, kind: str, line: bytes) -> bytes:
+    """``[number]<kind>:line`` as one line: a line without terminator gets one, and ``~`` says so."""
+    if line.endswith((b"\n", b"\r")):
+        return b"[%d]<%s>:%s" % (number, kind.encode(), line)
+    return b"[%d]<%s~>:%s\n" % (number, kind.encode(), line)
+
+
+def untag(line: bytes) -> Tagged | None:
+    """The tagged line ``line`` (as :func:`tag` made it) taken apart; None for a line without a tag."""
+    match = _TAG_RE.match(line)
+    if match is None:
+        return None
+    text = line[match.end():]
+    if match.group(3):
+        text = text[:-1] if text.endswith(b"\n") else text
+    return Tagged(int(match.group(1)), match.group(2).decode(), text)
 
 
 class LineSplitter:

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from hvdrun import envvars
 from hvdrun.hosts import Host
 from hvdrun.launch.remote.guard import forward_byte
-from hvdrun.launch.remote.lines import LineSplitter
+from hvdrun.launch.remote.lines import LineSplitter, tag
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_of, layout_value
 
 _PR_SET_PDEATHSIG = 1
@@ -66,7 +66,7 @@ def worker_environment(environ: Mapping[str, str]) -> tuple[Slot, dict[str, str]
 
 
 def _emit(rank: int, stream: str, line: bytes) -> None:
-    data = f"[{rank}]<{stream}>:".encode() + line
+    data = tag(rank, stream, line)
     with _write_lock:
         view, fd = memoryview(data), 2 if stream == "stderr" else 1
         while view:
@@ -79,7 +79,7 @@ def _pump(rank: int, stream: str, fd: int) -> None:
         for line in splitter.feed(data):
             _emit(rank, stream, line)
     for line in splitter.close():
-        _emit(rank, stream, line if line.endswith((b"\n", b"\r")) else line + b"\n")
+        _emit(rank, stream, line)
     os.close(fd)
 
 

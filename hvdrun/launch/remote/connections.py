@@ -5,9 +5,13 @@
   order of precedence.
 * Host keys are checked against ``~/.ssh/known_hosts`` (hashed entries too) or
   ``--ssh-known-hosts``; an unknown or changed key is refused, never accepted.
-* Connections open concurrently across hosts, at most :data:`HANDSHAKES_PER_HOST` at a time to
-  one host (sshd's default ``MaxStartups 10:30:100`` drops handshakes beyond 10 in flight), and
-  the failures that such drops cause are retried.
+* Connections open concurrently across hosts in a sliding window: at most :data:`MAX_PARALLEL_CONNECTS`
+  handshakes in flight in all (the next starts as soon as one ends) and at most :data:`HANDSHAKES_PER_HOST`
+  to one host (sshd's default ``MaxStartups 10:30:100`` drops handshakes beyond 10 in flight); the
+  failures that such drops cause are retried.
+
+hvdrun uses this module on its own machine, and the host agents use it to reach the hosts beneath them
+(:mod:`hvdrun.launch.remote.hostagent`), with the targets hvdrun resolved and the same options.
 """
 
 from __future__ import annotations
@@ -243,34 +247,43 @@ def _quiet_paramiko() -> None:
         logger.propagate = False
 
 
-def connect_all(targets: Sequence[SshTarget], options: SshOptions, deadline: float) -> list[paramiko.SSHClient]:
-    """Connect to every target concurrently (a target listed k times gets k connections).
+def connect_each(targets: Sequence[SshTarget], options: SshOptions,
+                 deadline: float) -> list[paramiko.SSHClient | LaunchError]:
+    """Connect to every target concurrently (a target listed k times gets k connections); each entry is the
+    connection or the :class:`LaunchError` that names why it could not be opened.
 
-    At most :data:`HANDSHAKES_PER_HOST` handshakes run at once against one host. If any
-    connection fails, the ones that were opened are closed and the first failure (in target
-    order) is raised.
+    A sliding window: at most :data:`MAX_PARALLEL_CONNECTS` handshakes run at once, and at most
+    :data:`HANDSHAKES_PER_HOST` against one host.
     """
     caps: dict[tuple[str, int], threading.Semaphore] = {}
     for target in targets:
         caps.setdefault((target.hostname, target.port), threading.Semaphore(HANDSHAKES_PER_HOST))
 
-    def one(target: SshTarget) -> paramiko.SSHClient:
+    def one(target: SshTarget) -> paramiko.SSHClient | LaunchError:
         with caps[(target.hostname, target.port)]:
-            return connect(target, options, deadline)
+            try:
+                return connect(target, options, deadline)
+            except LaunchError as e:
+                return e
 
     if not targets:
         return []
     with ThreadPoolExecutor(max_workers=min(len(targets), MAX_PARALLEL_CONNECTS),
                             thread_name_prefix="hvdrun-ssh-connect") as pool:
-        futures = [pool.submit(one, target) for target in targets]
-        errors = [f.exception() for f in futures]
-    if any(errors):
-        for future, error in zip(futures, errors, strict=True):
-            if error is None:
-                future.result().close()
-        first = next(e for e in errors if e is not None)
-        raise first
-    return [f.result() for f in futures]
+        return list(pool.map(one, targets))
+
+
+def connect_all(targets: Sequence[SshTarget], options: SshOptions, deadline: float) -> list[paramiko.SSHClient]:
+    """Connect to every target as :func:`connect_each` does. If any connection fails, the ones that were opened
+    are closed and the first failure (in target order) is raised."""
+    opened = connect_each(targets, options, deadline)
+    failures = [entry for entry in opened if isinstance(entry, LaunchError)]
+    if failures:
+        for entry in opened:
+            if not isinstance(entry, LaunchError):
+                entry.close()
+        raise failures[0]
+    return [entry for entry in opened if not isinstance(entry, LaunchError)]
 
 
 def peer_address(client: paramiko.SSHClient) -> tuple[str, str]:

@@ -1,0 +1,172 @@
+"""The ranks of one host, as its agent runs them (:mod:`hvdrun.launch.remote.hostagent`).
+
+Each rank runs under its own guard, forked by the agent's fork server (:mod:`hvdrun.launch.remote.forkserver`),
+with its own lifeline (a pipe whose write end only the agent holds: if the agent dies, even by SIGKILL, every
+guard sees EOF and stops its rank), so every guarantee of ``guard.py`` holds as for a local rank. Every line a
+rank writes goes up as a tagged line (:mod:`hvdrun.launch.remote.lines`), and ``[rank]<exit>:CODE`` after its
+last line, once both of its streams ended and the fork server reported how its guard ended (CODE as
+:attr:`subprocess.Popen.returncode`: negative for a signal).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from hvdrun.errors import LaunchError
+from hvdrun.launch.remote.agentwire import DROP
+from hvdrun.launch.remote.forkserver import ForkServer
+from hvdrun.launch.remote.lines import LineSplitter, tag
+
+_READ_BYTES = 1 << 20
+_SETTLE_S = 2.0  # how long a rank's exit waits for its streams to end (a process that outlived it holds them)
+
+
+@dataclass
+class _Rank:
+    rank: int
+    lifeline: int
+    streams_open: int = 2
+    pid: int | None = None
+    code: int | None = None
+    reported: bool = False
+
+
+class HostRanks:
+    """Starts this host's ranks and sends their output and exit codes up.
+
+    Args:
+        up: writes bytes (whole tagged lines) up the agent's channel.
+        where: this host's name, for messages.
+    """
+
+    def __init__(self, up: Callable[[bytes], None], where: str) -> None:
+        self._up, self.where = up, where
+        self._ranks: dict[int, _Rank] = {}
+        self._by_pid: dict[int, _Rank] = {}
+        self._lock = threading.Lock()
+        self.server: ForkServer | None = None
+
+    def start(self, entries: Iterable[tuple[int, Sequence[str], dict[str, str], str]],
+              login_env: dict[str, str]) -> None:
+        """Start every ``(rank, guard_argv, env, cwd)`` of a plan, with ``env`` on top of ``login_env``."""
+        assert self.server is not None
+        for rank, guard_argv, env, cwd in entries:
+            try:
+                self._start(rank, guard_argv, {**login_env, **env}, cwd)
+            except LaunchError as e:
+                self._up(tag(rank, "stderr", f"hvdrun: error: {e}\n".encode()) + tag(rank, "exit", b"1\n"))
+
+    def _start(self, rank: int, guard_argv: Sequence[str], env: dict[str, str], cwd: str) -> None:
+        assert self.server is not None
+        lifeline_read, lifeline = os.pipe()
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        try:
+            request = self.server.request(guard_argv, env, cwd, (lifeline_read, out_write, err_write), rank)
+        except LaunchError:
+            for fd in (lifeline, out_read, err_read):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (lifeline_read, out_write, err_write):
+                os.close(fd)
+        state = _Rank(rank, lifeline)
+        with self._lock:
+            self._ranks[rank] = state
+        for stream, fd in (("stdout", out_read), ("stderr", err_read)):
+            threading.Thread(target=self._pump, args=(state, stream, fd), daemon=True,
+                             name=f"hvdrun-rank-{rank}-{stream}").start()
+        self._started(state, request)
+
+    def _started(self, state: _Rank, request: int) -> None:
+        """Learn the guard's pid (the server's answer); an exit reported before that is taken now."""
+        assert self.server is not None
+        try:
+            pid = self.server.pid_of(request, state.rank)
+        except LaunchError:
+            with self._lock:
+                state.reported = True  # start() reports it
+                self._close_lifeline(state)
+            raise
+        with self._lock:
+            state.pid = pid
+            self._by_pid[pid] = state
+            early = self.server.exited.get(pid)
+        if early is not None:
+            self.on_exit(pid, early)
+
+    def _pump(self, state: _Rank, stream: str, fd: int) -> None:
+        splitter = LineSplitter()
+        while data := _read(fd):
+            self._up(b"".join(tag(state.rank, stream, line) for line in splitter.feed(data)))
+        self._up(b"".join(tag(state.rank, stream, line) for line in splitter.close()))
+        os.close(fd)
+        with self._lock:
+            state.streams_open -= 1
+        self._report_if_done(state)
+
+    def on_exit(self, pid: int, code: int) -> None:
+        """The fork server says a guard ended (from its reader thread)."""
+        with self._lock:
+            state = self._by_pid.get(pid)
+            if state is None:  # before pid_of() returned: start() looks again
+                return
+            state.code = code
+        self._report_if_done(state)
+        threading.Timer(_SETTLE_S, self._report, args=(state,)).start()
+
+    def _report_if_done(self, state: _Rank) -> None:
+        if state.streams_open == 0 and state.code is not None:
+            self._report(state)
+        elif state.streams_open == 0:
+            threading.Timer(_SETTLE_S, self._report_unknown, args=(state,)).start()
+
+    def _report_unknown(self, state: _Rank) -> None:
+        """A rank whose streams ended long ago without word from the fork server: if the server is gone, no word
+        will come; the rank is reported ended with code 1, and why."""
+        assert self.server is not None
+        if state.code is not None or state.reported or not self.server.gone:
+            return
+        state.code = 1
+        self._up(tag(state.rank, "stderr", f"hvdrun: rank {state.rank} on {self.where} ended, but hvdrun's fork "
+                                           "server that reports its exit code was gone\n".encode()))
+        self._report(state)
+
+    def _report(self, state: _Rank) -> None:
+        """``[rank]<exit>:CODE``, once; the lifeline is closed (a later signal finds nothing to reach)."""
+        with self._lock:
+            if state.reported or state.code is None:
+                return
+            state.reported = True
+            self._close_lifeline(state)
+        self._up(tag(state.rank, "exit", f"{state.code}\n".encode()))
+
+    def signal(self, ranks: Sequence[int] | None, code: int) -> None:
+        """Write ``code`` to the lifelines of ``ranks`` (None: every rank), or close them (:data:`DROP`)."""
+        with self._lock:
+            chosen = list(self._ranks.values()) if ranks is None else [self._ranks[r] for r in ranks
+                                                                      if r in self._ranks]
+            for state in chosen:
+                if code == DROP:
+                    self._close_lifeline(state)
+                elif state.lifeline >= 0:
+                    try:
+                        os.write(state.lifeline, bytes([code]))
+                    except OSError:
+                        pass  # the guard is gone: nothing left to signal
+
+    @staticmethod
+    def _close_lifeline(state: _Rank) -> None:
+        if state.lifeline >= 0:
+            os.close(state.lifeline)
+            state.lifeline = -1
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, _READ_BYTES)
+    except OSError:
+        return b""

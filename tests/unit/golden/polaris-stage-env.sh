@@ -1,0 +1,29 @@
+#!/bin/bash -l
+#PBS -A MyProject
+#PBS -q debug
+#PBS -l select=2:system=polaris
+#PBS -l place=scatter
+#PBS -l walltime=01:00:00
+#PBS -l filesystems=home:eagle
+#PBS -N train
+#PBS -k doe
+#PBS -o /home/me/run/logs/train.output
+#PBS -j oe
+
+# PBS Pro job for polaris, written by hvdrun qsub. hvdrun reads the hosts from $PBS_NODEFILE.
+set -o pipefail
+cd /home/me/run
+module use /soft/modulefiles
+module load conda
+conda activate
+export LD_LIBRARY_PATH=/soft/libraries/aws-ofi-nccl/v1.9.1-aws/lib:/soft/libraries/hwloc/lib:$LD_LIBRARY_PATH
+if ! /home/me/venv/bin/python -c 'import hvdrun' 2>/dev/null; then
+  echo "hvdrun: error: the job's Python" /home/me/venv/bin/python "cannot import hvdrun on $(hostname): install hvdrun into that environment, or give hvdrun qsub --venv, --conda or --python" >&2
+  echo 2 > /home/me/run/logs/train.exitcode
+  exit 2
+fi
+echo "hvdrun: job train started on $(hostname) at $(date -u +%FT%TZ)"
+/home/me/venv/bin/python -m hvdrun --cluster polaris --ranks-per-node 4 --stage-env --stage-dir /local/scratch --launcher ssh -- train.py --epochs 3 --name 'it'"'"'s $HOME' && rc=0 || rc=$?
+echo "$rc" > /home/me/run/logs/train.exitcode
+echo "hvdrun: job train ended with exit code $rc at $(date -u +%FT%TZ)"
+exit "$rc"

@@ -1,0 +1,231 @@
+"""Environment staging (hvdrun/launch/staging.py, envcopy.py): fingerprints, the plan's checks, and the unpack
+line's marker logic, run for real in ``sh`` (no launcher, no ranks)."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from hvdrun.config import load_config
+from hvdrun.errors import ConfigError, UsageError
+from hvdrun.hosts import Host
+from hvdrun.launch.envcopy import MARKER, Environment, HostStaged, unpack_command
+from hvdrun.launch.job import RunOptions, plan_job
+from hvdrun.launch.staging import (
+    StagePlan,
+    ThisMachine,
+    check_stage_dir,
+    describe,
+    find_environment,
+    fingerprint,
+    stage,
+    staged_env,
+)
+
+
+@pytest.fixture
+def venv(tmp_path: Path) -> Path:
+    """A fake environment: pyvenv.cfg, bin/python, one site-packages entry (nothing runs it)."""
+    prefix = tmp_path / "env"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "python").write_text("#!/bin/sh\n")
+    (prefix / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (prefix / "lib" / "python3.11" / "site-packages" / "pkg").mkdir(parents=True)
+    (prefix / "lib" / "python3.11" / "site-packages" / "pkg" / "__init__.py").write_text("X = 1\n")
+    return prefix
+
+
+def test_fingerprint_changes_when_a_package_is_installed_or_the_env_moves(venv, tmp_path):
+    first = fingerprint(venv)
+    assert first == fingerprint(venv) and len(first) == 12
+    (venv / "lib" / "python3.11" / "site-packages" / "newpkg-1.0.dist-info").mkdir()
+    second = fingerprint(venv)
+    assert second != first
+    moved = tmp_path / "moved"
+    venv.rename(moved)
+    assert fingerprint(moved) != second
+
+
+def test_find_environment_of_a_venv_and_of_no_environment(venv, tmp_path):
+    environment = find_environment(str(venv / "bin" / "python"))
+    assert environment.prefix == str(venv) and environment.relative_python == "bin/python"
+    (tmp_path / "plain" / "bin").mkdir(parents=True)
+    (tmp_path / "plain" / "bin" / "python").write_text("")
+    with pytest.raises(UsageError, match="is in neither .no pyvenv.cfg or conda-meta/"):
+        find_environment(str(tmp_path / "plain" / "bin" / "python"))
+    with pytest.raises(UsageError, match="is not here"):
+        find_environment("/nowhere/bin/python")
+    (tmp_path / "conda" / "bin").mkdir(parents=True)
+    (tmp_path / "conda" / "conda-meta").mkdir()
+    (tmp_path / "conda" / "bin" / "python").write_text("")
+    assert find_environment(str(tmp_path / "conda" / "bin" / "python")).prefix == str(tmp_path / "conda")
+
+
+@pytest.mark.parametrize("given, expected", [("/tmp/", "/tmp"), ("/local/scratch", "/local/scratch"), ("/", "/")])
+def test_stage_dir_must_be_absolute(given, expected):
+    assert check_stage_dir(given, "--stage-dir") == expected
+
+
+@pytest.mark.parametrize("given", ["tmp", "./x", "", "/a\nb"])
+def test_a_relative_stage_dir_is_a_usage_error(given):
+    with pytest.raises(UsageError, match="expected an absolute path"):
+        check_stage_dir(given, "--stage-dir")
+
+
+def test_staged_env_puts_the_copy_first():
+    env = staged_env("/tmp/hvdrun-0/env-ab/bin/python", {"PATH": "/usr/bin", "VIRTUAL_ENV": "/work/venv"})
+    assert env == {"PATH": "/tmp/hvdrun-0/env-ab/bin:/usr/bin", "VIRTUAL_ENV": "/tmp/hvdrun-0/env-ab"}
+    assert staged_env("/c/bin/python", {}) == {"PATH": "/c/bin"}
+
+
+def test_describe_says_what_was_done():
+    environment = Environment("/w/env/bin/python", "/w/env", "abc")
+    copy, python = "/tmp/hvdrun-0/env-abc", "/tmp/hvdrun-0/env-abc/bin/python"
+    made = HostStaged("h1", copy, python, 2_500_000_000, 3.0, "file")
+    had = HostStaged("h2", copy, python)
+    assert describe([made, had], [environment], 3.2, 1.1) == (
+        "hvdrun: --stage-env: staged /w/env on 1 host in 3.2 s (2.5 GB: read the packed file in the working "
+        "directory, packing 1.1 s), already staged on 1 host; the ranks run from /tmp/hvdrun-0/env-abc")
+    three = [made, made, HostStaged("h3", copy, python, 2_500_000_000, 9.0, "ssh")]
+    assert "(2.5 GB: 2 hosts read the packed file in the working directory, 1 host streamed over SSH, packing" in \
+        describe(three, [environment], 9.1, 1.1)
+    assert describe([had, had], [environment], 0.1, 0.0) == (
+        "hvdrun: --stage-env: /w/env already staged on 2 hosts (/tmp/hvdrun-0/env-abc)")
+
+
+# -- the plan ------------------------------------------------------------------------------------------------
+
+def _plan(tmp_path, venv, **options):
+    (tmp_path / "train.py").write_text("")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"python: {venv}/bin/python\n{options.pop('yaml', '')}")
+    return plan_job(RunOptions(command=("train.py",), num_proc=2, config_file=str(config), **options), os.environ)
+
+
+def test_the_plan_stages_the_hosts_python_under_the_chosen_dir(tmp_path, venv, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _plan(tmp_path, venv).stage is None
+    plan = _plan(tmp_path, venv, stage_env=True)
+    assert plan.stage.directory == "/tmp" and list(plan.stage.environments) == [f"{venv}/bin/python"]
+    assert _plan(tmp_path, venv, stage_env=True, yaml="local_dir: /local/scratch\n").stage.directory == \
+        "/local/scratch"
+    assert _plan(tmp_path, venv, stage_dir="/x/", yaml="local_dir: /local/scratch\n").stage.directory == "/x"
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(stage_env=True, launcher="mpiexec"), "works with the local and ssh launchers, and this job's is mpiexec"),
+    (dict(stage_env=True, min_np=1), "an elastic job's hosts join while it runs"),
+    (dict(stage_dir="scratch"), "--stage-dir 'scratch': expected an absolute path"),
+])
+def test_the_plan_refuses(tmp_path, venv, monkeypatch, options, fragment):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=fragment.replace("(", ".").replace(")", ".")):
+        _plan(tmp_path, venv, **options)
+
+
+def test_local_dir_in_the_yaml_must_be_absolute(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("local_dir: scratch\n")
+    with pytest.raises(ConfigError, match="'local_dir' must be an absolute path"):
+        load_config(path)
+    path.write_text("local_dir: /local/scratch\n")
+    assert load_config(path).local_dir == "/local/scratch"
+
+
+# -- the unpack line, in a real sh ------------------------------------------------------------------------------
+
+def _tar(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def _stream(data: bytes, kib: int = 1) -> bytes:
+    """What hvdrun writes to the unpack line of a host to stream ``data`` (no packed file offered)."""
+    return f"{kib} {len(data)} /\n".encode() + data
+
+
+def _unpack(directory: Path, stdin: bytes, fp: str = "f00d") -> subprocess.CompletedProcess[str]:
+    environment = Environment("/unused/bin/python", "/unused", fp)
+    return subprocess.run(unpack_command(str(directory), environment), input=stdin, capture_output=True,
+                          timeout=30, check=False)
+
+
+def _lines(done: subprocess.CompletedProcess) -> list[str]:
+    return done.stdout.decode().split("\n")
+
+
+def test_unpack_then_have_then_redo_a_copy_without_marker(tmp_path):
+    stream = _tar({"bin/python": b"#!\n", "lib/x.py": b"X = 1\n"})
+    copy = tmp_path / f"hvdrun-{os.getuid()}" / "env-f00d"
+    first = _unpack(tmp_path, _stream(stream))
+    assert first.returncode == 0, first.stderr
+    assert _lines(first)[:3] == [f"NEED {copy}", "STREAM", f"DONE {copy} 1"]
+    assert (copy / MARKER).exists() and (copy / "lib" / "x.py").read_text() == "X = 1\n"
+    assert oct((copy.parent).stat().st_mode & 0o777) == "0o700"
+    assert _lines(_unpack(tmp_path, b""))[0] == f"HAVE {copy}"
+    (copy / MARKER).unlink()  # a copy whose unpack was cut short: redone, its leftovers gone
+    (copy / "leftover").write_text("")
+    (copy.parent / ".env-f00d.partial.12345").mkdir()  # a killed job's unpack in progress
+    again = _unpack(tmp_path, _stream(stream))
+    assert _lines(again)[0] == f"NEED {copy}" and again.returncode == 0
+    assert not (copy / "leftover").exists() and (copy / MARKER).exists()
+    assert sorted(p.name for p in copy.parent.iterdir()) == [".env-f00d.lock", "env-f00d"]
+
+
+def test_a_host_that_sees_the_packed_file_whole_reads_it_else_takes_the_stream(tmp_path):
+    packed = tmp_path / "env.tar"
+    packed.write_bytes(_tar({"from-file": b"1"}))
+    copy = tmp_path / "stage" / f"hvdrun-{os.getuid()}" / "env-f00d"
+    read = _unpack(tmp_path / "stage", f"1 {packed.stat().st_size} {packed}\n".encode())
+    assert _lines(read)[:2] == [f"NEED {copy}", "FILE"] and (copy / "from-file").exists(), read.stderr
+    shutil.rmtree(copy)
+    streamed = _tar({"from-stream": b"2"})  # a file of another size (not whole yet, or another one): the stream
+    taken = _unpack(tmp_path / "stage", f"1 {packed.stat().st_size + 1} {packed}\n".encode() + streamed)
+    assert _lines(taken)[:2] == [f"NEED {copy}", "STREAM"] and (copy / "from-stream").exists(), taken.stderr
+
+
+def test_a_truncated_stream_leaves_no_copy(tmp_path):
+    done = _unpack(tmp_path, _stream(_tar({"a": b"x" * 5000})[:1024]))
+    assert done.returncode == 4 and "tar" in done.stderr.decode()
+    assert [p.name for p in (tmp_path / f"hvdrun-{os.getuid()}").iterdir()] == [".env-f00d.lock"]
+
+
+def test_not_enough_space_is_said_before_unpacking(tmp_path):
+    done = _unpack(tmp_path, _stream(_tar({"a": b"x"}), kib=2 ** 50))
+    assert done.returncode == 5 and "KiB free" in done.stderr.decode()
+
+
+def test_an_unusable_dir_exits_3(tmp_path):
+    (tmp_path / "file").write_text("")
+    done = _unpack(tmp_path / "file" / "sub", b"")
+    assert done.returncode == 3 and "Not a directory" in done.stderr.decode()
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / f"hvdrun-{os.getuid()}").symlink_to(tmp_path)
+    done = _unpack(tmp_path / "d", b"")
+    assert done.returncode == 3 and "is a symbolic link" in done.stderr.decode()
+
+
+def test_stage_on_this_machine_copies_the_environment(tmp_path, venv):
+    environment = find_environment(str(venv / "bin" / "python"))
+    plan = StagePlan(str(tmp_path / "stage"), {environment.python: environment})
+    hosts = [(Host("localhost", 2), environment.python), (Host("127.0.0.1", 1), environment.python)]
+    staged, line = stage(plan, hosts, ThisMachine())
+    copy = tmp_path / "stage" / f"hvdrun-{os.getuid()}" / f"env-{environment.fingerprint}"
+    assert staged["localhost"].python == staged["127.0.0.1"].python == f"{copy}/bin/python"
+    assert (copy / "lib" / "python3.11" / "site-packages" / "pkg" / "__init__.py").exists()
+    assert "staged " in line and "on 1 host" in line
+    assert "already staged on 1 host" in stage(plan, hosts, ThisMachine())[1]
+    with pytest.raises(UsageError, match=r"cannot use /proc/hvdrun-nowhere on this machine: mkdir"):
+        stage(StagePlan("/proc/hvdrun-nowhere", plan.environments), hosts, ThisMachine())
+
