@@ -30,8 +30,9 @@ device (NCCL) initialisation; published anchors for those are printed beside the
 
 Fitting (``--fit``): on this machine every host and rank shares the same few cores, so each measured CPU term
 is divided by the machine's cores: local runs give t_cli, c_spawn and c_rank (linear in N); namespace-host runs
-give the per-host sum c_ssh + t_agent + c_join (linear in H once their ranks' CPU is taken out); c_ssh and
-c_join are split by their measured shares (``--c-ssh``, ``--c-join``: measured separately, see docs/scaling.md).
+give c_ssh (hvdrun's own CPU per host it connects to, ``flat cpu``) and t_agent (the per-host slope of the tree
+runs once the ranks' CPU, c_ssh and c_join are taken out); c_join comes from benchmarks/rendezvous_cost.py
+(``--c-join``), t_link and alpha are set (``--t-link``, ``--alpha``), not fitted.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Params:
     c_rank: float = 0.20
     c_ssh: float = 0.030
     t_agent: float = 0.15
-    c_join: float = 0.002
+    c_join: float = 0.0007
     t_link: float = 0.001
     alpha: float = 20e-6
     fanout: int = 32
@@ -130,34 +131,39 @@ def fit(paths: list[Path], start: Params, machine_cores: int) -> tuple[Params, l
         params = replace(params, c_rank=max(slope * machine_cores - params.c_spawn, 0.0))
         notes.append(f"`hvdrun -np N` to past init() at N = {list(init_runs)}: {intercept:.3f} s + "
                      f"{slope * 1e3:.2f} ms x N")
-    host_runs = _host_medians(results)
-    if len(host_runs) >= 2:
-        params, note = _fit_hosts(params, host_runs, machine_cores)
-        notes.append(note)
-    return params, notes
+    params, host_notes = _fit_hosts(params, results, machine_cores)
+    return params, notes + host_notes
 
 
-def _host_medians(results: list[dict]) -> dict[int, tuple[int, float]]:
-    """Hosts -> (ranks, median seconds) of the tree runs (``kind`` hvdrun/tree or hvdrun)."""
+def _host_medians(results: list[dict], kind: str) -> dict[int, tuple[int, float]]:
+    """Hosts -> (ranks, median seconds) of one kind of hosts_startup.py's runs."""
     by: dict[int, tuple[int, list[float]]] = {}
     for entry in results:
-        if "hosts" in entry and entry.get("kind") in ("hvdrun tree", "hvdrun", "tree"):
+        if "hosts" in entry and entry.get("kind") == kind:
             ranks, values = by.setdefault(int(entry["hosts"]), (int(entry["ranks"]), []))
             values.append(float(entry["seconds"]))
     return {hosts: (ranks, statistics.median(values)) for hosts, (ranks, values) in sorted(by.items())}
 
 
-def _fit_hosts(params: Params, runs: dict[int, tuple[int, float]], machine_cores: int) -> tuple[Params, str]:
-    """The per-host CPU (c_ssh + t_agent + c_join) from the slope over hosts, the ranks' own CPU taken out."""
-    xs = [float(hosts) for hosts in runs]
-    ys = [seconds - ranks * (params.c_spawn + params.c_rank) / machine_cores for ranks, seconds in runs.values()]
-    intercept, slope = _line(xs, ys)
-    per_host = max(slope * machine_cores, 0.0)
-    share = params.c_ssh + params.t_agent + params.c_join
-    scale = per_host / share if share else 1.0
-    fitted = replace(params, c_ssh=params.c_ssh * scale, t_agent=params.t_agent * scale, c_join=params.c_join * scale)
-    return fitted, (f"namespace hosts {list(runs)}: {slope * 1e3:.1f} ms per added host with the ranks' CPU taken "
-                    f"out = {per_host * 1e3:.0f} ms of CPU per host, split as c_ssh : t_agent : c_join")
+def _fit_hosts(params: Params, results: list[dict], machine_cores: int) -> tuple[Params, list[str]]:
+    """c_ssh from hvdrun's own CPU over hosts (flat: it opens every connection); t_agent from the slope of the
+    tree's time over hosts once the ranks' CPU (c_spawn, c_rank) and rank 0's c_join are taken out."""
+    notes = []
+    launcher_cpu = _host_medians(results, "flat cpu")
+    if len(launcher_cpu) >= 2:
+        _, slope = _line([float(h) for h in launcher_cpu], [cpu for _, cpu in launcher_cpu.values()])
+        params = replace(params, c_ssh=max(slope, 0.0))
+        notes.append(f"hvdrun's own CPU, flat, at hosts {list(launcher_cpu)}: {slope * 1e3:.1f} ms per host (c_ssh)")
+    runs = _host_medians(results, "tree")
+    if len(runs) >= 2:
+        xs = [float(hosts) for hosts in runs]
+        ys = [seconds - ranks * (params.c_spawn + params.c_rank) / machine_cores for ranks, seconds in runs.values()]
+        _, slope = _line(xs, ys)
+        per_host = slope * machine_cores  # all hosts share this machine's cores: per-host work is CPU here
+        params = replace(params, t_agent=max(per_host - params.c_ssh - params.c_join, 0.0))
+        notes.append(f"tree at hosts {list(runs)}: {slope * 1e3:.0f} ms per added host, the ranks' CPU taken out: "
+                     f"{per_host * 1e3:.0f} ms of CPU per host = c_ssh + t_agent + c_join")
+    return params, notes
 
 
 # -- output ----------------------------------------------------------------------------------------------------

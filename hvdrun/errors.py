@@ -72,6 +72,11 @@ class CollectiveError(HvdrunError, RuntimeError):
     """
 
 
+class PeerLostError(CollectiveError):
+    """A peer's data connection ended: usually a consequence of a failure elsewhere, which the job's control plane
+    names a moment later (the engine waits briefly for it)."""
+
+
 class RendezvousError(CollectiveError):
     """The ranks of a job could not find or authenticate each other."""
 

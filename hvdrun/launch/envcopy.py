@@ -43,6 +43,7 @@ err=$(mkdir -p -- "$dir" 2>&1) || fail 3 "$err"
 if [ -L "$base" ]; then fail 3 "$base is a symbolic link; remove it"; fi
 if [ -d "$base" ] || err=$(mkdir -m 700 -- "$base" 2>&1); then :; else fail 3 "$err"; fi
 [ -O "$base" ] || fail 3 "$base belongs to another user (this one is uid $(id -u))"
+chmod 700 -- "$base" 2>/dev/null || fail 3 "cannot make $base private (mode 700)"
 [ -w "$base" ] || fail 3 "$base is not writable"
 exec 9>"$base/.env-$fp.lock"
 if command -v flock >/dev/null 2>&1; then flock -w 600 9 || fail 4 "$base/.env-$fp.lock held for 10 minutes"; fi

@@ -158,19 +158,28 @@ class LocalLauncher(Launcher):
             self._server = ForkServer.spawn()
         server = self._server
         requested: list[tuple[WorkerSpec, int, int]] = []
-        for spec in specs:
-            lifeline, ends = self._pipes_for(spec, router)
-            argv = [str(self.grace_s), *guard_options(spec.env), "--", *spec.argv]
-            try:
-                requested.append((spec, server.request(argv, dict(spec.env), spec.cwd, ends, spec.slot.rank), lifeline))
-            except LaunchError:
+        try:
+            for spec in specs:
+                if not os.path.isdir(spec.cwd):
+                    raise LaunchError(f"cannot start rank {spec.slot.rank} on this machine: its working directory "
+                                      f"{spec.cwd} does not exist")
+                lifeline, ends = self._pipes_for(spec, router)
+                requested.append((spec, -1, lifeline))
+                argv = [str(self.grace_s), *guard_options(spec.env), "--", *spec.argv]
+                try:
+                    requested[-1] = (spec, server.request(argv, dict(spec.env), spec.cwd, ends, spec.slot.rank),
+                                     lifeline)
+                finally:
+                    for fd in ends:
+                        os.close(fd)
+            while requested:
+                spec, request, lifeline = requested[0]
+                worker = ForkedWorker(spec.slot, server.pid_of(request, spec.slot.rank), server, lifeline)
+                requested.pop(0)
+                yield worker
+        finally:  # a failed or abandoned start: the guards not handed out see their lifelines end and stop
+            for _, _, lifeline in requested:
                 os.close(lifeline)
-                raise
-            finally:
-                for fd in ends:
-                    os.close(fd)
-        for spec, request, lifeline in requested:
-            yield ForkedWorker(spec.slot, server.pid_of(request, spec.slot.rank), server, lifeline)
 
     @staticmethod
     def _pipes_for(spec: WorkerSpec, router: OutputRouter) -> tuple[int, list[int]]:

@@ -75,7 +75,8 @@ class OutputRouter:
         self._pumps: list[threading.Thread] = []
         self._feeds: dict[str, threading.Event] = {}  # tagged streams read by others: set at their end
         self._rank_pumps: dict[int, list[threading.Thread]] = {}
-        self._rank_logs: dict[tuple[int, str], BinaryIO | None] = {}
+        self._rank_logs: dict[tuple[int, str], BinaryIO | None] = {}  # None: could not be opened (warned)
+        self._logs_lock = threading.Lock()
         self._consequences: set[int] = set()
         self.entered_init: set[int] = set()  # ranks that said they entered init()
         self.joined: set[int] = set()  # ranks whose init() rendezvous completed
@@ -90,7 +91,7 @@ class OutputRouter:
     def attach_reader(self, rank: int, stream: str, read: Callable[[], bytes],
                       close: Callable[[], None] = lambda: None) -> None:
         """Start pumping ``read()`` (blocking; ``b""`` at EOF) as the worker's ``stream``; ``close()`` at EOF."""
-        log = self._open_log(rank, stream)
+        log = self._log_for(rank, stream)
         self._tails.setdefault(rank, deque(maxlen=self._tail_lines))
         pump = self._start_pump(f"{rank}-{stream}", self._pump, rank, stream, read, close, log)
         self._rank_pumps.setdefault(rank, []).append(pump)
@@ -122,11 +123,19 @@ class OutputRouter:
 
         return feed
 
+    def _log_for(self, rank: int, stream: str) -> BinaryIO | None:
+        """The rank's log file of ``stream``, opened once for whichever source carries it (its own pipe, or a stream
+        of many ranks' tagged lines; in a mixed job both kinds run at once); opened again after it was closed (a
+        restarted rank)."""
+        with self._logs_lock:
+            log = self._rank_logs.get((rank, stream))
+            if log is None and (rank, stream) in self._rank_logs or log is not None and not log.closed:
+                return log
+            log = self._rank_logs[(rank, stream)] = self._open_log(rank, stream)
+            return log
+
     def _open_multiplexed(self) -> None:
-        """Every rank's log files and tail, for streams that carry many ranks' lines."""
-        if not self._rank_logs:  # shared by both streams: a launcher may put a rank's stderr on its stdout
-            self._rank_logs.update({(rank, name): self._open_log(rank, name)
-                                    for rank in range(self.size) for name in STREAMS})
+        """Every rank's tail, for streams that carry many ranks' lines (their log files open at their first line)."""
         for rank in range(self.size):
             self._tails.setdefault(rank, deque(maxlen=self._tail_lines))
 
@@ -233,7 +242,7 @@ class OutputRouter:
         elif tagged.kind == "exit":
             on_exit(tagged.number, int(tagged.text.strip() or 0))
         else:
-            self._deliver(tagged.number, tagged.kind, [tagged.text], self._rank_logs.get((tagged.number, tagged.kind)))
+            self._deliver(tagged.number, tagged.kind, [tagged.text], self._log_for(tagged.number, tagged.kind))
 
     def _deliver(self, rank: int, stream: str, lines: list[bytes], log: BinaryIO | None) -> None:
         """One rank's lines to its log file and the console; the runtime's control lines are taken out."""

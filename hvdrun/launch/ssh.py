@@ -28,6 +28,7 @@ that are this machine start through the local launcher unless ``everywhere`` ask
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shlex
@@ -91,16 +92,6 @@ class _RemoteHost:
     clients: list[paramiko.SSHClient] = field(default_factory=list)  # none for a host beneath another's agent
     facts: HostFacts | None = None
     sessions: int = 0
-
-    def client(self, ssh: SshOptions) -> paramiko.SSHClient:
-        """hvdrun's connection to the host: the one that started its agent, or one opened now.
-
-        Raises:
-            LaunchError: the host cannot be reached from here.
-        """
-        if not self.clients:
-            self.clients.append(connect(self.target, ssh, time.monotonic() + 2 * ssh.connect_timeout_s))
-        return self.clients[0]
 
     def next_client(self, ssh: SshOptions) -> paramiko.SSHClient:
         """The connection for the next rank started alone: SESSIONS_PER_CONNECTION ranks share one.
@@ -251,16 +242,27 @@ class SshLauncher(Launcher):
         finally:
             client.close()
 
-    def connection(self, host: Host) -> paramiko.SSHClient | None:
-        """hvdrun's connection to ``host`` (None: its ranks start on this machine), opened now for a host that
-        :meth:`prepare` reached through another host's agent; for work before the ranks start (``--stage-env``,
-        :mod:`hvdrun.launch.staging`).
+    @contextlib.contextmanager
+    def connection(self, host: Host) -> Iterator[paramiko.SSHClient | None]:
+        """hvdrun's connection to ``host`` while inside (None: its ranks start on this machine), for work before the
+        ranks start (``--stage-env``, :mod:`hvdrun.launch.staging`). A host that :meth:`prepare` reached through
+        another host's agent gets one opened now and closed after, so that hvdrun does not keep a connection to
+        every host of a tree.
 
         Raises:
             LaunchError: the host cannot be reached from here.
         """
         remote = self._remote.get(host)
-        return remote.client(self.ssh) if remote is not None else None
+        if remote is None:
+            yield None
+        elif remote.clients:
+            yield remote.clients[0]
+        else:
+            client = connect(remote.target, self.ssh, time.monotonic() + 2 * self.ssh.connect_timeout_s)
+            try:
+                yield client
+            finally:
+                client.close()
 
     def _local_interface_addr(self) -> str | None:
         return interface_address(self.network_interface) if self.network_interface else None

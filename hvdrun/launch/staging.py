@@ -34,6 +34,7 @@ original environment's path in their ``#!`` line: ranks run ``python script.py``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -157,8 +158,9 @@ class Reach(Protocol):
         """Whether ``host``'s ranks start over SSH (else: on this machine)."""
         ...
 
-    def connection(self, host: Host) -> paramiko.SSHClient | None:
-        """An open SSH connection to a remote host (may connect now; raises LaunchError naming it)."""
+    def connection(self, host: Host) -> contextlib.AbstractContextManager[paramiko.SSHClient | None]:
+        """An open SSH connection to a remote host while inside (may connect now, and then closes it after;
+        raises LaunchError naming the host)."""
         ...
 
 
@@ -169,9 +171,9 @@ class ThisMachine:
         """Never."""
         return False
 
-    def connection(self, host: Host) -> paramiko.SSHClient | None:
+    def connection(self, host: Host) -> contextlib.AbstractContextManager[paramiko.SSHClient | None]:
         """None: no SSH here."""
-        return None
+        return contextlib.nullcontext()
 
 
 def stage(plan: StagePlan, hosts: Sequence[tuple[Host, str]], reach: Reach,
@@ -218,7 +220,10 @@ def _job_name(host: Host, reach: Reach) -> str:
 
 def _stage_host(name: str, host: Host, reach: Reach, directory: str, tarball: Tarball) -> HostStaged:
     """One host's copy, over the launcher's connection to it (opened in this worker thread when it is new)."""
-    return copy_on_host(name, reach.connection(host) if reach.is_remote(host) else None, directory, tarball)
+    if not reach.is_remote(host):
+        return copy_on_host(name, None, directory, tarball)
+    with reach.connection(host) as client:
+        return copy_on_host(name, client, directory, tarball)
 
 
 def _jobs(hosts: Sequence[tuple[Host, str]], reach: Reach) -> list[tuple[str, str, Host]]:

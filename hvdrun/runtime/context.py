@@ -88,9 +88,9 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
     if not launch.secret or launch.rendezvous_addr is None or launch.rendezvous_port is None:
         raise UsageError(f"rank {launch.rank}: {envvars.SECRET} and the rendezvous address are required; "
                          "start workers with hvdrun")
-    local_rank, local_size = (None, None) if is_elastic(environ) else _host_place(environ)  # elastic: places change
+    local_size = None if is_elastic(environ) else _local_size(environ)  # elastic: a host's ranks change
     rendezvous = Rendezvous(launch.rank, launch.size, launch.rendezvous_addr, launch.rendezvous_port,
-                            launch.secret.encode(), abort, generation, local_rank, local_size)
+                            launch.secret.encode(), abort, generation, local_size)
     rendezvous.set_reporter(lambda: rank_report(launch.rank, launch.hostname, None))  # until the engine runs
     try:
         if name == "gloo":
@@ -103,19 +103,19 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
         return NativeBackend.connect(rendezvous, launch.hostname, f"{launch.job_id}-{generation}",
                                      launch.secret.encode(), abort, timeout_s, use_shm, store_port,
                                      algorithm_choice(environ)), rendezvous
-    except BaseException:
+    except BaseException as e:
+        rendezvous.report_failure(f"rank {launch.rank} failed while joining the job: {e}")  # none waits for it
         rendezvous.close()
         raise
 
 
-def _host_place(environ: Mapping[str, str]) -> tuple[int | None, int | None]:
-    """(local rank, local size) as the launcher set them, for the rendezvous's host leaders; (None, None) when
-    they are missing or make no sense (every rank then joins rank 0 itself)."""
+def _local_size(environ: Mapping[str, str]) -> int | None:
+    """The number of ranks on this host as the launcher set it, for the rendezvous's host leaders; None when it is
+    missing or not a number (every rank then joins rank 0 itself)."""
     try:
-        local_rank, local_size = int(environ[envvars.LOCAL_RANK]), int(environ[envvars.LOCAL_SIZE])
+        return int(environ[envvars.LOCAL_SIZE])
     except (KeyError, ValueError):
-        return None, None
-    return (local_rank, local_size) if 0 <= local_rank < local_size else (None, None)
+        return None
 
 
 def algorithm_choice(environ: Mapping[str, str]) -> AlgorithmChoice:
@@ -220,7 +220,8 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         _tell_launcher(environ, envvars.JOINED_MARKER)
         device = _device_collectives(device_backend, store, backend, launch, timeout_s, generation)
         _generation += 1
-        engine = Engine(backend, report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),
+        engine = Engine(backend, root_cause=lambda: abort.reason,
+                        report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),
                         device=device, **tuning)
         _runtime = Runtime(launch, backend, engine, rendezvous, device, assignment=assignment)
         if rendezvous is not None:

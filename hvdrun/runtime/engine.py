@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdrun.errors import CollectiveError
+from hvdrun.errors import CollectiveError, PeerLostError
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.cycle import Cycle
 from hvdrun.runtime.device import DeviceCollectives
@@ -54,6 +54,9 @@ DEADLOCK_PROBE_S = 1.0
 DEADLOCK_CONFIRM_S = 0.5
 
 
+PEER_LOST_GRACE_S = 0.5  # how long a rank that lost a peer's connection waits for the job's root cause
+
+
 class Engine:
     """Runs the collectives of one rank on ``backend``.
 
@@ -75,7 +78,8 @@ class Engine:
     def __init__(self, backend: Backend, fusion_threshold: int, stall_warning_s: float, stall_error_s: float,
                  report_failure: Callable[[str], None], cycle_time_s: float = 0.001,
                  eager_bytes: int = 0, device: DeviceCollectives | None = None,
-                 cache_capacity: int = DEFAULT_CACHE_CAPACITY) -> None:
+                 cache_capacity: int = DEFAULT_CACHE_CAPACITY,
+                 root_cause: Callable[[], str | None] = lambda: None) -> None:
         self.backend, self.world, self.lane = backend, backend.world, backend.lane
         self.cycles = 0  # negotiation cycles run on this rank (the fast lane watches it for engine traffic)
         if self.lane is not None:
@@ -85,6 +89,7 @@ class Engine:
         self.recorder = FlightRecorder()
         self.on_stall: Callable[[str, bool], None] | None = None
         self._report_failure = report_failure
+        self._root_cause = root_cause
         self.ledger = Submissions(self, self.world.size, eager_bytes)
         self._lock = self.ledger.lock
         self._cycle = Cycle(backend, self.ledger, fusion_threshold, device, cache_capacity)
@@ -249,7 +254,7 @@ class Engine:
                         self.backend.idle_wait(self._idle_fds)
                         self._check_stalls()
         except CollectiveError as e:
-            self.fail(str(e))
+            self.fail(self._explain(e))
         except Exception as e:  # the backend's own error (gloo: a peer closed its connection): every op fails
             self.fail(f"the {self.backend.name} backend failed on rank {self.world.rank}: {e}")
 
@@ -280,7 +285,7 @@ class Engine:
                     finally:
                         self._progress.release()
         except CollectiveError as e:
-            self.fail(str(e))
+            self.fail(self._explain(e))
         except Exception as e:  # a bug: still fail every rank cleanly rather than hang them
             self.fail(f"hvdrun engine crashed on rank {self.world.rank}: {e!r}")
 
@@ -325,6 +330,16 @@ class Engine:
         final = self._stalls.about_to_fail(self._cycle.table)
         if final:
             self.on_stall(final, True)
+
+    def _explain(self, error: CollectiveError) -> str:
+        """The failure to report: a lost peer connection is usually a consequence (that peer failed because of
+        another rank, and exited), so wait a moment for the control plane's verdict and name it first."""
+        if not isinstance(error, PeerLostError):
+            return str(error)
+        deadline = time.monotonic() + PEER_LOST_GRACE_S
+        while (cause := self._root_cause()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return str(error) if cause is None or cause == str(error) else f"{cause} (here: {error})"
 
     def fail(self, reason: str) -> None:
         """Fail this rank's engine: every pending op ends with ``reason`` and the other ranks are told."""

@@ -2,7 +2,10 @@
 joins rank 0 for them and relays failures, reports and goodbyes. Ranks given host names of their own
 (``spawn_ranks(hosts=...)``) are separate hosts to the runtime; 3 hosts x 2 ranks: ranks 2 and 4 lead theirs."""
 
+import os
 import re
+import time
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +49,34 @@ def test_a_rank_that_never_comes_is_named_exactly(spawn_ranks):
     assert all(proc.returncode != 0 for proc in procs.values())
     assert "ranks 3 never joined rank 0" in outputs[0][1], outputs[0][1][-2000:]
     assert "ranks 3 never joined rank 0" in outputs[2][1], outputs[2][1][-2000:]  # its leader hears rank 0's error
+
+
+def test_any_rank_of_a_host_may_lead_it(spawn_ranks):
+    """Leadership does not depend on HVDRUN_LOCAL_RANK (mpiexec may place ranks otherwise than planned): here every
+    rank claims local rank 0; the first of each host to bind its local socket leads, the others join it."""
+    procs = spawn_ranks(WORKER, 6, args=("stacks",), hosts=HOSTS, env={"HVDRUN_LOCAL_RANK": "0"})
+    outputs = _finish(procs)
+    for rank, (stdout, stderr) in outputs.items():
+        assert procs[rank].returncode == 0 and f"rank {rank}: ok" in stdout, stderr[-2000:]
+    assert "reports from ranks [0, 1, 2, 3, 4, 5], absent []" in outputs[0][0]
+
+
+def test_a_leader_that_dies_in_the_rendezvous_fails_its_hosts_ranks_at_once(spawn_ranks):
+    procs = spawn_ranks(WORKER, 6, ranks=[0, 2, 3, 4, 5], args=("ok",), hosts=HOSTS,
+                        env={"HVDRUN_START_TIMEOUT": "60"})  # rank 1 never comes: the table never does
+    time.sleep(3)  # rank 3 joined its leader meanwhile (or is about to)
+    leader = next(rank for rank in (2, 3) if _leads(procs[rank].pid))
+    local = 5 - leader
+    procs[leader].kill()
+    _, stderr = procs[local].communicate(timeout=30)  # far below the start timeout
+    assert procs[local].returncode != 0
+    assert "this host's leader" in stderr, stderr[-2000:]
+
+
+def _leads(pid: int) -> bool:
+    """Whether process ``pid`` listens on an abstract Unix socket of the rendezvous (it leads its host)."""
+    inodes = {line.split()[-2] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
+              if line.split()[-1].startswith("@hvdrun-rdv-") and line.split()[5] == "01"}  # state 01: listening
+    fds = Path(f"/proc/{pid}/fd")
+    return any(os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes for fd in fds.iterdir()
+               if os.readlink(fd).startswith("socket:"))

@@ -32,7 +32,8 @@ from typing import Any
 
 from hvdrun.errors import LaunchError
 
-MAX_MESSAGE_BYTES = 8 << 20  # one request: a rank's argv and environment
+MAX_MESSAGE_BYTES = 8 << 20  # one request at most (the socket's send buffer bounds it further, see request())
+ANSWER_BYTES = 4096  # one answer of the server
 SOCKET_BUFFER_BYTES = 8 << 20
 FDS_PER_REQUEST = 3
 
@@ -48,6 +49,7 @@ def _become_guard(sock: socket.socket, wakeup: tuple[int, int], fds: list[int], 
     """In the forked child: take the rank's descriptors as 0, 1, 2 and run the guard; never returns."""
     code = 1
     try:
+        os.setsid()  # first: the launcher may signal the guard's group as soon as it knows the pid
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sock.close()
@@ -82,7 +84,8 @@ def _become_guard(sock: socket.socket, wakeup: tuple[int, int], fds: list[int], 
 def _serve_request(sock: socket.socket, wakeup: tuple[int, int], number: int) -> bool:
     """Receive one request and fork its guard; False when the launcher's end closed."""
     try:
-        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE_BYTES, FDS_PER_REQUEST)
+        limit = min(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF), MAX_MESSAGE_BYTES)
+        data, fds, _flags, _addr = socket.recv_fds(sock, limit, FDS_PER_REQUEST)
     except OSError:
         return False
     if not data:
@@ -213,9 +216,10 @@ class ForkServer:
             LaunchError: the request does not fit, or the server is gone.
         """
         message = marshal.dumps((list(guard_argv), env, cwd))
-        if len(message) > MAX_MESSAGE_BYTES:
-            raise LaunchError(f"rank {rank}'s command and environment take {len(message)} bytes; "
-                              f"at most {MAX_MESSAGE_BYTES} fit")
+        fits = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 32  # a datagram: the kernel's bound
+        if len(message) > fits:
+            raise LaunchError(f"cannot start rank {rank} on {self.where}: its command and environment take "
+                              f"{len(message)} bytes; at most {fits} fit (leave large values out of the environment)")
         try:
             socket.send_fds(self._sock, [message], list(fds))
         except OSError as e:
@@ -240,7 +244,7 @@ class ForkServer:
     def _read_answers(self) -> None:
         while True:
             try:
-                data = self._sock.recv(MAX_MESSAGE_BYTES)
+                data = self._sock.recv(ANSWER_BYTES)
             except OSError:
                 data = b""
             with self._changed:
@@ -253,6 +257,8 @@ class ForkServer:
                     self.exited[key] = value
                 else:
                     self._answers[key] = (kind, value)
+                    if kind == "started":  # a pid used again (pids wrap in long jobs): its old end is not this one
+                        self.exited.pop(value, None)
                 self._changed.notify_all()
             if kind == "exited" and self._on_exit is not None:
                 self._on_exit(key, value)

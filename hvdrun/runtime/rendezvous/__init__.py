@@ -35,6 +35,7 @@ from hvdrun.runtime.rendezvous.common import (
     local_socket_name,
     reserve_listener,
     route_to,
+    try_listen_local,
 )
 from hvdrun.runtime.rendezvous.leader import HostLeader
 from hvdrun.runtime.rendezvous.server import RootServer
@@ -47,10 +48,10 @@ __all__ = ["INSPECT", "REPORT_TIMEOUT_S", "SIGNAL", "Peer", "PeerTable", "Rendez
 class Rendezvous:
     """One rank's membership in the job's control plane.
 
-    With ``local_rank``/``local_size`` known (hvdrun's launchers set them) and more than one rank on a host,
-    the host's local rank 0 leads it: the host's other ranks join it over a local socket, it joins rank 0 for
-    all of them and relays aborts, reports and signals (:mod:`hvdrun.runtime.host_leader`), so rank 0 holds one
-    connection per host. Without them every rank joins rank 0 itself.
+    With more than one rank on a host (``local_size``, as the launcher set it), the first of them to bind the
+    host's local socket leads it: the host's other ranks join it there, it joins rank 0 for all of them and relays
+    aborts, reports, signals and set-up barriers (:mod:`hvdrun.runtime.rendezvous.leader`), so rank 0 holds one
+    connection per host. Otherwise (or with ``HVDRUN_RENDEZVOUS=flat``) every rank joins rank 0 itself.
 
     Args:
         rank: this rank.
@@ -60,47 +61,46 @@ class Rendezvous:
         secret: the job's secret (bytes).
         abort: the flag to set when a peer fails.
         generation: how many times this process called init() before; all ranks agree on it.
-        local_rank: this rank's index on its host (None: unknown, join rank 0 directly).
-        local_size: number of ranks on this host.
+        local_size: number of ranks on this host (None: unknown; every rank then joins rank 0 itself).
     """
 
     def __init__(self, rank: int, size: int, addr: str, port: int, secret: bytes, abort: AbortFlag,
-                 generation: int = 0, local_rank: int | None = None, local_size: int | None = None) -> None:
+                 generation: int = 0, local_size: int | None = None) -> None:
         self.rank, self.size, self.addr, self.port = rank, size, addr, port
         self.abort, self.secret, self.generation = abort, secret, generation
-        self.grouped = local_rank is not None and (local_size or 1) > 1 and sys.platform.startswith("linux") \
+        self.grouped = (local_size or 1) > 1 and sys.platform.startswith("linux") \
             and os.environ.get(envvars.RENDEZVOUS, "").lower() != "flat"
-        self.role = "root" if rank == 0 else "leader" if self.grouped and local_rank == 0 else \
-            "local" if self.grouped else "client"
         self._server = RootServer(addr, port, size, secret, abort, generation) if rank == 0 else None
         self._client: Client | None = None
         self._leader: HostLeader | None = None
-        if self.role == "client":
+        if rank != 0 and not self.grouped:
             self._client = Client(Upstream(addr, port), secret, abort, generation)
 
     def local_address(self, deadline: float) -> str:
         """The address of this rank that the others can reach (the route to rank 0)."""
-        if self.role == "root":
+        if self._server is not None:
             return self.addr
         if self._client is not None:
             return str(self._client.connect(deadline).getsockname()[0])
         return route_to(self.addr, self.port)
 
     def exchange(self, me: Peer, timeout_s: float, needs: NeedsPlan = ring_neighbours) -> PeerTable:
-        """Publish ``me``; return the job's layout with the records this rank needs (``needs``), by rank."""
+        """Publish ``me``; return the job's layout with the records this rank needs (``needs``), by rank.
+
+        Grouped, the first rank of a host to bind the host's local socket leads it (rank 0 leads its own host when
+        it binds first); the others join the leader there."""
         deadline = time.monotonic() + timeout_s
         local_name = local_socket_name(self.secret, self.generation, me.host_key) if self.grouped else None
+        listener = try_listen_local(local_name) if local_name is not None else None
         if self._server is not None:
-            return self._server.gather(me, deadline, needs, local_name)
-        if self.role == "leader":
-            assert local_name is not None
+            return self._server.gather(me, deadline, needs, listener)
+        if listener is not None:
             self._leader = HostLeader(Client(Upstream(self.addr, self.port), self.secret, self.abort,
-                                              self.generation), local_name)
+                                             self.generation), listener)
             return self._leader.exchange(me, deadline)
-        if self.role == "local":
+        if self._client is None:
             self._client = Client(Upstream(self.addr, self.port, local_name), self.secret, self.abort,
-                                   self.generation)
-        assert self._client is not None
+                                  self.generation)
         return self._client.join_table(me, deadline)
 
     def set_reporter(self, reporter: Reporter) -> None:

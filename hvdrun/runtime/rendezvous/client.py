@@ -92,7 +92,9 @@ class Client:
             self.sock = None
             time.sleep(0.02)
         if message[0] != "table":
-            raise RendezvousError(str(message[1]))
+            why = str(message[1]) if message[0] == "error" and len(message) > 1 else \
+                f"{self.upstream.describe()} left the rendezvous ({message[0]})"
+            raise RendezvousError(why)
         self.sock.settimeout(None)
         return tuple(message)
 

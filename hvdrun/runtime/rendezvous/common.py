@@ -8,6 +8,7 @@ import ipaddress
 import marshal
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -64,6 +65,7 @@ def reserve_listener(addr: str, port: int, sock: socket.socket) -> None:
 
 
 def listener_for(addr: str, port: int, size: int) -> socket.socket:
+    """Rank 0's listening socket on ``addr:port``: the one this process kept from an earlier init(), else a new one."""
     sock = _listeners.get((addr, port))
     if sock is None or sock.fileno() < 0:
         sock = _listeners[(addr, port)] = listen(addr, port, size)
@@ -107,31 +109,49 @@ def local_socket_name(secret: bytes, generation: int, host_key: str) -> str:
     return f"\0hvdrun-rdv-{digest}"
 
 
-def listen_local(name: str) -> socket.socket:
-    """Listen on the abstract Unix socket ``name``.
+def try_listen_local(name: str) -> socket.socket | None:
+    """Listen on the abstract Unix socket ``name``; None when another rank of this host listens there already
+    (it leads the host: the first rank of a host to bind leads it, whatever its local rank).
 
     Raises:
-        RendezvousError: it is taken (another process leads this host's ranks for the same job and init).
+        RendezvousError: the socket cannot be made for another reason.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(name)
     except OSError as e:
         sock.close()
-        raise RendezvousError(f"cannot gather this host's ranks: its local socket is taken ({e.strerror}): two ranks "
-                              f"of this host both have local rank 0 ({envvars.LOCAL_RANK})") from e
+        if e.errno == errno.EADDRINUSE:
+            return None
+        raise RendezvousError(f"cannot gather this host's ranks on a local socket: {e.strerror}") from e
     sock.listen(MIN_BACKLOG)
     return sock
 
 
+def same_user(sock: socket.socket) -> bool:
+    """Whether the peer of a Unix socket runs as this process's user (other users may connect to an abstract
+    socket: they are turned away before the handshake, so that they cannot hold up the host's ranks)."""
+    try:
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                               struct.calcsize("3i")))
+    except OSError:
+        return False
+    return uid == os.getuid()
+
+
 def route_to(addr: str, port: int) -> str:
-    """This host's address on the route to ``addr`` (a UDP socket's source address: nothing is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((addr, port))
+    """This host's address on the route to ``addr`` (a UDP socket's source address: nothing is sent).
+
+    Raises:
+        RendezvousError: no route (the address does not resolve, or no interface reaches it).
+    """
+    try:
+        family, kind, proto, _, target = socket.getaddrinfo(addr, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(target)
             return str(probe.getsockname()[0])
-        except OSError:
-            return addr
+    except (OSError, IndexError) as e:
+        raise RendezvousError(f"cannot find this host's address on the route to rank 0 at {addr}: {e}") from e
 
 
 @dataclass(frozen=True)

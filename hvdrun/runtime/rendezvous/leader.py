@@ -31,8 +31,8 @@ from hvdrun.runtime.rendezvous.common import (
     SIGNAL,
     Barriers,
     Reporter,
-    listen_local,
     report_or_none,
+    same_user,
     signal_self,
 )
 from hvdrun.runtime.wire import AuthError, authenticate_client, recv_frame, send_frame
@@ -58,12 +58,12 @@ class HostLeader:
 
     Args:
         up: this rank's connection to rank 0 (not yet joined).
-        local_name: the local socket the host's ranks join.
+        listener: the local socket the host's ranks join (this rank bound it first: it leads the host).
     """
 
-    def __init__(self, up: Client, local_name: str) -> None:
+    def __init__(self, up: Client, listener: socket.socket) -> None:
         self.up, self.abort = up, up.abort
-        self.listener = listen_local(local_name)
+        self.listener = listener
         self.locals: dict[socket.socket, Peer] = {}
         self._said_bye: set[socket.socket] = set()
         self._pending: dict[int, _Pending] = {}
@@ -77,8 +77,16 @@ class HostLeader:
 
     # -- joining ------------------------------------------------------------------------------------------
     def exchange(self, me: Peer, deadline: float) -> PeerTable:
-        """Join rank 0 for the host: gather local ranks until rank 0 answers with the table (or an error)."""
+        """Join rank 0 for the host: gather local ranks until rank 0 answers with the table (or an error). Whatever
+        ends this rank's part early, its local ranks hear it at once rather than at their deadline."""
         self.me = me
+        try:
+            return self._gather(me, deadline)
+        except BaseException as e:
+            self._fail_locals(f"this host's leader, {me.describe()}, failed in the rendezvous: {e}")
+            raise
+
+    def _gather(self, me: Peer, deadline: float) -> PeerTable:
         rows: list[tuple[Any, ...]] = [astuple(me)]
         sock = self.up.connect(deadline)
         send_frame(sock, (self.up.generation, [list(row) for row in rows]))
@@ -122,8 +130,11 @@ class HostLeader:
             self._fail_locals(str(message[1]))
             raise RendezvousError(str(message[1]))
         assert self.me is not None and self.up.sock is not None
-        for sock in self.locals:
-            self._send(sock, ("table", message[1], message[2], self.me.describe()))
+        for sock in list(self.locals):
+            try:
+                self._send(sock, ("table", message[1], message[2], self.me.describe()))
+            except OSError:  # it died waiting: the watch reports it, named
+                pass
         self.up.sock.settimeout(None)
         self._watcher = threading.Thread(target=self._watch, name="hvdrun-host-leader", daemon=True)
         self._watcher.start()
@@ -134,6 +145,9 @@ class HostLeader:
         try:
             sock, _ = self.listener.accept()
         except OSError:
+            return None
+        if not same_user(sock):
+            sock.close()
             return None
         sock.settimeout(_LOCAL_HANDSHAKE_S)
         try:
@@ -152,7 +166,7 @@ class HostLeader:
         return peer
 
     def _fail_locals(self, why: str) -> None:
-        for sock in self.locals:
+        for sock in list(self.locals):
             try:
                 send_frame(sock, ("error", why))
             except OSError:

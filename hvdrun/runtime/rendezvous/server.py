@@ -22,9 +22,9 @@ from hvdrun.runtime.rendezvous.common import (
     Barriers,
     Reporter,
     drop_handshake,
-    listen_local,
     listener_for,
     report_or_none,
+    same_user,
     signal_self,
 )
 from hvdrun.runtime.transport.base import AbortFlag
@@ -126,11 +126,10 @@ class RootServer:
         send_frame(sock, ("reports", reports, sorted(absent.items()), self.size))
         sock.close()
 
-    def gather(self, me: Peer, deadline: float, needs: NeedsPlan, local_name: str | None) -> PeerTable:
+    def gather(self, me: Peer, deadline: float, needs: NeedsPlan, local_listener: socket.socket | None) -> PeerTable:
         """Accept connections until every rank joined; send each connection the layout and the records its ranks
-        need (``needs``). ``local_name``: also accept this host's ranks on that local socket (rank 0 leads its host)."""
-        if local_name is not None:
-            self.local_listener = listen_local(local_name)
+        need (``needs``). ``local_listener``: also accept this host's ranks there (rank 0 leads its host)."""
+        self.local_listener = local_listener
         while len(self.members) < self.size - 1:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -178,6 +177,9 @@ class RootServer:
         try:
             sock, _ = listener.accept()
         except OSError:
+            return
+        if listener is self.local_listener and not same_user(sock):
+            sock.close()
             return
         if not self._handshakes.acquire(blocking=False):
             sock.close()  # a flood of connections that never authenticate: refuse, keep serving the job

@@ -5,7 +5,7 @@ from __future__ import annotations
 import select
 import socket
 
-from hvdrun.errors import CollectiveError
+from hvdrun.errors import PeerLostError
 from hvdrun.runtime.transport.base import RxChannel, TxChannel
 
 STAGING_BYTES = 4 << 20
@@ -33,7 +33,7 @@ class TcpTx(TxChannel):
         except BlockingIOError:
             return 0
         except OSError as e:
-            raise CollectiveError(f"lost the connection to {self.peer}: {e.strerror}") from e
+            raise PeerLostError(f"lost the connection to {self.peer}: {e.strerror}") from e
         self.bytes_sent += count
         return count
 
@@ -73,9 +73,9 @@ class TcpRx(RxChannel):
         except BlockingIOError:
             return
         except OSError as e:
-            raise CollectiveError(f"lost the connection to {self.peer}: {e.strerror}") from e
+            raise PeerLostError(f"lost the connection to {self.peer}: {e.strerror}") from e
         if count == 0:
-            raise CollectiveError(f"{self.peer} closed its connection (did it exit or crash?)")
+            raise PeerLostError(f"{self.peer} closed its connection (did it exit or crash?)")
         self._end += count
 
     def wait_fds(self) -> tuple[list[int], list[int]]:
