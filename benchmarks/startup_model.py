@@ -62,7 +62,7 @@ class Params:
     c_rank: float = 0.20
     c_ssh: float = 0.030
     t_agent: float = 0.15
-    c_join: float = 0.0007
+    c_join: float = 0.0009
     t_link: float = 0.001
     alpha: float = 20e-6
     fanout: int = 32
