@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import sys
 
 import pytest
@@ -97,3 +98,23 @@ def test_a_lost_host_names_the_hosts_that_went_with_it():
     assert lost_note("h4", lost).startswith("lost its SSH connection (through h1: ")
     crashed = lost_note("h1", {"host": "h1", "status": 1, "stderr": "Traceback\nValueError: bad frame"})
     assert crashed == "lost its SSH connection: hvdrun's agent on h1 ended with exit code 1 (ValueError: bad frame)"
+
+
+def test_an_agent_that_hears_nothing_from_above_takes_it_for_gone(monkeypatch, capsys):
+    """A host above that crashed or was cut off sends no end of file: silence past SILENCE_S ends the agent's stdin
+    (and so its ranks), while the pings of a live host above keep it going."""
+    from hvdrun.launch.remote import hostagent
+
+    monkeypatch.setattr(hostagent, "SILENCE_S", 0.2)
+    read, write = os.pipe()
+    saved = os.dup(0)
+    os.dup2(read, 0)
+    try:
+        os.write(write, b"ping")
+        assert hostagent._stdin(16) == b"ping"
+        assert hostagent._stdin(16) == b""  # 0.2 s of silence
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, read, write):
+            os.close(fd)
+    assert "heard nothing from above for 0.2 s" in capsys.readouterr().err

@@ -16,7 +16,19 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hvdrun.launch.remote.agentwire import FACTS, FAILED, HELLO, LOST, Node, frame, host_line, subtree, unreached
+from hvdrun.launch.remote.agentwire import (
+    FACTS,
+    FAILED,
+    HEARTBEAT_S,
+    HELLO,
+    LOST,
+    PING,
+    Node,
+    frame,
+    host_line,
+    subtree,
+    unreached,
+)
 from hvdrun.launch.remote.lines import TAGGED_LINE_BYTES, LineSplitter, untag
 
 if TYPE_CHECKING:
@@ -61,6 +73,14 @@ class AgentChannel:
             return
         self._channel = channel
         threading.Thread(target=self._read, name=f"hvdrun-agent-{self.top['name']}", daemon=True).start()
+        threading.Thread(target=self._beat, name=f"hvdrun-agent-ping-{self.top['name']}", daemon=True).start()
+
+    def _beat(self) -> None:
+        """Tell the agent, every HEARTBEAT_S, that the host above is alive (see :data:`SILENCE_S`)."""
+        ping = frame((PING, self.top["index"]))
+        while not self.closing and self._channel is not None and not self._channel.closed:
+            self.send(ping)
+            time.sleep(HEARTBEAT_S)
 
     def send(self, data: bytes) -> None:
         """Pass frames down; a channel that is gone drops them (its end is reported by the reader)."""

@@ -41,7 +41,11 @@ from hvdrun.launch.remote.lines import tag
 _HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 << 20  # a plan for hundreds of ranks of one host, with their environments
 DROP = -1  # the signal code that closes a rank's lifeline
-HELLO, PLAN, SIGNAL = "hello", "plan", "signal"
+HELLO, PLAN, SIGNAL, PING = "hello", "plan", "signal", "ping"
+# every channel carries a ping down this often; an agent that hears nothing from above for SILENCE_S takes the host
+# above for gone (a crashed or cut-off host sends no end of file) and stops its ranks, as at the end of its stdin
+HEARTBEAT_S = 5.0
+SILENCE_S = 60.0
 FACTS, FAILED, LOST = "facts", "failed", "lost"
 Node = dict[str, Any]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import select
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ from hvdrun.launch.remote.agentwire import (
     HELLO,
     PLAN,
     SIGNAL,
+    SILENCE_S,
     Node,
     frame,
     host_line,
@@ -87,7 +89,18 @@ class Agent:
         self._lock = threading.Lock()
 
     def reach_children(self) -> None:
-        """Connect to the hosts right beneath this one (a sliding window of handshakes) and start their agents."""
+        """Connect to the hosts right beneath this one (a sliding window of handshakes) and start their agents.
+        Whatever goes wrong, every child not yet reached is reported failed at once (never left to the deadline)."""
+        reported: set[int] = set()
+        try:
+            self._reach_children(reported)
+        except Exception as e:  # noqa: BLE001 - a bug or an odd failure: name it, for every child it cost
+            for child in self.top["children"]:
+                if child["index"] not in reported:
+                    self.up.lines([host_line(child["index"], FAILED, {"connect": f"{type(e).__name__}: {e}"}),
+                                   *unreached(child)])
+
+    def _reach_children(self, reported: set[int]) -> None:
         from hvdrun.launch.remote.connections import SshOptions, SshTarget, connect_each
 
         children = self.top["children"]
@@ -95,6 +108,7 @@ class Agent:
                    for host, hostname, port, user, keys in (child["target"] for child in children)]
         options = SshOptions(**self.job["ssh"])
         for child, client in zip(children, connect_each(targets, options, self._deadline), strict=True):
+            reported.add(child["index"])
             if isinstance(client, LaunchError):
                 self.up.lines([host_line(child["index"], FAILED, {"connect": str(client)}), *unreached(child)])
                 continue
@@ -127,7 +141,13 @@ class Agent:
 
 
 def _stdin(count: int) -> bytes:
+    """At most ``count`` bytes from above; ``b""`` at its end, or after :data:`SILENCE_S` without a byte (the
+    host above crashed or was cut off: no end of file ever comes)."""
     try:
+        if not select.select([0], [], [], SILENCE_S)[0]:
+            sys.stderr.write(f"hvdrun: the host agent heard nothing from above for {SILENCE_S:g} s; "
+                             "stopping this host's ranks\n")
+            return b""
         return os.read(0, count)
     except OSError:
         return b""
