@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_until
 from tests.integration.test_runtime import worker
 
 WORKER = worker("host_leaders.py")
@@ -44,7 +45,7 @@ def test_a_death_anywhere_reaches_every_rank_through_the_leaders(spawn_ranks, vi
 
 def test_a_rank_that_never_comes_is_named_exactly(spawn_ranks):
     procs = spawn_ranks(WORKER, 6, ranks=[0, 1, 2, 4, 5], args=("ok",), hosts=HOSTS,
-                        env={"HVDRUN_START_TIMEOUT": "4"})
+                        env={"HVDRUN_START_TIMEOUT": "3"})
     outputs = _finish(procs)
     assert all(proc.returncode != 0 for proc in procs.values())
     assert "ranks 3 never joined rank 0" in outputs[0][1], outputs[0][1][-2000:]
@@ -64,7 +65,8 @@ def test_any_rank_of_a_host_may_lead_it(spawn_ranks):
 def test_a_leader_that_dies_in_the_rendezvous_fails_its_hosts_ranks_at_once(spawn_ranks):
     procs = spawn_ranks(WORKER, 6, ranks=[0, 2, 3, 4, 5], args=("ok",), hosts=HOSTS,
                         env={"HVDRUN_START_TIMEOUT": "60"})  # rank 1 never comes: the table never does
-    time.sleep(3)  # rank 3 joined its leader meanwhile (or is about to)
+    assert wait_until(lambda: any(_leads(procs[rank].pid) for rank in (2, 3)), 60), "no rank of host b leads it"
+    time.sleep(0.5)  # the other one joined it meanwhile (or is about to: either way it must fail at once)
     leader = next(rank for rank in (2, 3) if _leads(procs[rank].pid))
     local = 5 - leader
     procs[leader].kill()
@@ -77,6 +79,8 @@ def _leads(pid: int) -> bool:
     """Whether process ``pid`` listens on an abstract Unix socket of the rendezvous (it leads its host)."""
     inodes = {line.split()[-2] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
               if line.split()[-1].startswith("@hvdrun-rdv-") and line.split()[5] == "01"}  # state 01: listening
-    fds = Path(f"/proc/{pid}/fd")
-    return any(os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes for fd in fds.iterdir()
-               if os.readlink(fd).startswith("socket:"))
+    try:
+        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+    except OSError:  # it ended, or an fd closed while we looked
+        return False
+    return any(link.removeprefix("socket:[").removesuffix("]") in inodes for link in links if link.startswith("socket:"))
