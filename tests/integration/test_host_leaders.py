@@ -83,4 +83,5 @@ def _leads(pid: int) -> bool:
         links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
     except OSError:  # it ended, or an fd closed while we looked
         return False
-    return any(link.removeprefix("socket:[").removesuffix("]") in inodes for link in links if link.startswith("socket:"))
+    sockets = [link.removeprefix("socket:[").removesuffix("]") for link in links if link.startswith("socket:")]
+    return any(inode in inodes for inode in sockets)
