@@ -11,13 +11,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 from hvdrun.envvars import guard_options
 from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host
 from hvdrun.launch.base import GUARD_SCRIPT, Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
-from hvdrun.launch.remote.forkserver import ForkServer
+from hvdrun.launch.remote.forkserver import ForkServer, GuardPipes
 from hvdrun.launch.remote.guard import forward_byte
 from hvdrun.launch.remote.hostfacts import free_ports
 from hvdrun.ranks import Slot
@@ -117,10 +118,11 @@ def _alive(pid: int) -> bool:
 
 
 class LocalLauncher(Launcher):
-    """Runs each worker as ``python guard.py GRACE -- argv`` in a new session.
+    """Runs each worker under its own guard (``guard.py GRACE -- argv``, in a session of its own), forked by the
+    job's fork server.
 
-    The guard's stdin is a pipe that hvdrun never writes to and never closes: if hvdrun
-    dies, even by SIGKILL, the kernel closes it and the guard kills the worker's group.
+    The guard's stdin is its lifeline, a pipe hvdrun writes only signal bytes to and closes only once the guard
+    ended: if hvdrun dies, even by SIGKILL, the kernel closes it and the guard kills the worker's group.
     """
 
     def __init__(self, grace_s: float) -> None:
@@ -157,42 +159,26 @@ class LocalLauncher(Launcher):
         if self._server is None:
             self._server = ForkServer.spawn()
         server = self._server
-        requested: list[tuple[WorkerSpec, int, int]] = []
+        requested: list[tuple[WorkerSpec, GuardPipes]] = []
         try:
             for spec in specs:
                 if not os.path.isdir(spec.cwd):
                     raise LaunchError(f"cannot start rank {spec.slot.rank} on this machine: its working directory "
                                       f"{spec.cwd} does not exist")
-                lifeline, ends = self._pipes_for(spec, router)
-                requested.append((spec, -1, lifeline))
                 argv = [str(self.grace_s), *guard_options(spec.env), "--", *spec.argv]
-                try:
-                    requested[-1] = (spec, server.request(argv, dict(spec.env), spec.cwd, ends, spec.slot.rank),
-                                     lifeline)
-                finally:
-                    for fd in ends:
-                        os.close(fd)
-            while requested:
-                spec, request, lifeline = requested[0]
-                worker = ForkedWorker(spec.slot, server.pid_of(request, spec.slot.rank), server, lifeline)
-                requested.pop(0)
+                pipes = server.start_guard(argv, dict(spec.env), spec.cwd, spec.slot.rank)
+                requested.append((spec, pipes))
+                for stream, fd in (("stdout", pipes.stdout), ("stderr", pipes.stderr)):
+                    widen_pipe(fd)
+                    router.attach(spec.slot.rank, stream, fd)
+            for handed, (spec, pipes) in enumerate(requested):
+                worker = ForkedWorker(spec.slot, server.pid_of(pipes.request, spec.slot.rank), server, pipes.lifeline)
+                requested[handed] = (spec, replace(pipes, lifeline=-1))  # the worker's now
                 yield worker
         finally:  # a failed or abandoned start: the guards not handed out see their lifelines end and stop
-            for _, _, lifeline in requested:
-                os.close(lifeline)
-
-    @staticmethod
-    def _pipes_for(spec: WorkerSpec, router: OutputRouter) -> tuple[int, list[int]]:
-        """The rank's lifeline (our end) and the guard's ends: lifeline, stdout, stderr (output attached)."""
-        guard_ends = []
-        lifeline_read, lifeline = os.pipe()
-        guard_ends.append(lifeline_read)
-        for stream in ("stdout", "stderr"):
-            read, write = os.pipe()
-            widen_pipe(read)
-            router.attach(spec.slot.rank, stream, read)
-            guard_ends.append(write)
-        return lifeline, guard_ends
+            for _, pipes in requested:
+                if pipes.lifeline >= 0:
+                    os.close(pipes.lifeline)
 
     def close(self) -> None:
         if self._server is not None:

@@ -61,25 +61,14 @@ class HostRanks:
 
     def _start(self, rank: int, guard_argv: Sequence[str], env: dict[str, str], cwd: str) -> None:
         assert self.server is not None
-        lifeline_read, lifeline = os.pipe()
-        out_read, out_write = os.pipe()
-        err_read, err_write = os.pipe()
-        try:
-            request = self.server.request(guard_argv, env, cwd, (lifeline_read, out_write, err_write), rank)
-        except LaunchError:
-            for fd in (lifeline, out_read, err_read):
-                os.close(fd)
-            raise
-        finally:
-            for fd in (lifeline_read, out_write, err_write):
-                os.close(fd)
-        state = _Rank(rank, lifeline)
+        pipes = self.server.start_guard(guard_argv, env, cwd, rank)
+        state = _Rank(rank, pipes.lifeline)
         with self._lock:
             self._ranks[rank] = state
-        for stream, fd in (("stdout", out_read), ("stderr", err_read)):
+        for stream, fd in (("stdout", pipes.stdout), ("stderr", pipes.stderr)):
             threading.Thread(target=self._pump, args=(state, stream, fd), daemon=True,
                              name=f"hvdrun-rank-{rank}-{stream}").start()
-        self._started(state, request)
+        self._started(state, pipes.request)
 
     def _started(self, state: _Rank, request: int) -> None:
         """Learn the guard's pid (the server's answer); an exit reported before that is taken now."""

@@ -14,6 +14,7 @@ import ctypes
 import os
 import signal
 import time
+from collections.abc import Callable
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -162,7 +163,7 @@ class Containment:
     def close(self, wait_s: float = 1.0) -> None:
         """Remove the cgroup once it is empty (its killed processes take a moment to go); reap orphans."""
         if self.subreaper:
-            _reap()
+            reap_children()
         if self.cgroup is None:
             return
         deadline = time.monotonic() + wait_s
@@ -195,12 +196,14 @@ def _become_subreaper() -> bool:
         return False
 
 
-def _reap() -> None:
-    """Collect the exit status of reparented orphans (they would stay zombies until the guard exits)."""
+def reap_children(each: Callable[[int, int], None] = lambda pid, status: None) -> None:
+    """Collect the exit status of every ended child of this process, passing ``(pid, wait status)`` to ``each``
+    (the guard's reparented orphans would stay zombies until it exits; the fork server reports its guards')."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        each(pid, status)

@@ -28,9 +28,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hvdrun.errors import LaunchError
+from hvdrun.launch.remote.escapees import reap_children
 
 MAX_MESSAGE_BYTES = 8 << 20  # one request at most (the socket's send buffer bounds it further, see request())
 ANSWER_BYTES = 4096  # one answer of the server
@@ -108,14 +110,7 @@ def _serve_request(sock: socket.socket, wakeup: tuple[int, int], number: int) ->
 
 def _reap(sock: socket.socket) -> None:
     """Report every guard that ended."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        _send(sock, ("exited", pid, os.waitstatus_to_exitcode(status)))
+    reap_children(lambda pid, status: _send(sock, ("exited", pid, os.waitstatus_to_exitcode(status))))
 
 
 def serve(fd: int) -> None:
@@ -146,6 +141,16 @@ def _socket_pair() -> tuple[socket.socket, socket.socket]:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
     return pair
+
+
+@dataclass(frozen=True)
+class GuardPipes:
+    """Our ends of a requested guard's pipes: write to (or close) its lifeline, read its rank's output."""
+
+    request: int
+    lifeline: int
+    stdout: int
+    stderr: int
 
 
 class ForkServer:
@@ -226,6 +231,27 @@ class ForkServer:
             raise LaunchError(f"cannot start rank {rank} on {self.where}: hvdrun's fork server: {e}") from e
         self._requests += 1
         return self._requests - 1
+
+    def start_guard(self, guard_argv: Sequence[str], env: dict[str, str], cwd: str, rank: int) -> GuardPipes:
+        """Make the rank's lifeline, stdout and stderr pipes and ask for its guard with their far ends (closed here
+        once sent); our ends come back.
+
+        Raises:
+            LaunchError: as :meth:`request` (our ends are closed then too).
+        """
+        lifeline_read, lifeline = os.pipe()
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        try:
+            request = self.request(guard_argv, env, cwd, (lifeline_read, out_write, err_write), rank)
+        except LaunchError:
+            for fd in (lifeline, out_read, err_read):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (lifeline_read, out_write, err_write):
+                os.close(fd)
+        return GuardPipes(request, lifeline, out_read, err_read)
 
     def pid_of(self, request: int, rank: int) -> int:
         """The pid of the guard started for ``request`` (waits for the server's answer).
