@@ -19,7 +19,7 @@ from hvdrun.errors import CollectiveError
 from hvdrun.runtime import verdicts
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
-from hvdrun.runtime.executors import EXECUTORS, reduce_contributions, stand_in
+from hvdrun.runtime.executors import EXECUTORS, allreduce_flat, reduce_contributions, stand_in
 from hvdrun.runtime.handles import LocalOp
 from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY, Entry, Request, ResponseCache, Table, plan
 from hvdrun.runtime.timeline import Timeline
@@ -74,11 +74,37 @@ class Cycle:
         """One round: every rank's new requests and the names it is blocked on, then whatever became ready."""
         cache = self.cache
         announcement = ([(cache.encode(op.request.wire()), op.payload) for op in new], waiting)
+        decoded = self._exchange(announcement)
+        if len(new) == 1 and new[0].payload is not None and self._fast_path(new[0].request, new[0].payload, decoded):
+            self.ledger.take_inflight([new[0].request.name])
+            new[0].handle.finish(self._reduce_alone(new[0].request, decoded, new[0].array))
+            return
+        self.apply(decoded)
+
+    def express(self, request: Request, payload: bytes | None, array: np.ndarray) -> list[Any] | None:
+        """A cycle that announces one allreduce (with its data when eager) of a rank with nothing else in flight,
+        run without the ledger: None when it went through (``array`` holds the result), else the decoded
+        announcements, which the caller hands to :meth:`apply` once it has put the op in the ledger (the same
+        protocol as :meth:`run`)."""
+        decoded = self._exchange(([(self.cache.encode(request.wire()), payload)], []))
+        if not self._fast_path(request, payload, decoded):
+            return decoded
+        if payload is not None:
+            self._reduce_alone(request, decoded, array)
+        else:  # what the table would plan: a batch of this one op, run by the backend's algorithm
+            self._remember(request)
+            allreduce_flat(self.backend, request, array.reshape(-1), self.world.size)
+        return None
+
+    def _exchange(self, announcement: tuple) -> list[Any]:
         decoded = [marshal.loads(m) for m in self.backend.allgather_messages(marshal.dumps(announcement))]
         if self.timeline is not None:
             self.timeline.cycle()
-        if self._fast_path(new, decoded):
-            return
+        return decoded
+
+    def apply(self, decoded: list[Any]) -> None:
+        """The rest of a cycle: every rank's announcement into the table, then whatever became ready."""
+        cache = self.cache
         for rank, (items, _) in enumerate(decoded):
             for values, payload in items:
                 self.table.add(rank, Request.from_wire(cache.decode(values)), payload)
@@ -105,28 +131,34 @@ class Cycle:
                 self.ledger.finish_local(entry.name, error)
                 self.ledger.give_back_auto_name(entry.name)
 
-    def _fast_path(self, new: list[LocalOp], decoded: list[Any]) -> bool:
-        """Every rank announced the same single eager allreduce and nothing else is pending: run it now.
+    def _fast_path(self, request: Request, payload: bytes | None, decoded: list[Any]) -> bool:
+        """Every rank announced the same single allreduce (``request``), all with data (eager) or none, and
+        nothing else is pending.
 
         The condition depends only on data every rank has (identical tables and messages), so
         all ranks take this path together; the result is the same as through the table.
         """
-        if self.table.entries or len(new) != 1 or new[0].payload is None:
+        if self.table.entries:
             return False
-        mine = self.cache.encode(new[0].request.wire())
-        if any(len(items) != 1 or items[0][0] != mine or items[0][1] is None for items, _ in decoded):
-            return False
-        op, timeline = new[0], self.timeline
-        if ".noname." not in op.request.name:
-            self.cache.remember_wire(op.request.wire())
-        self.ledger.take_inflight([op.request.name])
+        mine, eager = self.cache.encode(request.wire()), payload is not None
+        return all(len(items) == 1 and items[0][0] == mine and (items[0][1] is not None) == eager
+                   for items, _ in decoded)
+
+    def _remember(self, request: Request) -> None:
+        """Number a request that every rank agreed on outside the table, as :meth:`ResponseCache.remember` would."""
+        if ".noname." not in request.name:
+            self.cache.remember_wire(request.wire())
+
+    def _reduce_alone(self, request: Request, decoded: list[Any], array: np.ndarray) -> np.ndarray:
+        """Run the eager allreduce that :meth:`_fast_path` found every rank announced alone: into ``array``."""
+        timeline = self.timeline
+        self._remember(request)
         if timeline is not None:
-            timeline.execute_start(op.request.name, "allreduce")
-        op.handle.finish(reduce_contributions(self.world.size, op.request, [items[0][1] for items, _ in decoded],
-                                              op.array))
+            timeline.execute_start(request.name, "allreduce")
+        result = reduce_contributions(self.world.size, request, [items[0][1] for items, _ in decoded], array)
         if timeline is not None:
-            timeline.execute_end(op.request.name, "allreduce")
-        return True
+            timeline.execute_end(request.name, "allreduce")
+        return result
 
     def _ops_of(self, batch: list[Entry]) -> list[LocalOp]:
         """This rank's op of every entry; a rank that joined takes part in others' allreduces with zeros."""

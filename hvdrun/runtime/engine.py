@@ -36,6 +36,7 @@ from hvdrun.runtime.cycle import Cycle
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.forensics import FlightRecorder
 from hvdrun.runtime.handles import Handle, LocalOp
+from hvdrun.runtime.lane import lane_enabled
 from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY, JOIN, Request, Table
 from hvdrun.runtime.submissions import Submissions
 from hvdrun.runtime.timeline import Timeline
@@ -82,6 +83,8 @@ class Engine:
                  root_cause: Callable[[], str | None] = lambda: None) -> None:
         self.backend, self.world, self.lane = backend, backend.world, backend.lane
         self.cycles = 0  # negotiation cycles run on this rank (the fast lane watches it for engine traffic)
+        self.express = self.lane is None and lane_enabled()  # see express_allreduce (the lane serves one host)
+        self.express_used = 0  # express cycles that went through at once (tests read it)
         if self.lane is not None:
             self.lane.configure(stall_warning_s, stall_error_s)
         self.cycle_time_s = cycle_time_s
@@ -185,6 +188,50 @@ class Engine:
         """Submit and wait on the calling thread: the blocking collectives."""
         return self.submit(request, array, wake=False).wait()
 
+    def express_allreduce(self, request: Request, array: np.ndarray) -> bool:
+        """A blocking allreduce of a rank with nothing else in flight, as one cycle on the caller's thread without
+        the queue, the handle, the progress loop and the table (about half of a small op's Python across hosts).
+
+        The cycle is an ordinary one to the other ranks: it announces ``request`` (with its data when eager), and
+        when every rank announced it alone the op runs at once, into ``array`` (True). Otherwise the op joins the
+        ledger and the cycles that follow finish it, with every check of the usual path (mismatch, stall,
+        deadlock). False: not taken (something else in flight on this rank, another thread driving, the name in
+        flight); the caller takes the usual path.
+        """
+        if not self.express or not self.quiet():
+            return False
+        if request.kind != "allreduce" or request.group_size > 1 or not self._progress.acquire(blocking=False):
+            return False
+        payload = self.ledger.eager_payload(request, array)
+        name = request.name
+        try:
+            if not self.ledger.claim(name):
+                return False
+            self.cycles += 1
+            flight = self.recorder.take_off(name, "allreduce", array.nbytes)
+            try:
+                decoded = self._cycle.express(request, payload, array)
+            except Exception as e:  # as in the progress loop: every op of this rank fails, the others are told
+                flight.land()
+                self._fail_from(e)
+                raise CollectiveError(self.ledger.failure or str(e)) from e
+            self._last_cycle = time.monotonic()
+            if decoded is None:
+                flight.land()
+                self.ledger.release_name(name)
+                self.express_used += 1
+                return True
+            op = self.ledger.adopt(request, array, payload)
+            op.handle.flight = flight
+            try:
+                self._cycle.apply(decoded)
+            except Exception as e:
+                self._fail_from(e)
+        finally:
+            self._progress.release()
+        op.handle.wait()
+        return True
+
     def quiet(self) -> bool:
         """Nothing of this rank in flight, nothing held, no failure, no timeline, no join: the
         fast lane may take a blocking allreduce (:func:`hvdrun.runtime.lane.try_allreduce`)."""
@@ -253,10 +300,16 @@ class Engine:
                     else:
                         self.backend.idle_wait(self._idle_fds)
                         self._check_stalls()
-        except CollectiveError as e:
-            self.fail(self._explain(e))
-        except Exception as e:  # the backend's own error (gloo: a peer closed its connection): every op fails
-            self.fail(f"the {self.backend.name} backend failed on rank {self.world.rank}: {e}")
+        except Exception as e:
+            self._fail_from(e)
+
+    def _fail_from(self, error: Exception) -> None:
+        """Fail this rank for an error of a cycle: a collective's own, or the backend's (gloo: a peer closed its
+        connection)."""
+        if isinstance(error, CollectiveError):
+            self.fail(self._explain(error))
+        else:
+            self.fail(f"the {self.backend.name} backend failed on rank {self.world.rank}: {error}")
 
     def _probe_due(self, waiting_since: float) -> bool:
         """Blocked for a while, and no cycle for as long: ask every rank what it waits for."""

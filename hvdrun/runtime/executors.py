@@ -89,15 +89,20 @@ def _allreduce(engine: ExecutorHost, batch: list[Entry], ops: list[LocalOp]) -> 
         for array in arrays:
             buffer[offset:offset + array.size] = array.reshape(-1)
             offset += array.size
-    scale(buffer, request.prescale)
-    engine.backend.allreduce(buffer, REDUCE_FNS[request.op])
-    scale(buffer, _postscale(request, len(batch[0].members)))
+    allreduce_flat(engine.backend, request, buffer, len(batch[0].members))
     if len(arrays) > 1:
         offset = 0
         for array in arrays:
             array.reshape(-1)[...] = buffer[offset:offset + array.size]
             offset += array.size
     return arrays
+
+
+def allreduce_flat(backend: Backend, request: Request, flat: np.ndarray, set_size: int) -> None:
+    """Allreduce the 1-D ``flat`` in place by ``request``'s op and scale factors."""
+    scale(flat, request.prescale)
+    backend.allreduce(flat, REDUCE_FNS[request.op])
+    scale(flat, _postscale(request, set_size))
 
 
 def _allgather(engine: ExecutorHost, batch: list[Entry], ops: list[LocalOp]) -> list[Any]:

@@ -117,6 +117,27 @@ class Submissions:
             self.async_new = self.async_new or wake
             return ops, wake and self.sleeping
 
+    def claim(self, name: str) -> bool:
+        """Take ``name`` for an op that runs without the queue (the engine's express cycle): False when this rank
+        failed, stopped, or has the name in flight."""
+        with self.lock:
+            if self.failure is not None or self.stopped or name in self.taken:
+                return False
+            self.taken.add(name)
+            return True
+
+    def adopt(self, request: Request, array: np.ndarray, payload: bytes | None) -> LocalOp:
+        """An op already announced by an express cycle that did not go through at once: in flight from now on,
+        finished by the cycles that follow (its name stays taken until then)."""
+        op = LocalOp(request, array, Handle(self.engine, request.name), payload)
+        with self.lock:
+            failure = self.failure
+            if failure is None:
+                self.inflight[request.name] = op
+        if failure is not None:
+            op.handle.finish(error=CollectiveError(failure))
+        return op
+
     def _check_names(self, names: list[str]) -> None:
         taken = next((name for name in names if name in self.taken), None)
         if taken is not None or len(set(names)) < len(names):
@@ -125,9 +146,9 @@ class Submissions:
                              "names must be unique among collectives in flight")
 
     def _local_op(self, request: Request, array: np.ndarray) -> LocalOp:
-        return LocalOp(request, array, Handle(self.engine, request.name), self._eager_payload(request, array))
+        return LocalOp(request, array, Handle(self.engine, request.name), self.eager_payload(request, array))
 
-    def _eager_payload(self, request: Request, array: np.ndarray) -> bytes | None:
+    def eager_payload(self, request: Request, array: np.ndarray) -> bytes | None:
         """The prescaled data of a small allreduce, sent with its announcement."""
         if (request.kind != "allreduce" or request.device != "cpu" or array.nbytes > self.eager_bytes
                 or self.world_size == 1 or request.group_size > 1):  # a group goes fused through the ring

@@ -224,7 +224,9 @@ def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | 
         if name is None:
             name = engine.auto_name("allreduce")  # the same name on either path
         array = _lane_view(tensor, remember)
-        if array is not None and try_lane(engine, array, name, op, prescale_factor, postscale_factor):
+        if array is not None and (try_lane(engine, array, name, op, prescale_factor, postscale_factor) or (
+                engine.express and engine.express_allreduce(_express_request(array, name, op, prescale_factor,
+                                                                             postscale_factor), array))):
             return tensor
     work, wide = _reduced_in(tensor, op)
     array = _check(work, REDUCTION_DTYPES)
@@ -239,6 +241,23 @@ def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | 
 _LANE_DTYPES = frozenset(getattr(torch, name) for name in REDUCTION_DTYPES) - dtypes.WIDENED - {torch.bool}
 _lane_views: dict[int, tuple[int, torch.Size, torch.dtype, np.ndarray]] = {}
 _MAX_LANE_VIEWS = 64
+
+
+_express_requests: dict[tuple, Request] = {}
+
+
+def _express_request(array: np.ndarray, name: str, op: int, prescale: float, postscale: float) -> Request:
+    """The request of a blocking allreduce of the whole job on a lane dtype, remembered by name and layout (an
+    automatic name never comes back, so its request is not kept)."""
+    key = (name, array.dtype, array.shape, op, prescale, postscale)
+    request = _express_requests.get(key)
+    if request is None:
+        request = _reduce_request(array, name, op, prescale, postscale, None)
+        if ".noname." not in name:
+            if len(_express_requests) >= _MAX_LANE_VIEWS:
+                _express_requests.clear()
+            _express_requests[key] = request
+    return request
 
 
 def _lane_view(tensor: torch.Tensor, remember: bool) -> np.ndarray | None:

@@ -77,3 +77,26 @@ def test_process_sets_and_join_across_hosts(spawn_ranks, worker, done):
     path = str(Path(__file__).parent / "workers" / worker)
     outputs = _finish(spawn_ranks(path, 4, hosts=[("a", 2), ("b", 2)]))
     assert all(f"rank {rank}: {done}" in out for rank, out in outputs.items()), outputs
+
+
+@pytest.mark.parametrize("hosts", [[("a", 1), ("b", 1), ("c", 1)], [("a", 2), ("b", 2)]], ids=["3x1", "2x2"])
+def test_express_cycles_across_hosts_take_the_blocking_ops_and_hand_back_everything_else(spawn_ranks, hosts):
+    """A blocking allreduce across hosts runs as one cycle on the caller's thread; the fast lane's checks (exact
+    results, orders, a late rank, mismatched names and sizes, join, threads, a long run) pass through it."""
+    size = sum(slots for _, slots in hosts)
+    outputs = _finish(spawn_ranks(str(Path(__file__).parent / "workers" / "fast_lane.py"), size, hosts=hosts))
+    for rank, out in outputs.items():
+        checks = re.findall(r"CHECK (\S+) rank \d+: (.*)", out)
+        assert len(checks) == 11 and all(verdict == "ok" for _, verdict in checks), checks
+        used = int(re.search(rf"EXPRESS rank {rank} used (\d+)", out).group(1))
+        assert used > 100, out  # most of the long run's 300 blocking allreduces (a late peer hands one back)
+
+
+def test_mismatches_across_hosts_raise_on_every_rank_naming_op_and_ranks(spawn_ranks):
+    outputs = _finish(spawn_ranks(str(Path(__file__).parent / "workers" / "mismatch.py"), 3,
+                                  hosts=[("a", 1), ("b", 1), ("c", 1)]))
+    for rank, out in outputs.items():
+        assert f"rank {rank} shape: allreduce 'shape': shape differs across ranks (rank 0: (3,); ranks 1, 2: (4,))" \
+            in out, out
+        assert f"rank {rank} op: allreduce 'op': reduction op differs across ranks (rank 0: Sum; ranks 1, 2: Max)" \
+            in out, out

@@ -1,6 +1,8 @@
-"""The fast lane under everything that can go wrong around it, in one job; prints one line per check.
+"""The fast lane (one host) and the engine's express cycles (across hosts) under everything that can go wrong
+around them, in one job; prints one line per check.
 
-Run by tests/integration/test_runtime.py with 2 ranks (a core each) and 4 (sharing the 2 cores of CI).
+Run by tests/integration/test_runtime.py with 2 ranks (a core each) and 4 (sharing the 2 cores of CI), and by
+tests/integration/test_scale_out.py on 3 hosts x 1 and 2 hosts x 2.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from hvdrun.runtime import context
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
-lane = context.current().engine.lane
+engine = context.current().engine
+lane = engine.lane
 
 
 def report(name: str, ok: bool, detail: str = "") -> None:
@@ -126,4 +129,5 @@ after = hvd.allreduce(torch.ones(8), op=hvd.Sum, name="after-threads")
 report("threads", results == {0: True, 1: True} and bool(torch.equal(after, torch.full((8,), float(size)))),
        str(results))
 print(f"LANE rank {rank} used {used()}", flush=True)
+print(f"EXPRESS rank {rank} used {engine.express_used}", flush=True)
 hvd.shutdown()
