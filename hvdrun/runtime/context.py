@@ -31,7 +31,7 @@ from hvdrun.runtime.transport.base import AbortFlag
 
 BACKENDS = ("ring", "mpi", "gloo")
 DEFAULT_FUSION_BYTES = 64 << 20
-DEFAULT_EAGER_BYTES = 32 << 10
+DEFAULT_EAGER_BYTES = 64 << 10
 DEFAULT_START_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 30.0
 

@@ -10,19 +10,21 @@ runs and on which thread; this module is *what* a cycle does.
 
 from __future__ import annotations
 
-import marshal
 from typing import Any, Protocol
 
 import numpy as np
 
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime import verdicts
+from hvdrun.runtime.announcements import Agreement, Announcement, Announcements
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.executors import EXECUTORS, allreduce_flat, reduce_contributions, stand_in
 from hvdrun.runtime.handles import LocalOp
 from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY, Entry, Request, ResponseCache, Table, plan
+from hvdrun.runtime.reduce import final_factor, scale
 from hvdrun.runtime.timeline import Timeline
+from hvdrun.runtime.transport.base import Message
 
 
 class Ledger(Protocol):
@@ -67,40 +69,64 @@ class Cycle:
         self.fusion_threshold = fusion_threshold
         self.table = Table(self.world.size)
         self.cache = ResponseCache(cache_capacity)
+        self._announcements = Announcements(backend, self.world.rank, self.world.size, self.cache.decode)
         self.timeline: Timeline | None = None
         self._fusion: dict[str, np.ndarray] = {}
 
     def run(self, new: list[LocalOp], waiting: list[str]) -> None:
         """One round: every rank's new requests and the names it is blocked on, then whatever became ready."""
         cache = self.cache
-        announcement = ([(cache.encode(op.request.wire()), op.payload) for op in new], waiting)
-        decoded = self._exchange(announcement)
-        if len(new) == 1 and new[0].payload is not None and self._fast_path(new[0].request, new[0].payload, decoded):
+        agreed = self._exchange(([(cache.encode(op.request.wire()), op.payload) for op in new], waiting))
+        if len(new) == 1 and new[0].payload is not None and self._run_alone(new[0].request, new[0].payload, agreed,
+                                                                            new[0].array):
             self.ledger.take_inflight([new[0].request.name])
-            new[0].handle.finish(self._reduce_alone(new[0].request, decoded, new[0].array))
+            new[0].handle.finish(new[0].array)
             return
-        self.apply(decoded)
+        self.apply(agreed.decoded)
 
-    def express(self, request: Request, payload: bytes | None, array: np.ndarray) -> list[Any] | None:
+    def express(self, request: Request, payload: Message | None, array: np.ndarray) -> list[Any] | None:
         """A cycle that announces one allreduce (with its data when eager) of a rank with nothing else in flight,
         run without the ledger: None when it went through (``array`` holds the result), else the decoded
         announcements, which the caller hands to :meth:`apply` once it has put the op in the ledger (the same
         protocol as :meth:`run`)."""
-        decoded = self._exchange(([(self.cache.encode(request.wire()), payload)], []))
-        if not self._fast_path(request, payload, decoded):
-            return decoded
-        if payload is not None:
-            self._reduce_alone(request, decoded, array)
-        else:  # what the table would plan: a batch of this one op, run by the backend's algorithm
-            self._remember(request)
-            allreduce_flat(self.backend, request, array.reshape(-1), self.world.size)
-        return None
+        agreed = self._exchange(([(self.cache.encode(request.wire()), payload)], []))
+        return None if self._run_alone(request, payload, agreed, array) else agreed.decoded
 
-    def _exchange(self, announcement: tuple) -> list[Any]:
-        decoded = [marshal.loads(m) for m in self.backend.allgather_messages(marshal.dumps(announcement))]
+    def _exchange(self, announcement: Announcement) -> Agreement:
+        agreed = self._announcements.exchange(announcement)
         if self.timeline is not None:
             self.timeline.cycle()
-        return decoded
+        return agreed
+
+    def _run_alone(self, request: Request, payload: Message | None, agreed: Agreement, array: np.ndarray) -> bool:
+        """Run ``request`` into ``array`` when every rank announced it alone (all with data, or none) and nothing
+        else is pending: True when it ran.
+
+        The condition depends only on data every rank has (identical tables and messages), so
+        all ranks take this path together; the result is the same as through the table.
+        """
+        if self.table.entries:
+            return False
+        mine, eager = self.cache.encode(request.wire()), payload is not None
+        if agreed.total is None and not all(len(items) == 1 and items[0][0] == mine
+                                            and (items[0][1] is not None) == eager for items, _ in agreed.decoded):
+            return False
+        if ".noname." not in request.name:  # numbered as ResponseCache.remember numbers what the table agreed on
+            self.cache.remember_wire(request.wire())
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.execute_start(request.name, "allreduce")
+        flat, size = array.reshape(-1), self.world.size
+        if agreed.total is not None:  # every rank's data, reduced on the way
+            flat[...] = np.frombuffer(agreed.total, array.dtype)
+            scale(flat, final_factor(request.op, request.postscale, size))
+        elif eager:
+            reduce_contributions(size, request, [items[0][1] or b"" for items, _ in agreed.decoded], array)
+        else:  # what the table would plan: a batch of this one op, run by the backend's algorithm
+            allreduce_flat(self.backend, request, flat, size)
+        if timeline is not None:
+            timeline.execute_end(request.name, "allreduce")
+        return True
 
     def apply(self, decoded: list[Any]) -> None:
         """The rest of a cycle: every rank's announcement into the table, then whatever became ready."""
@@ -130,35 +156,6 @@ class Cycle:
             if self.world.rank in entry.requests:
                 self.ledger.finish_local(entry.name, error)
                 self.ledger.give_back_auto_name(entry.name)
-
-    def _fast_path(self, request: Request, payload: bytes | None, decoded: list[Any]) -> bool:
-        """Every rank announced the same single allreduce (``request``), all with data (eager) or none, and
-        nothing else is pending.
-
-        The condition depends only on data every rank has (identical tables and messages), so
-        all ranks take this path together; the result is the same as through the table.
-        """
-        if self.table.entries:
-            return False
-        mine, eager = self.cache.encode(request.wire()), payload is not None
-        return all(len(items) == 1 and items[0][0] == mine and (items[0][1] is not None) == eager
-                   for items, _ in decoded)
-
-    def _remember(self, request: Request) -> None:
-        """Number a request that every rank agreed on outside the table, as :meth:`ResponseCache.remember` would."""
-        if ".noname." not in request.name:
-            self.cache.remember_wire(request.wire())
-
-    def _reduce_alone(self, request: Request, decoded: list[Any], array: np.ndarray) -> np.ndarray:
-        """Run the eager allreduce that :meth:`_fast_path` found every rank announced alone: into ``array``."""
-        timeline = self.timeline
-        self._remember(request)
-        if timeline is not None:
-            timeline.execute_start(request.name, "allreduce")
-        result = reduce_contributions(self.world.size, request, [items[0][1] for items, _ in decoded], array)
-        if timeline is not None:
-            timeline.execute_end(request.name, "allreduce")
-        return result
 
     def _ops_of(self, batch: list[Entry]) -> list[LocalOp]:
         """This rank's op of every entry; a rank that joined takes part in others' allreduces with zeros."""

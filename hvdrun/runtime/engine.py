@@ -93,7 +93,8 @@ class Engine:
         self.on_stall: Callable[[str, bool], None] | None = None
         self._report_failure = report_failure
         self._root_cause = root_cause
-        self.ledger = Submissions(self, self.world.size, eager_bytes)
+        self.ledger = Submissions(self, self.world.size, eager_bytes,
+                                  self.world.local_size if backend.merges else self.world.size)
         self._lock = self.ledger.lock
         self._cycle = Cycle(backend, self.ledger, fusion_threshold, device, cache_capacity)
         self._wake_read, self._wake_write = os.pipe()

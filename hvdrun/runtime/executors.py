@@ -7,7 +7,7 @@ live in :mod:`hvdrun.runtime.reduce`; the algorithms, in the backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,6 +25,7 @@ from hvdrun.runtime.reduce import (
     reduce_in_rank_order,
     scale,
 )
+from hvdrun.runtime.transport.base import Message
 
 
 class ExecutorHost(Protocol):
@@ -68,7 +69,7 @@ def _eager_allreduce(engine: ExecutorHost, entry: Entry, array: np.ndarray) -> n
     return reduce_contributions(len(entry.members), entry.first, payloads, array)
 
 
-def reduce_contributions(set_size: int, request: Request, payloads: list[bytes], array: np.ndarray) -> np.ndarray:
+def reduce_contributions(set_size: int, request: Request, payloads: Sequence[Message], array: np.ndarray) -> np.ndarray:
     """Reduce every rank's contribution locally, in rank order, so all ranks get identical bits."""
     flat = array.reshape(-1)
     reduce_in_rank_order([np.frombuffer(payload, array.dtype) for payload in payloads], flat, request.op)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime.forensics import Flight
 from hvdrun.runtime.negotiation import Request
+from hvdrun.runtime.transport.base import Message
 
 
 class EngineLike(Protocol):
@@ -91,4 +92,4 @@ class LocalOp:
     request: Request
     array: Any  # a numpy array (empty for barriers), or a torch tensor for device ops
     handle: Handle
-    payload: bytes | None = None
+    payload: Message | None = None

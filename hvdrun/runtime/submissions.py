@@ -19,11 +19,13 @@ import numpy as np
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime.handles import EngineLike, Handle, LocalOp
 from hvdrun.runtime.negotiation import Request
-from hvdrun.runtime.reduce import scale
+from hvdrun.runtime.reduce import as_bytes, scale
+from hvdrun.runtime.transport.base import Message
 
 _NO_DATA = np.empty(0, np.uint8)
-# eager ops carry at most this much data from all ranks together (32 KiB each up to 4 ranks, 16 KiB at 8): every rank
-# receives all of it, and recursive doubling's last message (half of it) past 64 KiB cost 2x doubling's time at 8 hosts
+# eager ops carry at most this much data from all the ranks whose data every rank receives whole (the job's, or with
+# announcements merged across hosts, a host's: 64 KiB each up to 2 ranks, 32 KiB at 4, 16 KiB at 8): recursive
+# doubling's last message (half of it) past 64 KiB cost 2x doubling's time at 8 hosts
 EAGER_JOB_BYTES = 128 << 10
 
 
@@ -42,13 +44,14 @@ class Submissions:
         engine: what the handles drive while a caller waits on them.
         world_size: ranks in the job (a job of one rank sends no data eagerly).
         eager_bytes: allreduces up to this size travel inside the negotiation message (at most
-            ``EAGER_JOB_BYTES`` / ``world_size``).
+            ``EAGER_JOB_BYTES`` / ``whole_from``).
+        whole_from: the ranks whose eager data every rank receives whole (default: the job's).
     """
 
-    def __init__(self, engine: EngineLike, world_size: int, eager_bytes: int) -> None:
-        # every rank receives every rank's eager data: the job's total, not each op's, is what must stay small
+    def __init__(self, engine: EngineLike, world_size: int, eager_bytes: int, whole_from: int = 0) -> None:
+        # the total that every rank receives, not each op's, is what must stay small
         self.engine, self.world_size = engine, world_size
-        self.eager_bytes = min(eager_bytes, EAGER_JOB_BYTES // max(world_size, 1))
+        self.eager_bytes = min(eager_bytes, EAGER_JOB_BYTES // max(whole_from or world_size, 1))
         self.lock = threading.Lock()
         self.new: list[LocalOp] = []  # submitted, not yet announced
         self.inflight: dict[str, LocalOp] = {}
@@ -126,7 +129,7 @@ class Submissions:
             self.taken.add(name)
             return True
 
-    def adopt(self, request: Request, array: np.ndarray, payload: bytes | None) -> LocalOp:
+    def adopt(self, request: Request, array: np.ndarray, payload: Message | None) -> LocalOp:
         """An op already announced by an express cycle that did not go through at once: in flight from now on,
         finished by the cycles that follow (its name stays taken until then)."""
         op = LocalOp(request, array, Handle(self.engine, request.name), payload)
@@ -148,13 +151,14 @@ class Submissions:
     def _local_op(self, request: Request, array: np.ndarray) -> LocalOp:
         return LocalOp(request, array, Handle(self.engine, request.name), self.eager_payload(request, array))
 
-    def eager_payload(self, request: Request, array: np.ndarray) -> bytes | None:
-        """The prescaled data of a small allreduce, sent with its announcement."""
+    def eager_payload(self, request: Request, array: np.ndarray) -> Message | None:
+        """The prescaled data of a small allreduce, sent with its announcement (a view of ``array`` when there is
+        nothing to scale: the announcement is made before the op writes its result there)."""
         if (request.kind != "allreduce" or request.device != "cpu" or array.nbytes > self.eager_bytes
                 or self.world_size == 1 or request.group_size > 1):  # a group goes fused through the ring
             return None
         if request.prescale == 1.0:
-            return array.tobytes()
+            return as_bytes(array)
         copy = array.reshape(-1).copy()
         scale(copy, request.prescale)
         return copy.tobytes()

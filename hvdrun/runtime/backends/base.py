@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from hvdrun.ranks import Topology, topologies
 from hvdrun.runtime.lane import FastLane
 from hvdrun.runtime.reduce import ReduceFn
+from hvdrun.runtime.transport.base import Message
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,15 @@ class Backend(abc.ABC):
     lane: FastLane | None = None  # the fast lane of a one-host job (the native backend's)
 
     @abc.abstractmethod
-    def allgather_messages(self, payload: bytes) -> list[bytes]:
+    def allgather_messages(self, payload: Message) -> list[Message]:
         """Every rank's payload, indexed by rank."""
+
+    merges = False  # allgather_merged is available (see hvdrun.runtime.announcements)
+
+    def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any]) -> Any:
+        """Every rank's marshal-able ``value`` merged in rank order by ``merge(lower, upper)``, the same on every
+        rank (only where ``merges``)."""
+        raise NotImplementedError(f"the {self.name} backend does not merge values")
 
     @abc.abstractmethod
     def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:

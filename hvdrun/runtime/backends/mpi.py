@@ -11,6 +11,7 @@ from hvdrun.envvars import BACKEND
 from hvdrun.errors import UsageError
 from hvdrun.runtime.backends.base import Backend, World
 from hvdrun.runtime.reduce import ReduceFn
+from hvdrun.runtime.transport.base import Message
 
 
 def _mpi():  # noqa: ANN202 - imported lazily: mpi4py initialises MPI on import
@@ -46,7 +47,7 @@ class MpiBackend(Backend):
         cross.Free()
         return cls(comm, world)
 
-    def allgather_messages(self, payload: bytes) -> list[bytes]:
+    def allgather_messages(self, payload: Message) -> list[Message]:
         return self.comm.allgather(payload)  # type: ignore[attr-defined]
 
     def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from hvdrun.runtime.lane import FastLane, create_board, open_lane
 from hvdrun.runtime.peers import Layout, NeedsPlan, Peer
 from hvdrun.runtime.reduce import ReduceFn
 from hvdrun.runtime.rendezvous import Rendezvous, bind_host
-from hvdrun.runtime.transport.base import DEFAULT_SPIN_S, AbortFlag, RxChannel, TxChannel, Waiter
+from hvdrun.runtime.transport.base import DEFAULT_SPIN_S, AbortFlag, Message, RxChannel, TxChannel, Waiter
 from hvdrun.runtime.transport.shm import ShmRx, ShmSegment, ShmTx, shm_supported
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx
 
@@ -131,10 +132,19 @@ class NativeBackend(Backend):
         """A world of one rank: every collective is local."""
         return cls(topology(0, [hostname], [hostname]), Ring(0, 1, None, None, Waiter(None, abort)), [])
 
-    def allgather_messages(self, payload: bytes) -> list[bytes]:
+    def allgather_messages(self, payload: Message) -> list[Message]:
         if self.hierarchy is not None:
             return self.hierarchy.allgather_messages(payload)
         return self.ring.allgather_messages(payload)
+
+    @property
+    def merges(self) -> bool:  # type: ignore[override]
+        return self.hierarchy is not None
+
+    def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any]) -> Any:
+        if self.hierarchy is None:
+            return super().allgather_merged(value, merge)
+        return self.hierarchy.allgather_merged(value, merge)
 
     def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
         (self.hierarchy or self.ring).allreduce(array, reduce)

@@ -21,6 +21,7 @@ from hvdrun.runtime.device import TorchGroup
 from hvdrun.runtime.peers import Peer
 from hvdrun.runtime.reduce import MAX, MIN, PRODUCT, SUM, ReduceFn
 from hvdrun.runtime.rendezvous import Rendezvous, bind_host, listen
+from hvdrun.runtime.transport.base import Message
 
 _OP_OF: dict[Any, int] = {np.add: SUM, np.minimum: MIN, np.maximum: MAX, np.multiply: PRODUCT}
 
@@ -64,7 +65,7 @@ class TorchBackend(Backend):
         world = topology(launch.rank, peers.layout.rank_host_keys(), peers.layout.rank_hostnames())
         return cls(world, group, store, peers)
 
-    def allgather_messages(self, payload: bytes) -> list[bytes]:
+    def allgather_messages(self, payload: Message) -> list[Message]:
         sizes = np.zeros(self.world.size, np.int64)
         sizes[self.world.rank] = len(payload)
         self.allreduce(sizes, np.add)

@@ -18,9 +18,11 @@ hosts (a ring and a :class:`~hvdrun.runtime.collectives.pairwise.Pairwise` group
 
 from __future__ import annotations
 
+import functools
 import marshal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +32,7 @@ from hvdrun.ranks import format_ranks
 from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
 from hvdrun.runtime.collectives.ring import Ring
 from hvdrun.runtime.reduce import ReduceFn, chunk_bounds
+from hvdrun.runtime.transport.base import Message
 
 DEFAULT_DOUBLING_MAX_BYTES = 64 << 10
 DEFAULT_HALVING_MAX_BYTES = 4 << 20
@@ -223,14 +226,21 @@ class Hierarchy:
                 self.cross_ring.broadcast(buffer, root_host)
         self.local.broadcast(buffer, root_local)
 
-    def allgather_messages(self, payload: bytes) -> list[bytes]:
+    def allgather_messages(self, payload: Message) -> list[Message]:
         """Every rank's ``payload``, indexed by rank."""
         if self.locals == 1:  # ranks are hosts, in order
             return self.cross.allgather_messages(payload)
         bundles = self.cross.allgather_messages(marshal.dumps(self.local.allgather_messages(payload)))
-        messages: list[bytes] = [b""] * (self.hosts * self.locals)
+        messages: list[Message] = [b""] * (self.hosts * self.locals)
         for ranks, bundle in zip(self.grid, bundles, strict=True):
             for rank, message in zip(ranks, marshal.loads(bundle), strict=True):
                 messages[rank] = message
         return messages
 
+    def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any]) -> Any:
+        """Every rank's ``value`` merged in rank order (``merge(lower, upper)``): inside the host (all-gathered
+        over shared memory, merged in local order), then across hosts by recursive doubling."""
+        if self.locals == 1:
+            return self.cross.allgather_merged(value, merge)
+        values = [marshal.loads(m) for m in self.local.allgather_messages(marshal.dumps(value))]
+        return self.cross.allgather_merged(functools.reduce(merge, values), merge)

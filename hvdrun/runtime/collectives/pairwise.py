@@ -22,8 +22,9 @@ are commutative, so every member ends with the same bits.
 from __future__ import annotations
 
 import marshal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from hvdrun.runtime.collectives.streams import (
     swap_message,
 )
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
-from hvdrun.runtime.transport.base import RxChannel, TxChannel, Waiter
+from hvdrun.runtime.transport.base import Message, RxChannel, TxChannel, Waiter
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Pairwise:
         parts = [] if send is None else [send if isinstance(send, memoryview) else as_bytes(send)]
         move(link.tx, link.rx, self.waiter, parts, sink)
 
-    def _swap_message(self, peer: int, payload: bytes) -> bytes:
+    def _swap_message(self, peer: int, payload: Message) -> Message:
         link = self.links[peer]
         return swap_message(link.tx, link.rx, self.waiter, payload)
 
@@ -199,7 +200,7 @@ class Pairwise:
             else:
                 self._exchange(self.member - 1, buffer, None)
 
-    def allgather_messages(self, payload: bytes) -> list[bytes]:
+    def allgather_messages(self, payload: Message) -> list[Message]:
         """Every member's ``payload``, by member index; each step swaps everything known so far.
 
         The fold is a swap too, so a member that folds out hears from its partner at once (a sleeping
@@ -220,6 +221,28 @@ class Pairwise:
             else:
                 self._swap_message(self.member - 1, marshal.dumps(known))
         return [known[member] for member in range(self.size)]
+
+    def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any]) -> Any:
+        """Every member's ``value`` merged in member order, ``merge(lower, upper)`` (marshal-able values): each step
+        swaps what a member holds, so a merge that keeps a value's size (a reduction) sends log2(size) messages of
+        that size. Partners merge the same two values in the same order, so every member ends with the same bits.
+        """
+        if self.size == 1:
+            return value
+        if self.member < 2 * self.rem:  # the fold is a swap too: the folded-out member's partner wakes at once
+            other = marshal.loads(self._swap_message(self.member ^ 1, marshal.dumps(value)))
+            if self.core is not None:
+                value = merge(other, value)
+        if self.core is not None:
+            for peer in self._core_partners():
+                other = marshal.loads(self._swap_message(peer, marshal.dumps(value)))
+                value = merge(value, other) if self.member < peer else merge(other, value)
+        if self.member < 2 * self.rem:
+            if self.core is None:
+                value = marshal.loads(self._swap_message(self.member + 1, b""))
+            else:
+                self._swap_message(self.member - 1, marshal.dumps(value))
+        return value
 
 
 def _elements(bounds: list[tuple[int, int]], chunks: tuple[int, int]) -> tuple[int, int]:

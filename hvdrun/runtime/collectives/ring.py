@@ -38,7 +38,7 @@ from hvdrun.runtime.collectives.streams import (
     swap_message,
 )
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
-from hvdrun.runtime.transport.base import RxChannel, TxChannel, Waiter
+from hvdrun.runtime.transport.base import Message, RxChannel, TxChannel, Waiter
 
 
 class Ring:
@@ -180,9 +180,9 @@ class Ring:
                 carried.append(view[start:start + size])
                 start += size
 
-    def allgather_messages(self, payload: bytes) -> list[bytes]:
+    def allgather_messages(self, payload: Message) -> list[Message]:
         """Every rank's ``payload``, indexed by rank."""
-        messages: list[bytes] = [b""] * self.size
+        messages: list[Message] = [b""] * self.size
         messages[self.rank] = payload
         tx, rx = self.tx, self.rx
         for step in range(self.size - 1):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hvdrun.runtime.reduce import ReduceFn, padded
-from hvdrun.runtime.transport.base import RxChannel, TxChannel, Waiter
+from hvdrun.runtime.transport.base import Message, RxChannel, TxChannel, Waiter
 
 SEGMENT_BYTES = 1 << 19
 # larger messages go through move() into one buffer: swap_small() took 310 us for 128 KiB, move() 80 us
@@ -116,7 +116,7 @@ class MessageSink(Sink):
         return len(view)
 
 
-def message_parts(payload: bytes | memoryview) -> list[memoryview]:
+def message_parts(payload: Message) -> list[memoryview]:
     """The parts that send ``payload`` as a message: its length, then the payload (small ones as one part)."""
     header = _LENGTH.pack(len(payload))
     if len(payload) <= SEGMENT_BYTES // 8:
@@ -153,38 +153,41 @@ def move(tx: TxChannel, rx: RxChannel, waiter: Waiter, parts: Sequence[memoryvie
             waiter.idle((tx, rx) if sending and receiving else (tx,) if sending else (rx,))
 
 
-def swap_message(tx: TxChannel, rx: RxChannel, waiter: Waiter, payload: bytes) -> bytes:
+def swap_message(tx: TxChannel, rx: RxChannel, waiter: Waiter, payload: Message) -> memoryview:
     """Send ``payload`` on ``tx`` and receive the peer's message from ``rx`` (lengths may differ): small ones in
-    :func:`swap_small`'s lean loop, larger ones through :func:`move` into one buffer."""
+    :func:`swap_small`'s lean loop, larger ones through :func:`move` into one buffer. The message comes back as a
+    view of a buffer of its own (no copy to bytes: marshal and numpy read views)."""
     if len(payload) <= SMALL_MESSAGE_BYTES:
         return swap_small(tx, rx, waiter, payload)
     sink = MessageSink()
     move(tx, rx, waiter, message_parts(payload), sink)
     assert sink.payload is not None
-    return bytes(sink.payload)
+    return memoryview(sink.payload)
 
 
-def swap_small(tx: TxChannel, rx: RxChannel, waiter: Waiter, payload: bytes) -> bytes:
+def swap_small(tx: TxChannel, rx: RxChannel, waiter: Waiter, payload: Message) -> memoryview:
     """Send a small message on ``tx`` and receive one from ``rx``: a lean loop for the latency-bound case."""
     header = _LENGTH.pack(len(payload))
     outgoing = memoryview(header + payload + bytes(padded(len(payload) + 8) - len(payload) - 8))
-    received = bytearray()
-    total = -1
-    while outgoing or len(received) != total:
+    received = bytearray(8)  # the length first, then the whole padded message
+    have, need, length = 0, 8, -1
+    while outgoing or have < need:
         moved = False
         if outgoing and (sent := tx.send_some(outgoing)):
             outgoing, moved = outgoing[sent:], True
-        if len(received) != total:
-            view = rx.peek(total - len(received) if total >= 0 else 8)
+        if have < need:
+            view = rx.peek(need - have)
             if len(view):
-                received += view
+                received[have:have + len(view)] = view
                 rx.consume(len(view))
+                have += len(view)
                 moved = True
-                if total < 0 and len(received) >= 8:
-                    total = padded(_LENGTH.unpack_from(received)[0] + 8)
+                if length < 0 and have == 8:
+                    (length,) = _LENGTH.unpack_from(received)
+                    need = padded(length + 8)
+                    received += bytes(need - 8)
         if moved:
             waiter.progressed()
         else:
             waiter.idle((tx, rx) if outgoing else (rx,))
-    (length,) = _LENGTH.unpack_from(received)
-    return bytes(received[8:8 + length])
+    return memoryview(received)[8:8 + length]

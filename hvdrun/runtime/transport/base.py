@@ -17,6 +17,7 @@ DEFAULT_SPIN_S = 1e-3
 # Longest sleep between checks of abort flags (and the bound on a lost doorbell).
 MAX_SLEEP_S = 0.05
 _FENCE = threading.Lock()
+Message = bytes | memoryview  # what a message is sent from and received into: a view where a copy can be spared
 
 
 def fence() -> None:
