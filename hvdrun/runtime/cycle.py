@@ -105,7 +105,7 @@ class Cycle:
         The condition depends only on data every rank has (identical tables and messages), so
         all ranks take this path together; the result is the same as through the table.
         """
-        if self.table.entries:
+        if self.table.entries or (request.device != "cpu" and self.device is None):
             return False
         mine, eager = self.cache.encode(request.wire()), payload is not None
         if agreed.total is None and not all(len(items) == 1 and items[0][0] == mine
@@ -116,12 +116,15 @@ class Cycle:
         timeline = self.timeline
         if timeline is not None:
             timeline.execute_start(request.name, "allreduce")
-        flat, size = array.reshape(-1), self.world.size
+        flat, size = array.reshape(-1), self.world.size  # a device tensor reshapes alike
         if agreed.total is not None:  # every rank's data, reduced on the way
             flat[...] = np.frombuffer(agreed.total, array.dtype)
             scale(flat, final_factor(request.op, request.postscale, size))
         elif eager:
             reduce_contributions(size, request, [items[0][1] or b"" for items, _ in agreed.decoded], array)
+        elif request.device != "cpu":  # a device tensor (never eager), on the device's process group
+            assert self.device is not None
+            self.device.allreduce(request, array)
         else:  # what the table would plan: a batch of this one op, run by the backend's algorithm
             allreduce_flat(self.backend, request, flat, size)
         if timeline is not None:

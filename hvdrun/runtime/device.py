@@ -232,7 +232,10 @@ class DeviceCollectives:
         return [getattr(self, f"_{kind}")(entry, tensor) for entry, tensor in zip(batch, tensors, strict=True)]
 
     def _allreduce(self, entry: Entry, tensor: Any) -> Any:
-        request = entry.first
+        return self.allreduce(entry.first, tensor)
+
+    def allreduce(self, request: Request, tensor: Any) -> Any:
+        """Allreduce ``tensor`` of the whole job in place, by ``request``'s op and scale factors."""
         scale_tensor(tensor, request.prescale)
         self.group.allreduce(tensor, request.op)
         scale_tensor(tensor, final_factor(request.op, request.postscale, self.size))

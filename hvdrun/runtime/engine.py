@@ -83,7 +83,7 @@ class Engine:
                  root_cause: Callable[[], str | None] = lambda: None) -> None:
         self.backend, self.world, self.lane = backend, backend.world, backend.lane
         self.cycles = 0  # negotiation cycles run on this rank (the fast lane watches it for engine traffic)
-        self.express = self.lane is None and lane_enabled()  # see express_allreduce (the lane serves one host)
+        self.express = lane_enabled()  # blocking allreduces the fast lane does not take: see express_allreduce
         self.express_used = 0  # express cycles that went through at once (tests read it)
         if self.lane is not None:
             self.lane.configure(stall_warning_s, stall_error_s)

@@ -228,6 +228,10 @@ def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | 
                 engine.express and engine.express_allreduce(_express_request(array, name, op, prescale_factor,
                                                                              postscale_factor), array))):
             return tensor
+        if array is None and engine.express and _via_device(tensor):  # a device tensor: the express cycle only
+            work = _check(_reduced_in(tensor, op)[0], REDUCTION_DTYPES)
+            if engine.express_allreduce(_express_request(work, name, op, prescale_factor, postscale_factor), work):
+                return tensor
     work, wide = _reduced_in(tensor, op)
     array = _check(work, REDUCTION_DTYPES)
     request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set,
@@ -246,10 +250,11 @@ _MAX_LANE_VIEWS = 64
 _express_requests: dict[tuple, Request] = {}
 
 
-def _express_request(array: np.ndarray, name: str, op: int, prescale: float, postscale: float) -> Request:
-    """The request of a blocking allreduce of the whole job on a lane dtype, remembered by name and layout (an
-    automatic name never comes back, so its request is not kept)."""
-    key = (name, array.dtype, array.shape, op, prescale, postscale)
+def _express_request(array: Any, name: str, op: int, prescale: float, postscale: float) -> Request:
+    """The request of a blocking allreduce of the whole job (a numpy view of a lane dtype, or a device tensor),
+    remembered by name and layout (an automatic name never comes back, so its request is not kept)."""
+    key = (name, array.dtype, array.shape, op, prescale, postscale,
+           array.device if isinstance(array, torch.Tensor) else None)
     request = _express_requests.get(key)
     if request is None:
         request = _reduce_request(array, name, op, prescale, postscale, None)

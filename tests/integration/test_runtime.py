@@ -75,17 +75,23 @@ def test_async_ops_in_different_orders(run_hvdrun):
     assert ranks_reporting(result.stdout, r"rank \d+: order ok") == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize(("ranks", "lane"), [(2, "1"), (2, "0"), (4, "1")],
-                         ids=["fast-lane", "engine-only", "fast-lane-4-ranks"])
-def test_fast_lane_exact_ordered_mismatched_joined_threaded_and_long(run_hvdrun, hvdrun_env, ranks, lane):
-    hvdrun_env["HVDRUN_FAST_LANE"] = lane
+@pytest.mark.parametrize(("ranks", "lane", "env"),
+                         [(2, "1", {}), (2, "0", {}), (4, "1", {}), (2, "1", DEVICE_PATH_ON_CPU)],
+                         ids=["fast-lane", "engine-only", "fast-lane-4-ranks", "device-path-express"])
+def test_fast_lane_exact_ordered_mismatched_joined_threaded_and_long(run_hvdrun, hvdrun_env, ranks, lane, env):
+    hvdrun_env.update({"HVDRUN_FAST_LANE": lane, **env})
     result = run_hvdrun("-np", str(ranks), worker("fast_lane.py"), timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     checks = re.findall(r"CHECK (\S+) rank (\d): (.*)", result.stdout)
     assert len(checks) == ranks * 11 and all(verdict == "ok" for _, _, verdict in checks), checks
     used = [int(n) for n in re.findall(r"LANE rank \d used (-?\d+)", result.stdout)]
-    # the lane took the blocking small allreduces and barriers (the same ones on every rank); off, it is never built
-    assert (used[0] > 300 and len(set(used)) == 1) if lane == "1" else used == [-1] * ranks, used
+    express = [int(n) for n in re.findall(r"EXPRESS rank \d used (\d+)", result.stdout)]
+    if env:  # tensors on the device path: the lane takes only the barriers, express cycles the allreduces
+        assert min(express) > 100 and len(set(used)) == 1, (used, express)
+    elif lane == "1":  # the lane took the blocking small allreduces and barriers (the same ones on every rank)
+        assert used[0] > 300 and len(set(used)) == 1, used
+    else:  # off, the lane is never built and every op takes the engine's queued path
+        assert used == [-1] * ranks and express == [0] * ranks, (used, express)
 
 
 def test_mismatches_raise_on_every_rank_naming_op_and_ranks(run_hvdrun):
