@@ -229,6 +229,7 @@ class Engine:
             except Exception as e:
                 self._fail_from(e)
         finally:
+            self._last_driven = time.monotonic()  # as after drive_until: the background thread stands down a while
             self._progress.release()
         op.handle.wait()
         return True
