@@ -21,15 +21,23 @@ link) beta (+ gamma for hvdrun); concurrent messages of one step overlap. Algori
     hvdrun doubling   the same local phases; recursive doubling across hosts: log2 H steps, n on the link
                       each (a non-power-of-two H adds 2 steps of n: MPICH's fold)
     hvdrun halving    the same local phases; Rabenseifner across hosts: 2 log2 H steps, 2 (H - 1) / H n in all
-    negotiation       every hvdrun op first all-gathers every rank's announcement (m bytes): flat, a ring of
-                      N - 1 steps; hierarchical, L - 1 local steps then recursive doubling of the hosts' bundles
-                      (log2 H steps, the bundle doubling every step)
-    eager             an allreduce of at most min(HVDRUN_EAGER_BYTES, EAGER_JOB_BYTES / N) travels inside that
-                      all-gather (m + n bytes a rank), and every rank reduces the N contributions itself; the
-                      runtime caps the job's eager data at EAGER_JOB_BYTES = 128 KiB from all ranks together
-                      (hvdrun/runtime/submissions.py)
-    hvdrun auto       the model's cheapest of eager (up to HVDRUN_EAGER_BYTES, without the job's cap), ring,
-                      doubling and halving: what the best rules could do
+    negotiation       every hvdrun op first exchanges every rank's announcement (m bytes): flat, a ring
+                      all-gather of N - 1 steps; hierarchical, an all-gather inside the host (L - 1 steps) then
+                      the announcements merged across hosts by recursive doubling (log2 H steps; what a rank
+                      sends doubles every step: 2^j L m bytes at step j, the L local ranks at once)
+    eager             an allreduce of at most min(HVDRUN_EAGER_BYTES, EAGER_JOB_BYTES / W) travels inside that
+                      exchange (hvdrun/runtime/submissions.py, announcements.py), W being the ranks whose data
+                      every rank receives whole; EAGER_JOB_BYTES = 128 KiB. Flat (one host, uneven hosts,
+                      HVDRUN_ALGORITHM=flat): W = N; the all-gather carries m + n bytes a rank and every rank
+                      reduces the N contributions itself. Merged (hierarchical): W = L; inside the host the
+                      ranks all-gather m + n bytes each (L - 1 steps) and reduce the L contributions ((L - 1) n);
+                      across hosts, at recursive doubling's step j every local rank sends 2^j L m bytes of
+                      announcements plus ONE reduced copy of the data (n) and reduces the n it receives: log2 H
+                      messages of n, as MPI's recursive doubling (MPICH's fold for a non-power-of-two H: fold-in
+                      L m + n, fold-out H L m + n). The runtime sends data eagerly only when every rank
+                      announced the same op alone (the steady state of training); the model assumes it does
+    hvdrun auto       the model's cheapest of eager (up to HVDRUN_EAGER_BYTES, without the EAGER_JOB_BYTES cap),
+                      ring, doubling and halving: what the best rules could do
     hvdrun rules      what the runtime's rules pick, by calling them: eager up to the capped size above, then
                       AlgorithmChoice.across_hosts (hvdrun/runtime/collectives/hierarchical.py): doubling up to
                       HVDRUN_DOUBLING_MAX_BYTES, halving up to HVDRUN_HALVING_MAX_BYTES x H / 8, the ring
@@ -69,12 +77,12 @@ SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 
 try:  # the runtime's own defaults, when this checkout has them
     from hvdrun.runtime.context import DEFAULT_EAGER_BYTES
 except ImportError:  # pragma: no cover - an older or newer layout
-    DEFAULT_EAGER_BYTES = 32 << 10
+    DEFAULT_EAGER_BYTES = 64 << 10
 try:
     from hvdrun.runtime.collectives.hierarchical import DEFAULT_DOUBLING_MAX_BYTES, DEFAULT_HALVING_MAX_BYTES
 except ImportError:  # pragma: no cover
     DEFAULT_DOUBLING_MAX_BYTES, DEFAULT_HALVING_MAX_BYTES = 64 << 10, 4 << 20
-try:  # eager data a job may carry in one negotiation, from all ranks together
+try:  # eager data one negotiation may carry, from all the ranks whose data every rank receives whole
     from hvdrun.runtime.submissions import EAGER_JOB_BYTES
 except ImportError:  # pragma: no cover
     EAGER_JOB_BYTES = 128 << 10
@@ -107,15 +115,17 @@ class Setting:
     # first time (the whole Request); a training step's ops are cached after the first step
     message_bytes: int = 20
     eager_bytes: int = DEFAULT_EAGER_BYTES  # HVDRUN_EAGER_BYTES: a rank's limit
-    eager_job_bytes: int | None = EAGER_JOB_BYTES  # the job's cap (None: no cap)
+    eager_job_bytes: int | None = EAGER_JOB_BYTES  # the cap on what arrives whole (None: no cap)
     doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
     halving_max_bytes: int = DEFAULT_HALVING_MAX_BYTES
 
-    def eager_limit(self, ranks: int) -> int:
-        """The largest allreduce that goes eager in a job of ``ranks`` (Submissions.eager_bytes)."""
+    def eager_limit(self, hosts: int, per_host: int, merged: bool) -> int:
+        """The largest allreduce that goes eager (Submissions.eager_bytes): the cap divided among the ranks whose
+        data every rank receives whole, a host's when announcements are ``merged`` (hierarchical), else the job's."""
         if self.eager_job_bytes is None:
             return self.eager_bytes
-        return min(self.eager_bytes, self.eager_job_bytes // max(ranks, 1))
+        whole_from = per_host if merged else hosts * per_host
+        return min(self.eager_bytes, self.eager_job_bytes // max(whole_from, 1))
 
     def across_hosts(self, nbytes: float, hosts: int) -> str:
         """The runtime's algorithm across hosts for ``auto`` (AlgorithmChoice.across_hosts)."""
@@ -167,17 +177,32 @@ def flat_allgather(hosts: int, per_host: int, message: float) -> Cost:
     return steps(hosts * per_host - 1, message, hosts == 1, True)
 
 
-def hier_allgather(hosts: int, per_host: int, message: float) -> Cost:
-    """All-gather inside the host, then recursive doubling of the hosts' bundles by all L local ranks at once."""
-    local = steps(per_host - 1, message, True, True)
+def merged_eager(hosts: int, per_host: int, message: float, nbytes: float) -> Cost:
+    """Announcements merged on the way (hvdrun/runtime/announcements.py), with a lone eager op's ``nbytes`` of data.
+
+    Inside the host the ranks all-gather their values (``message`` + ``nbytes`` each, L - 1 steps through shared
+    memory) and each reduces the L payloads; across hosts all L local ranks run recursive doubling at once: at
+    step j a rank sends the headers of 2^j L ranks and one reduced copy of the data, and reduces the copy it
+    receives (MPICH's fold for a non-power-of-two H: fold-in one host's value, fold-out everything). A host's
+    link carries L times what one rank sends. With ``nbytes`` 0, the hierarchical negotiation.
+    """
+    local = steps(per_host - 1, message + nbytes, True, True)
     k, rem = fold(hosts)
-    bundle = per_host * message  # what one rank holds after the local phase
+    headers = per_host * message  # what one rank holds after the local phase, besides the data
     cross = Cost()
-    for j in range(k):  # step j: every one of the L ranks sends 2^j bundles
-        cross = cross + steps(1, per_host * bundle * (1 << j), False, True)
-    if rem:  # fold in (one bundle), fold out (everything)
-        cross = cross + steps(1, per_host * bundle, False, True) + steps(1, per_host * bundle * hosts, False, True)
-    return local + cross
+    for j in range(k):  # step j: every one of the L ranks sends 2^j hosts' headers and the data
+        cross = cross + steps(1, per_host * (headers * (1 << j) + nbytes), False, True)
+    if rem:  # fold in (one host's value), fold out (everything)
+        cross = cross + steps(1, per_host * (headers + nbytes), False, True) + \
+            steps(1, per_host * (headers * hosts + nbytes), False, True)
+    reductions = (per_host - 1 + k + (1 if rem else 0)) * nbytes  # the host's L payloads, then one per step
+    return local + cross + (Cost({"beta_local": reductions}) if reductions else Cost())
+
+
+def hier_allgather(hosts: int, per_host: int, message: float) -> Cost:
+    """All-gather inside the host, then the announcements merged across hosts by recursive doubling, all L local
+    ranks at once (what a rank sends doubles every step: the same bytes as all-gathering the hosts' bundles)."""
+    return merged_eager(hosts, per_host, message, 0)
 
 
 def local_phases(per_host: int, nbytes: float, python: bool = True) -> Cost:
@@ -202,10 +227,11 @@ def cross_hosts(algorithm: str, hosts: int, nbytes: float, python: bool = True) 
 
 
 def hvdrun_cost(algorithm: str, hosts: int, per_host: int, nbytes: float, setting: Setting) -> tuple[Cost, str]:
-    """(cost, path) of one hvdrun allreduce: negotiation + algorithm, or the eager all-gather.
+    """(cost, path) of one hvdrun allreduce: negotiation + algorithm, or eager inside the negotiation.
 
     ``algorithm``: flat, ring, doubling or halving, or ``auto`` for the runtime's own crossovers (what a measured
-    job ran); :func:`best_hvdrun` picks the cheapest path instead. Sizes up to ``setting.eager_limit(N)`` go eager.
+    job ran); :func:`best_hvdrun` picks the cheapest path instead. Sizes up to ``setting.eager_limit`` go eager:
+    merged across hosts when hierarchical (:func:`merged_eager`), in the flat all-gather otherwise.
     """
     ranks = hosts * per_host
     if ranks == 1:
@@ -213,11 +239,12 @@ def hvdrun_cost(algorithm: str, hosts: int, per_host: int, nbytes: float, settin
     hierarchical = algorithm != "flat" and hosts > 1  # one host, or uneven hosts: the flat ring
     if algorithm == "auto":
         algorithm = setting.across_hosts(nbytes, hosts)
-    gather = hier_allgather if hierarchical else flat_allgather
-    if nbytes <= setting.eager_limit(ranks):
+    if nbytes <= setting.eager_limit(hosts, per_host, hierarchical):
+        if hierarchical:
+            return merged_eager(hosts, per_host, setting.message_bytes, nbytes), "eager (merged)"
         reduce = Cost({"beta_local": (ranks - 1) * nbytes})  # each rank sums N contributions
-        return gather(hosts, per_host, setting.message_bytes + nbytes) + reduce, \
-            f"eager ({'hierarchical' if hierarchical else 'flat'})"
+        return flat_allgather(hosts, per_host, setting.message_bytes + nbytes) + reduce, "eager (flat)"
+    gather = hier_allgather if hierarchical else flat_allgather
     negotiation = gather(hosts, per_host, setting.message_bytes)
     if not hierarchical:
         return negotiation + flat_ring(hosts, per_host, nbytes), "flat ring"
@@ -226,8 +253,8 @@ def hvdrun_cost(algorithm: str, hosts: int, per_host: int, nbytes: float, settin
 
 def best_hvdrun(hosts: int, per_host: int, nbytes: float, setting: Setting,
                 params: dict[str, float]) -> tuple[float, str]:
-    """hvdrun auto as it should choose: the cheapest of eager (up to HVDRUN_EAGER_BYTES, ignoring the job's cap),
-    ring, doubling, halving."""
+    """hvdrun auto as it should choose: the cheapest of eager (up to HVDRUN_EAGER_BYTES, ignoring the
+    EAGER_JOB_BYTES cap; merged across hosts), ring, doubling, halving."""
     no_eager = replace(setting, eager_bytes=-1)
     options = [hvdrun_cost(a, hosts, per_host, nbytes, no_eager) for a in ("ring", "doubling", "halving")]
     if nbytes <= setting.eager_bytes:
@@ -459,7 +486,7 @@ def crossover_line(params: dict[str, float], setting: Setting, hosts: int, per_h
     best = [best_hvdrun(hosts, per_host, n, setting, params)[1] for n in sizes]
     rules = [hvdrun_cost("auto", hosts, per_host, n, setting)[1] for n in sizes]
     return (f"{hosts:,} hosts x {per_host}: the model's cheapest path: {changes(best)}; the runtime's rules: "
-            f"{changes(rules)} (eager up to {human(setting.eager_limit(hosts * per_host))})")
+            f"{changes(rules)} (eager up to {human(setting.eager_limit(hosts, per_host, hosts > 1))})")
 
 
 def negotiation_line(params: dict[str, float], setting: Setting, hosts: int, per_host: int) -> str:
@@ -539,7 +566,7 @@ def main() -> None:
     parser.add_argument("--message-bytes", type=int, default=Setting.message_bytes,
                         help="one rank's announcement in the negotiation (default 20: a cached op)")
     parser.add_argument("--eager-bytes", type=int, help=f"HVDRUN_EAGER_BYTES (default {DEFAULT_EAGER_BYTES}; the "
-                        f"runtime caps it at {EAGER_JOB_BYTES} / ranks)")
+                        f"runtime caps it at {EAGER_JOB_BYTES} / ranks per host across hosts, / ranks when flat)")
     parser.add_argument("--cores", type=int, help="cores of the measuring machine (default: from the JSON, else 2)")
     parser.add_argument("--markdown", action="store_true", help="print only the markdown of docs/scaling.md, no plot")
     parser.add_argument("--plot", default=str(REPO / "docs" / "scaling.png"), help="where to draw (default docs/)")
