@@ -32,8 +32,11 @@ system-deps:
 demo: venv
 	$(HVDRUN) -np 2 examples/linear_regression.py --check
 
+# Two pytest-xdist workers: much of the suite waits (sshd, timeouts, subprocesses). --dist loadfile gives all of a
+# file's tests to one worker: the Slurm tests (test_scheduler_jobs.py) start one cluster. (Not loadgroup: with
+# pytest 9.2 it silently ignores xdist_group marks, pytest-xdist issue #1386.)
 test: venv system-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: venv
 	$(VENV)/bin/ruff check hvdrun tests examples

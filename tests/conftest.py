@@ -47,6 +47,12 @@ def host_processes(addrs: Sequence[str]) -> list[psutil.Process]:
     return found
 
 
+def shm_files(job_id: str) -> list[Path]:
+    """The files of hvdrun job ``job_id`` (its ``HVDRUN_JOB_ID``) in /dev/shm: rings, bells, boards. Only this
+    job's: jobs of other tests (another pytest-xdist worker's) may have theirs there at the same time."""
+    return sorted(Path("/dev/shm").glob(f"hvdrun-{job_id}-*"))
+
+
 def wait_until(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:
     """Poll ``condition`` until it holds or ``timeout_s`` passes; return its last value."""
     deadline = time.monotonic() + timeout_s
@@ -121,7 +127,7 @@ def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
             proc.kill()
         proc.wait(10)
     for job_id in job_ids:  # no guard here: remove the rings of ranks this fixture killed
-        for path in Path("/dev/shm").glob(f"hvdrun-{job_id}-*"):
+        for path in shm_files(job_id):
             path.unlink(missing_ok=True)
     assert wait_until(lambda: not job_processes(token)), f"left behind: {job_processes(token)}"
 
@@ -164,6 +170,21 @@ def _fixture_command(action: str, directory: Path, *args: str, env: dict[str, st
     return done.stdout
 
 
+FIXTURES_PER_PROCESS = 4  # fixture_tag offsets: 0 ssh_hosts, 1 slurm_cluster, 2 and 3 hosts two tests start
+
+
+def fixture_tag(offset: int) -> int:
+    """The tag (:func:`fixture_names`) of this test process's fixture number ``offset`` (see
+    FIXTURES_PER_PROCESS): distinct for every fixture of every pytest process running at once. A plain run
+    counts from its own pid. Each pytest-xdist worker (``PYTEST_XDIST_WORKER`` gw0, gw1, ...) is a process of
+    its own whose pid + 1 may be another worker's pid, so a worker counts from the pid of the controller all
+    workers of the run share, in a block of tags of its own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return os.getpid() * FIXTURES_PER_PROCESS + offset
+    return (os.getppid() * 64 + int(worker.removeprefix("gw"))) * FIXTURES_PER_PROCESS + offset
+
+
 def fixture_names(tag: int) -> dict[str, str]:
     """Namespace, bridge and subnet names of one fixture: distinct per test run, so that runs sharing a
     machine never touch each other's hosts (a bridge name has at most 15 characters)."""
@@ -195,7 +216,7 @@ def stop_ssh_hosts(directory: Path, env: dict[str, str] | None = None) -> None:
 def ssh_hosts() -> Iterator[SshHosts]:
     """Four SSH hosts h1..h4 for the whole session."""
     directory = Path(f"/tmp/hvdrun-ssh-{os.getpid()}")
-    names = fixture_names(os.getpid())
+    names = fixture_names(fixture_tag(0))
     hosts = start_ssh_hosts(directory, 4, names)
     try:
         yield hosts
@@ -219,12 +240,14 @@ class SlurmCluster:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
-    """Slurm (with the Torque-style qsub/qstat/qdel wrappers) on two SSH hosts, for the whole session."""
+    """Slurm (with the Torque-style qsub/qstat/qdel wrappers) on two SSH hosts, for the whole session. Its tests
+    are all in test_scheduler_jobs.py: ``make test`` gives each file's tests to one pytest-xdist worker
+    (``--dist loadfile``), so one slurmctld serves the run."""
     if os.geteuid() != 0:
         pytest.skip("the Slurm cluster needs root (slurmd, network namespaces)")
     if not shutil.which("slurmctld") or not shutil.which("qsub"):
         pytest.skip("slurm-wlm / slurm-wlm-torque are not installed (make test installs them)")
-    tag = os.getpid() + 1
+    tag = fixture_tag(1)
     names = {**fixture_names(tag), "HVD_FX_NAME_PREFIX": f"hv{tag % 10_000}n"}
     ssh_dir, slurm_dir = Path(f"/tmp/hvdrun-sq-{os.getpid()}"), Path(f"/tmp/hvdrun-sl-{os.getpid()}")
     hosts = start_ssh_hosts(ssh_dir, 2, names, "--etc-hosts")

@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, job_processes, wait_until
+from tests.conftest import REPO, job_processes, shm_files, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -195,6 +195,7 @@ def test_torchrun_style_env_script_runs_unchanged(run_hvdrun):
 def test_shared_memory_of_ranks_killed_during_init_is_removed(run_hvdrun, tmp_path):
     path = script(tmp_path, "die_in_init.py", """
         import os, signal
+        print("JOB", os.environ["HVDRUN_JOB_ID"], flush=True)
         import hvdrun.runtime.backends.native as native
         original = native._channels
         def die_after_creating_the_segment(*args, **kwargs):
@@ -208,7 +209,8 @@ def test_shared_memory_of_ranks_killed_during_init_is_removed(run_hvdrun, tmp_pa
     result = run_hvdrun("-np", "2", path)
     assert result.returncode == 128 + signal.SIGKILL
     assert "rank 1 on host localhost was killed by signal 9" in result.stderr
-    assert not list(Path("/dev/shm").glob("hvdrun-*")), list(Path("/dev/shm").glob("hvdrun-*"))
+    [job] = set(re.findall(r"<stdout>:JOB (\w+)", result.stdout))
+    assert not shm_files(job), shm_files(job)
 
 
 def test_megabyte_lines_pass_through_intact(run_hvdrun, tmp_path):
@@ -273,21 +275,21 @@ def test_the_rank_whose_failure_came_first_is_blamed_every_time(run_hvdrun, tmp_
 def test_sigkill_of_hvdrun_during_init_leaves_no_shared_memory(hvdrun_env, tmp_path, token):
     """Rank 0 created its ring and waits for rank 1, which is still asleep, when hvdrun is killed."""
     path = script(tmp_path, "late.py", """
-        import os, time
+        import os, pathlib, time
+        pathlib.Path("job_id." + os.environ["RANK"]).write_text(os.environ["HVDRUN_JOB_ID"])
         print("ready", flush=True)
         if os.environ["RANK"] == "1":
             time.sleep(300)
         import hvdrun.torch as hvd
         hvd.init()
     """)
-    before = set(Path("/dev/shm").glob("hvdrun-*"))
     proc = start_and_wait_ready(hvdrun_env, tmp_path, 2, "--grace-period", "1", path=path)
-    assert wait_until(lambda: len(set(Path("/dev/shm").glob("hvdrun-*")) - before) >= 2, 60)  # rank 0's ring + bell
+    job = (tmp_path / "job_id.0").read_text()
+    assert wait_until(lambda: len(shm_files(job)) >= 2, 60)  # rank 0's ring + bell
     proc.kill()
     proc.wait(timeout=10)
     assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
-    assert wait_until(lambda: not set(Path("/dev/shm").glob("hvdrun-*")) - before, 10), \
-        set(Path("/dev/shm").glob("hvdrun-*")) - before
+    assert wait_until(lambda: not shm_files(job), 10), shm_files(job)
 
 
 def test_a_process_that_left_the_rank_with_setsid_is_stopped_too(run_hvdrun, tmp_path):

@@ -2,30 +2,42 @@
 
 from __future__ import annotations
 
-import glob
+import contextlib
 import json
-import os
+import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.conftest import REPO, job_processes, wait_until
+from tests.conftest import REPO, SshHosts, host_processes, job_processes, wait_until
 from tests.integration.test_local_launch import script
 from tests.integration.test_ssh_launch import ALLREDUCE, SLEEPER, results, start_and_wait_ready
 
 pytestmark = pytest.mark.integration
 
 
-def proxies_left() -> list[str]:
-    done = subprocess.run(["pgrep", "-af", "hydra_pmi_proxy"], capture_output=True, text=True)
-    return done.stdout.splitlines()
+def command_lines(processes: list[psutil.Process]) -> list[str]:
+    lines = []
+    for proc in processes:
+        with contextlib.suppress(psutil.Error):
+            lines.append(" ".join(proc.cmdline()))
+    return lines
 
 
-def test_mpiexec_across_two_hosts(run_hvdrun, ssh_hosts, tmp_path):
+def proxies_left(token: str, hosts: SshHosts) -> list[str]:
+    """Command lines of this job's hydra proxies (and of the ssh clients starting them): on this machine they carry
+    the job's token, on the hosts they run in a login session of the hosts' sshd (another pytest-xdist worker's
+    jobs have neither)."""
+    return [line for line in command_lines(job_processes(token) + host_processes(hosts.addrs))
+            if "hydra_pmi_proxy" in line]
+
+
+def test_mpiexec_across_two_hosts(run_hvdrun, ssh_hosts, tmp_path, token):
     worker = script(tmp_path, "allreduce.py", ALLREDUCE)
     done = run_hvdrun("--launcher", "mpiexec", "-H", ssh_hosts.hosts(2), *ssh_hosts.args(), "--output-dir", "logs",
                       worker, "a b", "$(touch pwned)")
@@ -38,7 +50,7 @@ def test_mpiexec_across_two_hosts(run_hvdrun, ssh_hosts, tmp_path):
     for rank in range(4):
         assert f"[{rank}]<stdout>:RESULT " in done.stdout
         assert "RESULT " in (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_text()
-    assert wait_until(lambda: not proxies_left(), 10), proxies_left()
+    assert wait_until(lambda: not proxies_left(token, ssh_hosts), 10), proxies_left(token, ssh_hosts)
 
 
 def test_mpiexec_on_this_machine_runs_the_ring(run_hvdrun, tmp_path):
@@ -69,7 +81,7 @@ def test_mpi_programs_run_as_one_world_under_the_guard(run_hvdrun, ssh_hosts, tm
     assert [(r["rank"], r["size"], r["sum"]) for r in results(done.stdout)] == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
-def test_mpiexec_names_the_failed_rank_and_stops_the_others(run_hvdrun, ssh_hosts, tmp_path):
+def test_mpiexec_names_the_failed_rank_and_stops_the_others(run_hvdrun, ssh_hosts, tmp_path, token):
     sleeper = script(tmp_path, "sleeper.py", SLEEPER)
     start = time.monotonic()
     done = run_hvdrun("--launcher", "mpiexec", "-H", ssh_hosts.hosts(2), *ssh_hosts.args(), "--grace-period", "2",
@@ -78,30 +90,35 @@ def test_mpiexec_names_the_failed_rank_and_stops_the_others(run_hvdrun, ssh_host
     assert f"rank 2 on host {ssh_hosts.addrs[1]} exited with code 3" in done.stderr
     assert "remote rank is about to fail" in done.stderr
     assert time.monotonic() - start < 60  # the others sleep 300 s: they were stopped
-    assert wait_until(lambda: not proxies_left(), 10), proxies_left()
+    assert wait_until(lambda: not proxies_left(token, ssh_hosts), 10), proxies_left(token, ssh_hosts)
 
 
 def test_interrupting_hvdrun_stops_mpiexec_everywhere(ssh_hosts, hvdrun_env, tmp_path, token):
     proc = start_and_wait_ready(ssh_hosts, hvdrun_env, tmp_path, "--launcher", "mpiexec")
+    assert proxies_left(token, ssh_hosts)  # found while they run
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 128 + signal.SIGINT
     assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
-    assert wait_until(lambda: not proxies_left(), 10), proxies_left()
+    assert wait_until(lambda: not proxies_left(token, ssh_hosts), 10), proxies_left(token, ssh_hosts)
 
 
-def launcher_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "hvdrun-mpiexec-*")))
+def launcher_dir(token: str) -> Path:
+    """The temporary directory of this job's mpiexec launcher, as mpiexec's command line names it."""
+    pattern = re.escape(tempfile.gettempdir()) + r"/hvdrun-mpiexec-[^/\s]+"
+    [found] = {match for line in command_lines(job_processes(token)) for match in re.findall(pattern, line)}
+    return Path(found)
 
 
 def test_sigkill_of_hvdrun_stops_mpiexec_everywhere(ssh_hosts, hvdrun_env, tmp_path, token):
-    before = launcher_dirs()
     proc = start_and_wait_ready(ssh_hosts, hvdrun_env, tmp_path, "--launcher", "mpiexec", "--grace-period", "1")
-    assert launcher_dirs() - before  # mpiexec's hostfile and ssh agent script
+    directory = launcher_dir(token)
+    assert (directory / "ssh").exists()  # mpiexec's ssh agent script
+    assert proxies_left(token, ssh_hosts)  # found while they run
     proc.kill()
     proc.wait(timeout=10)
     assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
-    assert wait_until(lambda: not proxies_left(), 10), proxies_left()
-    assert wait_until(lambda: not launcher_dirs() - before, 10), launcher_dirs() - before  # the guard removed it
+    assert wait_until(lambda: not proxies_left(token, ssh_hosts), 10), proxies_left(token, ssh_hosts)
+    assert wait_until(lambda: not directory.exists(), 10), directory  # the guard removed it
 
 
 def test_unknown_mpiexec_flavour_is_a_usage_error(run_hvdrun, tmp_path):

@@ -118,6 +118,9 @@ def test_slurm_qstat_of_running_and_finished_jobs_and_qdel(slurm_env, job_dir, t
     running = wait_for_state(slurm_env, job_dir, job_id, "RUNNING")
     assert re.search(rf"job {job_id} \(slurm\): RUNNING on \S+", running)
     assert "output: " in running
+    # cancel the job's command, not the start-up files of its login shell (bash -l): a `pyenv rehash` in them,
+    # killed, leaves its lock behind and every later login waits a minute for it
+    assert wait_until(lambda: "started on" in job_output(job_dir), 60), job_output(job_dir)
     cancelled = hvdrun(slurm_env, job_dir, "qdel", job_id)
     assert cancelled.returncode == 0 and f"cancelled job {job_id}" in cancelled.stdout
     finished = wait_for_state(slurm_env, job_dir, job_id, "FINISHED")

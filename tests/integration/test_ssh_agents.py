@@ -20,8 +20,10 @@ from hvdrun.envvars import SSH_FANOUT
 from tests.conftest import (
     SshHosts,
     fixture_names,
+    fixture_tag,
     host_processes,
     job_processes,
+    shm_files,
     start_ssh_hosts,
     stop_ssh_hosts,
     wait_until,
@@ -52,7 +54,7 @@ def nothing_left(token: str, hosts: SshHosts) -> bool:
 
 def test_32_hosts_in_a_tree_run_an_allreduce_and_leave_nothing(run_hvdrun, hvdrun_env, tmp_path, token):
     """hvdrun reaches 4 hosts, their agents 16, theirs the last 12: 64 ranks, one exact allreduce."""
-    names = fixture_names(os.getpid() + 3)  # +1: the Slurm cluster's, +2: the MaxStartups test's
+    names = fixture_names(fixture_tag(3))
     directory = Path(f"/tmp/hvdrun-32-{os.getpid()}")
     hosts = start_ssh_hosts(directory, HOSTS_32, names)
     try:
@@ -67,7 +69,7 @@ def test_32_hosts_in_a_tree_run_an_allreduce_and_leave_nothing(run_hvdrun, hvdru
         assert [row[2] for row in rows] == [f"h{1 + rank // 2}" for rank in range(size)]
         job = rows[0][4]
         assert wait_until(lambda: nothing_left(token, hosts), 15), host_processes(hosts.addrs)
-        assert not list(Path("/dev/shm").glob(f"hvdrun-{job}-*"))
+        assert not shm_files(job), shm_files(job)
     finally:
         stop_ssh_hosts(directory, names)
 

@@ -8,7 +8,6 @@ process of a job (``job_processes``) to prove nothing is left behind on any host
 from __future__ import annotations
 
 import json
-import os
 import queue
 import shutil
 import signal
@@ -23,6 +22,7 @@ import pytest
 from tests.conftest import (
     REPO,
     fixture_names,
+    fixture_tag,
     host_processes,
     job_processes,
     start_ssh_hosts,
@@ -285,7 +285,7 @@ def test_connections_to_a_default_sshd_are_capped_and_retried(tmp_path, monkeypa
     is_retryable = connections._is_retryable
     monkeypatch.setattr(connections, "_is_retryable", lambda e: retried.append(e) or is_retryable(e))
 
-    env = {**fixture_names(os.getpid() + 2), "HVD_FX_MAXSTARTUPS": "10:30:100"}  # +1 is the Slurm cluster's
+    env = {**fixture_names(fixture_tag(2)), "HVD_FX_MAXSTARTUPS": "10:30:100"}
     directory = Path(f"/tmp/hvdrun-ms-{tmp_path.name[-8:]}")
     hosts = start_ssh_hosts(directory, 1, env)
     try:

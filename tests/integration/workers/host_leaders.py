@@ -26,12 +26,12 @@ assert np.all(allreduce("first") == size * (size + 1) // 2)
 mode = sys.argv[1]
 if mode == "die":
     victim = int(sys.argv[2])
-    if rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
         for step in range(100_000):
             allreduce(f"step.{step}", 10_000)
+            if rank == victim:  # its step.0 needed every rank's: all are past "first", in this loop
+                os.kill(os.getpid(), signal.SIGKILL)
     except CollectiveError as e:
         print(f"rank {rank} raised after {time.monotonic() - start:.1f} s: {e}", flush=True)
         os._exit(0)
