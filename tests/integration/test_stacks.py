@@ -53,6 +53,9 @@ def test_stacks_on_demand_ctrl_backslash_and_the_stall_report(kind, request, hvd
         # the stall check (1 s) on rank 0 prints the report by itself
         assert wait_until(lambda: "where every rank is, as the stall check warns" in stderr(), 30), stderr()
         assert wait_until(lambda: DIVERGENCE in stderr(), 10), stderr()
+        # the report's lines reach the launcher as they come (over SSH in chunks): wait for both groups' entries
+        assert wait_until(lambda: stderr().split("as the stall check warns", 1)[1].count("last collectives:") >= 2,
+                          10), stderr()
         assert_report(stderr().split("as the stall check warns", 1)[1].replace("[0]<stderr>:", ""))
         # hvdrun stacks from another shell
         asked = subprocess.run([sys.executable, "-m", "hvdrun", "stacks"], env=env, capture_output=True, text=True,
