@@ -18,8 +18,10 @@ from tests.integration.test_local_launch import script
 pytestmark = pytest.mark.integration
 
 ESCAPE = """
-import subprocess, sys
-subprocess.Popen(["setsid", "sh", "-c", "exec env -i sleep {marker}"])  # inherits stdout and stderr
+import subprocess, sys, time
+child = subprocess.Popen(["setsid", "sh", "-c", "exec env -i sleep {marker}"])  # inherits stdout and stderr
+while open(f"/proc/{{child.pid}}/cmdline", "rb").read().split(b"\\0")[0] != b"sleep":
+    time.sleep(0.01)  # past setsid and its exec: before that it is still in the rank's group (a loaded machine)
 print("spawned", flush=True)
 """
 
