@@ -215,7 +215,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | None, op: int | None,
                         prescale_factor: float, postscale_factor: float, process_set: Any,
                         remember: bool) -> torch.Tensor:
-    """The blocking allreduce: the fast lane first (a small CPU tensor of the whole job), else the engine."""
+    """The blocking allreduce: the fast lane first (a small CPU tensor of the whole job), else an express cycle (a
+    tensor of the whole job, see Engine.express_allreduce), else the engine's queued path."""
     op = _resolve_op(op, average, adasum=True)
     if op == ADASUM:
         return synchronize(allreduce_async_(tensor, None, name, op, prescale_factor, postscale_factor, process_set))
@@ -228,12 +229,11 @@ def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | 
                 engine.express and engine.express_allreduce(_express_request(array, name, op, prescale_factor,
                                                                              postscale_factor), array))):
             return tensor
-        if array is None and engine.express and _via_device(tensor):  # a device tensor: the express cycle only
-            work = _check(_reduced_in(tensor, op)[0], REDUCTION_DTYPES)
-            if engine.express_allreduce(_express_request(work, name, op, prescale_factor, postscale_factor), work):
-                return tensor
     work, wide = _reduced_in(tensor, op)
     array = _check(work, REDUCTION_DTYPES)
+    if (process_set is None and name is not None and isinstance(array, torch.Tensor) and engine.express
+            and engine.express_allreduce(_express_request(array, name, op, prescale_factor, postscale_factor), array)):
+        return tensor  # a device tensor: no lane, but the express cycle
     request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set,
                               source=dtypes.source_of(tensor, array))
     _engine().run(request, array)
@@ -248,6 +248,7 @@ _MAX_LANE_VIEWS = 64
 
 
 _express_requests: dict[tuple, Request] = {}
+_MAX_EXPRESS_REQUESTS = 64
 
 
 def _express_request(array: Any, name: str, op: int, prescale: float, postscale: float) -> Request:
@@ -259,7 +260,7 @@ def _express_request(array: Any, name: str, op: int, prescale: float, postscale:
     if request is None:
         request = _reduce_request(array, name, op, prescale, postscale, None)
         if ".noname." not in name:
-            if len(_express_requests) >= _MAX_LANE_VIEWS:
+            if len(_express_requests) >= _MAX_EXPRESS_REQUESTS:
                 _express_requests.clear()
             _express_requests[key] = request
     return request
