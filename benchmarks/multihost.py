@@ -56,6 +56,9 @@ from pathlib import Path
 
 from hvdrun.measure.timing import human_bytes, parse_size
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netns_direct  # noqa: E402 - beside this file
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "infra" / "ssh_hosts.sh"
 ALLREDUCE = REPO / "benchmarks" / "allreduce.py"
@@ -142,7 +145,24 @@ def job_command(kind: str, info: dict, hosts: int, per_host: int, sizes: str,
              "--worker", "hvdrun", "--sizes", sizes], {"HVDRUN_ALGORITHM": algorithm})
 
 
-def sweep(info: dict, args: argparse.Namespace, kinds: list[str],
+def run_job(kind: str, info: dict | netns_direct.BareHosts, hosts: int, per_host: int, sizes: str,
+            args: argparse.Namespace) -> str:
+    """One sweep job's stdout: through hvdrun over SSH, or (``--no-ssh``) started straight into the namespaces."""
+    if isinstance(info, dict):
+        command, env = job_command(kind, info, hosts, per_host, sizes, args.mpi_env)
+        return hvdrun(command, env, args.job_timeout)
+    script = [str(ALLREDUCE), "--worker", "mpi" if kind == MPI else "hvdrun", "--sizes", sizes]
+    if kind == MPI:
+        code, out, err = netns_direct.run_mpi(info, hosts, per_host, script, args.mpi_env, args.job_timeout)
+    else:
+        env = {"HVDRUN_ALGORITHM": kind.split()[1], **dict(item.partition("=")[::2] for item in args.hvdrun_env)}
+        code, out, err = netns_direct.run_hvdrun(info, hosts, per_host, script, env, args.job_timeout)
+    if code != 0:
+        raise JobFailed(f"{kind} on {hosts} x {per_host} failed (exit {code}):\n{err}")
+    return out
+
+
+def sweep(info: dict | netns_direct.BareHosts, args: argparse.Namespace, kinds: list[str],
           save: Callable[[list[dict], list[dict]], None]) -> tuple[list[dict], list[dict]]:
     """Every (round, configuration, kind) job; returns (one row per job and size, failed jobs)."""
     sizes = ",".join(str(s) for s in args.sizes)
@@ -158,10 +178,9 @@ def sweep(info: dict, args: argparse.Namespace, kinds: list[str],
                 done += 1
                 label = f"{kind}, {hosts} hosts x {per_host}, round {round_index + 1} of {args.rounds}"
                 print(f"[{done}/{total}] {label}...", file=sys.stderr, end=" ", flush=True)
-                command, env = job_command(kind, info, hosts, per_host, sizes, args.mpi_env)
                 start = time.monotonic()
                 try:
-                    rows = results(hvdrun(command, env, args.job_timeout))
+                    rows = results(run_job(kind, info, hosts, per_host, sizes, args))
                 except JobFailed as e:
                     print("FAILED", file=sys.stderr, flush=True)
                     failures.append({"kind": kind, "hosts": hosts, "ranks_per_host": per_host,
@@ -378,6 +397,11 @@ def main() -> None:
     parser.add_argument("--ucx-tls", default="tcp,self", help="UCX_TLS of the MPI jobs (default tcp,self)")
     parser.add_argument("--mpi-env", action="append", default=[], metavar="NAME=VALUE",
                         help="more environment for the MPI jobs, e.g. MPIR_CVAR_POLLS_BEFORE_YIELD=10 (repeatable)")
+    parser.add_argument("--no-ssh", action="store_true",
+                        help="bare namespace hosts, ranks started into them directly (machines without sshd; "
+                        "sweep only)")
+    parser.add_argument("--hvdrun-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="more environment for the hvdrun jobs (--no-ssh only; repeatable)")
     parser.add_argument("--rounds", "--repeats", type=int, default=3, help="jobs per kind, alternating; medians")
     parser.add_argument("--no-sweep", action="store_true", help="skip the sweep (with --loopback / --startup)")
     parser.add_argument("--loopback", action="store_true",
@@ -420,7 +444,12 @@ def main() -> None:
     reports = []
     try:
         print(f"starting {count} namespace hosts...", file=sys.stderr, flush=True)
-        info = start_hosts(directory, count)
+        if args.no_ssh:
+            if args.loopback or args.startup:
+                raise SystemExit("--no-ssh runs the sweep only (--loopback and --startup need sshd hosts)")
+            info: dict | netns_direct.BareHosts = netns_direct.start(count, FIXTURE_ENV, directory)
+        else:
+            info = start_hosts(directory, count)
         if not args.no_sweep:
             runs, failures = sweep(info, args, kinds, save)
             save(runs, failures)
@@ -437,7 +466,12 @@ def main() -> None:
     except JobFailed as e:
         raise SystemExit(str(e)) from e
     finally:
-        stop_hosts(directory)
+        if args.no_ssh:
+            netns_direct.stop(netns_direct.BareHosts(FIXTURE_ENV["HVD_FX_NS_PREFIX"], FIXTURE_ENV["HVD_FX_BRIDGE"],
+                                                     FIXTURE_ENV["HVD_FX_SUBNET"], count, directory))
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            stop_hosts(directory)
         if args.json and len(output) > 1:
             Path(args.json).write_text(json.dumps(output, indent=1))
     print("\n\n".join(reports))

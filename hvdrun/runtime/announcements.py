@@ -10,11 +10,17 @@ ranks' first, so every rank ends with the same bits). So the steady state of tra
 the same small allreduce) sends log2(hosts) messages of one tensor's size, as MPI's recursive doubling does,
 instead of every rank's data to every rank. When the lone ops differ anywhere, the data is dropped and the ops
 run as ordinary negotiated allreduces: eager data is used only when every rank announced the same op alone.
+
+The steady state has a compact form of its own (:class:`Uniform`): "ranks lo..hi all announced cached request
+number K alone, and here is their data reduced", which travels as a 32-byte header and the raw data (no marshal,
+no per-rank entries) and merges with its neighbour range by one reduction. Anything else (another op, a rank
+blocked on a name, a request not cached yet) travels in the general form, into which a uniform range expands.
 """
 
 from __future__ import annotations
 
 import marshal
+import struct
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,21 +28,60 @@ import numpy as np
 
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.negotiation import Request
-from hvdrun.runtime.reduce import REDUCE_FNS, as_bytes
-from hvdrun.runtime.transport.base import Message
+from hvdrun.runtime.reduce import REDUCE_FNS
+from hvdrun.runtime.transport.base import Codec, Message
 
 Announcement = tuple[list[tuple[Any, Message | None]], list[str]]  # (items, names blocked on)
 
 
-class Agreement(NamedTuple):
+class Agreement:
     """What a cycle's exchange gave every rank alike.
 
-    ``decoded``: every rank's announcement, by rank (without data where they were merged); ``total``: the
-    reduced data of the op that every rank announced alone with its data, when announcements were merged.
+    ``decoded``: every rank's announcement, by rank (without data where they were merged; listed when first read:
+    an express cycle that ran never reads them); ``total``: the reduced data of the op that every rank announced
+    alone with its data, when announcements were merged.
     """
 
-    decoded: list[Announcement]
-    total: Message | None
+    __slots__ = ("_listing", "_listed", "total")
+
+    def __init__(self, listing: Callable[[], list[Announcement]], total: Any = None) -> None:
+        self._listing, self.total = listing, total
+        self._listed: list[Announcement] | None = None
+
+    @property
+    def decoded(self) -> list[Announcement]:
+        if self._listed is None:
+            self._listed = self._listing()
+        return self._listed
+
+
+class Uniform(NamedTuple):
+    """Ranks ``lo`` to ``hi`` each announced the cached request number ``key`` alone, with its data; ``data``: their
+    data reduced (the steady state of training, see the module docstring)."""
+
+    key: int
+    lo: int
+    hi: int
+    data: Any  # a buffer
+
+
+_UNIFORM = struct.Struct("<B7xqqq")  # tag 0 (never marshal's first byte), key, lo, hi; the data follows, 8-aligned
+
+
+def _dumps(value: Any) -> Message:
+    if type(value) is Uniform:
+        return b"".join((_UNIFORM.pack(0, value.key, value.lo, value.hi), value.data))
+    return marshal.dumps(value)
+
+
+def _loads(message: Message) -> Any:
+    if message[0] == 0:
+        _, key, lo, hi = _UNIFORM.unpack_from(message)
+        return Uniform(key, lo, hi, memoryview(message)[_UNIFORM.size:])
+    return marshal.loads(message)
+
+
+CODEC = Codec(_dumps, _loads)
 
 
 class Announcements:
@@ -56,25 +101,33 @@ class Announcements:
     def exchange(self, announcement: Announcement) -> Agreement:
         """Every rank's announcement (and the merged data of a lone op every rank announced)."""
         if not self.backend.merges:
-            messages = self.backend.allgather_messages(marshal.dumps(announcement))
-            return Agreement([marshal.loads(m) for m in messages], None)
+            decoded = [marshal.loads(m) for m in self.backend.allgather_messages(marshal.dumps(announcement))]
+            return Agreement(lambda: decoded)
         items, waiting = announcement
         lone = items[0] if len(items) == 1 and items[0][1] is not None and not waiting else None
-        value = ({self.rank: ([(key, None) for key, _ in items], waiting)}, lone)
-        merged, total = self.backend.allgather_merged(value, self._merge)
-        return Agreement([merged[rank] for rank in range(self.size)], total[1] if total is not None else None)
+        if lone is not None and type(lone[0]) is int:
+            value: Any = Uniform(lone[0], self.rank, self.rank, lone[1])
+        else:
+            value = ({self.rank: ([(key, None) for key, _ in items], waiting)}, lone)
+        merged = self.backend.allgather_merged(value, self._merge, CODEC)
+        if type(merged) is Uniform:  # lo 0, hi the last rank
+            return Agreement(lambda: [([(merged.key, None)], [])] * self.size, merged.data)
+        announced, total = merged
+        return Agreement(lambda: [announced[rank] for rank in range(self.size)], total[1] if total else None)
 
-    def _merge(self, lower: tuple, upper: tuple) -> tuple:
+    def _merge(self, lower: Any, upper: Any) -> Any:
         """Two ranges of ranks' values as one (``lower`` holds the lower ranks)."""
+        if type(lower) is Uniform and type(upper) is Uniform and lower.key == upper.key and lower.hi + 1 == upper.lo:
+            dtype, combine = self._layout(lower.key)
+            return Uniform(lower.key, lower.lo, upper.hi,
+                           combine(np.frombuffer(lower.data, dtype), np.frombuffer(upper.data, dtype)))
+        lower, upper = _general(lower), _general(upper)
         announced = {**lower[0], **upper[0]}
         a, b = lower[1], upper[1]
         if a is None or b is None or a[0] != b[0]:
             return announced, None
         dtype, combine = self._layout(a[0])
-        mine = np.frombuffer(a[1], dtype)
-        out = np.empty_like(mine)
-        combine(mine, np.frombuffer(b[1], dtype), out)
-        return announced, (a[0], as_bytes(out))
+        return announced, (a[0], combine(np.frombuffer(a[1], dtype), np.frombuffer(b[1], dtype)))  # marshal: bytes
 
     def _layout(self, key: Any) -> tuple[np.dtype, Callable[..., Any]]:
         """The dtype and reduction of the request ``key`` stands for, remembered per key."""
@@ -86,3 +139,10 @@ class Announcements:
                 self._layouts.clear()
             self._layouts[key] = layout
         return layout
+
+
+def _general(value: Any) -> tuple:
+    """``value`` in the general form: ({rank: announcement without data}, lone op or None)."""
+    if type(value) is not Uniform:
+        return value
+    return {rank: ([(value.key, None)], []) for rank in range(value.lo, value.hi + 1)}, (value.key, value.data)

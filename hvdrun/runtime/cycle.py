@@ -76,9 +76,10 @@ class Cycle:
     def run(self, new: list[LocalOp], waiting: list[str]) -> None:
         """One round: every rank's new requests and the names it is blocked on, then whatever became ready."""
         cache = self.cache
-        agreed = self._exchange(([(cache.encode(op.request.wire()), op.payload) for op in new], waiting))
-        if len(new) == 1 and new[0].payload is not None and self._run_alone(new[0].request, new[0].payload, agreed,
-                                                                            new[0].array):
+        keys = [cache.encode(op.request.wire()) for op in new]
+        agreed = self._exchange(([(key, op.payload) for key, op in zip(keys, new, strict=True)], waiting))
+        if len(new) == 1 and new[0].payload is not None and self._run_alone(new[0].request, keys[0], new[0].payload,
+                                                                            agreed, new[0].array):
             self.ledger.take_inflight([new[0].request.name])
             new[0].handle.finish(new[0].array)
             return
@@ -89,8 +90,9 @@ class Cycle:
         run without the ledger: None when it went through (``array`` holds the result), else the decoded
         announcements, which the caller hands to :meth:`apply` once it has put the op in the ledger (the same
         protocol as :meth:`run`)."""
-        agreed = self._exchange(([(self.cache.encode(request.wire()), payload)], []))
-        return None if self._run_alone(request, payload, agreed, array) else agreed.decoded
+        mine = self.cache.encode(request.wire())
+        agreed = self._exchange(([(mine, payload)], []))
+        return None if self._run_alone(request, mine, payload, agreed, array) else agreed.decoded
 
     def _exchange(self, announcement: Announcement) -> Agreement:
         agreed = self._announcements.exchange(announcement)
@@ -98,20 +100,21 @@ class Cycle:
             self.timeline.cycle()
         return agreed
 
-    def _run_alone(self, request: Request, payload: Message | None, agreed: Agreement, array: np.ndarray) -> bool:
-        """Run ``request`` into ``array`` when every rank announced it alone (all with data, or none) and nothing
-        else is pending: True when it ran.
+    def _run_alone(self, request: Request, mine: Any, payload: Message | None, agreed: Agreement,
+                   array: np.ndarray) -> bool:
+        """Run ``request`` (announced as ``mine``: its cached number or description) into ``array`` when every rank
+        announced it alone (all with data, or none) and nothing else is pending: True when it ran.
 
         The condition depends only on data every rank has (identical tables and messages), so
         all ranks take this path together; the result is the same as through the table.
         """
         if self.table.entries or (request.device != "cpu" and self.device is None):
             return False
-        mine, eager = self.cache.encode(request.wire()), payload is not None
+        eager = payload is not None
         if agreed.total is None and not all(len(items) == 1 and items[0][0] == mine
                                             and (items[0][1] is not None) == eager for items, _ in agreed.decoded):
             return False
-        if ".noname." not in request.name:  # numbered as ResponseCache.remember numbers what the table agreed on
+        if not isinstance(mine, int) and ".noname." not in request.name:  # numbered as ResponseCache.remember does
             self.cache.remember_wire(request.wire())
         timeline = self.timeline
         if timeline is not None:

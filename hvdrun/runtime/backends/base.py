@@ -12,7 +12,7 @@ import numpy as np
 from hvdrun.ranks import Topology, topologies
 from hvdrun.runtime.lane import FastLane
 from hvdrun.runtime.reduce import ReduceFn
-from hvdrun.runtime.transport.base import Message
+from hvdrun.runtime.transport.base import MARSHAL, Codec, Message
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,9 @@ class Backend(abc.ABC):
 
     merges = False  # allgather_merged is available (see hvdrun.runtime.announcements)
 
-    def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any]) -> Any:
-        """Every rank's marshal-able ``value`` merged in rank order by ``merge(lower, upper)``, the same on every
-        rank (only where ``merges``)."""
+    def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any], codec: Codec = MARSHAL) -> Any:
+        """Every rank's ``value`` (carried by ``codec``) merged in rank order by ``merge(lower, upper)``, the same on
+        every rank (only where ``merges``)."""
         raise NotImplementedError(f"the {self.name} backend does not merge values")
 
     @abc.abstractmethod

@@ -36,7 +36,16 @@ from hvdrun.runtime.lane import FastLane, create_board, open_lane
 from hvdrun.runtime.peers import Layout, NeedsPlan, Peer
 from hvdrun.runtime.reduce import ReduceFn
 from hvdrun.runtime.rendezvous import Rendezvous, bind_host
-from hvdrun.runtime.transport.base import DEFAULT_SPIN_S, AbortFlag, Message, RxChannel, TxChannel, Waiter
+from hvdrun.runtime.transport.base import (
+    DEFAULT_SPIN_S,
+    MARSHAL,
+    AbortFlag,
+    Codec,
+    Message,
+    RxChannel,
+    TxChannel,
+    Waiter,
+)
 from hvdrun.runtime.transport.shm import ShmRx, ShmSegment, ShmTx, shm_supported
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx
 
@@ -141,10 +150,10 @@ class NativeBackend(Backend):
     def merges(self) -> bool:  # type: ignore[override]
         return self.hierarchy is not None
 
-    def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any]) -> Any:
+    def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any], codec: Codec = MARSHAL) -> Any:
         if self.hierarchy is None:
-            return super().allgather_merged(value, merge)
-        return self.hierarchy.allgather_merged(value, merge)
+            return super().allgather_merged(value, merge, codec)
+        return self.hierarchy.allgather_merged(value, merge, codec)
 
     def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
         (self.hierarchy or self.ring).allreduce(array, reduce)

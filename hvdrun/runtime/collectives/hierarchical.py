@@ -32,7 +32,7 @@ from hvdrun.ranks import format_ranks
 from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
 from hvdrun.runtime.collectives.ring import Ring
 from hvdrun.runtime.reduce import ReduceFn, chunk_bounds
-from hvdrun.runtime.transport.base import Message
+from hvdrun.runtime.transport.base import MARSHAL, Codec, Message
 
 DEFAULT_DOUBLING_MAX_BYTES = 64 << 10
 DEFAULT_HALVING_MAX_BYTES = 4 << 20
@@ -237,10 +237,10 @@ class Hierarchy:
                 messages[rank] = message
         return messages
 
-    def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any]) -> Any:
+    def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any], codec: Codec = MARSHAL) -> Any:
         """Every rank's ``value`` merged in rank order (``merge(lower, upper)``): inside the host (all-gathered
         over shared memory, merged in local order), then across hosts by recursive doubling."""
         if self.locals == 1:
-            return self.cross.allgather_merged(value, merge)
-        values = [marshal.loads(m) for m in self.local.allgather_messages(marshal.dumps(value))]
-        return self.cross.allgather_merged(functools.reduce(merge, values), merge)
+            return self.cross.allgather_merged(value, merge, codec)
+        values = [codec.loads(m) for m in self.local.allgather_messages(codec.dumps(value))]
+        return self.cross.allgather_merged(functools.reduce(merge, values), merge, codec)

@@ -36,7 +36,7 @@ from hvdrun.runtime.collectives.streams import (
     swap_message,
 )
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
-from hvdrun.runtime.transport.base import Message, RxChannel, TxChannel, Waiter
+from hvdrun.runtime.transport.base import MARSHAL, Codec, Message, RxChannel, TxChannel, Waiter
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,7 @@ class Pairwise:
         self.member, self.size, self.links, self.waiter = member, size, links, waiter
         self.pof2, self.rem = _fold(size)
         self.core = core_index(member, size)
+        self._nearest_first = self._core_partners() if self.core is not None else []
         self._scratch = np.empty(0, np.uint8)  # reused: a fresh large buffer per op costs its page faults
 
     def _incoming(self, like: np.ndarray) -> np.ndarray:
@@ -222,26 +223,26 @@ class Pairwise:
                 self._swap_message(self.member - 1, marshal.dumps(known))
         return [known[member] for member in range(self.size)]
 
-    def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any]) -> Any:
-        """Every member's ``value`` merged in member order, ``merge(lower, upper)`` (marshal-able values): each step
-        swaps what a member holds, so a merge that keeps a value's size (a reduction) sends log2(size) messages of
-        that size. Partners merge the same two values in the same order, so every member ends with the same bits.
+    def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any], codec: Codec = MARSHAL) -> Any:
+        """Every member's ``value`` merged in member order, ``merge(lower, upper)`` (values ``codec`` carries): each
+        step swaps what a member holds, so a merge that keeps a value's size (a reduction) sends log2(size) messages
+        of that size. Partners merge the same two values in the same order, so every member ends with the same bits.
         """
         if self.size == 1:
             return value
+        dumps, loads = codec
         if self.member < 2 * self.rem:  # the fold is a swap too: the folded-out member's partner wakes at once
-            other = marshal.loads(self._swap_message(self.member ^ 1, marshal.dumps(value)))
+            other = loads(self._swap_message(self.member ^ 1, dumps(value)))
             if self.core is not None:
                 value = merge(other, value)
-        if self.core is not None:
-            for peer in self._core_partners():
-                other = marshal.loads(self._swap_message(peer, marshal.dumps(value)))
-                value = merge(value, other) if self.member < peer else merge(other, value)
+        for peer in self._nearest_first:
+            other = loads(self._swap_message(peer, dumps(value)))
+            value = merge(value, other) if self.member < peer else merge(other, value)
         if self.member < 2 * self.rem:
             if self.core is None:
-                value = marshal.loads(self._swap_message(self.member + 1, b""))
+                value = loads(self._swap_message(self.member + 1, b""))
             else:
-                self._swap_message(self.member - 1, marshal.dumps(value))
+                self._swap_message(self.member - 1, dumps(value))
         return value
 
 

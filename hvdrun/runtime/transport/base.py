@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import abc
+import marshal
 import os
 import select
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from hvdrun.errors import CollectiveError
 
@@ -18,6 +20,16 @@ DEFAULT_SPIN_S = 1e-3
 MAX_SLEEP_S = 0.05
 _FENCE = threading.Lock()
 Message = bytes | memoryview  # what a message is sent from and received into: a view where a copy can be spared
+
+
+class Codec(NamedTuple):
+    """How a value travels as a message: ``dumps(value)`` to a message, ``loads(message)`` back."""
+
+    dumps: Callable[[Any], Message]
+    loads: Callable[[Message], Any]
+
+
+MARSHAL = Codec(marshal.dumps, marshal.loads)
 
 
 def fence() -> None:
