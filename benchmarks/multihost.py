@@ -6,6 +6,7 @@ and, on request, the older two-host comparison and the start-up time of the laun
         --algorithms auto,flat --json benchmarks/results/multihost-sweep.json
     python benchmarks/multihost.py --hosts 2 --ranks-per-host 1 --sizes 4K --rounds 1 --algorithms auto  # smoke
     python benchmarks/multihost.py --no-sweep --loopback --startup    # the two older sections only
+    python benchmarks/multihost.py --no-ssh --hosts 2,4 --ranks-per-host 1,2   # no sshd: benchmarks/netns_direct.py
 
 Sweep (the default): for every host count (``--hosts``) and ranks per host (``--ranks-per-host``),
 ``benchmarks/allreduce.py``'s workers time an in-place float32 sum at every size (rank 0's median of
@@ -132,30 +133,31 @@ def host_list(info: dict, hosts: int, per_host: int) -> str:
     return ",".join(f"{h['addr']}:{per_host}" for h in info["hosts"][:hosts])
 
 
-def job_command(kind: str, info: dict, hosts: int, per_host: int, sizes: str,
-                mpi_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+def job_command(kind: str, info: dict, hosts: int, per_host: int, sizes: str, mpi_env: dict[str, str],
+                hvdrun_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """hvdrun's arguments and the extra environment of one sweep job."""
     where = ["-H", host_list(info, hosts, per_host), *ssh_args(info), "--start-timeout", str(START_TIMEOUT_S)]
     if kind == MPI:  # hydra over ssh; -x puts each variable on mpiexec's -genv as well as in its environment
         forward = [word for name, value in mpi_env.items() for word in ("-x", f"{name}={value}")]
         return (["--launcher", "mpiexec", *where, *forward, str(ALLREDUCE), "--worker", "mpi", "--sizes", sizes],
                 dict(mpi_env))
-    algorithm = kind.split()[1]
-    return ([*where, "--network-interface", "eth0", "-x", f"HVDRUN_ALGORITHM={algorithm}", str(ALLREDUCE),
-             "--worker", "hvdrun", "--sizes", sizes], {"HVDRUN_ALGORITHM": algorithm})
+    env = {"HVDRUN_ALGORITHM": kind.split()[1], **hvdrun_env}
+    forward = [word for name, value in env.items() for word in ("-x", f"{name}={value}")]
+    return ([*where, "--network-interface", "eth0", *forward, str(ALLREDUCE), "--worker", "hvdrun", "--sizes", sizes],
+            env)
 
 
 def run_job(kind: str, info: dict | netns_direct.BareHosts, hosts: int, per_host: int, sizes: str,
             args: argparse.Namespace) -> str:
     """One sweep job's stdout: through hvdrun over SSH, or (``--no-ssh``) started straight into the namespaces."""
     if isinstance(info, dict):
-        command, env = job_command(kind, info, hosts, per_host, sizes, args.mpi_env)
+        command, env = job_command(kind, info, hosts, per_host, sizes, args.mpi_env, args.hvdrun_env)
         return hvdrun(command, env, args.job_timeout)
     script = [str(ALLREDUCE), "--worker", "mpi" if kind == MPI else "hvdrun", "--sizes", sizes]
     if kind == MPI:
         code, out, err = netns_direct.run_mpi(info, hosts, per_host, script, args.mpi_env, args.job_timeout)
     else:
-        env = {"HVDRUN_ALGORITHM": kind.split()[1], **dict(item.partition("=")[::2] for item in args.hvdrun_env)}
+        env = {"HVDRUN_ALGORITHM": kind.split()[1], **args.hvdrun_env}
         code, out, err = netns_direct.run_hvdrun(info, hosts, per_host, script, env, args.job_timeout)
     if code != 0:
         raise JobFailed(f"{kind} on {hosts} x {per_host} failed (exit {code}):\n{err}")
@@ -401,7 +403,7 @@ def main() -> None:
                         help="bare namespace hosts, ranks started into them directly (machines without sshd; "
                         "sweep only)")
     parser.add_argument("--hvdrun-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="more environment for the hvdrun jobs (--no-ssh only; repeatable)")
+                        help="more environment for the hvdrun jobs (repeatable)")
     parser.add_argument("--rounds", "--repeats", type=int, default=3, help="jobs per kind, alternating; medians")
     parser.add_argument("--no-sweep", action="store_true", help="skip the sweep (with --loopback / --startup)")
     parser.add_argument("--loopback", action="store_true",
@@ -421,10 +423,14 @@ def main() -> None:
     if args.no_sweep and not (args.loopback or args.startup):
         raise SystemExit("--no-sweep leaves nothing to run: add --loopback and/or --startup")
     kinds = [f"hvdrun {a}" for a in args.algorithms] + ([] if args.no_mpi else [MPI])
-    bad = [item for item in args.mpi_env if "=" not in item or not item.partition("=")[0].isidentifier()]
-    if bad:
-        raise SystemExit(f"--mpi-env: expected NAME=VALUE, got {', '.join(bad)}")
+    if args.no_ssh and (args.loopback or args.startup):
+        raise SystemExit("--no-ssh runs the sweep only (--loopback and --startup need sshd hosts)")
+    for option, items in (("--mpi-env", args.mpi_env), ("--hvdrun-env", args.hvdrun_env)):
+        bad = [item for item in items if "=" not in item or not item.partition("=")[0].isidentifier()]
+        if bad:
+            raise SystemExit(f"{option}: expected NAME=VALUE, got {', '.join(bad)}")
     args.mpi_env = {"UCX_TLS": args.ucx_tls, **dict(item.partition("=")[::2] for item in args.mpi_env)}
+    args.hvdrun_env = dict(item.partition("=")[::2] for item in args.hvdrun_env)
     busy = other_heavy_jobs()
     if busy:
         print("warning: other test or benchmark processes are running; the numbers will be noisy:\n  "
@@ -445,8 +451,6 @@ def main() -> None:
     try:
         print(f"starting {count} namespace hosts...", file=sys.stderr, flush=True)
         if args.no_ssh:
-            if args.loopback or args.startup:
-                raise SystemExit("--no-ssh runs the sweep only (--loopback and --startup need sshd hosts)")
             info: dict | netns_direct.BareHosts = netns_direct.start(count, FIXTURE_ENV, directory)
         else:
             info = start_hosts(directory, count)
@@ -467,8 +471,7 @@ def main() -> None:
         raise SystemExit(str(e)) from e
     finally:
         if args.no_ssh:
-            netns_direct.stop(netns_direct.BareHosts(FIXTURE_ENV["HVD_FX_NS_PREFIX"], FIXTURE_ENV["HVD_FX_BRIDGE"],
-                                                     FIXTURE_ENV["HVD_FX_SUBNET"], count, directory))
+            netns_direct.stop(netns_direct.hosts_for(count, FIXTURE_ENV, directory))
             shutil.rmtree(directory, ignore_errors=True)
         else:
             stop_hosts(directory)

@@ -11,9 +11,10 @@ hvdrun's collectives and MPI's over TCP on veth; only the launch differs.
 - MPI ranks: the mpich wheel's ``mpiexec`` with a stand-in for ``ssh`` (``-launcher-exec``) that runs hydra's
   proxy for host ``hK`` inside namespace K; proxies call back to the bridge's address (``-localhost``).
 
-Where ``ip`` is missing too (no namespaces can be wired), the hosts are *loopback* hosts: the same UTS names,
-every address 127.0.0.1, so hvdrun's ranks of different hosts and MPI's of different proxies still talk over
-kernel TCP (loopback instead of veth), and only ranks of one host share memory.
+Where ``ip`` is missing too (no namespaces can be wired), or ``BENCH_LOOPBACK_HOSTS=1`` asks for it, the hosts
+are *loopback* hosts: the same UTS names, every address 127.0.0.1, so hvdrun's ranks of different hosts and MPI's
+of different proxies still talk over kernel TCP (loopback instead of veth), and only ranks of one host share
+memory.
 
 Used by ``multihost.py --no-ssh``.
 """
@@ -69,10 +70,15 @@ def _ip(*words: str) -> None:
     subprocess.run(["ip", *words], check=True, capture_output=True, text=True)
 
 
+def hosts_for(count: int, env: dict[str, str], directory: Path) -> BareHosts:
+    """The ``count`` hosts named after ``env``'s fixture variables (see multihost.fixture_env), not started."""
+    return BareHosts(env["HVD_FX_NS_PREFIX"], env["HVD_FX_BRIDGE"], env["HVD_FX_SUBNET"], count, directory,
+                     loopback=shutil.which("ip") is None or os.environ.get("BENCH_LOOPBACK_HOSTS") == "1")
+
+
 def start(count: int, env: dict[str, str], directory: Path) -> BareHosts:
-    """A bridge and ``count`` namespaces named after ``env``'s fixture variables (see multihost.fixture_env)."""
-    hosts = BareHosts(env["HVD_FX_NS_PREFIX"], env["HVD_FX_BRIDGE"], env["HVD_FX_SUBNET"], count, directory,
-                      loopback=shutil.which("ip") is None or os.environ.get("BENCH_LOOPBACK_HOSTS") == "1")
+    """A bridge and ``count`` namespaces (or loopback hosts, see the module docstring) of :func:`hosts_for`."""
+    hosts = hosts_for(count, env, directory)
     directory.mkdir(parents=True, exist_ok=True)
     if hosts.loopback:
         print("no 'ip' command: loopback hosts (kernel TCP over 127.0.0.1 between hosts)", file=sys.stderr)
@@ -96,7 +102,7 @@ def start(count: int, env: dict[str, str], directory: Path) -> BareHosts:
 
 def stop(hosts: BareHosts) -> None:
     """Kill what runs in the namespaces, delete them and the bridge (quietly: some may not exist)."""
-    if hosts.loopback or shutil.which("ip") is None:
+    if hosts.loopback:
         return
     for index in range(hosts.count):
         ns = hosts.namespace(index)

@@ -140,7 +140,7 @@ class Pairwise:
         self._fold_in(flat, reduce)
         if self.core is not None:
             incoming = self._incoming(flat)
-            for peer in self._core_partners():
+            for peer in self._nearest_first:
                 self._exchange(peer, flat, CopySink(as_bytes(incoming)))
                 reduce(flat, incoming, flat)
         self._fold_out(flat)
@@ -213,9 +213,8 @@ class Pairwise:
         known = {self.member: payload}
         if self.member < 2 * self.rem:
             known.update(marshal.loads(self._swap_message(self.member ^ 1, marshal.dumps(known))))
-        if self.core is not None:
-            for peer in self._core_partners():
-                known.update(marshal.loads(self._swap_message(peer, marshal.dumps(known))))
+        for peer in self._nearest_first:
+            known.update(marshal.loads(self._swap_message(peer, marshal.dumps(known))))
         if self.member < 2 * self.rem:
             if self.core is None:
                 known = marshal.loads(self._swap_message(self.member + 1, b""))

@@ -181,33 +181,30 @@ def swap_small(tx: TxChannel, rx: RxChannel, waiter: Waiter, payload: Message) -
                 break
             message = bytes(view[8:8 + size])
             rx.consume(8 + padded(size))
-            while outgoing:
-                outgoing = _push(tx, rx, waiter, outgoing, True)
             waiter.progressed()
+            while outgoing:
+                outgoing = _push(tx, rx, waiter, outgoing, False)
             return memoryview(message)
         if len(view):
-            break  # a part of the length: the loops below put the pieces together
+            break  # a part of the length: the loop below puts the pieces together
         outgoing = _push(tx, rx, waiter, outgoing, False)
-    header = bytearray(8)
-    have = 0
-    while have < 8:  # the peer's length first
-        view = rx.peek(8 - have)
-        if len(view):
-            header[have:have + len(view)] = view
-            rx.consume(len(view))
-            have += len(view)
-        outgoing = _push(tx, rx, waiter, outgoing, bool(len(view)))
-    (size,) = _LENGTH.unpack(header)
-    received = bytearray(padded(size))
-    have, need = 0, len(received)
+    received = bytearray(8)  # the length first, then the whole padded message
+    have, need, size = 0, 8, -1
     while have < need or outgoing:
-        view = rx.peek(need - have) if have < need else view[:0]
-        if len(view):
-            received[have:have + len(view)] = view
-            rx.consume(len(view))
-            have += len(view)
-        outgoing = _push(tx, rx, waiter, outgoing, bool(len(view)))
-    return memoryview(received)[:size]
+        got = 0
+        if have < need:
+            view = rx.peek(need - have)
+            got = len(view)
+            if got:
+                received[have:have + got] = view
+                rx.consume(got)
+                have += got
+                if size < 0 and have == 8:
+                    (size,) = _LENGTH.unpack_from(received)
+                    need = 8 + padded(size)
+                    received += bytes(need - 8)
+        outgoing = _push(tx, rx, waiter, outgoing, bool(got))
+    return memoryview(received)[8:8 + size]
 
 
 def _push(tx: TxChannel, rx: RxChannel, waiter: Waiter, outgoing: memoryview, received: bool) -> memoryview:
