@@ -22,7 +22,8 @@ link) beta (+ gamma for hvdrun); concurrent messages of one step overlap. Algori
                       each (a non-power-of-two H adds 2 steps of n: MPICH's fold)
     hvdrun halving    the same local phases; Rabenseifner across hosts: 2 log2 H steps, 2 (H - 1) / H n in all
     negotiation       every hvdrun op first exchanges every rank's announcement (m bytes): flat, a ring
-                      all-gather of N - 1 steps; hierarchical, an all-gather inside the host (L - 1 steps) then
+                      all-gather of N - 1 steps; hierarchical, an all-gather inside the host (one step on the
+                      host's post board, L m bytes copied; the ring's L - 1 steps past 256 KiB a post) then
                       the announcements merged across hosts by recursive doubling (log2 H steps; what a rank
                       sends doubles every step: 2^j L m bytes at step j, the L local ranks at once)
     eager             an allreduce of at most min(HVDRUN_EAGER_BYTES, EAGER_JOB_BYTES / W) travels inside that
@@ -30,7 +31,7 @@ link) beta (+ gamma for hvdrun); concurrent messages of one step overlap. Algori
                       every rank receives whole; EAGER_JOB_BYTES = 128 KiB. Flat (one host, uneven hosts,
                       HVDRUN_ALGORITHM=flat): W = N; the all-gather carries m + n bytes a rank and every rank
                       reduces the N contributions itself. Merged (hierarchical): W = L; inside the host the
-                      ranks all-gather m + n bytes each (L - 1 steps) and reduce the L contributions ((L - 1) n);
+                      ranks all-gather m + n bytes each (one board step) and reduce the L contributions ((L - 1) n);
                       across hosts, at recursive doubling's step j every local rank sends 2^j L m bytes of
                       announcements plus ONE reduced copy of the data (n) and reduces the n it receives: log2 H
                       messages of n, as MPI's recursive doubling (MPICH's fold for a non-power-of-two H: fold-in
@@ -86,6 +87,10 @@ try:  # eager data one negotiation may carry, from all the ranks whose data ever
     from hvdrun.runtime.submissions import EAGER_JOB_BYTES
 except ImportError:  # pragma: no cover
     EAGER_JOB_BYTES = 128 << 10
+try:  # one post on a host's board: a merged exchange's message up to this size takes one step inside the host
+    from hvdrun.runtime.transport.posts import SLOT_BYTES as POST_BYTES
+except ImportError:  # pragma: no cover
+    POST_BYTES = 256 << 10
 try:  # the runtime's own choice of the algorithm across hosts
     from hvdrun.runtime.collectives.hierarchical import AlgorithmChoice
 except ImportError:  # pragma: no cover
@@ -180,13 +185,17 @@ def flat_allgather(hosts: int, per_host: int, message: float) -> Cost:
 def merged_eager(hosts: int, per_host: int, message: float, nbytes: float) -> Cost:
     """Announcements merged on the way (hvdrun/runtime/announcements.py), with a lone eager op's ``nbytes`` of data.
 
-    Inside the host the ranks all-gather their values (``message`` + ``nbytes`` each, L - 1 steps through shared
-    memory) and each reduces the L payloads; across hosts all L local ranks run recursive doubling at once: at
+    Inside the host the ranks all-gather their values (``message`` + ``nbytes`` each) on the host's post board (one
+    step: a post and a wait, each rank copying the L - 1 other posts; a value past a post's size takes the host's
+    ring, L - 1 steps) and each reduces the L payloads; across hosts all L local ranks run recursive doubling at once: at
     step j a rank sends the headers of 2^j L ranks and one reduced copy of the data, and reduces the copy it
     receives (MPICH's fold for a non-power-of-two H: fold-in one host's value, fold-out everything). A host's
     link carries L times what one rank sends. With ``nbytes`` 0, the hierarchical negotiation.
     """
-    local = steps(per_host - 1, message + nbytes, True, True)
+    if 1 < per_host and message + nbytes <= POST_BYTES:
+        local = steps(1, per_host * (message + nbytes), True, True)
+    else:
+        local = steps(per_host - 1, message + nbytes, True, True)
     k, rem = fold(hosts)
     headers = per_host * message  # what one rank holds after the local phase, besides the data
     cross = Cost()

@@ -100,3 +100,12 @@ def test_mismatches_across_hosts_raise_on_every_rank_naming_op_and_ranks(spawn_r
             in out, out
         assert f"rank {rank} op: allreduce 'op': reduction op differs across ranks (rank 0: Sum; ranks 1, 2: Max)" \
             in out, out
+
+
+def test_the_post_board_carries_each_cycle_inside_a_host_and_hands_long_ones_to_the_ring(spawn_ranks):
+    """3 hosts x 3 ranks: a cycle too long for a post takes the ring on every rank of its host, steady ops take
+    the board, a late rank's peers sleep on their bells until its post wakes them; results exact."""
+    outputs = _finish(spawn_ranks(str(Path(__file__).parent / "workers" / "post_board.py"), 9,
+                                  hosts=[(f"node{h}", 3) for h in range(3)]))
+    for rank, out in outputs.items():
+        assert re.search(rf"rank {rank}: post board ok, \d+ rounds, [1-9]\d* too long", out), out

@@ -45,7 +45,9 @@ from hvdrun.runtime.transport.base import (
     RxChannel,
     TxChannel,
     Waiter,
+    Watchable,
 )
+from hvdrun.runtime.transport.posts import PostBoard
 from hvdrun.runtime.transport.shm import ShmRx, ShmSegment, ShmTx, shm_supported
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx
 
@@ -72,8 +74,10 @@ class NativeBackend(Backend):
         self.world, self.ring, self._segments, self.peers = world, ring, list(segments), peers
         self.hierarchy, self._links = hierarchy, list(links)
         self.lane: FastLane | None = None  # one-host jobs: blocking small allreduces on a shared board
-        # where the first bytes of a peer's cycle arrive: the ring, or any link of the hierarchy
-        self._wake: list[RxChannel] = [c for c in [ring.rx, *(link.rx for link in self._links)] if c is not None]
+        # where the first sign of a peer's cycle arrives: the ring, any link of the hierarchy, the host's post board
+        self._wake: list[Watchable] = [c for c in [ring.rx, *(link.rx for link in self._links)] if c is not None]
+        if hierarchy is not None and hierarchy.board is not None:
+            self._wake.append(hierarchy.board.arrivals)
 
     @classmethod
     def connect(cls, rendezvous: Rendezvous, hostname: str, job_key: str, secret: bytes, abort: AbortFlag,
@@ -91,6 +95,7 @@ class NativeBackend(Backend):
         board = create_board(job_key, rank, size, own is not None)
         listener = None
         receiving: list[ShmSegment] = []  # this rank's link segments, unlinked once opened
+        posts: PostBoard | None = None  # the host's post board (hierarchy with several ranks a host)
         try:
             address = rendezvous.local_address(deadline)  # the data port listens where the others reach us
             listener = socket.create_server((bind_host(address), 0))
@@ -112,6 +117,9 @@ class NativeBackend(Backend):
             local = {p for p in partners if _over_shm(me, peers[p], own)}
             for p in sorted(local):  # one at a time: those made before a failure are unlinked too
                 receiving.append(ShmSegment(job_key, rank, LINK_CAPACITY_BYTES, create=True, sender=p))
+            host_ranks = _host_ranks(grid, rank) if own is not None else []
+            if len(host_ranks) > 1 and host_ranks[0] == rank:
+                posts = PostBoard(job_key, rank, len(host_ranks), 0, create=True)
             acceptor = Acceptor(listener, _expected(me, peers, own, partners - local), secret)
             tx, rx, segments = _channels(me, peers, own, acceptor, job_key, secret)
             links = {p: tcp_link(dial(me, peers[p], secret, LINK) if p > rank else acceptor.take(LINK, peers[p]),
@@ -123,16 +131,24 @@ class NativeBackend(Backend):
             for p, segment in zip(sorted(local), receiving, strict=True):
                 links[p], opened = shm_link(job_key, rank, p, segment, LINK_CAPACITY_BYTES)
                 segments += [segment, opened]
+            if len(host_ranks) > 1 and posts is None:
+                posts = PostBoard(job_key, host_ranks[0], len(host_ranks), host_ranks.index(rank), create=False)
+            if posts is not None:
+                waiter.add_bell(posts.own_bell)
             if grid is not None:
                 rendezvous.barrier(2, deadline)  # every peer has opened our link segments: names may go
-            hierarchy = Hierarchy.build(grid, rank, links, ring, choice) if grid is not None else None
+            hierarchy = Hierarchy.build(grid, rank, links, ring, choice, posts) if grid is not None else None
             backend = cls(world, ring, segments, peers, hierarchy, list(links.values()))
             backend.lane = lane
             return backend
+        except BaseException:
+            if posts is not None:
+                posts.close()
+            raise
         finally:
             if listener is not None:
                 listener.close()
-            for named in (own, board, *receiving):
+            for named in (own, board, posts, *receiving):
                 if named is not None:
                     named.unlink()
 
@@ -192,6 +208,8 @@ class NativeBackend(Backend):
     def close(self) -> None:
         if self.lane is not None:
             self.lane.close()
+        if self.hierarchy is not None and self.hierarchy.board is not None:
+            self.hierarchy.board.close()
         for channel in (self.ring.tx, self.ring.rx, *(c for link in self._links for c in (link.tx, link.rx))):
             if channel is not None:
                 channel.close()
@@ -221,6 +239,11 @@ def _expected(me: Peer, peers: Sequence[Peer], own: ShmSegment | None, tcp_partn
     if not _over_shm(me, prev, own):
         expected.add((RING, prev.rank))
     return expected
+
+
+def _host_ranks(grid: list[list[int]] | None, rank: int) -> list[int]:
+    """The ranks of ``rank``'s host in the hierarchy's grid (none without one)."""
+    return next((ranks for ranks in grid or [] if rank in ranks), [])
 
 
 def _over_shm(me: Peer, peer: Peer, own: ShmSegment | None) -> bool:

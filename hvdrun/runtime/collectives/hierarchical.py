@@ -13,7 +13,9 @@ hosts (a ring and a :class:`~hvdrun.runtime.collectives.pairwise.Pairwise` group
 - broadcast: the root's local rank across hosts (a binomial tree, or the ring for large buffers),
   then a ring inside each host.
 - negotiation (every rank's message): all-gather inside the host, then recursive doubling of the
-  hosts' bundles: L - 1 + log2(H) steps, not N - 1.
+  hosts' bundles: L - 1 + log2(H) steps, not N - 1. Merged negotiation (every cycle's announcements, see
+  :mod:`hvdrun.runtime.announcements`) takes the host's post board inside the host: one post and one wait
+  (:mod:`hvdrun.runtime.transport.posts`), then log2(H) steps.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
 from hvdrun.runtime.collectives.ring import Ring
 from hvdrun.runtime.reduce import ReduceFn, chunk_bounds
 from hvdrun.runtime.transport.base import MARSHAL, Codec, Message
+from hvdrun.runtime.transport.posts import PostBoard
 
 DEFAULT_DOUBLING_MAX_BYTES = 64 << 10
 DEFAULT_HALVING_MAX_BYTES = 4 << 20
@@ -150,19 +153,22 @@ class Hierarchy:
         cross_ring: the ring of this rank's local rank across hosts (member index = host).
         cross: the pairwise group of the same ranks.
         choice: the algorithm settings.
+        board: the host's post board (None: merged exchanges take the host's ring).
     """
 
     def __init__(self, grid: list[list[int]], rank: int, local: Ring, cross_ring: Ring, cross: Pairwise,
-                 choice: AlgorithmChoice) -> None:
+                 choice: AlgorithmChoice, board: PostBoard | None = None) -> None:
         self.grid, self.local, self.cross_ring, self.cross, self.choice = grid, local, cross_ring, cross, choice
+        self.board = board
         self.host, self.local_rank = position(grid, rank)
         self.hosts, self.locals = len(grid), len(grid[0])
 
     @classmethod
     def build(cls, grid: list[list[int]], rank: int, links: dict[int, Link], ring: Ring,
-              choice: AlgorithmChoice) -> Hierarchy:
+              choice: AlgorithmChoice, board: PostBoard | None = None) -> Hierarchy:
         """The groups of ``rank`` over ``links`` (rank -> link, for every rank of :func:`link_partners`) and the
-        job's ring (``ring``: with one rank per host it is the ring across hosts, and links it has need none)."""
+        job's ring (``ring``: with one rank per host it is the ring across hosts, and links it has need none);
+        ``board``: the host's post board, if it has one."""
         host, local = position(grid, rank)
         hosts, locals_ = len(grid), len(grid[0])
         waiter = ring.waiter
@@ -176,7 +182,7 @@ class Hierarchy:
             cross_ring = Ring(host, hosts, links[grid[(host + 1) % hosts][local]].tx,
                               links[grid[(host - 1) % hosts][local]].rx, waiter)
         cross = Pairwise(host, hosts, {member: links[grid[member][local]] for member in partners(host, hosts)}, waiter)
-        return cls(grid, rank, local_ring, cross_ring, cross, choice)
+        return cls(grid, rank, local_ring, cross_ring, cross, choice, board)
 
     def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
         """Reduce the contiguous ``array`` in place across every rank."""
@@ -242,5 +248,19 @@ class Hierarchy:
         over shared memory, merged in local order), then across hosts by recursive doubling."""
         if self.locals == 1:
             return self.cross.allgather_merged(value, merge, codec)
-        values = [codec.loads(m) for m in self.local.allgather_messages(codec.dumps(value))]
+        message = codec.dumps(value)
+        messages = self._posted(message) if self.board is not None else None
+        if messages is None:  # no board, or a message too long for it (every rank of the host sees which)
+            messages = self.local.allgather_messages(message)
+        values = [value if local == self.local_rank else codec.loads(m) for local, m in enumerate(messages)]
         return self.cross.allgather_merged(functools.reduce(merge, values), merge, codec)
+
+    def _posted(self, message: Message) -> list[Message] | None:
+        """Every local rank's message through the host's post board (None: one was too long for it)."""
+        board, waiter = self.board, self.local.waiter
+        assert board is not None
+        board.post(message)
+        while not board.posted():
+            waiter.idle((board.complete,))
+        waiter.progressed()
+        return board.messages(message)

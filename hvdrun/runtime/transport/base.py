@@ -9,7 +9,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from hvdrun.errors import CollectiveError
 
@@ -99,6 +99,18 @@ class RxChannel(abc.ABC):
         """Release the channel."""
 
 
+class Watchable(Protocol):
+    """What a waiter watches: a channel, or anything else that says when it can progress and what fds to sleep on."""
+
+    def ready(self) -> bool:
+        """True when the caller can progress now."""
+        ...
+
+    def wait_fds(self) -> tuple[list[int], list[int]]:
+        """File descriptors to select() on (readable, writable) until it may progress."""
+        ...
+
+
 class Doorbell:
     """Wakes a sleeping rank: a FIFO it select()s on, and a 'sleeping' word its peers read.
 
@@ -150,7 +162,11 @@ class Waiter:
         """Tell the waiter that the caller made progress (resets the spin phase)."""
         self._idle_since = None
 
-    def idle(self, channels: Sequence[TxChannel | RxChannel], max_sleep_s: float = MAX_SLEEP_S,
+    def add_bell(self, bell: Doorbell) -> None:
+        """Sleep on ``bell`` too (a board's, opened after the waiter was made): raise its sleeping word."""
+        self.bells.append(bell)
+
+    def idle(self, channels: Sequence[Watchable], max_sleep_s: float = MAX_SLEEP_S,
              extra_read_fds: Sequence[int] = ()) -> None:
         """Called when nothing moved: spin a little, then sleep until a channel is ready or woken."""
         self.abort.check()
@@ -162,7 +178,7 @@ class Waiter:
             return
         self.sleep(channels, extra_read_fds, max_sleep_s)
 
-    def sleep(self, channels: Sequence[TxChannel | RxChannel], extra_read_fds: Sequence[int], timeout_s: float) -> None:
+    def sleep(self, channels: Sequence[Watchable], extra_read_fds: Sequence[int], timeout_s: float) -> None:
         """Sleep until a channel is ready, an fd in ``extra_read_fds`` is readable, we are woken, or timeout."""
         read_fds, write_fds = list(extra_read_fds), []
         for channel in channels:

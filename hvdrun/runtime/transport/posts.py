@@ -1,0 +1,159 @@
+"""A host's post board: in each round, every rank of a host posts one message and reads every rank's.
+
+The local half of the hierarchy's merged exchange (which carries every negotiation cycle of a job across
+hosts, see :meth:`~hvdrun.runtime.collectives.hierarchical.Hierarchy.allgather_merged`): one post and one wait,
+where the host's ring took L - 1 hops in a row (11 on a host of 12 ranks).
+
+One file per host in ``/dev/shm``, created by the host's first rank before the set-up barrier, opened by
+the others after it and unlinked once all have it (named after the first rank, whose guard removes it if
+the job dies first). A slot per rank::
+
+    word 0   round      the last round this rank posted (published after its message)
+    word 1   length of its message in round parity 0  (TOO_LONG: it did not fit; that round takes the ring)
+    word 2   length of its message in round parity 1
+    word 3   sleeping   the owner sleeps in select(): posters ring its bell (a FIFO per rank)
+    then two buffers of SLOT_BYTES, one per round parity
+
+A rank posts round r + 1 only after it has read every post of round r, and every rank posted round r before
+any rank can finish it, so a buffer is never written while a rank still reads it (round r + 1 writes the
+other parity; round r + 2 waits for every rank's post of r + 1). Counters are 8-byte words written with
+single stores, which x86-64 keeps in order (as the shared-memory rings, :mod:`.shm`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+from pathlib import Path
+
+from hvdrun import envvars
+from hvdrun.runtime.transport.base import Doorbell, Message, fence
+
+SLOT_BYTES = 256 << 10  # one post; a longer message takes the host's ring in that round, on every rank
+TOO_LONG = -1
+_ROUND, _LENGTHS, _SLEEPING = 0, 1, 3  # word indices of a slot's header
+_HEADER = 64  # bytes
+
+
+def board_path(job_key: str, first_rank: int) -> Path:
+    """``/dev/shm/hvdrun-JOB-GEN-FIRST.posts``, named after the host's first rank, which creates it."""
+    return Path(envvars.shm_segment_base(job_key, first_rank) + ".posts")
+
+
+class PostBoard:
+    """The post board of one host, as one of its ranks sees it.
+
+    Args:
+        job_key: the job and init() generation (``JOB-GEN``).
+        first_rank: the host's first rank (creates the board and names it).
+        members: ranks on the host.
+        index: this rank's place among them (its local rank).
+        create: make the board (the first rank, before the others open it).
+    """
+
+    def __init__(self, job_key: str, first_rank: int, members: int, index: int, create: bool) -> None:
+        self.path, self.members, self.index = board_path(job_key, first_rank), members, index
+        self.bell_paths = [self.path.with_name(f"{self.path.name}-bell{m}") for m in range(members)]
+        stride = _HEADER + 2 * SLOT_BYTES
+        if create:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, members * stride)
+            for bell in self.bell_paths:
+                os.mkfifo(bell, 0o600)
+        else:
+            fd = os.open(self.path, os.O_RDWR)
+            for bell in self.bell_paths:
+                if not stat.S_ISFIFO(os.stat(bell).st_mode):
+                    raise OSError(f"{bell} is not a FIFO")
+        try:
+            self.map = mmap.mmap(fd, members * stride)
+        finally:
+            os.close(fd)
+        view = memoryview(self.map)
+        self.words = [view[m * stride:m * stride + _HEADER].cast("q") for m in range(members)]
+        self.buffers = [[view[m * stride + _HEADER + p * SLOT_BYTES:m * stride + _HEADER + (p + 1) * SLOT_BYTES]
+                         for p in (0, 1)] for m in range(members)]
+        self._bell_fds = [os.open(bell, os.O_RDWR | os.O_NONBLOCK) for bell in self.bell_paths]
+        self.bells = [Doorbell(fd, words[_SLEEPING:_SLEEPING + 1]) for fd, words in zip(self._bell_fds, self.words,
+                                                                                        strict=True)]
+        self.round = 0
+        self.too_long = 0  # rounds that took the ring (tests read it)
+        self.complete = BoardWatch(self, ahead=False)  # every rank posted this rank's round
+        self.arrivals = BoardWatch(self, ahead=True)  # a rank posted a round this rank has not
+
+    @property
+    def own_bell(self) -> Doorbell:
+        """This rank's bell: its waiter sleeps on it, posters ring it."""
+        return self.bells[self.index]
+
+    def post(self, message: Message) -> None:
+        """Post this rank's message of the next round (its length only, as TOO_LONG, when it does not fit) and
+        wake the ranks that sleep."""
+        self.round += 1
+        me, parity = self.words[self.index], self.round & 1
+        if len(message) <= SLOT_BYTES:
+            self.buffers[self.index][parity][:len(message)] = message
+            me[_LENGTHS + parity] = len(message)
+        else:
+            me[_LENGTHS + parity] = TOO_LONG
+        fence()
+        me[_ROUND] = self.round
+        for member, bell in enumerate(self.bells):
+            if member != self.index:
+                bell.ring()
+
+    def posted(self) -> bool:
+        """Whether every rank has posted this rank's current round."""
+        r = self.round
+        return all(words[_ROUND] >= r for words in self.words)
+
+    def messages(self, own: Message) -> list[Message] | None:
+        """Every rank's message of the current round (copied, ``own`` as this rank's), by local rank; None when
+        one did not fit, alike on every rank (each sees every length). Call once :meth:`posted` is true."""
+        parity = self.round & 1
+        lengths = [words[_LENGTHS + parity] for words in self.words]
+        if TOO_LONG in lengths:
+            self.too_long += 1
+            return None
+        return [own if member == self.index else bytes(self.buffers[member][parity][:length])
+                for member, length in enumerate(lengths)]
+
+    def unlink(self) -> None:
+        """Remove the names once every rank of the host has opened the board (mappings stay valid)."""
+        for path in (self.path, *self.bell_paths):
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Close the bells and unmap (left to the garbage collector while views remain)."""
+        for fd in self._bell_fds:
+            os.close(fd)
+        self._bell_fds = []
+        try:
+            for words in self.words:
+                words.release()
+            for pair in self.buffers:
+                for buffer in pair:
+                    buffer.release()
+            self.map.close()
+        except BufferError:
+            pass
+
+
+class BoardWatch:
+    """What a waiter watches on a board (``ready()`` and the fds to sleep on, as a channel): every post of this
+    rank's round (``ahead=False``), or a post of a round this rank has not started (``ahead=True``: a peer began a
+    cycle, so the engine of this rank joins it)."""
+
+    def __init__(self, board: PostBoard, ahead: bool) -> None:
+        self.board, self.ahead = board, ahead
+
+    def ready(self) -> bool:
+        board = self.board
+        if self.ahead:
+            r = board.round
+            return any(words[_ROUND] > r for words in board.words)
+        return board.posted()
+
+    def wait_fds(self) -> tuple[list[int], list[int]]:
+        return [self.board.own_bell.fd], []
