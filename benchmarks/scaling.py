@@ -185,12 +185,12 @@ def flat_allgather(hosts: int, per_host: int, message: float) -> Cost:
 def merged_eager(hosts: int, per_host: int, message: float, nbytes: float) -> Cost:
     """Announcements merged on the way (hvdrun/runtime/announcements.py), with a lone eager op's ``nbytes`` of data.
 
-    Inside the host the ranks all-gather their values (``message`` + ``nbytes`` each) on the host's post board (one
-    step: a post and a wait, each rank copying the L - 1 other posts; a value past a post's size takes the host's
-    ring, L - 1 steps) and each reduces the L payloads; across hosts all L local ranks run recursive doubling at once: at
-    step j a rank sends the headers of 2^j L ranks and one reduced copy of the data, and reduces the copy it
-    receives (MPICH's fold for a non-power-of-two H: fold-in one host's value, fold-out everything). A host's
-    link carries L times what one rank sends. With ``nbytes`` 0, the hierarchical negotiation.
+    Inside the host the ranks all-gather their values (``message`` + ``nbytes`` each) on the host's post board
+    (one step: a post and a wait, each rank copying the L - 1 other posts; a value past a post's size takes the
+    host's ring, L - 1 steps) and each reduces the L payloads; across hosts all L local ranks run recursive
+    doubling at once: at step j a rank sends the headers of 2^j L ranks and one reduced copy of the data, and
+    reduces the copy it receives (MPICH's fold for a non-power-of-two H: fold-in one host's value, fold-out
+    everything). A host's link carries L times what one rank sends. With ``nbytes`` 0, the hierarchical negotiation.
     """
     if 1 < per_host and message + nbytes <= POST_BYTES:
         local = steps(1, per_host * (message + nbytes), True, True)

@@ -18,6 +18,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN_VAR = "HVDRUN_TEST_TOKEN"
+# login shells of the suite's jobs (Slurm's bash -l inherits this environment) that run `pyenv init` wait 1 s, not
+# 60, for a rehash lock that a killed session left behind (the sshd fixture sets the same for SSH sessions)
+os.environ.setdefault("PYENV_REHASH_TIMEOUT", "1")
 
 
 def job_processes(token: str) -> list[psutil.Process]:

@@ -149,9 +149,12 @@ def test_stalled_rank_is_named_then_every_rank_raises(run_hvdrun, hvdrun_env):
                                  "collective yet and waits in no collective (main thread at stall.py:"), report
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["rank-1-dies", "rank-0-dies"])
-def test_killed_peer_makes_every_other_rank_raise(spawn_ranks, victim):
-    procs = spawn_ranks(worker("killed_peer.py"), 4, args=(str(victim),))
+@pytest.mark.parametrize(("victim", "hosts"), [(1, None), (0, None), (1, [("a", 2), ("b", 2)]),
+                                               (2, [("a", 2), ("b", 2)])],
+                         ids=["rank-1-dies", "rank-0-dies", "2x2-local-peer-dies", "2x2-other-host-dies"])
+def test_killed_peer_makes_every_other_rank_raise(spawn_ranks, victim, hosts):
+    """One host, and 2 hosts x 2 (the survivors wait on their host's post board or a link across hosts)."""
+    procs = spawn_ranks(worker("killed_peer.py"), 4, args=(str(victim),), hosts=hosts)
     outputs = {}
     for rank, proc in procs.items():
         outputs[rank] = proc.communicate(timeout=60)
