@@ -130,6 +130,8 @@ class PostBoard:
             os.close(fd)
         self._bell_fds = []
         try:
+            for bell in self.bells:
+                bell.sleeping.release()  # type: ignore[attr-defined]
             for words in self.words:
                 words.release()
             for pair in self.buffers:
