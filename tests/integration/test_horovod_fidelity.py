@@ -12,6 +12,7 @@ from tests.integration.test_local_launch import script
 
 pytestmark = pytest.mark.integration
 WORKERS = Path(__file__).parent / "workers"
+SUITE = WORKERS / "one_job_suite.py"
 
 
 def test_horovod_api_details_match(run_hvdrun):
@@ -45,21 +46,34 @@ def test_a_silent_deadlock_is_reported_on_every_rank(run_hvdrun, size):
 
 def test_one_job_runs_a_whole_suite_past_failures(run_hvdrun):
     """Horovod's CI way: pytest in every rank of one job; failures on purpose leave later tests unharmed."""
-    suite = WORKERS / "one_job_suite.py"
     done = run_hvdrun("-np", "2", sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                      "--noconftest", "-o", "addopts=", str(suite), timeout=180)
+                      "--noconftest", "-o", "addopts=", str(SUITE), timeout=180)
     assert done.returncode == 1, done.stderr[-3000:]  # failures on purpose, nothing worse
-    names = re.findall(r"^def (test_\w+)", suite.read_text(), re.M)
+    for rank in range(2):
+        _check_suite_outcomes(rank, done.stdout, rf"^\[{rank}\]<stdout>:")
+
+
+def test_one_job_runs_a_whole_suite_past_failures_across_hosts(spawn_ranks):
+    """The same suite on 2 hosts x 2 ranks: every cycle crosses hosts and passes each host's post board."""
+    procs = spawn_ranks(str(WORKERS / "run_suite.py"), 4, args=(str(SUITE),), hosts=[("a", 2), ("b", 2)])
+    for rank, proc in procs.items():
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 1, err[-3000:]  # failures on purpose, nothing worse
+        _check_suite_outcomes(rank, out, "^")
+
+
+def _check_suite_outcomes(rank: int, output: str, prefix: str) -> None:
+    """Every test of the suite passed on ``rank`` but those failing on purpose, which failed."""
+    names = re.findall(r"^def (test_\w+)", SUITE.read_text(), re.M)
     many = [f"test_many_more_collectives[{n}]" for n in range(20)]
     expected = [n for n in names if n != "test_many_more_collectives"] + many
-    for rank in range(2):
-        passed = set(re.findall(rf"^\[{rank}\]<stdout>:PASSED \S*::(\S+)", done.stdout, re.M))
-        failed = set(re.findall(rf"^\[{rank}\]<stdout>:FAILED \S*::(\S+)", done.stdout, re.M))
-        on_purpose = {n for n in expected if n.startswith("test_fails_on_purpose")}
-        if rank == 1:
-            on_purpose.discard("test_fails_on_purpose_duplicate_name")  # only rank 0 duplicates
-        assert failed == on_purpose, (rank, failed)
-        assert passed == set(expected) - on_purpose, (rank, set(expected) - on_purpose - passed)
+    passed = set(re.findall(rf"{prefix}PASSED \S*::(\S+)", output, re.M))
+    failed = set(re.findall(rf"{prefix}FAILED \S*::(\S+)", output, re.M))
+    on_purpose = {n for n in expected if n.startswith("test_fails_on_purpose")}
+    if rank != 0:
+        on_purpose.discard("test_fails_on_purpose_duplicate_name")  # only rank 0 duplicates
+    assert failed == on_purpose, (rank, failed)
+    assert passed == set(expected) - on_purpose, (rank, set(expected) - on_purpose - passed)
 
 
 def test_a_late_rank_gives_the_rendezvous_timeout_not_a_bad_descriptor(run_hvdrun, tmp_path):

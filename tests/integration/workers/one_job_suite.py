@@ -31,7 +31,7 @@ def sync_point(request):
 
 
 def test_allreduce_sum():
-    assert hvd.allreduce(torch.ones(5) * (RANK + 1), op=hvd.Sum, name="sum").tolist() == [3.0] * 5
+    assert hvd.allreduce(torch.ones(5) * (RANK + 1), op=hvd.Sum, name="sum").tolist() == [SIZE * (SIZE + 1) / 2] * 5
 
 
 def test_fails_on_purpose_mismatched_shapes():
