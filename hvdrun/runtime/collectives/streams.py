@@ -48,6 +48,14 @@ class Sink:
     def _take(self, view: memoryview) -> int:
         raise NotImplementedError
 
+    def pull(self, rx: RxChannel) -> int:
+        """Take what ``rx`` has now; return how many bytes were consumed."""
+        view = rx.peek(SEGMENT_BYTES)
+        used = self.accept(view) if len(view) else 0
+        if used:
+            rx.consume(used)
+        return used
+
 
 class CopySink(Sink):
     """Copies the payload into ``dst``."""
@@ -59,6 +67,13 @@ class CopySink(Sink):
     def _take(self, view: memoryview) -> int:
         self.dst[self.received:self.received + len(view)] = view
         return len(view)
+
+    def pull(self, rx: RxChannel) -> int:
+        if self.received >= self.length:  # padding
+            return super().pull(rx)
+        count = rx.read_into(self.dst[self.received:])  # from the socket straight into place where it can
+        self.received += count
+        return count
 
 
 class ReduceSink(Sink):
@@ -141,13 +156,8 @@ def move(tx: TxChannel, rx: RxChannel, waiter: Waiter, parts: Sequence[memoryvie
                 moved, offset = True, offset + sent
                 if offset == len(part):
                     index, offset = index + 1, 0
-        if sink is not None and not sink.done:
-            view = rx.peek(SEGMENT_BYTES)
-            if len(view):
-                used = sink.accept(view)
-                if used:
-                    rx.consume(used)
-                    moved = True
+        if sink is not None and not sink.done and sink.pull(rx):
+            moved = True
         if moved:
             waiter.progressed()
         else:  # wait only on the directions still in use

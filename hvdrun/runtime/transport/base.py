@@ -91,6 +91,16 @@ class RxChannel(abc.ABC):
     def wait_fds(self) -> tuple[list[int], list[int]]:
         """File descriptors to select() on (readable, writable) until data may have arrived."""
 
+    def read_into(self, dst: memoryview) -> int:
+        """Move up to ``len(dst)`` received bytes into ``dst`` (channels that can, straight from the socket, without
+        a staging copy); return how many."""
+        view = self.peek(len(dst))
+        count = len(view)
+        if count:
+            dst[:count] = view
+            self.consume(count)
+        return count
+
     def ready(self) -> bool:
         """True when :meth:`peek` would return bytes now. Must not change the channel: any thread may ask."""
         return False

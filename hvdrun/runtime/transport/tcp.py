@@ -67,16 +67,24 @@ class TcpRx(RxChannel):
     def consume(self, count: int) -> None:
         self._start += count
 
+    def read_into(self, dst: memoryview) -> int:
+        if self._end > self._start:  # staged bytes first, in order
+            return super().read_into(dst)
+        return self._receive(dst)
+
     def _fill(self) -> None:
+        self._end += self._receive(self._view[self._end:])
+
+    def _receive(self, into: memoryview) -> int:
         try:
-            count = self.sock.recv_into(self._view[self._end:])
+            count = self.sock.recv_into(into)
         except BlockingIOError:
-            return
+            return 0
         except OSError as e:
             raise PeerLostError(f"lost the connection to {self.peer}: {e.strerror}") from e
         if count == 0:
             raise PeerLostError(f"{self.peer} closed its connection (did it exit or crash?)")
-        self._end += count
+        return count
 
     def wait_fds(self) -> tuple[list[int], list[int]]:
         return [self.sock.fileno()], []

@@ -1,0 +1,86 @@
+"""A copy over TCP lands straight in its destination (``TcpRx.read_into``), after any bytes already staged, in
+order; the padding after it and the next transfer stay in the stream."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from hvdrun.errors import PeerLostError
+from hvdrun.runtime.collectives.streams import CopySink, move
+from hvdrun.runtime.transport.base import AbortFlag, Waiter
+from hvdrun.runtime.transport.tcp import TcpRx, TcpTx, tune
+
+
+class _CountingRx(TcpRx):
+    """Counts the bytes that went through the staging buffer."""
+
+    staged = 0
+
+    def _fill(self) -> None:
+        before = self._end
+        super()._fill()
+        self.staged += self._end - before
+
+
+@pytest.fixture
+def pair():
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # TCP over loopback, as between hosts
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    for sock in (a, b):
+        tune(sock)
+    yield TcpTx(a, "peer a"), TcpRx(a, "peer a"), TcpTx(b, "peer b"), _CountingRx(b, "peer b")
+    a.close()
+    b.close()
+
+
+def test_read_into_takes_staged_bytes_first_then_the_socket_directly(pair):
+    tx_a, _, _, rx_b = pair
+    tx_a.send_some(memoryview(b"0123456789"))
+    assert bytes(rx_b.peek(4)) == b"0123456789"[:4]  # the whole burst is staged now
+    rx_b.consume(2)
+    out = bytearray(6)
+    assert rx_b.read_into(memoryview(out)) == 6 and out == b"234567"  # from staging
+    tx_a.send_some(memoryview(b"abcdef"))
+    rest = bytearray(10)
+    got = rx_b.read_into(memoryview(rest))
+    got += rx_b.read_into(memoryview(rest)[got:])
+    assert bytes(rest[:got]) == b"89abcdef"
+
+
+def test_read_into_reports_a_closed_peer(pair):
+    _, rx_a, _, rx_b = pair
+    rx_a.sock.close()
+    with pytest.raises(PeerLostError, match="peer b closed its connection"):
+        while True:
+            rx_b.read_into(memoryview(bytearray(4)))
+
+
+@pytest.mark.parametrize("nbytes", [1, 13, 4096, 3 << 20])
+def test_a_copy_across_tcp_arrives_whole_and_leaves_the_next_transfer_in_the_stream(pair, nbytes):
+    tx_a, rx_a, tx_b, rx_b = pair
+    payload = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
+    after = b"next transfer"
+    waiter = Waiter(None, AbortFlag())
+    out = np.zeros(nbytes, np.uint8)
+
+    def send() -> None:
+        move(tx_a, rx_a, waiter, [memoryview(payload)], None)
+        move(tx_a, rx_a, waiter, [memoryview(after)], None)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    sink = CopySink(memoryview(out))
+    move(tx_b, rx_b, Waiter(None, AbortFlag()), [], sink)
+    sender.join()
+    assert np.array_equal(out, payload) and sink.done
+    assert rx_b.staged <= 7 + 16  # the payload went straight into place: staged at most its padding and what follows
+    rest = bytearray(len(after))
+    taken = 0
+    while taken < len(after):
+        taken += rx_b.read_into(memoryview(rest)[taken:])
+    assert bytes(rest) == after
