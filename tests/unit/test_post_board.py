@@ -101,3 +101,33 @@ def test_opening_a_board_whose_bell_is_not_a_fifo_fails(tmp_path):
         board.unlink()
         board.close()
     assert not os.path.exists(board.path)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_board_that_cannot_be_made_or_opened_leaves_no_file_and_no_fd():
+    key = f"unit{uuid.uuid4().hex[:8]}-0"
+    path = board_path(key, 0)
+    stale = path.with_name(path.name + "-bell1")
+    stale.write_text("left by someone else")  # the creator's second mkfifo fails
+    fds = _open_fds()
+    try:
+        with pytest.raises(FileExistsError):
+            PostBoard(key, 0, 3, 0, create=True)
+        assert not path.exists() and not path.with_name(path.name + "-bell0").exists()
+        assert _open_fds() == fds
+    finally:
+        stale.unlink()
+    board = PostBoard(key, 0, 2, 0, create=True)
+    with_board = _open_fds()  # its bells and the mapping's own descriptor
+    try:
+        board.bell_paths[1].unlink()  # an opener finds the board but not every bell
+        with pytest.raises(FileNotFoundError):
+            PostBoard(key, 0, 2, 1, create=False)
+        assert _open_fds() == with_board
+    finally:
+        board.unlink()
+        board.close()
+    assert _open_fds() == fds

@@ -84,3 +84,16 @@ def test_a_copy_across_tcp_arrives_whole_and_leaves_the_next_transfer_in_the_str
     while taken < len(after):
         taken += rx_b.read_into(memoryview(rest)[taken:])
     assert bytes(rest) == after
+
+
+def test_read_into_a_destination_longer_than_the_staging_buffer_takes_only_what_is_staged(pair):
+    tx_a, _, _, rx_b = pair
+    tx_a.send_some(memoryview(b"staged"))
+    assert bytes(rx_b.peek(3)) == b"sta"
+    big = memoryview(bytearray(5 << 20))  # longer than TcpRx's staging buffer
+    assert rx_b.read_into(big) == 6 and bytes(big[:6]) == b"staged"
+    tx_a.send_some(memoryview(b"direct"))
+    got = 0
+    while got < 6:
+        got += rx_b.read_into(big[got:])
+    assert bytes(big[:6]) == b"direct" and rx_b.staged == 6

@@ -260,6 +260,7 @@ class Hierarchy:
         board, waiter = self.board, self.local.waiter
         assert board is not None
         board.post(message)
+        waiter.progressed()  # spin first: an idle engine's old idle time must not send this wait straight to sleep
         while not board.posted():
             waiter.idle((board.complete,))
         waiter.progressed()

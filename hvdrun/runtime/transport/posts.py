@@ -56,31 +56,53 @@ class PostBoard:
         self.path, self.members, self.index = board_path(job_key, first_rank), members, index
         self.bell_paths = [self.path.with_name(f"{self.path.name}-bell{m}") for m in range(members)]
         stride = _HEADER + 2 * SLOT_BYTES
-        if create:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, members * stride)
-            for bell in self.bell_paths:
-                os.mkfifo(bell, 0o600)
-        else:
-            fd = os.open(self.path, os.O_RDWR)
-            for bell in self.bell_paths:
-                if not stat.S_ISFIFO(os.stat(bell).st_mode):
-                    raise OSError(f"{bell} is not a FIFO")
-        try:
-            self.map = mmap.mmap(fd, members * stride)
-        finally:
-            os.close(fd)
+        self.map, self._bell_fds = self._open(create, members * stride)
         view = memoryview(self.map)
         self.words = [view[m * stride:m * stride + _HEADER].cast("q") for m in range(members)]
         self.buffers = [[view[m * stride + _HEADER + p * SLOT_BYTES:m * stride + _HEADER + (p + 1) * SLOT_BYTES]
                          for p in (0, 1)] for m in range(members)]
-        self._bell_fds = [os.open(bell, os.O_RDWR | os.O_NONBLOCK) for bell in self.bell_paths]
         self.bells = [Doorbell(fd, words[_SLEEPING:_SLEEPING + 1]) for fd, words in zip(self._bell_fds, self.words,
                                                                                         strict=True)]
         self.round = 0
         self.too_long = 0  # rounds that took the ring (tests read it)
         self.complete = BoardWatch(self, ahead=False)  # every rank posted this rank's round
         self.arrivals = BoardWatch(self, ahead=True)  # a rank posted a round this rank has not
+
+    def _open(self, create: bool, length: int) -> tuple[mmap.mmap, list[int]]:
+        """Make (``create``) or open the board's file and bells: the mapping and the bells' fds. On failure nothing
+        stays open, and what this rank made is removed."""
+        made: list[Path] = []
+        bell_fds: list[int] = []
+        mapping: mmap.mmap | None = None
+        fd = -1
+        try:
+            if create:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                made.append(self.path)
+                os.ftruncate(fd, length)
+                for bell in self.bell_paths:
+                    os.mkfifo(bell, 0o600)
+                    made.append(bell)
+            else:
+                fd = os.open(self.path, os.O_RDWR)
+                for bell in self.bell_paths:
+                    if not stat.S_ISFIFO(os.stat(bell).st_mode):
+                        raise OSError(f"{bell} is not a FIFO")
+            mapping = mmap.mmap(fd, length)
+            for bell in self.bell_paths:
+                bell_fds.append(os.open(bell, os.O_RDWR | os.O_NONBLOCK))
+            return mapping, bell_fds
+        except BaseException:
+            for opened in bell_fds:
+                os.close(opened)
+            if mapping is not None:
+                mapping.close()
+            for path in made:
+                path.unlink(missing_ok=True)
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     @property
     def own_bell(self) -> Doorbell:
@@ -125,10 +147,8 @@ class PostBoard:
             path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Close the bells and unmap (left to the garbage collector while views remain)."""
-        for fd in self._bell_fds:
-            os.close(fd)
-        self._bell_fds = []
+        """Release the views, close the bells and unmap (the map is left to the garbage collector while views
+        remain)."""
         try:
             for bell in self.bells:
                 bell.sleeping.release()  # type: ignore[attr-defined]
@@ -140,6 +160,9 @@ class PostBoard:
             self.map.close()
         except BufferError:
             pass
+        for fd in self._bell_fds:
+            os.close(fd)
+        self._bell_fds = []
 
 
 class BoardWatch:

@@ -68,14 +68,20 @@ class TcpRx(RxChannel):
         self._start += count
 
     def read_into(self, dst: memoryview) -> int:
-        if self._end > self._start:  # staged bytes first, in order
-            return super().read_into(dst)
+        staged = self._end - self._start
+        if staged:  # staged bytes first, in order (and no more staging: dst may be longer than the buffer)
+            count = min(len(dst), staged)
+            dst[:count] = self._view[self._start:self._start + count]
+            self._start += count
+            return count
         return self._receive(dst)
 
     def _fill(self) -> None:
         self._end += self._receive(self._view[self._end:])
 
     def _receive(self, into: memoryview) -> int:
+        if not len(into):  # a full buffer: recv_into would return 0, which means a closed connection
+            return 0
         try:
             count = self.sock.recv_into(into)
         except BlockingIOError:

@@ -31,24 +31,38 @@ def used() -> int:
     return lane.used if lane is not None else -1
 
 
-# 1. exact results for every op, dtype and scale, and the lane really took them
-before = used()
-values = torch.arange(1000, dtype=torch.float64) + rank
-total = hvd.allreduce(values, op=hvd.Sum)
-expected = size * torch.arange(1000, dtype=torch.float64) + sum(range(size))
-ok = bool(torch.equal(total, expected))
-ok &= bool(torch.equal(hvd.allreduce(torch.full((7,), rank + 1.0), op=hvd.Average), torch.full((7,), (size + 1) / 2)))
-product = hvd.allreduce(torch.tensor([rank + 2], dtype=torch.int64), op=hvd.Product)
-ok &= int(product) == int(np.prod(range(2, size + 2)))
-ok &= int(hvd.allreduce(torch.tensor([rank], dtype=torch.int32), op=hvd.Max)) == size - 1
-ok &= int(hvd.allreduce(torch.tensor([rank], dtype=torch.int32), op=hvd.Min)) == 0
-scaled = hvd.allreduce(torch.ones(3), op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
-ok &= bool(torch.equal(scaled, torch.full((3,), float(size))))
-half = hvd.allreduce(torch.full((5,), 0.5, dtype=torch.float16), op=hvd.Sum)
-ok &= bool(torch.equal(half, torch.full((5,), 0.5 * size, dtype=torch.float16)))
-# the float16 sum is reduced in float32 through the engine (the lane's posts do not carry the caller's dtype)
+# 1. exact results for every op, dtype and scale, and the lane really took them (a rank descheduled for 20 ms
+# under load withdraws an attempt to the engine's path: up to three passes for one the lane took whole; the verdicts
+# are the same on every rank, so every rank runs the same passes)
 on_device = os.environ.get("HVDRUN_CPU_VIA_DEVICE_BACKEND") == "1"  # the lane takes no device tensor
-report("exact", ok and (lane is None or on_device or used() - before >= 6), f"used {used() - before}")
+
+
+def exact_pass() -> tuple[bool, int]:
+    """Every op once, exact on this rank; and how many of the six lane ops the lane took."""
+    before = used()
+    values = torch.arange(1000, dtype=torch.float64) + rank
+    total = hvd.allreduce(values, op=hvd.Sum)
+    expected = size * torch.arange(1000, dtype=torch.float64) + sum(range(size))
+    ok = bool(torch.equal(total, expected))
+    ok &= bool(torch.equal(hvd.allreduce(torch.full((7,), rank + 1.0), op=hvd.Average),
+                           torch.full((7,), (size + 1) / 2)))
+    product = hvd.allreduce(torch.tensor([rank + 2], dtype=torch.int64), op=hvd.Product)
+    ok &= int(product) == int(np.prod(range(2, size + 2)))
+    ok &= int(hvd.allreduce(torch.tensor([rank], dtype=torch.int32), op=hvd.Max)) == size - 1
+    ok &= int(hvd.allreduce(torch.tensor([rank], dtype=torch.int32), op=hvd.Min)) == 0
+    scaled = hvd.allreduce(torch.ones(3), op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    ok &= bool(torch.equal(scaled, torch.full((3,), float(size))))
+    half = hvd.allreduce(torch.full((5,), 0.5, dtype=torch.float16), op=hvd.Sum)
+    ok &= bool(torch.equal(half, torch.full((5,), 0.5 * size, dtype=torch.float16)))
+    # the float16 sum is reduced in float32 through the engine (the lane's posts do not carry the caller's dtype)
+    return ok, used() - before
+
+
+for _ in range(3):
+    ok, took = exact_pass()
+    if not ok or lane is None or on_device or took >= 6:
+        break
+report("exact", ok and (lane is None or on_device or took >= 6), f"used {took}")
 
 # 2. the same bits on every rank (rank-order reduction)
 noisy = torch.from_numpy(np.random.default_rng(rank).standard_normal(4096).astype(np.float32))

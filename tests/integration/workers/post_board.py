@@ -15,12 +15,11 @@ rank, size, local = hvd.rank(), hvd.size(), hvd.local_rank()
 board = context.current().engine.backend.hierarchy.board
 assert board is not None, "no post board on a host of several ranks"
 
-# 1. a flood: hundreds of uncached async ops with long names announced in one cycle (past a post's 256 KiB)
-names = [f"flood.{i:05d}." + "x" * 400 for i in range(800)]
-tensors = [torch.full((3,), float(rank + i), dtype=torch.float64) for i in range(len(names))]
-handles = [hvd.allreduce_async_(t, name=n, op=hvd.Sum) for t, n in zip(tensors, names, strict=True)]
-for i, handle in enumerate(handles):
-    result = hvd.synchronize(handle)
+# 1. a flood: one grouped op of 800 tensors with a long name, announced in one cycle (800 uncached requests, each
+# with the name: past a post's 256 KiB on every rank)
+tensors = [torch.full((3,), float(rank + i), dtype=torch.float64) for i in range(800)]
+hvd.grouped_allreduce_(tensors, name="flood." + "x" * 400, op=hvd.Sum)
+for i, result in enumerate(tensors):
     assert torch.equal(result, torch.full((3,), float(sum(range(size)) + size * i), dtype=torch.float64)), (i, result)
 flooded = board.too_long
 assert flooded >= 1, "no cycle was too long for the board"
@@ -33,10 +32,14 @@ for step in range(200):
     assert torch.all(t == float(step * sum(range(size)))), (step, t[:3])
 assert board.round - before >= 200, (before, board.round)
 
-# 3. a late local rank: its peers post, wait, sleep on their bells and are woken by its post
+# 3. a late local rank: its peers post, wait, sleep on their bells and are woken by its post; meanwhile the late
+# rank's engine, idle, sees their posts and joins their cycles (announcing nothing), as it would on ring bytes
+engine = context.current().engine
 for step in range(3):
     if local == step:
+        before = engine.cycles
         time.sleep(0.3)
+        assert engine.cycles > before, "an idle rank's engine did not join its local peers' cycle"
     t = torch.tensor([float(rank)])
     hvd.allreduce_(t, name=f"late.{step}", op=hvd.Sum)
     assert t.item() == sum(range(size)), t
