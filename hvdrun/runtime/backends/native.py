@@ -75,10 +75,11 @@ class NativeBackend(Backend):
         self.hierarchy, self._links = hierarchy, list(links)
         self.lane: FastLane | None = None  # one-host jobs: blocking small allreduces on a shared board
         # where the first sign of a peer's cycle arrives: the ring, any link of the hierarchy, the host's post board
+        # (the engine's thread and a caller's may both sleep on the board's bell: one may drain the other's wake-up,
+        # which then sleeps to its timeout, MAX_SLEEP_S in a cycle, as with the rings' bells)
         self._wake: list[Watchable] = [c for c in [ring.rx, *(link.rx for link in self._links)] if c is not None]
-        if hierarchy is not None and hierarchy.board is not None:  # the engine's thread and a caller's may both
-            self._wake.append(hierarchy.board.arrivals)  # sleep on the board's bell: one may drain the other's wake-up,
-            # which then sleeps to its timeout (MAX_SLEEP_S in a cycle), as with the rings' bells
+        if hierarchy is not None and hierarchy.board is not None:
+            self._wake.append(hierarchy.board.arrivals)
 
     @classmethod
     def connect(cls, rendezvous: Rendezvous, hostname: str, job_key: str, secret: bytes, abort: AbortFlag,

@@ -136,12 +136,7 @@ class Ring:
         assert tx is not None and rx is not None
         forwarded, total = 0, sink.total
         while forwarded < total:
-            moved = False
-            if not sink.done:
-                view = rx.peek(SEGMENT_BYTES)
-                if len(view) and (used := sink.accept(view)):
-                    rx.consume(used)
-                    moved = True
+            moved = not sink.done and sink.pull(rx) > 0
             available = min(sink.received, len(buffer))
             if forwarded < available:
                 sent = tx.send_some(buffer[forwarded:min(available, forwarded + SEGMENT_BYTES)])
