@@ -46,6 +46,8 @@ CPU_VIA_DEVICE = "HVDRUN_CPU_VIA_DEVICE_BACKEND"
 # --cpu-bind none|cores|numa|depth:D|list:..., applied by the guard (launch/remote/cpubind.py)
 CPU_BIND = "HVDRUN_CPU_BIND"
 GPU_LAYOUT = "HVDRUN_GPU_LAYOUT"  # --cpu-bind cores: the GPU layout, so the guard puts cores beside each GPU
+# the index, among the devices the rank sees, of its own (first) device: hvd.init() makes it the current device
+DEVICE_ORDINAL = "HVDRUN_DEVICE_ORDINAL"
 BIND_REPORT = "HVDRUN_BIND_REPORT"  # 1: the guard prints the rank's cores, NUMA node and GPU (--verbose)
 
 _TOPOLOGY = {
@@ -161,17 +163,20 @@ def worker_env(slot: Slot, rendezvous: Rendezvous) -> dict[str, str]:
         HOSTNAME: slot.hostname, HOROVOD_HOSTNAME: slot.hostname,
         TORCH_GROUP_RANK: str(slot.host_index), TORCH_GROUP_WORLD_SIZE: str(slot.host_count),
     })
-    env.update(device_env(slot.gpu_vendor, slot.devices))
+    env.update(device_env(slot.gpu_vendor, slot.visible_devices, slot.device_hierarchy))
+    if slot.device_ordinal is not None:
+        env[DEVICE_ORDINAL] = str(slot.device_ordinal)
     return env
 
 
-def device_env(vendor: str, devices: Sequence[str]) -> dict[str, str]:
-    """The variables that pin a rank to ``devices`` on a ``vendor`` GPU (none without devices).
+def device_env(vendor: str, devices: Sequence[str], hierarchy: str = "") -> dict[str, str]:
+    """The variables that show a rank ``devices`` of a ``vendor`` GPU, in this order (none without devices):
+    device ``i`` of the rank's runtime is ``devices[i]``.
 
     * nvidia: ``CUDA_VISIBLE_DEVICES`` (indices, or GPU/MIG UUIDs).
-    * intel: ``ZE_AFFINITY_MASK``; ``GPU.tile`` ids (Aurora: ``0.0`` .. ``5.1``) need Level Zero's
-      composite hierarchy, where a mask may name a tile of a GPU, so ``ZE_FLAT_DEVICE_HIERARCHY``
-      is set to ``COMPOSITE`` with them; the rank then sees its tile as device 0.
+    * intel: ``ZE_AFFINITY_MASK``, with ``ZE_FLAT_DEVICE_HIERARCHY`` set to ``hierarchy`` where the ids need
+      one: ``FLAT`` for tiles (every tile a device, ids 0..11 on Aurora, the hierarchy ALCF recommends for
+      AI/ML), ``COMPOSITE`` for ``GPU.tile`` ids (``0.0`` .. ``5.1``).
     * amd: ``ROCR_VISIBLE_DEVICES``, and HIP's and CUDA's variables set to the matching indices
       ``0..k-1`` of what ROCR left visible: an inherited ``HIP_VISIBLE_DEVICES=3`` beside
       ``ROCR_VISIBLE_DEVICES=3`` would otherwise leave the rank with no GPU.
@@ -180,12 +185,24 @@ def device_env(vendor: str, devices: Sequence[str]) -> dict[str, str]:
         return {}
     listed = ",".join(devices)
     if vendor == "intel":
-        tiles = any("." in device for device in devices)
-        return {ZE_AFFINITY_MASK: listed, **({ZE_FLAT_DEVICE_HIERARCHY: "COMPOSITE"} if tiles else {})}
+        return {ZE_AFFINITY_MASK: listed, **({ZE_FLAT_DEVICE_HIERARCHY: hierarchy} if hierarchy else {})}
     if vendor == "amd":
         relative = ",".join(str(i) for i in range(len(devices)))
         return {ROCR_VISIBLE_DEVICES: listed, HIP_VISIBLE_DEVICES: relative, CUDA_VISIBLE_DEVICES: relative}
     return {CUDA_VISIBLE_DEVICES: listed}
+
+
+_JOB_DEVICE_VARIABLE = {"nvidia": CUDA_VISIBLE_DEVICES, "intel": ZE_AFFINITY_MASK, "amd": ROCR_VISIBLE_DEVICES}
+
+
+def job_devices(vendor: str, environ: Mapping[str, str]) -> tuple[str, tuple[str, ...]] | None:
+    """The devices the scheduler gave the job (Slurm ``--gpus``, PBS by-gpu), from the vendor's variable in the
+    launcher's environment: ``(variable, ids)``, or None when it is unset, empty or names no device."""
+    name = _JOB_DEVICE_VARIABLE.get(vendor, CUDA_VISIBLE_DEVICES)
+    ids = tuple(part.strip() for part in environ.get(name, "").split(",") if part.strip())
+    if not ids or ids == ("NoDevFiles",):  # Slurm's value for a step without GPUs
+        return None
+    return name, ids
 
 
 def rank_variable_names() -> frozenset[str]:
@@ -194,7 +211,7 @@ def rank_variable_names() -> frozenset[str]:
                       TORCH_RANK, TORCH_WORLD_SIZE, TORCH_LOCAL_RANK, TORCH_LOCAL_WORLD_SIZE, TORCH_GROUP_RANK,
                       TORCH_GROUP_WORLD_SIZE, TORCH_ROLE_RANK, TORCH_ROLE_WORLD_SIZE, CUDA_VISIBLE_DEVICES,
                       ZE_AFFINITY_MASK, ZE_FLAT_DEVICE_HIERARCHY, ROCR_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES,
-                      OMP_NUM_THREADS})
+                      OMP_NUM_THREADS, DEVICE_ORDINAL})
 
 
 def thread_env(slot: Slot, cpus: int, environ: Mapping[str, str]) -> dict[str, str]:

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hvdrun.errors import UsageError
 from hvdrun.hosts import Host
 
 GPU_VENDORS = ("nvidia", "intel", "amd")
 GPU_BINDERS = ("hvdrun", "launcher")
+# node: every rank sees its host's devices in the affinity order, so ordinal ``local_rank`` is its own device (the
+# contract of horovodrun, torchrun and every script's ``set_device(local_rank)``); rank: each rank sees only its own
+GPU_VISIBILITIES = ("node", "rank")
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class GpuLayout:
         vendor: nvidia, intel or amd: which variable pins a rank (see ``envvars.device_env``).
         tiles_per_gpu: tiles of each Intel GPU that ranks are pinned to one by one.
         binder: ``hvdrun`` (the vendor's variable, set per rank) or ``launcher``: Cray PALS's
-            ``--gpu-bind list:...`` pins the same devices and hvdrun sets no variable.
+            ``--gpu-bind list:...`` pins the same devices and hvdrun sets no variable (``rank`` visibility only).
+        visibility: ``node`` (each rank sees the host's devices in ``gpu_order``; its own is ordinal
+            ``local_rank * gpus_per_rank``) or ``rank`` (each rank sees only its own devices, as ordinals 0..).
     """
 
     gpus_per_node: int = 0
@@ -49,22 +54,60 @@ class GpuLayout:
     vendor: str = "nvidia"
     tiles_per_gpu: int = 1
     binder: str = "hvdrun"
+    visibility: str = "node"
+    given_by: str = ""  # where the devices came from when the scheduler chose them (``CUDA_VISIBLE_DEVICES=2,5``)
 
     def default_order(self) -> tuple[str, ...]:
-        """Device ids in index order: ``0..G-1``, or ``GPU.tile`` ids when GPUs have tiles."""
-        if self.tiles_per_gpu > 1:
-            return tuple(f"{i // self.tiles_per_gpu}.{i % self.tiles_per_gpu}" for i in range(self.gpus_per_node))
+        """Device ids in index order: ``0..G-1`` (with tiles, Level Zero's FLAT ids: tile t of GPU g is
+        ``g * tiles_per_gpu + t``)."""
         return tuple(str(i) for i in range(self.gpus_per_node))
+
+    def order(self) -> tuple[str, ...]:
+        """The host's devices in the machine's affinity order (local rank 0's first)."""
+        return self.gpu_order or self.default_order()
+
+    def visible_for(self, local_rank: int, host: str) -> tuple[str, ...]:
+        """What ``local_rank`` on ``host`` is shown (see ``visibility``); raises UsageError when its own are missing."""
+        own = self.devices_for(local_rank, host)
+        return own if self.visibility == "rank" else self.order()
+
+    def ordinal_for(self, local_rank: int) -> int:
+        """The index of ``local_rank``'s first device among the devices it sees."""
+        return 0 if self.visibility == "rank" else local_rank * self.gpus_per_rank
+
+    def cards_for(self, local_rank: int, host: str) -> tuple[str, ...]:
+        """The GPUs (cards) of ``local_rank``'s devices: a tile's FLAT id names GPU ``id // tiles_per_gpu``
+        (for NUMA lookups, which /sys answers per card)."""
+        return tuple(str(int(d) // self.tiles_per_gpu) if self.tiles_per_gpu > 1 and d.isdigit() else d
+                     for d in self.devices_for(local_rank, host))
+
+    def hierarchy(self) -> str:
+        """Level Zero's device hierarchy the ids need: ``FLAT`` (tiles as devices, FLAT ids), ``COMPOSITE``
+        (``GPU.tile`` ids), or "" (whole GPUs: whatever the site set)."""
+        if self.vendor != "intel" or not self.gpus_per_node:
+            return ""
+        if any("." in device for device in self.order()):
+            return "COMPOSITE"
+        return "FLAT" if self.tiles_per_gpu > 1 else ""
+
+    def within(self, given: tuple[str, tuple[str, ...]]) -> GpuLayout:
+        """This layout on the devices the scheduler gave the job (Slurm ``--gpus``, PBS by-gpu): ``given`` is
+        ``(variable, ids)``; those of ``gpu_order`` in its order when it lists them all, else the ids as they came."""
+        variable, ids = given
+        order = self.order()
+        kept = tuple(d for d in order if d in ids) if set(ids) <= set(order) else ids
+        return replace(self, gpus_per_node=len(kept), gpu_order=kept, given_by=f"{variable}={','.join(ids)}")
 
     def devices_for(self, local_rank: int, host: str) -> tuple[str, ...]:
         """The devices of ``local_rank`` on ``host``; raises UsageError when there are too few."""
         if not self.gpus_per_node:
             return ()
-        order = self.gpu_order or self.default_order()
+        order = self.order()
         start = local_rank * self.gpus_per_rank
         if start + self.gpus_per_rank > len(order):
+            given = f" (the job was given {self.given_by})" if self.given_by else ""
             raise UsageError(
-                f"host '{host}' has {len(order)} GPUs but local rank {local_rank} needs GPUs "
+                f"host '{host}' has {len(order)} GPUs{given} but local rank {local_rank} needs GPUs "
                 f"{start}..{start + self.gpus_per_rank - 1} ({self.gpus_per_rank} per rank); "
                 "lower -np or the slots of that host, or --gpus-per-rank"
             )
@@ -115,6 +158,9 @@ class Slot(Topology):
     devices: tuple[str, ...] = ()
     host_count: int = 1
     gpu_vendor: str = "nvidia"
+    visible_devices: tuple[str, ...] = ()
+    device_ordinal: int | None = None
+    device_hierarchy: str = ""
 
     @property
     def hostname(self) -> str:
@@ -170,22 +216,29 @@ def assign_slots(hosts: Sequence[Host], num_proc: int, gpus: GpuLayout | None = 
     counts = _ranks_per_host(hosts, num_proc)
     used = [host for host, count in zip(hosts, counts, strict=True) for _ in range(count)]
     host_index = {host: index for index, host in enumerate(dict.fromkeys(used))}
-    return [Slot(**vars(topology), host=host, host_index=host_index[host],
-                 devices=layout.devices_for(topology.local_rank, host.name), host_count=len(host_index),
-                 gpu_vendor=layout.vendor)
+    return [slot_on(layout, topology, host, host_index[host], len(host_index))
             for topology, host in zip(topologies(used), used, strict=True)]
+
+
+def slot_on(layout: GpuLayout, topology: Topology, host: Host, host_index: int, host_count: int) -> Slot:
+    """The slot of ``topology`` on ``host``, with its devices and what it sees of them under ``layout``."""
+    local = topology.local_rank
+    devices = layout.devices_for(local, host.name)
+    return Slot(**vars(topology), host=host, host_index=host_index, devices=devices, host_count=host_count,
+                gpu_vendor=layout.vendor, visible_devices=layout.visible_for(local, host.name) if devices else (),
+                device_ordinal=layout.ordinal_for(local) if devices else None, device_hierarchy=layout.hierarchy())
 
 
 def layout_value(layout: GpuLayout) -> str:
     """``layout`` as one JSON text, for a variable (read back with :func:`layout_of`)."""
     return json.dumps([layout.gpus_per_node, list(layout.gpu_order or ()), layout.gpus_per_rank, layout.vendor,
-                       layout.tiles_per_gpu])
+                       layout.tiles_per_gpu, layout.visibility])
 
 
 def layout_of(value: str) -> GpuLayout:
     """The layout :func:`layout_value` wrote."""
-    gpus_per_node, order, per_rank, vendor, tiles = json.loads(value)
-    return GpuLayout(gpus_per_node, tuple(order) or None, per_rank, vendor, tiles)
+    gpus_per_node, order, per_rank, vendor, tiles, visibility = json.loads(value)
+    return GpuLayout(gpus_per_node, tuple(order) or None, per_rank, vendor, tiles, visibility=visibility)
 
 
 def parse_rank_list(text: str) -> frozenset[int]:

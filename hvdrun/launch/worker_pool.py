@@ -19,7 +19,7 @@ from hvdrun.hosts import Host
 from hvdrun.launch.base import Launcher, Worker, WorkerSpec
 from hvdrun.launch.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
 from hvdrun.launch.output import OutputRouter
-from hvdrun.ranks import GpuLayout, Slot
+from hvdrun.ranks import GpuLayout, Slot, Topology, slot_on
 
 DEFAULT_ELASTIC_TIMEOUT_S = 600.0
 DEFAULT_COOLDOWN_S = (60.0, 3600.0)
@@ -107,10 +107,9 @@ class WorkerPool:
     def slot(self, host: Host, index: int, number: int) -> Slot:
         """The slot of worker ``number``, the ``index``-th on ``host``."""
         host_index = next((i for i, h in enumerate(self.hosts) if h.name == host.name), 0)
-        return Slot(rank=number, size=max(self._capacity(), number + 1), local_rank=index, local_size=host.slots,
-                    cross_rank=host_index, cross_size=max(len(self.hosts), 1), host=host, host_index=host_index,
-                    devices=self.layout.devices_for(index, host.name), host_count=max(len(self.hosts), 1),
-                    gpu_vendor=self.layout.vendor)
+        topology = Topology(rank=number, size=max(self._capacity(), number + 1), local_rank=index,
+                            local_size=host.slots, cross_rank=host_index, cross_size=max(len(self.hosts), 1))
+        return slot_on(self.layout, topology, host, host_index, max(len(self.hosts), 1))
 
     def _capacity(self) -> int:
         slots = sum(h.slots for h in self.hosts)

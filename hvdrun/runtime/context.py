@@ -20,7 +20,7 @@ from hvdrun.runtime.collectives.hierarchical import (
     DEFAULT_HALVING_MAX_BYTES,
     AlgorithmChoice,
 )
-from hvdrun.runtime.device import DeviceCollectives, device_backend_name
+from hvdrun.runtime.device import DeviceCollectives, device_backend_name, select_current_device
 from hvdrun.runtime.engine import Engine
 from hvdrun.runtime.forensics import format_reports, rank_report
 from hvdrun.runtime.membership import Assignment, is_elastic, join_round
@@ -218,6 +218,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
                  if device_backend and launch.rank == 0 else None)
         backend, rendezvous = _connect(launch, environ, abort, generation, store.port if store else 0, timeout_s)
         _tell_launcher(environ, envvars.JOINED_MARKER)
+        select_current_device(environ, backend.world.local_rank)  # every script's set_device(local_rank), done
         device = _device_collectives(device_backend, store, backend, launch, timeout_s, generation)
         _generation += 1
         engine = Engine(backend, root_cause=lambda: abort.reason,

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from hvdrun.envvars import DEVICE_BACKEND
+from hvdrun.envvars import DEVICE_BACKEND, DEVICE_ORDINAL
 from hvdrun.errors import DeviceError, UsageError
 from hvdrun.runtime.negotiation import Entry, Request
 from hvdrun.runtime.reduce import (
@@ -54,6 +54,38 @@ def device_backend_name(environ: Mapping[str, str]) -> str | None:
             return "xccl"
         if "CCL" in torch.distributed.Backend._plugins:  # oneccl_bindings_for_pytorch, imported by the script
             return "ccl"
+    return None
+
+
+def own_device_ordinal(environ: Mapping[str, str], local_rank: int, count: int) -> int | None:
+    """Which of the ``count`` devices this rank sees is its own: the ordinal hvdrun's launcher chose
+    (``HVDRUN_DEVICE_ORDINAL``), else ``local_rank`` among them (MPI or srun launched it); None without devices
+    or when the launcher's ordinal is not among them (the script changed what it sees)."""
+    if count < 1:
+        return None
+    given = environ.get(DEVICE_ORDINAL, "")
+    if given.isdigit():
+        return int(given) if int(given) < count else None
+    return local_rank % count
+
+
+def select_current_device(environ: Mapping[str, str], local_rank: int) -> str | None:
+    """Make this rank's own GPU the current device (``cuda`` or ``xpu``) unless the script already chose one
+    (its runtime is initialised); returns it as ``cuda:N``, or None. Never imports torch."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    for kind in ("cuda", "xpu"):
+        module = getattr(torch, kind, None)
+        if module is None or not module.is_available():
+            continue
+        if module.is_initialized():
+            return None
+        ordinal = own_device_ordinal(environ, local_rank, module.device_count())
+        if ordinal is None:
+            return None
+        module.set_device(ordinal)
+        return f"{kind}:{ordinal}"
     return None
 
 

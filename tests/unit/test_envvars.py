@@ -26,7 +26,7 @@ def test_every_rank_gets_hvdrun_horovod_and_torchrun_names():
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "1235")
     assert (env["HVDRUN_RENDEZVOUS_ADDR"], env["HVDRUN_RENDEZVOUS_PORT"]) == ("10.0.0.1", "1234")
     assert env["HVDRUN_SECRET"] == "s3cr3t" and env["HVDRUN_JOB_ID"] == "ab12"
-    assert env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,0" and env["HVDRUN_DEVICE_ORDINAL"] == "1"  # device 1 of 1,0: GPU 0
 
 
 def test_no_gpus_leaves_cuda_visible_devices_alone():
@@ -34,24 +34,33 @@ def test_no_gpus_leaves_cuda_visible_devices_alone():
     assert "CUDA_VISIBLE_DEVICES" not in envvars.worker_env(slot, RDV)
 
 
-def test_aurora_tiles_are_pinned_with_ze_affinity_mask_and_no_cuda_variable():
+def test_aurora_tiles_are_flat_devices_every_rank_sees_with_its_own_at_its_local_rank():
     layout = GpuLayout(12, vendor="intel", tiles_per_gpu=2)
     envs = [envvars.worker_env(slot, RDV) for slot in assign_slots([Host("x1", 12)], 12, layout)]
-    assert [env["ZE_AFFINITY_MASK"] for env in envs] == [f"{g}.{t}" for g in range(6) for t in range(2)]
-    assert all(env["ZE_FLAT_DEVICE_HIERARCHY"] == "COMPOSITE" for env in envs)
+    assert {env["ZE_AFFINITY_MASK"] for env in envs} == {",".join(map(str, range(12)))}
+    assert {env["ZE_FLAT_DEVICE_HIERARCHY"] for env in envs} == {"FLAT"}
+    assert [env["HVDRUN_DEVICE_ORDINAL"] for env in envs] == [str(local) for local in range(12)]
     assert not any("CUDA_VISIBLE_DEVICES" in env or "ROCR_VISIBLE_DEVICES" in env for env in envs)
+
+
+def test_strict_visibility_shows_each_aurora_rank_only_its_tile():
+    layout = GpuLayout(12, vendor="intel", tiles_per_gpu=2, visibility="rank")
+    envs = [envvars.worker_env(slot, RDV) for slot in assign_slots([Host("x1", 12)], 12, layout)]
+    assert [env["ZE_AFFINITY_MASK"] for env in envs] == [str(local) for local in range(12)]
+    assert {env["HVDRUN_DEVICE_ORDINAL"] for env in envs} == {"0"}
 
 
 def test_intel_gpus_without_tiles_are_whole_devices():
     env = envvars.worker_env(assign_slots([Host("a", 2)], 2, GpuLayout(4, vendor="intel", gpus_per_rank=2))[1], RDV)
-    assert env["ZE_AFFINITY_MASK"] == "2,3" and "ZE_FLAT_DEVICE_HIERARCHY" not in env
+    assert env["ZE_AFFINITY_MASK"] == "0,1,2,3" and "ZE_FLAT_DEVICE_HIERARCHY" not in env
+    assert env["HVDRUN_DEVICE_ORDINAL"] == "2"  # its GPUs 2,3 are devices 2 and 3
 
 
 def test_amd_gpus_are_pinned_with_rocr_and_hip_indexes_within_what_rocr_left():
     slots = assign_slots([Host("f1", 4)], 4, GpuLayout(8, vendor="amd", gpus_per_rank=2))
     env = envvars.worker_env(slots[3], RDV)
-    assert env["ROCR_VISIBLE_DEVICES"] == "6,7"
-    assert env["HIP_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == "0,1"  # overrides an inherited 6,7
+    assert env["ROCR_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" and env["HVDRUN_DEVICE_ORDINAL"] == "6"
+    assert env["HIP_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"  # overrides an inherited
 
 
 def test_forwarded_env():
@@ -82,6 +91,6 @@ def test_the_frontier_like_config_gives_each_rank_the_gcd_next_to_its_cores():
     config = load_cluster("slurm-amd")
     layout = GpuLayout(config.gpus_per_node, config.gpu_order, config.gpus_per_rank, config.gpu_vendor)
     envs = [envvars.worker_env(slot, RDV) for slot in assign_slots([Host("f1", 8)], 8, layout)]
-    assert [env["ROCR_VISIBLE_DEVICES"] for env in envs] == ["4", "5", "2", "3", "6", "7", "0", "1"]
-    assert {env["HIP_VISIBLE_DEVICES"] for env in envs} == {"0"}
+    assert {env["ROCR_VISIBLE_DEVICES"] for env in envs} == {"4,5,2,3,6,7,0,1"}  # GCD 4 is local rank 0's device
+    assert {env["HIP_VISIBLE_DEVICES"] for env in envs} == {"0,1,2,3,4,5,6,7"}
     assert parse_cpu_bind(config.cpu_bind or "").lists[0] == set(range(1, 8))  # next to GCD 4 (OLCF's map)

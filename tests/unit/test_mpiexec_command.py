@@ -118,7 +118,8 @@ def test_shim_finds_its_slot_and_pins_gpus_in_machine_order(rank_var):
     slot = slot_of(environ)
     assert (slot.rank, slot.hostname, slot.local_rank, slot.cross_rank, slot.devices) == (6, "x2", 2, 1, ("1",))
     _, env = worker_environment(environ)
-    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["HVDRUN_RANK"] == env["RANK"] == "6"
+    assert env["CUDA_VISIBLE_DEVICES"] == "3,2,1,0" and env["HVDRUN_DEVICE_ORDINAL"] == "2"  # GPU 1, device 2
+    assert env["HVDRUN_RANK"] == env["RANK"] == "6"
     assert env["LOCAL_RANK"] == "2" and env["MASTER_ADDR"] == "x1" and env["HVDRUN_SECRET"] == "ab"
 
 

@@ -252,7 +252,7 @@ def _gpu_nodes(environ: Mapping[str, str], local_size: int) -> list[int] | None:
     if envvars.GPU_LAYOUT not in environ:
         return None
     layout = layout_of(environ[envvars.GPU_LAYOUT])
-    devices = [layout.devices_for(local, "") for local in range(local_size)]
+    devices = [layout.cards_for(local, "") for local in range(local_size)]
     return cpubind.local_gpu_nodes(devices, cpubind.gpu_numa_nodes(layout.vendor))
 
 
@@ -280,9 +280,20 @@ def bind_cpus(environ: Mapping[str, str]) -> None:
         sys.stderr.write(f"hvdrun: error: rank {rank} on {host}: {e}\n")
         sys.exit(2)
     if report:
-        devices = ",".join(environ.get(name, "") for name in envvars.DEVICE_VARIABLES if environ.get(name))
         sys.stderr.write(f"hvdrun: binding: rank {rank} on {host}: cores {cpubind.format_cpulist(cores)} "
-                         f"(NUMA {cpubind.numa_of(cores, nodes)}), GPU {devices or '-'} [--cpu-bind {policy}]\n")
+                         f"(NUMA {cpubind.numa_of(cores, nodes)}), GPU {_gpu_seen(environ)} [--cpu-bind {policy}]\n")
+
+
+def _gpu_seen(environ: Mapping[str, str]) -> str:
+    """``3 (device 0 of 3,2,1,0)``: the rank's own GPU and what it sees, for the bindings report."""
+    name = next((name for name in envvars.DEVICE_VARIABLES if environ.get(name)), None)
+    if name is None:
+        return "-"
+    visible = environ[name].split(",")
+    ordinal = environ.get(envvars.DEVICE_ORDINAL, "")
+    if not ordinal.isdigit() or int(ordinal) >= len(visible):
+        return environ[name]
+    return f"{visible[int(ordinal)]} (device {ordinal} of {name}={environ[name]})"
 
 
 def main(argv: list[str]) -> None:
