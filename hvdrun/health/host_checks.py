@@ -299,12 +299,13 @@ def binding_check(facts: HealthFacts, expect: Expectations, host: str, ranks: in
     lines, apart = [], []
     try:
         bind = cpubind.parse_cpu_bind(expect.cpu_bind)
-        beside = cpubind.local_gpu_nodes([expect.layout.devices_for(local, host) for local in range(ranks)], gpu_numa)
+        beside = cpubind.local_gpu_nodes([expect.layout.cards_for(local, host) for local in range(ranks)], gpu_numa)
         for local in range(ranks):
             cores = cpubind.cores_for(bind, local, ranks, set(facts.cpus), nodes, siblings, beside)
             numa = cpubind.numa_of(cores, nodes)
             devices = expect.layout.devices_for(local, host)
-            gpu_nodes = sorted({gpu_numa[i] for d in devices if (i := cpubind.gpu_index(d)) is not None
+            cards = expect.layout.cards_for(local, host)
+            gpu_nodes = sorted({gpu_numa[i] for d in cards if (i := cpubind.gpu_index(d)) is not None
                                 and i < len(gpu_numa) and gpu_numa[i] >= 0})
             gpu = f", GPU {','.join(devices)} (NUMA {','.join(map(str, gpu_nodes)) or '?'})" if devices else ""
             lines.append(f"local rank {local}: cores {cpubind.format_cpulist(cores)} (NUMA {numa}){gpu}")

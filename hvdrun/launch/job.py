@@ -34,6 +34,7 @@ from hvdrun.envvars import (
     check_tuning,
     forwarded_env,
     interface_env,
+    job_devices,
     shm_files_glob,
     thread_env,
     worker_env,
@@ -78,6 +79,7 @@ class RunOptions:
     config_file: str | None = None
     gpus_per_node: int | None = None
     gpus_per_rank: int | None = None
+    gpu_visibility: str | None = None
     launcher: str | None = None
     env_specs: tuple[str, ...] = ()
     prefix_output: bool = True
@@ -206,15 +208,19 @@ def _resolve_hosts(options: RunOptions, config: ClusterConfig | None, layout: Gp
     return (Host("localhost", options.num_proc or 1),), "default"
 
 
-def _gpu_layout(options: RunOptions, config: ClusterConfig | None) -> GpuLayout:
+def _gpu_layout(options: RunOptions, config: ClusterConfig | None, environ: Mapping[str, str]) -> GpuLayout:
+    """The GPU layout of the options and the cluster YAML, within the devices the scheduler gave the job."""
     gpus_per_node = options.gpus_per_node if options.gpus_per_node is not None else (
         config.gpus_per_node if config else 0)
     order = config.gpu_order if config and config.gpu_order and len(config.gpu_order) == gpus_per_node else None
     gpus_per_rank = options.gpus_per_rank or (config.gpus_per_rank if config else 1)
-    return GpuLayout(gpus_per_node=gpus_per_node, gpu_order=order, gpus_per_rank=gpus_per_rank,
-                     vendor=config.gpu_vendor if config else "nvidia",
-                     tiles_per_gpu=config.tiles_per_gpu if config else 1,
-                     binder=config.gpu_bind if config else "hvdrun")
+    layout = GpuLayout(gpus_per_node=gpus_per_node, gpu_order=order, gpus_per_rank=gpus_per_rank,
+                       vendor=config.gpu_vendor if config else "nvidia",
+                       tiles_per_gpu=config.tiles_per_gpu if config else 1,
+                       binder=config.gpu_bind if config else "hvdrun",
+                       visibility=options.gpu_visibility or (config.gpu_visibility if config else "node"))
+    given = job_devices(layout.vendor, environ) if gpus_per_node else None
+    return layout.within(given) if given else layout
 
 
 def resolve_command(command: Sequence[str], check_program: bool = True, module: bool = False) -> tuple[str, ...]:
@@ -257,7 +263,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
         UsageError: any invalid input (hosts, config, -np, -x, command); exit code 2.
     """
     config = load_cluster_config(options.cluster, options.config_file)
-    layout = _gpu_layout(options, config)
+    layout = _gpu_layout(options, config, environ)
     if options.host_discovery_script:
         hosts, source = make_discovery(options.host_discovery_script, options.slots_per_host, ()).find(), "discovery"
     else:

@@ -7,12 +7,15 @@ included) and tags its output, so hvdrun splits mpiexec's merged output back int
 names the rank that failed first. SSH, where mpiexec uses it, goes through a wrapper that
 applies hvdrun's SSH options (port, key, known_hosts; host keys always verified).
 
-The flavour comes from ``mpiexec --version`` unless ``--mpi-flavour`` names it.
+The flavour comes from ``mpiexec --version`` unless ``--mpi-flavour`` names it; for Open MPI the same output
+gives the version, which decides the spelling of its options (Open MPI 4's ``mpirun`` refuses the PRRTE
+``--prtemca`` that Open MPI 5 takes).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -41,6 +44,18 @@ from hvdrun.ranks import GpuLayout, Slot
 
 FLAVOURS = ("mpich", "openmpi", "pals")
 SRUN = "srun"  # Slurm's srun starts the ranks inside an allocation: one more flavour of "one command, all ranks"
+
+
+_OPEN_MPI_VERSION_RE = re.compile(r"\((?:open mpi|openrte)\)\s+v?(\d+)\.", re.IGNORECASE)
+
+
+def openmpi_major(version_text: str) -> int | None:
+    """Open MPI's major version from ``mpirun --version`` (``mpirun (Open MPI) 4.1.5`` -> 4); PRRTE's own
+    ``prterun`` counts as Open MPI 5, whose launcher it is. None when the text names neither."""
+    match = _OPEN_MPI_VERSION_RE.search(version_text)
+    if match:
+        return int(match.group(1))
+    return 5 if "prrte" in version_text.lower() else None
 
 
 def detect_flavour(version_text: str) -> str | None:
@@ -88,6 +103,7 @@ class MpiexecCommand:
     extra_args: tuple[str, ...] = ()
     cpu_bind: str = "none"
     gpu_bind: str | None = None  # PALS ``--gpu-bind list:...`` when the cluster lets the launcher pin GPUs
+    openmpi_major: int | None = None  # Open MPI's major version (None: 5 and later, PRRTE's spellings)
 
     @property
     def num_proc(self) -> int:
@@ -156,9 +172,17 @@ class MpiexecCommand:
         if os.geteuid() == 0:
             args.append("--allow-run-as-root")
         if self.ssh_agent:
-            args += ["--prtemca", "plm_ssh_agent", self.ssh_agent]
+            args += self._openmpi_agent()
         hidden = [word for name in self._hidden_names() for word in ("-x", name)]  # -x NAME: from the environment
         return args + hidden + [word for name, value in self._shown_env() for word in ("-x", f"{name}={value}")]
+
+    def _openmpi_agent(self) -> list[str]:
+        """The SSH wrapper, as this Open MPI spells it: ORTE's ``--mca plm_rsh_agent`` up to Open MPI 4,
+        PRRTE's ``--prtemca plm_ssh_agent`` from Open MPI 5 on (each refuses the other's)."""
+        assert self.ssh_agent is not None
+        if self.openmpi_major is not None and self.openmpi_major < 5:
+            return ["--mca", "plm_rsh_agent", self.ssh_agent]
+        return ["--prtemca", "plm_ssh_agent", self.ssh_agent]
 
     def _pals(self) -> list[str]:
         per_host = {host.slots for host in self.hosts}
@@ -173,6 +197,40 @@ class MpiexecCommand:
         if self.hostfile:
             args += ["--hostfile", self.hostfile]
         return args + [word for name, value in self._shown_env() for word in ("--env", f"{name}={value}")]  # --envall
+
+
+def filesystem_mpi_args(needed: Mapping[str, Sequence[str]], filesystems: Sequence[str], run_args: Sequence[str],
+                        where: str) -> list[str]:
+    """The ``--mpi-args`` a job's hvdrun needs for the filesystems the job requests (``needed``: the cluster file's
+    ``scheduler.filesystem_mpi_args``, e.g. Aurora's DAOS needs PALS's ``--no-vni``); nothing when no filesystem
+    needs any, or when ``run_args`` (``hvdrun qsub --run-args``) already passes them.
+
+    Example: ``{"daos_user_fs": ["--no-vni"]}``, ``["flare", "daos_user_fs"]``, ``[]`` -> ``["--mpi-args=--no-vni"]``.
+
+    Raises:
+        UsageError: ``run_args`` has its own ``--mpi-args`` without them (the job's hvdrun would take only that one).
+    """
+    wanted = {word: name for name in filesystems for word in needed.get(name, ())}
+    if not wanted:
+        return []
+    given = [value for option, value in _options(run_args) if option == "--mpi-args"]
+    if not given:
+        return [f"--mpi-args={shlex.join(wanted)}"]
+    missing = [word for word in wanted if word not in shlex.split(given[-1])]
+    if missing:
+        name = wanted[missing[0]]
+        raise UsageError(f"--run-args gives --mpi-args {given[-1]!r}, which the job's mpiexec would get instead of "
+                         f"the {' '.join(missing)} that filesystem {name} needs ({where}); add it: --run-args "
+                         f"\"--mpi-args='{' '.join([given[-1], *missing])}'\"")
+    return []
+
+
+def _options(words: Sequence[str]) -> Iterator[tuple[str, str]]:
+    """(option, value) of every ``--name value`` and ``--name=value`` among ``words``."""
+    for i, word in enumerate(words):
+        if word.startswith("--"):
+            option, sep, value = word.partition("=")
+            yield option, value if sep else (words[i + 1] if i + 1 < len(words) else "")
 
 
 def ssh_agent_script(options: SshOptions) -> str:
@@ -295,10 +353,13 @@ class MpiexecLauncher(Launcher):
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._hosts: tuple[Host, ...] = ()
         self._callback_addr: str | None = None
+        self._version_text = ""
 
     def prepare(self, slots: Sequence[Slot], deadline: float) -> None:
         self.mpiexec = find_srun() if self.flavour == SRUN else find_mpiexec()
-        self.flavour = self.flavour or self._detect()
+        if self.flavour in (None, "openmpi"):  # Open MPI's version decides its options' spelling
+            self._version_text = self._version_output(required=self.flavour is None)
+        self.flavour = self.flavour or self._detect(self._version_text)
         counts = Counter(slot.host for slot in slots)
         self._hosts = tuple(Host(host.name, count, host.user) for host, count in counts.items())
         remote = [host for host in self._hosts if not is_local_host(host.name)]
@@ -306,12 +367,18 @@ class MpiexecLauncher(Launcher):
             self._callback_addr = self._local_address(remote[0])
         self._tmp = tempfile.TemporaryDirectory(prefix="hvdrun-mpiexec-")
 
-    def _detect(self) -> str:
+    def _version_output(self, required: bool) -> str:
+        """``mpiexec --version``'s output; '' when it cannot run and the flavour is known (not ``required``)."""
         try:
             done = subprocess.run([self.mpiexec, "--version"], capture_output=True, text=True, timeout=20)
         except (OSError, subprocess.TimeoutExpired) as e:
+            if not required:
+                return ""
             raise LaunchError(f"cannot run '{self.mpiexec} --version': {e}") from e
-        flavour = detect_flavour(done.stdout + done.stderr)
+        return done.stdout + done.stderr
+
+    def _detect(self, version_text: str) -> str:
+        flavour = detect_flavour(version_text)
         if flavour is None:
             raise LaunchError(f"cannot tell which MPI '{self.mpiexec}' belongs to from its --version output; "
                               f"name it with --mpi-flavour {{{','.join(FLAVOURS)}}}")
@@ -321,8 +388,9 @@ class MpiexecLauncher(Launcher):
         if self.network_interface:
             addr = interface_address(self.network_interface)
             if addr is None:
-                raise LaunchError(f"this machine has no IPv4 address on --network-interface "
-                                  f"'{self.network_interface}'")
+                raise LaunchError(f"this machine has no IPv4 address on network interface '{self.network_interface}' "
+                                  "(--network-interface, else the cluster file's network_interface); name one it "
+                                  "has with --network-interface")
             return addr
         try:  # the source address of the route to the first remote host (no packet is sent)
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -371,15 +439,16 @@ class MpiexecLauncher(Launcher):
         rank_command = (first.python, "-m", "hvdrun.launch.remote.mpirank", f"{self.grace_s:g}", "--", *first.argv)
         command = MpiexecCommand(self.flavour, self.mpiexec, self._hosts, env, rank_command, str(agent),
                                  self._callback_addr, str(hostfile), self.extra_args,
-                                 first.env.get(envvars.CPU_BIND, "none"), gpu_bind)
+                                 first.env.get(envvars.CPU_BIND, "none"), gpu_bind,
+                                 openmpi_major(self._version_text) if self.flavour == "openmpi" else None)
         if command.launcher_binds():
             command = replace(command, env={k: v for k, v in env.items() if k != envvars.CPU_BIND})
         return command
 
     def _launcher_gpu_bind(self) -> str | None:
         """PALS's ``--gpu-bind list:...`` (one item per local rank) when the cluster says ``gpu_bind: launcher``."""
-        if self.layout.binder != "launcher" or not self.layout.gpus_per_node:
-            return None
+        if self.layout.binder != "launcher" or not self.layout.gpus_per_node or self.layout.visibility != "rank":
+            return None  # node visibility: every rank of a host sees the same list, set by hvdrun's rank shim
         if self.flavour != "pals":
             raise UsageError(f"gpu_bind: launcher pins GPUs with Cray PALS's --gpu-bind, but this mpiexec is "
                              f"{self.flavour}; set gpu_bind: hvdrun in the cluster file (or --mpi-flavour pals)")
