@@ -38,6 +38,8 @@ def worker(library: str, sizes: list[int]) -> None:
 
     device = os.environ.get("BENCH_DEVICE", "cuda")
     synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":  # torchrun's idiom: every rank sees its node's GPUs, its own is device LOCAL_RANK
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if library == "nccl":
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="env://")
         rank, size = dist.get_rank(), dist.get_world_size()
@@ -50,9 +52,9 @@ def worker(library: str, sizes: list[int]) -> None:
         allreduce = lambda t: hvd.allreduce_(t, op=hvd.Sum, name=f"b{t.numel()}")  # noqa: E731
         barrier = hvd.barrier
     if device == "cuda":
-        torch.cuda.set_device(0)  # pinning leaves each rank one visible GPU
+        current = torch.cuda.current_device()
         pin = {"rank": rank, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "count": torch.cuda.device_count(),
-               "name": torch.cuda.get_device_name(0)}
+               "current": current, "name": torch.cuda.get_device_name(current)}
         print("PIN " + json.dumps(pin), flush=True)
     check = torch.full((1000,), float(rank + 1), device=device)
     allreduce(check)
@@ -152,7 +154,7 @@ def main() -> None:
               f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}\n")
     for pin in pins:
         print(f"pin: {pin['library']} np={pin['ranks']} rank {pin['rank']}: CUDA_VISIBLE_DEVICES={pin['visible']} "
-              f"sees {pin['count']} x {pin['name']}")
+              f"sees {pin['count']} x {pin['name']}, current device {pin.get('current', 0)}")
     print()
     print(table(rows))
     if args.json:

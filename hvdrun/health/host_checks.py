@@ -307,7 +307,8 @@ def binding_check(facts: HealthFacts, expect: Expectations, host: str, ranks: in
             cards = expect.layout.cards_for(local, host)
             gpu_nodes = sorted({gpu_numa[i] for d in cards if (i := cpubind.gpu_index(d)) is not None
                                 and i < len(gpu_numa) and gpu_numa[i] >= 0})
-            gpu = f", GPU {','.join(devices)} (NUMA {','.join(map(str, gpu_nodes)) or '?'})" if devices else ""
+            seen = f" = device {expect.layout.ordinal_for(local)} of {','.join(expect.layout.visible_for(local, host))}"
+            gpu = f", GPU {','.join(devices)}{seen} (NUMA {','.join(map(str, gpu_nodes)) or '?'})" if devices else ""
             lines.append(f"local rank {local}: cores {cpubind.format_cpulist(cores)} (NUMA {numa}){gpu}")
             if gpu_nodes and not set(map(str, gpu_nodes)) & set(numa.split(",")):
                 apart.append(local)

@@ -24,7 +24,7 @@ keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "M
         "HVDRUN_RANK", "HVDRUN_SIZE", "HVDRUN_LOCAL_RANK", "HVDRUN_LOCAL_SIZE", "HVDRUN_CROSS_RANK",
         "HVDRUN_CROSS_SIZE", "HVDRUN_HOSTNAME", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
         "HVDRUN_RENDEZVOUS_ADDR", "HVDRUN_RENDEZVOUS_PORT", "HVDRUN_SECRET", "CUDA_VISIBLE_DEVICES",
-        "FORWARDED", "SET_HERE", "FROM_CONFIG"]
+        "HVDRUN_DEVICE_ORDINAL", "FORWARDED", "SET_HERE", "FROM_CONFIG"]
 print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}))
 """
 
@@ -68,8 +68,9 @@ def test_every_rank_gets_its_environment(run_hvdrun, hvdrun_env, tmp_path):
     envs = sorted(env_lines(result.stdout), key=lambda e: int(e["RANK"]))
     assert [(e["RANK"], e["LOCAL_RANK"], e["HVDRUN_CROSS_RANK"], e["GROUP_RANK"], e["HVDRUN_HOSTNAME"],
              e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [
-        ("0", "0", "0", "0", "localhost", "1"), ("1", "1", "0", "0", "localhost", "0"),
-        ("2", "0", "1", "1", "127.0.0.1", "1"), ("3", "1", "1", "1", "127.0.0.1", "0")]
+        ("0", "0", "0", "0", "localhost", "1,0"), ("1", "1", "0", "0", "localhost", "1,0"),
+        ("2", "0", "1", "1", "127.0.0.1", "1,0"), ("3", "1", "1", "1", "127.0.0.1", "1,0")]
+    assert [e["HVDRUN_DEVICE_ORDINAL"] for e in envs] == ["0", "1", "0", "1"]  # GPU 1, then GPU 0, on each host
     for env in envs:
         assert env["WORLD_SIZE"] == env["HVDRUN_SIZE"] == env["HOROVOD_SIZE"] == "4"
         assert env["HVDRUN_RANK"] == env["HOROVOD_RANK"] == env["RANK"]
@@ -352,7 +353,8 @@ print("PIN " + json.dumps({"rank": int(os.environ["RANK"]), **{n: os.environ.get
 
 def test_amd_ranks_read_back_their_rocr_gpus_and_no_contradicting_variable(run_hvdrun, hvdrun_env, tmp_path):
     """A HIP_VISIBLE_DEVICES inherited from the shell must not leave a rank with no GPU: the ranks see
-    ROCR_VISIBLE_DEVICES in the cluster's order and HIP/CUDA indices 0..k-1 within it."""
+    ROCR_VISIBLE_DEVICES in the cluster's order and HIP/CUDA indices 0..k-1 within it (rank 1's GPUs 2,3 are
+    its devices 2 and 3)."""
     (tmp_path / "amd.yaml").write_text("gpu_vendor: amd\ngpus_per_node: 4\ngpus_per_rank: 2\ngpu_order: [4, 5, 2, 3]\n"
                                        "hosts: ['localhost:2']\n")
     hvdrun_env["HIP_VISIBLE_DEVICES"] = "7"
@@ -361,7 +363,7 @@ def test_amd_ranks_read_back_their_rocr_gpus_and_no_contradicting_variable(run_h
     pins = sorted((json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line),
                   key=lambda p: p["rank"])
     assert [(p["ROCR_VISIBLE_DEVICES"], p["HIP_VISIBLE_DEVICES"], p["CUDA_VISIBLE_DEVICES"], p["ZE_AFFINITY_MASK"])
-            for p in pins] == [("4,5", "0,1", "0,1", None), ("2,3", "0,1", "0,1", None)]
+            for p in pins] == [("4,5,2,3", "0,1,2,3", "0,1,2,3", None)] * 2
 
 
 @pytest.mark.parametrize("args, fragment", [

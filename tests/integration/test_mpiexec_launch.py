@@ -150,7 +150,7 @@ def test_pals_line_through_a_fake_pals_mpiexec_pins_gpus_in_polaris_order(run_hv
     pins = sorted((json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line),
                   key=lambda r: r["rank"])
     assert [(p["rank"], p["local"], p["gpus"], p["ok"]) for p in pins] == [
-        (0, 0, "3", True), (1, 1, "2", True), (2, 2, "1", True), (3, 3, "0", True)]
+        (0, 0, "3,2,1,0", True), (1, 1, "3,2,1,0", True), (2, 2, "3,2,1,0", True), (3, 3, "3,2,1,0", True)]
     assert all(f"[{rank}]<stdout>:PIN " in done.stdout for rank in range(4))
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["argv"][:9] == ["--np", "4", "--ppn", "4", "--cpu-bind", "none", "--envall", "--line-buffer",
@@ -160,22 +160,24 @@ def test_pals_line_through_a_fake_pals_mpiexec_pins_gpus_in_polaris_order(run_hv
 
 DEVICE_VARIABLES = """
 import json, os
-names = ("ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+names = ("ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+         "HVDRUN_DEVICE_ORDINAL")
 print("PIN " + json.dumps({"rank": int(os.environ["HVDRUN_RANK"]), **{n: os.environ.get(n) for n in names}}))
 """
 
 
 def test_the_shipped_polaris_config_through_a_fake_pals_mpiexec(run_hvdrun, hvdrun_env, tmp_path):
-    """FAKE PALS: polaris.yaml pins GPUs 3,2,1,0, gives PALS ALCF's --depth=8 --cpu-bind depth and the NCCL
-    network plugin's settings reach every rank."""
+    """FAKE PALS: polaris.yaml shows every rank GPUs 3,2,1,0 (local rank L's is device L), gives PALS ALCF's
+    --depth=8 --cpu-bind depth and the NCCL network plugin's settings reach every rank."""
     hvdrun_env.update({"HVDRUN_MPIEXEC": str(FAKE_PALS), "FAKE_PALS_RECORD": str(tmp_path / "record.json")})
-    shown = DEVICE_VARIABLES.replace('"ROCR_VISIBLE_DEVICES")',
-                                     '"ROCR_VISIBLE_DEVICES", "NCCL_NET", "FI_MR_CACHE_MONITOR")')
+    shown = DEVICE_VARIABLES.replace('"HVDRUN_DEVICE_ORDINAL")',
+                                     '"HVDRUN_DEVICE_ORDINAL", "NCCL_NET", "FI_MR_CACHE_MONITOR")')
     done = run_hvdrun("--cluster", "polaris", "-H", "localhost:4", "-np", "4", "--", sys.executable, "-c", shown)
     assert done.returncode == 0, done.stderr
     pins = sorted((json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line),
                   key=lambda r: r["rank"])
-    assert [p["CUDA_VISIBLE_DEVICES"] for p in pins] == ["3", "2", "1", "0"]
+    assert {p["CUDA_VISIBLE_DEVICES"] for p in pins} == {"3,2,1,0"}
+    assert [p["HVDRUN_DEVICE_ORDINAL"] for p in pins] == ["0", "1", "2", "3"]
     assert {(p["NCCL_NET"], p["FI_MR_CACHE_MONITOR"]) for p in pins} == {("AWS Libfabric", "userfaultfd")}
     assert not any(p["ZE_AFFINITY_MASK"] or p["ROCR_VISIBLE_DEVICES"] for p in pins)
     argv = json.loads((tmp_path / "record.json").read_text())["argv"]
@@ -183,9 +185,9 @@ def test_the_shipped_polaris_config_through_a_fake_pals_mpiexec(run_hvdrun, hvdr
     assert argv[argv.index("--cpu-bind") + 1] == "depth"
 
 
-def test_aurora_through_a_fake_pals_mpiexec_pins_twelve_tiles_with_ze_affinity_mask(run_hvdrun, hvdrun_env,
-                                                                                     tmp_path):
-    """FAKE PALS: the shipped aurora.yaml gives each of 12 ranks its own GPU tile and no CUDA variable."""
+def test_aurora_through_a_fake_pals_mpiexec_shows_twelve_flat_tiles(run_hvdrun, hvdrun_env, tmp_path):
+    """FAKE PALS: the shipped aurora.yaml shows each of 12 ranks the 12 tiles (FLAT), its own at its local rank,
+    and no CUDA variable."""
     hvdrun_env.update({"HVDRUN_MPIEXEC": str(FAKE_PALS), "FAKE_PALS_RECORD": str(tmp_path / "record.json")})
     hvdrun_env.pop("CUDA_VISIBLE_DEVICES", None)
     done = run_hvdrun("--cluster", "aurora", "-H", "localhost:12", "-np", "12", "--",
@@ -193,8 +195,9 @@ def test_aurora_through_a_fake_pals_mpiexec_pins_twelve_tiles_with_ze_affinity_m
     assert done.returncode == 0, done.stderr
     pins = sorted((json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line),
                   key=lambda r: r["rank"])
-    assert [p["ZE_AFFINITY_MASK"] for p in pins] == [f"{gpu}.{tile}" for gpu in range(6) for tile in range(2)]
-    assert {p["ZE_FLAT_DEVICE_HIERARCHY"] for p in pins} == {"COMPOSITE"}
+    assert {p["ZE_AFFINITY_MASK"] for p in pins} == {",".join(map(str, range(12)))}
+    assert {p["ZE_FLAT_DEVICE_HIERARCHY"] for p in pins} == {"FLAT"}
+    assert [p["HVDRUN_DEVICE_ORDINAL"] for p in pins] == [str(local) for local in range(12)]
     assert not any(p["CUDA_VISIBLE_DEVICES"] or p["ROCR_VISIBLE_DEVICES"] for p in pins)
     argv = json.loads((tmp_path / "record.json").read_text())["argv"]  # PALS binds ALCF's 12 core lists itself
     assert argv[argv.index("--cpu-bind") + 1] == "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:" \
@@ -213,7 +216,8 @@ def test_gpu_bind_launcher_with_an_mpiexec_other_than_pals_is_a_usage_error(run_
 
 
 def test_a_cluster_that_lets_pals_pin_gpus_gets_gpu_bind_and_no_variable(run_hvdrun, hvdrun_env, tmp_path):
-    """FAKE PALS: gpu_bind: launcher hands the same tiles to PALS's --gpu-bind; hvdrun sets no ZE_AFFINITY_MASK."""
+    """FAKE PALS: gpu_bind: launcher hands each rank's tile (a FLAT id) to PALS's --gpu-bind; hvdrun sets no
+    ZE_AFFINITY_MASK, only the FLAT hierarchy those ids mean."""
     config = tmp_path / "aurora-pals-binds.yaml"
     config.write_text("launcher: mpiexec\nmpi_flavour: pals\ngpu_vendor: intel\ngpus_per_node: 4\ntiles_per_gpu: 2\n"
                       "gpu_bind: launcher\nhosts: ['localhost:4']\n")
@@ -222,5 +226,6 @@ def test_a_cluster_that_lets_pals_pin_gpus_gets_gpu_bind_and_no_variable(run_hvd
     assert done.returncode == 0, done.stderr
     pins = [json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line]
     assert len(pins) == 4 and not any(p["ZE_AFFINITY_MASK"] for p in pins)
+    assert {p["ZE_FLAT_DEVICE_HIERARCHY"] for p in pins} == {"FLAT"}
     argv = json.loads((tmp_path / "record.json").read_text())["argv"]
-    assert argv[argv.index("--gpu-bind") + 1] == "list:0.0:0.1:1.0:1.1"
+    assert argv[argv.index("--gpu-bind") + 1] == "list:0:1:2:3"

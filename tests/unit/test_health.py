@@ -180,7 +180,8 @@ def test_cores_follow_each_gpu_to_its_numa_node_in_the_bindings_report(order):
     check = binding_check(polaris_like_facts(), replace(EXPECT, cpu_bind="cores", layout=GpuLayout(4, order)),
                           "x3001", 4)
     assert check.ok and not check.warn and check.fix is None
-    beside = "0-7,32-39 (NUMA 0), GPU 3 (NUMA 0)" if order else "24-31,56-63 (NUMA 3), GPU 0 (NUMA 3)"
+    beside = ("0-7,32-39 (NUMA 0), GPU 3 = device 0 of 3,2,1,0 (NUMA 0)" if order
+              else "24-31,56-63 (NUMA 3), GPU 0 = device 0 of 0,1,2,3 (NUMA 3)")
     first = f"local rank 0: cores {beside}"
     assert check.found.startswith(first), check.found
 
@@ -189,7 +190,7 @@ def test_the_bindings_report_warns_when_a_ranks_cores_and_gpu_sit_on_different_n
     expect = replace(EXPECT, cpu_bind="list:0-7:8-15:16-23:24-31", layout=GpuLayout(4))
     check = binding_check(polaris_like_facts(), expect, "x3001", 4)
     assert check.ok and check.warn
-    assert check.found.startswith("local rank 0: cores 0-7 (NUMA 0), GPU 0 (NUMA 3)"), check.found
+    assert check.found.startswith("local rank 0: cores 0-7 (NUMA 0), GPU 0 = device 0 of 0,1,2,3 (NUMA 3)"), check.found
     assert "local ranks 0, 1, 2, 3 of x3001 have their cores on another NUMA node" in (check.fix or "")
 
 
