@@ -15,6 +15,7 @@ import click
 from hvdrun.config import available_clusters
 from hvdrun.envvars import RESTART_COUNT, TORCHELASTIC_RESTART_COUNT
 from hvdrun.errors import HvdrunError
+from hvdrun.ranks import GPU_VISIBILITIES
 from hvdrun.schedulers import SCHEDULERS
 from hvdrun.version import __version__
 
@@ -177,6 +178,9 @@ def _host_options(with_np: bool = True) -> Any:
                      help="GPUs (Intel: tiles) per host; pins each rank through its vendor's variable "
                      "(CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK, ROCR_VISIBLE_DEVICES)."),
         click.option("--gpus-per-rank", type=click.IntRange(min=1), help="GPUs each rank gets (default 1)."),
+        click.option("--gpu-visibility", type=click.Choice(GPU_VISIBILITIES),
+                     help="node (default): every rank sees its host's GPUs in the cluster's order, so device "
+                          "local_rank is its own (set_device(local_rank) works); rank: each rank sees only its own."),
         click.option("--cpu-bind", metavar="none|cores|numa|depth:D|list:A-B:C-D...",
                      help="Cores of each rank: cores = an equal disjoint share, numa = one NUMA node, depth:D = "
                           "CPUs L*D..L*D+D-1 (PALS's --depth), list: one core list per local rank (default: the "
@@ -564,9 +568,17 @@ def _job_options(command: Any) -> Any:
 @click.option("--dry-run", is_flag=True, help="Print the job script (the default when not submitting).")
 @click.option("--submit", is_flag=True, help="Write the script next to the output and submit it.")
 @click.option("--wait", is_flag=True, help="Submit, follow the job and exit with its exit code.")
+@click.option("--explain", is_flag=True,
+              help="Print the cluster's site facts (queues, limits, filesystems, modules, variables), each with the "
+                   "page it was read from, and exit.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def qsub(dry_run: bool, submit: bool, wait: bool, **options: Any) -> int:
+def qsub(dry_run: bool, submit: bool, wait: bool, explain: bool, **options: Any) -> int:
     """Write a PBS, Cobalt or Slurm job script that runs COMMAND with hvdrun; print or submit it."""
+    if explain:
+        from hvdrun.jobs.explain import explain_request
+
+        click.echo(explain_request(options["cluster"], options["config_file"]), nl=False)
+        return 0
     from hvdrun.errors import UsageError
     from hvdrun.jobs.follow import follow
     from hvdrun.jobs.follow import submit as submit_job

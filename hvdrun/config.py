@@ -9,12 +9,15 @@ A cluster file describes one machine type::
     gpu_vendor: nvidia         # nvidia | intel | amd: CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK or ROCR_VISIBLE_DEVICES
     tiles_per_gpu: 2           # Intel GPUs whose tiles get a rank each (gpus_per_node then counts tiles)
     cpu_bind: list:1-8:9-16    # none | cores | numa | list:A-B:C-D... (one core list per local rank)
-    gpu_bind: hvdrun           # hvdrun (the vendor's variable) | launcher (Cray PALS --gpu-bind list:...)
+    gpu_bind: hvdrun           # hvdrun (the vendor's variable) | launcher (PALS --gpu-bind, with rank visibility)
+    gpu_visibility: node       # node: every rank sees its host's GPUs in gpu_order (ordinal local_rank is its
+                               # own); rank: each rank sees only its own GPU(s) (strict isolation)
     gpus_per_rank: 1
     hosts: ["x3001c0s7b0n0:4"] # optional; usually the scheduler allocation is used
                                # or mappings: {name: n1, slots: 4, user: me, python: /x/bin/python}
     python: /opt/conda/bin/python  # the workers' Python on every host (or venv: /path/to/venv)
     local_dir: /tmp            # a directory on each node's own disk: where --stage-env copies the environment
+    network_interface: hsn0    # rank 0 advertises its address on this interface when the job spans hosts
     ssh_port: 22
     mpi_flavour: pals          # launcher mpiexec: mpich | openmpi | pals (default: detected)
     ranks_per_node: 4          # ranks on every host (default: its slots, or one per GPU)
@@ -30,9 +33,15 @@ A cluster file describes one machine type::
       required: [account, walltime, filesystems]   # fields a job must have on this machine
       valid_filesystems: [home, eagle]
       setup: ["module use /soft/modulefiles", "module load conda"]   # shell lines run before hvdrun
+      filesystem_mpi_args: {daos_user_fs: [--no-vni]}   # mpiexec arguments a job on that filesystem needs
       queues:                  # limits checked before submitting
         debug: {min_nodes: 1, max_nodes: 2, max_walltime: "01:00:00"}
         by-gpu: {nodes_allowed: [1, 2, 4, 8], unit: gpus}
+    sources:                   # the pages the site facts above were read from (hvdrun/site_sources.py)
+      repository: argonne-lcf/user-guides
+      commit: 7d04a3f91d5eaf6d731be6d267617c2e5cbe722e
+      read: "2026-11-27"
+      pages: {docs/polaris/running-jobs/index.md: [scheduler.queues]}
 
 Unknown keys and wrong types raise :class:`ConfigError` naming the file, the key and
 what is allowed.
@@ -48,9 +57,10 @@ from typing import Any
 
 from hvdrun.errors import ConfigError, HostSpecError, UsageError
 from hvdrun.hosts import Host, merge_duplicates, parse_host_item
-from hvdrun.ranks import GPU_BINDERS, GPU_VENDORS
+from hvdrun.ranks import GPU_BINDERS, GPU_VENDORS, GPU_VISIBILITIES
 from hvdrun.resources import data_dir
 from hvdrun.schedulers import DEFAULT_SCHEDULER, SCHEDULERS
+from hvdrun.site_sources import SiteSources, parse_sources
 
 LAUNCHERS = ("local", "ssh", "mpiexec", "srun")
 MPI_FLAVOURS = ("mpich", "openmpi", "pals")
@@ -58,13 +68,14 @@ REQUIRABLE = ("account", "walltime", "filesystems", "queue")
 
 _TOP_KEYS = ("name", "description", "launcher", "gpus_per_node", "gpu_order", "gpus_per_rank", "hosts", "env",
              "ssh_port", "python", "venv", "scheduler", "mpi_flavour", "ranks_per_node", "gpu_vendor", "tiles_per_gpu",
-             "cpu_bind", "gpu_bind", "local_dir")
+             "gpu_visibility", "cpu_bind", "gpu_bind", "local_dir", "network_interface", "sources")
 _HOST_KEYS = ("name", "slots", "user", "python", "venv")
 _SCHEDULER_KEYS = ("kind", "queue", "account", "walltime", "filesystems", "template", "extra_directives",
                    "skip_directives", "max_nodes", "system", "place", "required", "valid_filesystems", "setup",
-                   "queues", "max_walltime")
+                   "queues", "max_walltime", "filesystem_mpi_args")
 _QUEUE_KEYS = ("min_nodes", "max_nodes", "max_walltime", "nodes_allowed", "unit", "routes")
 _ROUTE_KEYS = ("min_nodes", "max_nodes", "max_walltime")
+_INTERFACE_RE = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")  # a Linux interface name (IFNAMSIZ 16)
 _WALLTIME_RE = re.compile(r"(?:(\d{1,3})-)?(\d{1,4}):([0-5]\d):([0-5]\d)")
 
 
@@ -146,6 +157,7 @@ class SchedulerDefaults:
     setup: tuple[str, ...] = ()
     queues: Mapping[str, QueueLimits] = field(default_factory=dict)
     max_walltime_s: int | None = None
+    filesystem_mpi_args: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # filesystem -> mpiexec args
 
 
 @dataclass(frozen=True)
@@ -169,7 +181,10 @@ class ClusterConfig:
     tiles_per_gpu: int = 1
     cpu_bind: str | None = None
     gpu_bind: str = "hvdrun"
+    gpu_visibility: str = "node"  # node: every rank sees the host's GPUs in gpu_order; rank: only its own
     local_dir: str | None = None  # node-local directory for --stage-env (launch/staging.py)
+    network_interface: str | None = None  # rank 0's address is this interface's when the job spans hosts
+    sources: SiteSources | None = None  # the pages the site facts come from (site_sources.py)
 
 
 class _Section:
@@ -291,7 +306,23 @@ def _parse_scheduler(top: _Section) -> SchedulerDefaults | None:
         max_nodes=s.positive_int("max_nodes", None), system=s.get("system", str), place=s.get("place", str),
         required=required, valid_filesystems=s.str_list("valid_filesystems"), setup=s.str_list("setup"),
         queues=_parse_queues(s), max_walltime_s=_optional_walltime_s(s, "max_walltime", "scheduler."),
+        filesystem_mpi_args=_filesystem_mpi_args(s),
     )
+
+
+def _filesystem_mpi_args(s: _Section) -> dict[str, tuple[str, ...]]:
+    """``filesystem_mpi_args``: filesystem -> the mpiexec arguments a job that requests it needs (a filesystem
+    of ``valid_filesystems``, when that is given)."""
+    result = {}
+    valid = s.str_list("valid_filesystems")
+    for name, args in s.get("filesystem_mpi_args", dict, {}).items():
+        where = f"{s.source}: scheduler.filesystem_mpi_args.{name}"
+        if valid and name not in valid:
+            raise ConfigError(f"{where}: '{name}' is not in scheduler.valid_filesystems ({', '.join(valid)})")
+        if not isinstance(args, list) or not args or not all(isinstance(a, str) and a.strip() for a in args):
+            raise ConfigError(f"{where} must list mpiexec arguments, e.g. [--no-vni], got {args!r}")
+        result[str(name)] = tuple(args)
+    return result
 
 
 def _walltime_s(text: str, where: str) -> int:
@@ -333,6 +364,15 @@ def _parse_routes(queue: _Section, prefix: str) -> tuple[QueueRoute, ...]:
     return tuple(routes)
 
 
+def _gpu_visibility(top: _Section, binder: str, source: str) -> str:
+    """``gpu_visibility``: node by default; rank where PALS pins (``gpu_bind: launcher`` shows a rank only its own)."""
+    visibility = top.choice("gpu_visibility", GPU_VISIBILITIES, None)
+    if binder == "launcher" and visibility == "node":
+        raise ConfigError(f"{source}: gpu_bind: launcher has PALS show each rank only its own GPUs, which is "
+                          "gpu_visibility: rank; drop one of the two (gpu_bind: hvdrun shows every rank its node's)")
+    return visibility or ("rank" if binder == "launcher" else "node")
+
+
 def parse_config(data: Any, source: str) -> ClusterConfig:
     """Validate a decoded YAML document and return its :class:`ClusterConfig`."""
     top = _Section(data, source, "", _TOP_KEYS)
@@ -349,6 +389,7 @@ def parse_config(data: Any, source: str) -> ClusterConfig:
     if tiles > 1 and gpus_per_node % tiles:
         raise ConfigError(f"{source}: gpus_per_node {gpus_per_node} counts tiles and must be a multiple of "
                           f"tiles_per_gpu {tiles}")
+    binder = top.choice("gpu_bind", GPU_BINDERS, "hvdrun") or "hvdrun"
     return ClusterConfig(
         name=top.get("name", str, Path(source).stem), source=source, python=python,
         launcher=top.choice("launcher", LAUNCHERS, None),
@@ -359,9 +400,19 @@ def parse_config(data: Any, source: str) -> ClusterConfig:
         mpi_flavour=top.choice("mpi_flavour", MPI_FLAVOURS, None),
         ranks_per_node=top.positive_int("ranks_per_node", None), gpu_vendor=vendor, tiles_per_gpu=tiles,
         cpu_bind=top.get("cpu_bind", str),  # checked where it is used (launch/job.py)
-        gpu_bind=top.choice("gpu_bind", GPU_BINDERS, "hvdrun") or "hvdrun",
-        local_dir=_absolute_path(top, "local_dir"),
+        gpu_bind=binder, gpu_visibility=_gpu_visibility(top, binder, source),
+        local_dir=_absolute_path(top, "local_dir"), network_interface=_interface(top),
+        sources=parse_sources(data.get("sources"), data, source),
     )
+
+
+def _interface(top: _Section) -> str | None:
+    """``network_interface``: a Linux interface name such as hsn0."""
+    name = top.get("network_interface", str)
+    if name is not None and not _INTERFACE_RE.fullmatch(name):
+        raise ConfigError(f"{top.source}: 'network_interface' must be an interface name such as hsn0 or ib0 "
+                          f"(up to 15 letters, digits, '_', '.', ':', '@' or '-'), got {name!r}")
+    return name
 
 
 def load_config(path: str | Path) -> ClusterConfig:

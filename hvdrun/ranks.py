@@ -81,6 +81,13 @@ class GpuLayout:
         return tuple(str(int(d) // self.tiles_per_gpu) if self.tiles_per_gpu > 1 and d.isdigit() else d
                      for d in self.devices_for(local_rank, host))
 
+    def tile_ids_for(self, local_rank: int, host: str) -> tuple[str, ...]:
+        """``local_rank``'s devices with tiles as ``GPU.tile`` ids (FLAT id 3 is ``1.1``): what Cray PALS's
+        ``--gpu-bind list:`` parses (ALCF's Aurora page: FLAT ids fail there); other ids as they are."""
+        tiles = self.tiles_per_gpu
+        return tuple(f"{int(d) // tiles}.{int(d) % tiles}" if self.vendor == "intel" and tiles > 1 and d.isdigit()
+                     else d for d in self.devices_for(local_rank, host))
+
     def hierarchy(self) -> str:
         """Level Zero's device hierarchy the ids need: ``FLAT`` (tiles as devices, FLAT ids), ``COMPOSITE``
         (``GPU.tile`` ids), or "" (whole GPUs: whatever the site set)."""

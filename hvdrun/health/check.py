@@ -151,15 +151,30 @@ def run_check(options: CheckOptions, environ: Mapping[str, str],
     expect = replace(Expectations.of_launcher(plan.layout.gpus_per_node, gpus_from, int(options.min_disk_gb * 1e9)),
                      cpu_bind=plan.base_env.get(CPU_BIND, "none"), layout=plan.layout)
     checker = HostChecker(check_targets(plan), plan.cwd, ssh_options(plan), options.timeout_s, expect,
-                          run.network_interface)
+                          plan.options.network_interface)
     hosts = checker.run(on_host)
     launcher = {"host": socket.gethostname(), "python": expect.python, "hvdrun": expect.hvdrun, "torch": expect.torch,
-                "launcher": plan.launcher, "ranks": len(plan.slots)}
+                "launcher": plan.launcher, "ranks": len(plan.slots), "interface": interface_of(plan, run)}
     if not all(h.ok for h in hosts):
         bad = ", ".join(h.host for h in hosts if not h.ok)
         return CheckReport(launcher, hosts, JobReport(ran=False, skipped=f"host checks failed on {bad}"))
     on_job(f"running an allreduce on {len(plan.slots)} ranks")
     return CheckReport(launcher, hosts, run_check_job(plan))
+
+
+def interface_of(plan: JobPlan, run: RunOptions) -> dict[str, str | None]:
+    """The interface whose address rank 0 advertises to the other hosts: its name (None: the source address of
+    the route to the first other host), where that choice comes from, and its address on this machine."""
+    from hvdrun.launch.remote.hostfacts import interface_address
+
+    name = plan.options.network_interface
+    if run.network_interface:
+        source: str | None = "--network-interface"
+    elif name:
+        source = f"network_interface of {run.cluster or run.config_file}"
+    else:
+        source = None
+    return {"name": name, "from": source, "address": interface_address(name) if name else None}
 
 
 def run_check_job(plan: JobPlan) -> JobReport:

@@ -81,8 +81,23 @@ def _all_checks(report: CheckReport) -> Iterator[tuple[str, list[Check]]]:
     yield "job", report.job.checks
 
 
+def network_line(report: CheckReport) -> Text:
+    """Which interface rank 0 advertises its address on, and why (``--network-interface``, the cluster file)."""
+    interface = report.launcher.get("interface") or {}
+    line = Text("network: ", style="bold")
+    if not interface.get("name"):
+        return line + Text("rank 0 advertises the address of its route to the first other host (no "
+                           "--network-interface; a cluster file's network_interface counts when the job spans hosts)")
+    address = interface.get("address")
+    line.append(f"rank 0 advertises its address on {interface['name']} ({interface['from']}); ")
+    line.append(f"this machine's is {address}" if address else "this machine has no IPv4 address on it",
+                style="green" if address else "yellow")
+    return line
+
+
 def print_check(report: CheckReport, console: Console) -> None:
-    """The whole report: hosts, job, problems and the verdict."""
+    """The whole report: the network, hosts, job, problems and the verdict."""
+    console.print(network_line(report))
     console.print(host_table(report.hosts))
     console.print(job_table(report))
     for line in problems(report):

@@ -275,6 +275,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
         raise UsageError("--exclude-hosts/--exclude-hosts-file leave hosts out of a fixed list; with "
                          "--host-discovery-script, leave them out of what the script prints")
     hosts = without_excluded(hosts, excluded_hosts(options.exclude_hosts, options.exclude_hosts_file))
+    options = replace(options, network_interface=_network_interface(options, config, hosts))
     elastic = _elastic_plan(options, hosts) if options.elastic else None
     if elastic and (options.max_restarts or options.spares):
         raise UsageError("--max-restarts/--spares restart a whole job; an elastic job (--min-np/--max-np/"
@@ -306,6 +307,15 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
                    forward_signals=DEFAULT_FORWARD_SIGNALS if options.forward_signals is None else
                    parse_signal_list(options.forward_signals),
                    stage=_stage_plan(options, config, launcher, hosts, default_python))
+
+
+def _network_interface(options: RunOptions, config: ClusterConfig | None, hosts: Sequence[Host]) -> str | None:
+    """The interface rank 0 advertises its address on: ``--network-interface``, else the cluster file's
+    ``network_interface`` (Aurora's hsn0) when the job spans hosts; a job on this machine alone talks over
+    loopback (and the machine it runs on, a login node, a laptop, may lack the site's interface)."""
+    if options.network_interface or config is None or not config.network_interface:
+        return options.network_interface
+    return config.network_interface if any(not is_local_host(host.name) for host in hosts) else None
 
 
 def _stage_plan(options: RunOptions, config: ClusterConfig | None, launcher: str, hosts: Sequence[Host],

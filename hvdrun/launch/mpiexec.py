@@ -430,6 +430,8 @@ class MpiexecLauncher(Launcher):
         shim_layout = replace(self.layout, gpus_per_node=0) if gpu_bind else self.layout  # PALS pins, not the shim
         env = {**envvars.job_env(envvars.rendezvous_of(first.env)), **_additions(first.env),
                envvars.MPI_PLAN: plan_value(list(self._hosts), len(specs), shim_layout)}
+        if gpu_bind and self.layout.hierarchy():  # PALS parses tiles only as GPU.tile ids, which need COMPOSITE
+            env[envvars.ZE_FLAT_DEVICE_HIERARCHY] = "COMPOSITE"
         agent = Path(self._tmp.name) / "ssh"
         agent.write_text(ssh_agent_script(self.ssh))
         agent.chmod(0o700)
@@ -453,7 +455,7 @@ class MpiexecLauncher(Launcher):
             raise UsageError(f"gpu_bind: launcher pins GPUs with Cray PALS's --gpu-bind, but this mpiexec is "
                              f"{self.flavour}; set gpu_bind: hvdrun in the cluster file (or --mpi-flavour pals)")
         per_host = max(host.slots for host in self._hosts)
-        return "list:" + ":".join(",".join(self.layout.devices_for(local, self._hosts[0].name))
+        return "list:" + ":".join(",".join(self.layout.tile_ids_for(local, self._hosts[0].name))
                                   for local in range(per_host))
 
     def close(self) -> None:

@@ -216,8 +216,9 @@ def test_gpu_bind_launcher_with_an_mpiexec_other_than_pals_is_a_usage_error(run_
 
 
 def test_a_cluster_that_lets_pals_pin_gpus_gets_gpu_bind_and_no_variable(run_hvdrun, hvdrun_env, tmp_path):
-    """FAKE PALS: gpu_bind: launcher hands each rank's tile (a FLAT id) to PALS's --gpu-bind; hvdrun sets no
-    ZE_AFFINITY_MASK, only the FLAT hierarchy those ids mean."""
+    """FAKE PALS: gpu_bind: launcher hands each rank's tile to PALS's --gpu-bind as a GPU.tile id (PALS fails to
+    parse FLAT ids, ALCF's Aurora page says); hvdrun sets no ZE_AFFINITY_MASK, only the COMPOSITE hierarchy
+    those ids need."""
     config = tmp_path / "aurora-pals-binds.yaml"
     config.write_text("launcher: mpiexec\nmpi_flavour: pals\ngpu_vendor: intel\ngpus_per_node: 4\ntiles_per_gpu: 2\n"
                       "gpu_bind: launcher\nhosts: ['localhost:4']\n")
@@ -226,6 +227,6 @@ def test_a_cluster_that_lets_pals_pin_gpus_gets_gpu_bind_and_no_variable(run_hvd
     assert done.returncode == 0, done.stderr
     pins = [json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line]
     assert len(pins) == 4 and not any(p["ZE_AFFINITY_MASK"] for p in pins)
-    assert {p["ZE_FLAT_DEVICE_HIERARCHY"] for p in pins} == {"FLAT"}
+    assert {p["ZE_FLAT_DEVICE_HIERARCHY"] for p in pins} == {"COMPOSITE"}
     argv = json.loads((tmp_path / "record.json").read_text())["argv"]
-    assert argv[argv.index("--gpu-bind") + 1] == "list:0:1:2:3"
+    assert argv[argv.index("--gpu-bind") + 1] == "list:0.0:0.1:1.0:1.1"

@@ -14,7 +14,7 @@
 # 'module load cobalt/cobalt-gpu' (Cobalt's GPU instance), or qsub sends the job to Theta's KNL nodes.
 set -o pipefail
 cd /home/me/run
-module load conda/pytorch
+module load conda/2021-06-26
 conda activate
 if ! /opt/py/bin/python -c 'import hvdrun' 2>/dev/null; then
   echo "hvdrun: error: the job's Python" /opt/py/bin/python "cannot import hvdrun on $(hostname): install hvdrun into that environment, or give hvdrun qsub --venv, --conda or --python" >&2

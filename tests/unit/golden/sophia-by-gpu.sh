@@ -16,7 +16,7 @@ cd /home/me/run
 module use /soft/modulefiles
 module load compilers/openmpi
 module load conda
-conda activate
+conda activate base
 if ! /home/me/venv/bin/python -c 'import hvdrun' 2>/dev/null; then
   echo "hvdrun: error: the job's Python" /home/me/venv/bin/python "cannot import hvdrun on $(hostname): install hvdrun into that environment, or give hvdrun qsub --venv, --conda or --python" >&2
   echo 2 > /home/me/run/logs/train.exitcode

@@ -12,7 +12,7 @@
 # 'module load cobalt/cobalt-gpu' (Cobalt's GPU instance), or qsub sends the job to Theta's KNL nodes.
 set -o pipefail
 cd /home/me/run
-module load conda/pytorch
+module load conda/2021-06-26
 conda activate
 if ! /home/me/venv/bin/python -c 'import hvdrun' 2>/dev/null; then
   echo "hvdrun: error: the job's Python" /home/me/venv/bin/python "cannot import hvdrun on $(hostname): install hvdrun into that environment, or give hvdrun qsub --venv, --conda or --python" >&2
