@@ -588,6 +588,8 @@ def qsub(dry_run: bool, submit: bool, wait: bool, explain: bool, **options: Any)
     if dry_run and (submit or wait):
         raise UsageError("--dry-run prints the script only; drop it to --submit or --wait")
     spec = build_spec(JobRequest(**options))
+    for notice in spec.notices:
+        click.echo(f"hvdrun: note: {notice}", err=True)
     text = render_script(spec)
     warning = python_warning(spec.launch[0])
     if warning:

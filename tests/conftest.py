@@ -243,9 +243,10 @@ class SlurmCluster:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
-    """Slurm (with the Torque-style qsub/qstat/qdel wrappers) on two SSH hosts, for the whole session. Its tests
-    are all in test_scheduler_jobs.py: ``make test`` gives each file's tests to one pytest-xdist worker
-    (``--dist loadfile``), so one slurmctld serves the run."""
+    """Slurm (with the Torque-style qsub/qstat/qdel wrappers) on two SSH hosts, for the whole session; partitions
+    debug (the default, no limits), short (MaxTime=00:10:00 MaxNodes=1) and wide (MinNodes=2). Its tests are in
+    test_scheduler_jobs.py and test_queue_limits_servers.py: ``make test`` gives each file's tests to one
+    pytest-xdist worker (``--dist loadfile``), so one slurmctld per worker that runs them serves the run."""
     if os.geteuid() != 0:
         pytest.skip("the Slurm cluster needs root (slurmd, network namespaces)")
     if not shutil.which("slurmctld") or not shutil.which("qsub"):

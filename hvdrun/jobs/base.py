@@ -18,10 +18,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hvdrun.config import format_hms
 from hvdrun.envvars import LC_ALL
 from hvdrun.errors import JobError, UsageError
+
+if TYPE_CHECKING:
+    from hvdrun.jobs.queue_limits import ServerQueues
 
 # the states hvdrun reports, whatever the scheduler calls them
 QUEUED, HELD, RUNNING, EXITING, FINISHED, UNKNOWN = "QUEUED", "HELD", "RUNNING", "EXITING", "FINISHED", "UNKNOWN"
@@ -63,6 +67,7 @@ class JobSpec:
     after: tuple[str, ...]
     launch: tuple[str, ...]
     template: str | None
+    notices: tuple[str, ...] = ()  # one line each for the user (where the queue limits came from, ...)
 
     @property
     def walltime_hms(self) -> str | None:
@@ -229,6 +234,35 @@ class Scheduler(ABC):
         if self.status(job_id).done:  # it ended meanwhile: what the user wanted
             return False
         raise JobError(command_failure(f"{self.cancel_program} {job_id}", done))
+
+    names_default_queue: bool = False  # its queue listing names the queue a job without one goes to
+
+    def queue_limits_argv(self) -> list[str] | None:
+        """The command that lists every queue with its limits (None: hvdrun does not ask this scheduler)."""
+        return None
+
+    def parse_queue_limits(self, stdout: str) -> ServerQueues:
+        """The queues in the output of :meth:`queue_limits_argv`.
+
+        Raises:
+            JobError: the output is not in the form expected.
+        """
+        raise JobError(f"hvdrun reads no queue limits from {self.kind}")
+
+    def ask_queues(self, timeout_s: float) -> ServerQueues:
+        """Ask the server for its queues and their limits, once, within ``timeout_s``.
+
+        Raises:
+            JobError: no answer in time, a failed command (with its last line of output), or an unreadable answer.
+        """
+        argv = self.queue_limits_argv()
+        if argv is None:
+            raise JobError(f"hvdrun reads no queue limits from {self.kind}")
+        done = run_scheduler_command(argv, ok_codes=range(256), retries=0, timeout_s=timeout_s)
+        if done.returncode != 0:
+            said = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+            raise JobError(f"'{shlex.join(argv)}' failed with exit code {done.returncode}: {said}")
+        return self.parse_queue_limits(done.stdout)
 
     def submit(self, spec: JobSpec, script: str) -> str:
         """Submit ``script`` and return the job id."""

@@ -2,13 +2,17 @@
 
 Status comes from ``qstat -x -f -F json`` (``job_state``, ``Exit_status``, ``comment``); a ``qstat``
 without JSON output (Torque's, or Slurm's Torque wrappers) is read through ``qstat -f`` text instead.
+Queue limits come from ``qstat -Qf -F json`` (``queue_type``, ``resources_min``/``resources_max``
+``nodect`` and ``walltime``, ``route_destinations``, ``from_route_only``, ``enabled``).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
+from hvdrun.config import QueueLimits, QueueRoute
 from hvdrun.errors import JobError
 from hvdrun.jobs.base import (
     EXITING,
@@ -26,6 +30,7 @@ from hvdrun.jobs.base import (
     quote,
     run_scheduler_command,
 )
+from hvdrun.jobs.queue_limits import ServerQueue, ServerQueues
 from hvdrun.schedulers import PBS
 
 _STATES = {"Q": QUEUED, "W": QUEUED, "T": QUEUED, "M": QUEUED, "H": HELD, "S": HELD, "U": HELD,
@@ -34,6 +39,8 @@ _JOB_ID = re.compile(r"([0-9]+(?:\[[0-9]*\])?(?:\.[A-Za-z0-9_.-]+)?)")
 _UNKNOWN_JOB = re.compile(r"unknown job id|job has finished|invalid job id", re.IGNORECASE)
 _NO_JSON = re.compile(r"unknown option|invalid option|illegal option|usage:", re.IGNORECASE)
 _TEXT_FIELD = re.compile(r"\s+([A-Za-z_.]+)\s*=\s*(.*)")
+_DURATION = re.compile(r"(?:(?:([0-9]+):)?([0-9]+):)?([0-9]+)(?:\.[0-9]+)?")
+_TRUE = ("true", "t", "yes", "y", "1")
 
 
 class Pbs(Scheduler):
@@ -83,6 +90,11 @@ class Pbs(Scheduler):
             return JobStatus(job_id, UNKNOWN, reason="qstat: unknown job id")
         return _from_text(job_id, text.stdout)
 
+    def queue_limits_argv(self) -> list[str]:
+        return ["qstat", "-Q", "-f", "-F", "json"]
+
+    def parse_queue_limits(self, stdout: str) -> ServerQueues:
+        return parse_queues(stdout)
 
 
 def _exit_code(value: object) -> int | None:
@@ -131,3 +143,86 @@ def _from_text(job_id: str, text: str) -> JobStatus:
     if not fields["Exit_status"]:
         del fields["Exit_status"]
     return _status(job_id, fields)
+
+
+def parse_queues(text: str) -> ServerQueues:
+    """Every queue in ``qstat -Qf -F json`` output: ``{"pbs_server": ..., "Queue": {NAME: {ATTRIBUTE: VALUE,
+    RESOURCE_ATTRIBUTE: {RESOURCE: VALUE}}}}``, values that read as JSON numbers printed as numbers.
+
+    Raises:
+        JobError: the text is not that JSON.
+    """
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise JobError(f"qstat -Qf -F json printed something that is not PBS's JSON: {e}") from e
+    if not isinstance(data, dict) or not isinstance(data.get("Queue", {}), dict):
+        raise JobError("qstat -Qf -F json printed no 'Queue' object")
+    attributes = {str(name): value for name, value in data.get("Queue", {}).items() if isinstance(value, dict)}
+    own = {name: _own_limits(value) for name, value in attributes.items()}
+    queues = {name: _queue(name, value, own) for name, value in attributes.items()}
+    server = data.get("pbs_server")
+    return ServerQueues("the PBS server", "qstat -Qf -F json", queues, server=str(server) if server else None)
+
+
+def _own_limits(attributes: dict[str, object]) -> tuple[QueueLimits, frozenset[str]]:
+    """A queue's own ``resources_min.nodect``, ``resources_max.nodect`` and ``resources_max.walltime``, and
+    which of them it states."""
+    limits = QueueLimits(min_nodes=_count(_resource(attributes, "resources_min", "nodect")),
+                         max_nodes=_count(_resource(attributes, "resources_max", "nodect")),
+                         max_walltime_s=_duration_s(_resource(attributes, "resources_max", "walltime")))
+    return limits, frozenset(name for name in ("min_nodes", "max_nodes", "max_walltime_s")
+                             if getattr(limits, name) is not None)
+
+
+def _queue(name: str, attributes: dict[str, object],
+           own: dict[str, tuple[QueueLimits, frozenset[str]]]) -> ServerQueue:
+    limits, stated = own[name]
+    routes: tuple[QueueRoute, ...] = ()
+    if str(attributes.get("queue_type", "")).lower() == "route":
+        routes = tuple(_route(dest, own) for dest in str(attributes.get("route_destinations", "")).split(",")
+                       if dest.strip())
+    return ServerQueue(name, replace(limits, routes=routes), stated | {"routes"},
+                       route_only=_true(attributes.get("from_route_only", False)),
+                       enabled=_true(attributes.get("enabled", True)))
+
+
+def _route(destination: str, own: dict[str, tuple[QueueLimits, frozenset[str]]]) -> QueueRoute:
+    """One destination of a routing queue (``small``, or ``small@server``: limits unknown), with its limits."""
+    name = destination.strip().split("@")[0]
+    limits = own[name][0] if name in own and "@" not in destination else QueueLimits()
+    return QueueRoute(name, limits.min_nodes or 1, limits.max_nodes, limits.max_walltime_s)
+
+
+def _resource(attributes: dict[str, object], group: str, resource: str) -> object:
+    values = attributes.get(group)
+    return values.get(resource) if isinstance(values, dict) else None
+
+
+def _count(value: object) -> int | None:
+    """A node count, printed as a number (or a numeric string); None when absent or not a count."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        count = int(str(value).strip())
+    except ValueError:
+        return None
+    return count if count > 0 else None
+
+
+def _duration_s(value: object) -> int | None:
+    """A PBS duration: ``[[hours:]minutes:]seconds[.ms]`` (printed ``HH:MM:SS``), or seconds as a number."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int | float):
+        return int(value) or None
+    match = _DURATION.fullmatch(str(value).strip())
+    if not match:
+        return None
+    hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return (hours * 3600 + minutes * 60 + seconds) or None
+
+
+def _true(value: object) -> bool:
+    """A PBS boolean: ``True``/``False`` (strings in the JSON), or a JSON boolean."""
+    return value if isinstance(value, bool) else str(value).strip().lower() in _TRUE

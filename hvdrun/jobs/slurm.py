@@ -1,13 +1,17 @@
 """Slurm: ``#SBATCH`` directives, ``sbatch --parsable``, ``scontrol show job``, ``scancel``.
 
 Status comes from ``scontrol show job -o`` (it keeps finished jobs for MinJobAge and needs no
-accounting database), then from ``sacct`` where accounting is enabled.
+accounting database), then from ``sacct`` where accounting is enabled. Partition limits come from
+``scontrol --all --oneliner show partition`` (``MaxTime``, ``MinNodes``, ``MaxNodes``, ``Default``, ``State``):
+with Slurm's default ``EnforcePartLimits=NO`` a job over them is accepted and then pends for ever
+(``PartitionTimeLimit``, ``PartitionNodeLimit``).
 """
 
 from __future__ import annotations
 
 import re
 
+from hvdrun.config import QueueLimits
 from hvdrun.errors import JobError, UsageError
 from hvdrun.jobs.base import (
     EXITING,
@@ -25,6 +29,7 @@ from hvdrun.jobs.base import (
     quote,
     run_scheduler_command,
 )
+from hvdrun.jobs.queue_limits import ServerQueue, ServerQueues
 from hvdrun.schedulers import SLURM
 
 _STATES = {"PENDING": QUEUED, "CONFIGURING": QUEUED, "REQUEUED": QUEUED, "REQUEUE_HOLD": HELD,
@@ -34,6 +39,10 @@ _STATES = {"PENDING": QUEUED, "CONFIGURING": QUEUED, "REQUEUED": QUEUED, "REQUEU
 _JOB_ID = re.compile(r"([0-9]+(?:_[0-9]+)?)(?:;\S+)?")
 _FIELD = re.compile(r"(\w+)=(\S*)")
 _INVALID_JOB = re.compile(r"invalid job id", re.IGNORECASE)
+# Slurm's time forms: minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]]
+_TIME = re.compile(r"(?:([0-9]+)-)?([0-9]+)(?::([0-9]+))?(?::([0-9]+))?")
+_UNLIMITED = ("UNLIMITED", "INFINITE")
+_CLOSED_STATES = ("INACTIVE", "DRAIN")  # no new job may be queued there
 
 
 class Slurm(Scheduler):
@@ -73,6 +82,13 @@ class Slurm(Scheduler):
             raise JobError(command_failure(f"scontrol show job -o {job_id}", done))
         return _from_sacct(job_id)
 
+    names_default_queue = True
+
+    def queue_limits_argv(self) -> list[str]:
+        return ["scontrol", "--all", "--oneliner", "show", "partition"]
+
+    def parse_queue_limits(self, stdout: str) -> ServerQueues:
+        return parse_partitions(stdout)
 
 
 def _exit_code(text: str, raw_state: str) -> int:
@@ -110,3 +126,47 @@ def _from_sacct(job_id: str) -> JobStatus:
             return _status(job_id, parts[1], parts[2], None, parts[3])
     return JobStatus(job_id, UNKNOWN, reason="Slurm no longer knows this job (finished before MinJobAge, "
                                              "and no accounting) or it never existed")
+
+
+def parse_partitions(text: str) -> ServerQueues:
+    """Every partition in ``scontrol --oneliner show partition`` output (one ``Key=Value ...`` line each).
+
+    Raises:
+        JobError: no ``PartitionName=`` line in it.
+    """
+    queues, default = {}, None
+    for line in text.splitlines():
+        fields = dict(_FIELD.findall(line))
+        name = fields.get("PartitionName")
+        if not name:
+            continue
+        limits = QueueLimits(min_nodes=_count(fields.get("MinNodes", ""), 2),
+                             max_nodes=_count(fields.get("MaxNodes", ""), 1),
+                             max_walltime_s=_time_s(fields.get("MaxTime", "")))
+        queues[name] = ServerQueue(name, limits, enabled=fields.get("State", "UP") not in _CLOSED_STATES)
+        if fields.get("Default") == "YES":
+            default = name
+    if not queues:
+        raise JobError("scontrol show partition printed no 'PartitionName=' line")
+    return ServerQueues("the Slurm controller", "scontrol show partition", queues, noun="partition",
+                        default=default)
+
+
+def _count(text: str, least: int) -> int | None:
+    """``MinNodes`` (a limit from 2 on) or ``MaxNodes`` (from 1 on); ``UNLIMITED`` is none."""
+    return int(text) if text.isdigit() and int(text) >= least else None
+
+
+def _time_s(text: str) -> int | None:
+    """Seconds of a Slurm time (``UNLIMITED``: None): ``30``, ``30:00``, ``01:00:00``, ``1-00:00:00``, ``2-12``."""
+    match = None if text.upper() in _UNLIMITED else _TIME.fullmatch(text)
+    if match is None:
+        return None
+    days, first, second, third = match.groups()
+    if days is not None:  # days-hours[:minutes[:seconds]]
+        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
+    elif third is not None:  # hours:minutes:seconds
+        hours, minutes, seconds = int(first), int(second), int(third)
+    else:  # minutes[:seconds]
+        hours, minutes, seconds = 0, int(first), int(second or 0)
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds or None

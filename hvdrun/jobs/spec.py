@@ -20,16 +20,14 @@ from pathlib import Path
 
 from hvdrun.config import (
     ClusterConfig,
-    QueueLimits,
     SchedulerDefaults,
     available_clusters,
-    format_hms,
     load_cluster,
     load_cluster_config,
     parse_walltime,
 )
 from hvdrun.errors import UsageError
-from hvdrun.jobs import SCHEDULERS, scheduler_class
+from hvdrun.jobs import SCHEDULERS, queue_limits, scheduler_class
 from hvdrun.jobs.base import JobSpec, quote
 from hvdrun.launch.remote.cpubind import CpuBindError, parse_cpu_bind
 from hvdrun.schedulers import SLURM
@@ -39,6 +37,7 @@ _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}")
 _WORD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
 _JOB_ID_RE = re.compile(r"[0-9]+(\[[0-9]*\])?(\.[A-Za-z0-9_.-]+)?|[0-9]+_[0-9]+")
 _VAR_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PYTHON_RE = re.compile(r"python(3(\.[0-9]+)?)?")
 
 
 @dataclass(frozen=True)
@@ -130,42 +129,12 @@ def _check_required(defaults: SchedulerDefaults, values: dict[str, object], clus
                              f"(nor set under scheduler.{name} in its config)")
 
 
-def _check_queue(queue: str | None, limits: QueueLimits | None, defaults: SchedulerDefaults, nodes: int,
-                 walltime_s: int | None, cluster: str) -> None:
-    if queue is not None and defaults.queues and limits is None:
-        raise UsageError(f"-q/--queue {queue!r} is not a queue of {cluster}; allowed: {', '.join(defaults.queues)}")
-    unit = limits.unit if limits else "nodes"
-    where = f"queue {queue!r} on {cluster}" if queue else cluster
-    if limits and limits.nodes_allowed and nodes not in limits.nodes_allowed:
-        raise UsageError(f"-n/--nodes {nodes}: {where} takes {' '.join(map(str, limits.nodes_allowed))} {unit}")
-    low = limits.min_nodes if limits else None
-    highs = [v for v in (limits.max_nodes if limits else None, defaults.max_nodes) if v is not None]
-    high = min(highs) if highs else None
-    if low is not None and nodes < low or high is not None and nodes > high:
-        allowed = f"{low or 1} to {high}" if high is not None else f"at least {low}"
-        raise UsageError(f"-n/--nodes {nodes}: {where} takes {allowed} {unit}")
-    if walltime_s is not None:
-        _check_walltime(walltime_s, limits, defaults, nodes, where, cluster)
-
-
-def _check_walltime(walltime_s: int, limits: QueueLimits | None, defaults: SchedulerDefaults, nodes: int,
-                    where: str, cluster: str) -> None:
-    """The walltime against the machine's limit, the queue's, and the execution queue ``nodes`` routes to."""
-    asked = f"-t/--walltime {format_hms(walltime_s)}"
-    if defaults.max_walltime_s and walltime_s > defaults.max_walltime_s:
-        raise UsageError(f"{asked}: {cluster} runs no job longer than {format_hms(defaults.max_walltime_s)}")
-    if limits and limits.max_walltime_s and walltime_s > limits.max_walltime_s:
-        raise UsageError(f"{asked}: {where} allows at most {format_hms(limits.max_walltime_s)}")
-    if not limits or not limits.routes:
-        return
-    route = limits.route_for(nodes)
-    if route is None:
-        spans = ", ".join(f"{r.name} {r.min_nodes}-{r.max_nodes or 'up'}" for r in limits.routes)
-        raise UsageError(f"-n/--nodes {nodes}: {where} routes no job of that size (its queues: {spans})")
-    if route.max_walltime_s and walltime_s > route.max_walltime_s:
-        span = f"{route.min_nodes}-{route.max_nodes}" if route.max_nodes else f"{route.min_nodes} or more"
-        raise UsageError(f"{asked}: {where} sends {nodes} nodes to {route.name!r} ({span} nodes), which allows "
-                         f"at most {format_hms(route.max_walltime_s)}")
+def _check_queue(queue: str | None, defaults: SchedulerDefaults, nodes: int, walltime_s: int | None,
+                 cluster: str, config: ClusterConfig | None, kind: str) -> queue_limits.QueueDecision:
+    """Nodes and walltime against the queue's limits: the scheduler's where it answers, else the YAML's
+    (:mod:`hvdrun.jobs.queue_limits`)."""
+    job = queue_limits.QueueJob(queue, nodes, walltime_s, cluster, defaults, config.source if config else None)
+    return queue_limits.decide(job, queue_limits.ask_scheduler(kind, queue))
 
 
 def _check_cpu_bind(config: ClusterConfig | None, ranks_per_node: int) -> None:
@@ -182,12 +151,33 @@ def _check_cpu_bind(config: ClusterConfig | None, ranks_per_node: int) -> None:
                          "a cpu_bind list per rank")
 
 
+def is_python(word: str) -> bool:
+    """Whether a COMMAND's first word asks for "the" Python (``python``, ``python3``, ``python3.12``: no path)."""
+    return _PYTHON_RE.fullmatch(word) is not None
+
+
+def _program_of(command: Sequence[str]) -> str:
+    """What a COMMAND runs, for its name: the script or ``-m`` module after a bare Python, else the program."""
+    if not command:
+        return "job"
+    if not is_python(command[0]):
+        return Path(command[0]).stem
+    words = iter(command[1:])
+    for word in words:
+        if word == "-m":
+            return next(words, "job")
+        if word == "-c":
+            return "job"
+        if not word.startswith("-"):
+            return Path(word).stem
+    return "job"
+
+
 def _job_name(request: JobRequest) -> str:
     if request.job_name is not None:
         return str(_word("-N/--job-name", request.job_name, _NAME_RE,
                          "a letter, then up to 62 letters, digits, '_', '.' or '-'"))
-    stem = Path(request.command[0]).stem if request.command else "job"
-    name = re.sub(r"[^A-Za-z0-9_.-]", "-", stem)[:62]
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", _program_of(request.command))[:62]
     return name if name[:1].isalpha() else f"hvd-{name}"[:63]
 
 
@@ -310,11 +300,24 @@ def _stage_args(request: JobRequest, config: ClusterConfig | None, kind: str, no
     return ["--stage-env", *(["--stage-dir", directory] if directory else [])]
 
 
+def _filesystem_args(request: JobRequest, config: ClusterConfig | None, defaults: SchedulerDefaults, kind: str,
+                     nodes: int, filesystems: Sequence[str]) -> list[str]:
+    """``--mpi-args`` the job's mpiexec needs for the filesystems it requests (Aurora's DAOS: ``--no-vni``)."""
+    from hvdrun.launch.mpiexec import filesystem_mpi_args
+
+    if not defaults.filesystem_mpi_args or _job_launcher(_run_args(request), config, kind, nodes)[0] != "mpiexec":
+        return []
+    where = f"{config.source if config else kind}: scheduler.filesystem_mpi_args"
+    return filesystem_mpi_args(defaults.filesystem_mpi_args, filesystems, _run_args(request), where)
+
+
 def _launch(request: JobRequest, config_args: list[str], python: str, ranks_per_node: int,
             run_options: Sequence[str]) -> tuple[str, ...]:
     from hvdrun.launch.job import resolve_command
 
     command = resolve_command(request.command, check_program=False)
+    if is_python(command[0]):  # the Python that runs hvdrun, not whatever the site's setup put first on PATH
+        command = (python, *command[1:])
     args = [python, "-m", "hvdrun", *config_args, "--ranks-per-node", str(ranks_per_node)]
     if request.gpus_per_node is not None:
         args += ["--gpus-per-node", str(request.gpus_per_node)]
@@ -340,15 +343,15 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
     filesystems = _filesystems(request, defaults)
     _check_required(defaults, {"account": account, "walltime": walltime_s, "filesystems": filesystems,
                                "queue": queue}, cluster)
-    limits = defaults.queues.get(queue) if queue else None
-    _check_queue(queue, limits, defaults, nodes, walltime_s, cluster)
-    unit = limits.unit if limits else "nodes"
+    decision = _check_queue(queue, defaults, nodes, walltime_s, cluster, config, kind)
+    unit = decision.limits.unit if decision.limits else "nodes"
     gpus = request.gpus_per_node if request.gpus_per_node is not None else (config.gpus_per_node if config else 0)
     per_rank = config.gpus_per_rank if config else 1
     ranks_per_node = request.ranks_per_node or (nodes if unit == "gpus" else None) or (
         config.ranks_per_node if config else None) or max(gpus // per_rank, 1)
     _check_cpu_bind(config, ranks_per_node)
-    run_options = [*_restart_args(request, nodes, unit), *_stage_args(request, config, kind, nodes)]
+    run_options = [*_restart_args(request, nodes, unit), *_stage_args(request, config, kind, nodes),
+                   *_filesystem_args(request, config, defaults, kind, nodes, filesystems)]
     name = _job_name(request)
     output, error, exit_file, script_path = _output_paths(request, name, kind, time.time() if now is None else now)
     setup = _setup_lines(request, defaults)
@@ -362,4 +365,4 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
         directives=(*defaults.extra_directives, *request.directives), skip_directives=defaults.skip_directives,
         after=after, launch=_launch(request, config_args, _python(request, config), ranks_per_node,
                                     run_options),
-        template=request.template or defaults.template)
+        template=request.template or defaults.template, notices=decision.notices)

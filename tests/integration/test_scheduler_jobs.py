@@ -22,8 +22,8 @@ PINNED = """\
 import os, sys
 import hvdrun.torch as hvd
 hvd.init()
-print(f"rank {hvd.rank()} local {hvd.local_rank()} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}",
-      flush=True)
+print(f"rank {hvd.rank()} local {hvd.local_rank()} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} "
+      f"device {os.environ.get('HVDRUN_DEVICE_ORDINAL')}", flush=True)
 rank = hvd.rank()
 hvd.shutdown()
 sys.exit(int(sys.argv[1]) if len(sys.argv) > 2 and rank == int(sys.argv[2]) else 0)
@@ -102,6 +102,27 @@ def test_slurm_job_restarts_through_srun_after_a_node_fault(slurm_cluster, slurm
     assert "hvdrun: restart 1 of 1: attempt 1 ended with a node fault (rank 1 on host " in output, output
     assert "attempt 2 runs on the same hosts" in output  # two nodes, two ranks: no spare
     assert [(rank, restart) for rank, _, restart in ranks(output)] == [(0, 0), (0, 1), (1, 0), (1, 1)], output
+
+
+def test_a_bare_python_command_runs_the_jobs_python_when_setup_puts_another_first_on_path(slurm_env, job_dir):
+    """The site's setup lines (``module load conda; conda activate``) put an interpreter without hvdrun first
+    on PATH: ``-- python pinned.py`` still runs every rank with the Python that runs hvdrun, and the job is
+    named after the script, not ``python``."""
+    site = job_dir / "site-bin"
+    site.mkdir()
+    (site / "python").write_text(f"#!/bin/sh\nexec {shutil.which('python3') or '/usr/bin/python3'} -I \"$@\"\n")
+    (site / "python").chmod(0o755)
+    assert subprocess.run([str(site / "python"), "-c", "import hvdrun"], capture_output=True).returncode != 0
+    result = hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "1", "--ranks-per-node", "2", "-t", "5",
+                    "--setup", f"export PATH={site}:$PATH", "--setup", 'echo "python on PATH: $(command -v python)"',
+                    "--wait", "--", "python", "pinned.py")
+    output = job_output(job_dir)
+    assert result.returncode == 0, result.stderr + output
+    assert f"python on PATH: {site}/python" in output  # the site's interpreter was first
+    assert sorted(re.findall(r"\[(\d)\]<stdout>:rank \d local \d", output)) == ["0", "1"], output
+    script = next((job_dir / "hvdrun-jobs").glob("*.slurm.sh")).read_text()
+    assert "#SBATCH --job-name=pinned" in script
+    assert f"-- {sys.executable} pinned.py" in script
 
 
 def test_slurm_wait_returns_the_jobs_failing_exit_code(slurm_env, job_dir):
@@ -198,9 +219,9 @@ def test_fake_pbspro_polaris_job_pins_gpus_in_polaris_order(fake_scheduler, job_
     job_id = submitted_id(result)
     assert re.fullmatch(r"\d+\.fakepbs-01\.hsn\.cm\.polaris\.alcf\.anl\.gov", job_id)
     assert f"job {job_id} FINISHED [F], exit code 0 (Job run at" in result.stderr
-    # PALS mpiexec from the config, GPUs in Polaris's reversed order
-    assert "[0]<stdout>:rank 0 local 0 CUDA_VISIBLE_DEVICES=3" in output, output
-    assert "[1]<stdout>:rank 1 local 1 CUDA_VISIBLE_DEVICES=2" in output, output
+    # PALS mpiexec from the config, GPUs in Polaris's reversed order: local rank L's GPU is device L
+    assert "[0]<stdout>:rank 0 local 0 CUDA_VISIBLE_DEVICES=3,2,1,0 device 0" in output, output
+    assert "[1]<stdout>:rank 1 local 1 CUDA_VISIBLE_DEVICES=3,2,1,0 device 1" in output, output
     short = job_id.split(".")[0]
     status = hvdrun(env, job_dir, "qstat", short)
     assert status.returncode == 0 and "FINISHED [F], exit code 0" in status.stdout
@@ -243,7 +264,7 @@ def test_fake_cobalt_thetagpu_job(fake_scheduler, job_dir):
     job_id = submitted_id(result)
     assert job_id.isdigit()  # the filesystems warning on stderr is not taken for the id
     assert f"job {job_id} FINISHED, exit code 7" in result.stderr  # from the exit file: Cobalt forgets jobs
-    assert "[1]<stdout>:rank 1 local 1 CUDA_VISIBLE_DEVICES=1" in output, output
+    assert "[1]<stdout>:rank 1 local 1 CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 device 1" in output, output
     script = next((job_dir / "hvdrun-jobs").glob("*.cobalt.sh"))
     assert os.access(script, os.X_OK)
 

@@ -175,22 +175,22 @@ POLARIS = ("--cluster", "polaris", "-A", "P")
     ((*POLARIS, "-t", "0"), ["walltime '0' must be longer than zero"]),
     (("--cluster", "sophia", "-A", "P", "-q", "by-gpu", "-n", "3"),
      ["-n/--nodes 3: queue 'by-gpu' on sophia takes 1 2 4 8 gpus"]),
-    (("--cluster", "sophia", "-A", "P", "-q", "by-node", "-t", "24:00:00"),
-     ["-t/--walltime 24:00:00: sophia runs no job longer than 12:00:00"]),
-    (("--cluster", "aurora", "-A", "P", "-q", "debug-scaling", "-n", "64"),
-     ["-n/--nodes 64: queue 'debug-scaling' on aurora takes 2 to 31 nodes"]),
-    (("--cluster", "aurora", "-A", "P", "-q", "prod-large", "-n", "100"),
-     ["-n/--nodes 100: queue 'prod-large' on aurora takes 1920 to 10624 nodes"]),
-    (("--cluster", "aurora", "-A", "P", "-q", "prod", "-n", "10", "-t", "20:00:00"),
-     ["queue 'prod' on aurora sends 10 nodes to 'tiny' (1-512 nodes), which allows at most 06:00:00"]),
+    (("--cluster", "sophia", "-A", "P", "-q", "by-node", "-t", "24:00:01"),
+     ["-t/--walltime 24:00:01: queue 'by-node' on sophia allows at most 24:00:00"]),
+    (("--cluster", "aurora", "-A", "P", "-q", "debug-scaling", "-n", "300"),
+     ["-n/--nodes 300: queue 'debug-scaling' on aurora takes 2 to 256 nodes"]),
+    (("--cluster", "aurora", "-A", "P", "-q", "prod-large", "-n", "2000"),
+     ["-q/--queue 'prod-large' is not a queue of aurora; allowed: debug, debug-scaling, prod, capacity"]),
+    (("--cluster", "aurora", "-A", "P", "-q", "prod", "-n", "10", "-t", "20"),
+     ["-n/--nodes 10: queue 'prod' on aurora takes 256 to 10624 nodes"]),
     (("--cluster", "aurora", "-A", "P", "-q", "prod", "-n", "1000", "-t", "13:00:00"),
-     ["sends 1000 nodes to 'small' (513-1024 nodes), which allows at most 12:00:00"]),
+     ["sends 1000 nodes to 'small' (256-1024 nodes), which allows at most 12:00:00"]),
     (("--cluster", "polaris", "-A", "P", "-q", "prod", "-n", "24", "-t", "03:30:00"),
      ["queue 'prod' on polaris sends 24 nodes to 'small' (10-24 nodes), which allows at most 03:00:00"]),
     (("--cluster", "polaris", "-A", "P", "-q", "prod", "-n", "99", "-t", "07:00:00"),
      ["sends 99 nodes to 'medium' (25-99 nodes), which allows at most 06:00:00"]),
-    (("--cluster", "sophia", "-A", "P", "-q", "by-gpu", "-n", "2", "-t", "12:00:01"),
-     ["sophia runs no job longer than 12:00:00"]),
+    (("--cluster", "sophia", "-A", "P", "-q", "by-gpu", "-n", "2", "-t", "24:00:01"),
+     ["queue 'by-gpu' on sophia allows at most 24:00:00"]),
     (("--cluster", "thetagpu-cobalt", "-t", "30"), ["-A/--account is required on thetagpu-cobalt"]),
     (("--cluster", "aurora", "-A", "P", "--ranks-per-node", "16"),
      ["--ranks-per-node 16: ", "aurora.yaml: cpu_bind lists cores for 12 ranks per node"]),
@@ -267,8 +267,8 @@ def test_dry_run_prints_the_script_and_writes_nothing(invoke, tmp_path):
     assert not (tmp_path / "hvdrun-jobs").exists()
 
 
-def test_aurora_prod_takes_a_hundred_nodes():
-    assert "#PBS -l select=100:system=aurora" in render(cluster="aurora", account="A", queue="prod", nodes=100)
+def test_aurora_prod_takes_256_nodes_and_up():
+    assert "#PBS -l select=256:system=aurora" in render(cluster="aurora", account="A", queue="prod", nodes=256)
 
 
 def test_the_job_runs_the_submitting_python_by_default_and_an_environment_when_named():

@@ -1,0 +1,211 @@
+"""``hvdrun qsub`` asks the scheduler for its queue limits, then the YAML: a real slurmctld whose partitions have
+limits (tests/infra/slurm_cluster.sh: ``short`` MaxTime=00:10:00 MaxNodes=1, ``wide`` MinNodes=2
+MaxTime=1-00:00:00), and a FAKE PBS Pro ``qstat -Qf -F json`` in PBS's own JSON (tests/fakes/fake_pbspro.py;
+PBS cannot be installed here, so those tests are named "fake").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from hvdrun.errors import UsageError
+from hvdrun.jobs import queue_limits
+from hvdrun.jobs.spec import JobRequest, build_spec
+from tests.conftest import REPO
+
+FAKES = REPO / "tests" / "fakes"
+CONTROLLER = "(from the Slurm controller: scontrol show partition)"
+PBS_SERVER = "(from the PBS server: qstat -Qf -F json)"
+SLURM_YAML = """\
+name: myslurm
+scheduler:
+  kind: slurm
+  walltime: "5"
+  queues:
+    debug: {}
+    short: {max_nodes: 2, max_walltime: "00:05:00"}
+    wide: {min_nodes: 2}
+"""
+AURORA_YAML = """\
+name: aurora
+scheduler:
+  kind: pbs
+  queue: debug
+  walltime: "01:00:00"
+  queues:
+    debug: {min_nodes: 1, max_nodes: 2, max_walltime: "01:00:00"}
+    debug-scaling: {min_nodes: 2, max_nodes: 256, max_walltime: "01:00:00"}
+    prod:
+      min_nodes: 256
+      max_nodes: 10624
+      max_walltime: "24:00:00"
+      routes:
+        small: {min_nodes: 256, max_nodes: 1024, max_walltime: "12:00:00"}
+        medium: {min_nodes: 1025, max_nodes: 1999, max_walltime: "18:00:00"}
+        large: {min_nodes: 2000, max_nodes: 10624, max_walltime: "24:00:00"}
+    capacity: {min_nodes: 1, max_nodes: 16, max_walltime: "168:00:00"}
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path, hvdrun_env, monkeypatch):
+    """A directory with train.py and the two YAMLs, which is the working directory of in-process calls too."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    (tmp_path / "myslurm.yaml").write_text(SLURM_YAML)
+    (tmp_path / "aurora.yaml").write_text(AURORA_YAML)
+    hvdrun_env.update(PYTHONPATH=str(REPO), HVDRUN_JOBS_DIR=str(tmp_path / "registry"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def qsub(env, cwd, *args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hvdrun", "qsub", "--python", sys.executable, *args], env=env,
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def usage_error(result) -> str:
+    """The one line of a usage error (exit code 2)."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("hvdrun: error: ") and result.stderr.count("\n") == 1, result.stderr
+    return result.stderr.removeprefix("hvdrun: error: ").rstrip("\n")
+
+
+# -- real Slurm ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def slurm_env(slurm_cluster, hvdrun_env, workdir):
+    hvdrun_env.update(slurm_cluster.env)
+    return hvdrun_env
+
+
+def test_slurm_refuses_a_job_over_its_partitions_limits_naming_the_controller(slurm_env, workdir):
+    def refused(*args: str) -> str:
+        return usage_error(qsub(slurm_env, workdir, "--scheduler", "slurm", *args, "--dry-run", "train.py"))
+
+    short, wide = f"queue 'short' on slurm {CONTROLLER}", f"queue 'wide' on slurm {CONTROLLER}"
+    assert refused("-q", "short", "-n", "2", "-t", "5") == f"-n/--nodes 2: {short} takes exactly 1 node"
+    assert refused("-q", "short", "-t", "20") == f"-t/--walltime 00:20:00: {short} allows at most 00:10:00"
+    assert refused("-q", "wide", "-n", "1", "-t", "5") == f"-n/--nodes 1: {wide} takes at least 2 nodes"
+    assert refused("-q", "nosuch") == ("-q/--queue 'nosuch': the Slurm controller (scontrol show partition) has no "
+                                       "partition 'nosuch'; its partitions: debug, short, wide")
+
+
+def test_slurm_runs_a_job_within_its_partitions_limits(slurm_cluster, slurm_env, workdir):
+    result = qsub(slurm_env, workdir, "--cluster", "slurm", "-q", "short", "-n", "1", "-t", "5", "--ranks-per-node",
+                  "1", "--wait", "--", "true")
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.split()[0]
+    shown = subprocess.run(["scontrol", "show", "job", job_id], env=slurm_env, capture_output=True, text=True).stdout
+    assert "Partition=short" in shown and "JobState=COMPLETED" in shown, shown
+
+
+def test_slurm_and_the_yaml_disagree_and_the_controller_decides(slurm_cluster, slurm_env, workdir, monkeypatch):
+    yaml = str(workdir / "myslurm.yaml")
+    assert usage_error(qsub(slurm_env, workdir, "--config", yaml, "-q", "short", "-n", "2", "train.py")) == (
+        f"-n/--nodes 2: queue 'short' on myslurm {CONTROLLER} takes exactly 1 node; the YAML ({yaml}) would allow it")
+    for name, value in slurm_cluster.env.items():
+        monkeypatch.setenv(name, value)
+    spec = build_spec(JobRequest(command=("train.py",), config_file=yaml, queue="short", walltime="8"))
+    assert spec.notices == (f"queue 'short' on myslurm: the Slurm controller (scontrol show partition) accepts "
+                            f"-t/--walltime 00:08:00, which the YAML ({yaml}) refuses (it allows at most 00:05:00); "
+                            "the server decided",)
+    spec = build_spec(JobRequest(command=("train.py",), config_file=yaml, queue="wide", nodes=2))
+    assert spec.notices == ()  # MinNodes=2 both ways: the controller's MaxTime, which the YAML does not state, is quiet
+    shown = qsub(slurm_env, workdir, "--config", yaml, "-q", "short", "-t", "8", "--dry-run", "train.py")
+    assert shown.returncode == 0 and "#SBATCH --partition=short" in shown.stdout, shown.stderr
+    assert "hvdrun: note: queue 'short' on myslurm: the Slurm controller (scontrol show partition) accepts " \
+           "-t/--walltime 00:08:00" in shown.stderr, shown.stderr
+
+
+def test_without_an_answering_slurm_the_yaml_decides(workdir, hvdrun_env, monkeypatch):
+    if not shutil.which("scontrol"):
+        pytest.skip("slurm-client is not installed (make test installs it)")
+    yaml = str(workdir / "myslurm.yaml")
+    no_slurm = {**hvdrun_env, "PATH": str(workdir / "empty-bin")}  # a laptop: no scontrol, silently the YAML
+    ok = qsub(no_slurm, workdir, "--config", yaml, "-q", "short", "-n", "2", "--dry-run", "train.py")
+    assert ok.returncode == 0 and "#SBATCH --partition=short" in ok.stdout, ok.stderr
+    assert usage_error(qsub(no_slurm, workdir, "--config", yaml, "-q", "short", "-n", "3", "train.py")) == (
+        "-n/--nodes 3: queue 'short' on myslurm takes 1 to 2 nodes")
+    # scontrol there, its configuration missing: it retries for a minute; hvdrun waits ASK_TIMEOUT_S
+    monkeypatch.setenv("SLURM_CONF", str(workdir / "no-such-slurm.conf"))
+    monkeypatch.setattr(queue_limits, "ASK_TIMEOUT_S", 1.0)
+    spec = build_spec(JobRequest(command=("train.py",), config_file=yaml, queue="short", nodes=2))
+    assert spec.notices == ("could not ask the scheduler for queue limits ('scontrol --all --oneliner show partition' "
+                            f"did not answer within 1 s); checked against the YAML ({yaml}) only",)
+    with pytest.raises(UsageError, match=r"^-n/--nodes 3: queue 'short' on myslurm takes 1 to 2 nodes$"):
+        build_spec(JobRequest(command=("train.py",), config_file=yaml, queue="short", nodes=3))
+
+
+# -- FAKE PBS Pro --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_pbs(tmp_path, hvdrun_env, workdir, monkeypatch):
+    """FAKE PBS Pro qsub/qstat/qdel first on PATH, as an Aurora-like server whose 'small' queue allows 6 hours (the
+    YAML says 12), here and in the environment of hvdrun processes."""
+    bin_dir = tmp_path / "fake-pbspro-bin"
+    bin_dir.mkdir()
+    for command in ("qsub", "qstat", "qdel"):
+        wrapper = bin_dir / command
+        wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKES / "fake_pbspro.py"} {command} "$@"\n')
+        wrapper.chmod(0o755)
+    changes = tmp_path / "qmgr.json"
+    changes.write_text(json.dumps({"small": {"resources_max.walltime": "06:00:00"}}))
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SCHED_DIR": str(tmp_path / "fake-state"),
+           "FAKE_PBS_SITE": "aurora", "FAKE_PBS_QUEUES": str(changes)}
+    hvdrun_env.update(env)
+    hvdrun_env.pop("SLURM_CONF", None)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return hvdrun_env
+
+
+def test_fake_pbspro_routing_queue_is_checked_against_the_servers_destinations(fake_pbs, workdir):
+    yaml = str(workdir / "aurora.yaml")
+    args = ("--config", yaml, "-q", "prod", "-n", "300")
+    assert usage_error(qsub(fake_pbs, workdir, *args, "-t", "08:00:00", "train.py")) == (
+        f"-t/--walltime 08:00:00: queue 'prod' on aurora {PBS_SERVER} sends 300 nodes to 'small' (256-1024 nodes), "
+        f"which allows at most 06:00:00; the YAML ({yaml}) would allow it")
+    within = qsub(fake_pbs, workdir, *args, "-t", "05:00:00", "--dry-run", "train.py")
+    assert within.returncode == 0 and "#PBS -q prod" in within.stdout, within.stderr
+    assert usage_error(qsub(fake_pbs, workdir, *args[:2], "-q", "small", "-n", "300", "train.py")) == (
+        f"-q/--queue 'small': queue 'small' on aurora {PBS_SERVER} takes jobs only from a routing queue; "
+        "submit to prod")
+    assert usage_error(qsub(fake_pbs, workdir, *args[:2], "-q", "nosuch", "train.py")) == (
+        "-q/--queue 'nosuch': the PBS server (qstat -Qf -F json) has no queue 'nosuch'; its queues: debug, "
+        "debug-scaling, prod, capacity, visualization")
+
+
+def test_fake_pbspro_disagreements_are_notices_naming_the_server(fake_pbs, workdir):
+    yaml = str(workdir / "aurora.yaml")
+    spec = build_spec(JobRequest(command=("train.py",), config_file=yaml, queue="prod", nodes=300,
+                                 walltime="05:00:00"))
+    assert spec.notices == (f"queue 'prod' on aurora: the PBS server (qstat -Qf -F json) states 'small' (256-1024 "
+                            f"nodes, at most 06:00:00); the YAML ({yaml}) says 'small' (256-1024 nodes, at most "
+                            "12:00:00); the server's limits decided",)
+    assert spec.queue == "prod" and spec.nodes == 300
+
+
+def test_fake_pbspro_that_does_not_answer_leaves_the_yaml(fake_pbs, workdir, monkeypatch):
+    yaml = str(workdir / "aurora.yaml")
+    monkeypatch.setenv("FAKE_PBS_QSTAT_DELAY_S", "20")
+    monkeypatch.setattr(queue_limits, "ASK_TIMEOUT_S", 1.0)
+    spec = build_spec(JobRequest(command=("train.py",), config_file=yaml, queue="prod", nodes=300,
+                                 walltime="08:00:00"))  # 'small' allows 6 hours on the server, 12 in the YAML
+    assert spec.notices == ("could not ask the scheduler for queue limits ('qstat -Q -f -F json' did not answer "
+                            f"within 1 s); checked against the YAML ({yaml}) only",)
+
+
+def test_fake_pbspro_of_another_machine_is_not_believed(fake_pbs, workdir, monkeypatch):
+    """A dry run for Aurora on a Polaris login node: Polaris's server does not decide Aurora's queues."""
+    monkeypatch.setenv("FAKE_PBS_SITE", "polaris")
+    yaml = str(workdir / "aurora.yaml")
+    spec = build_spec(JobRequest(command=("train.py",), config_file=yaml, queue="prod", nodes=300,
+                                 walltime="08:00:00"))
+    assert spec.notices == ("the PBS server here (fakepbs-01.hsn.cm.polaris.alcf.anl.gov) is not aurora's: queue "
+                            f"limits come from the YAML ({yaml}) only",)
