@@ -377,6 +377,8 @@ def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:
     launcher, extra_env = _horovodrun_settings(horovod, options["launcher"])
     options.update(launcher=launcher, extra_env=tuple(extra_env.items()))
     plan = plan_job(RunOptions(command=command, prefix_output=not no_prefix, **options), os.environ)
+    for note in plan.notes:
+        click.echo(f"hvdrun: note: {note}", err=True)
     if options["verbose"]:
         click.echo(describe_plan(plan), err=True)
     run_job(plan)

@@ -82,7 +82,8 @@ ZE_AFFINITY_MASK = "ZE_AFFINITY_MASK"  # Intel Level Zero: devices, or GPU.tile 
 ZE_FLAT_DEVICE_HIERARCHY = "ZE_FLAT_DEVICE_HIERARCHY"
 ROCR_VISIBLE_DEVICES = "ROCR_VISIBLE_DEVICES"  # AMD ROCm runtime: the devices this process may see
 HIP_VISIBLE_DEVICES = "HIP_VISIBLE_DEVICES"  # AMD HIP: indexes among what ROCR_VISIBLE_DEVICES left visible
-DEVICE_VARIABLES = (CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK, ROCR_VISIBLE_DEVICES)  # whichever pins a rank
+# whichever shows a rank its devices (ROCR first: on AMD, CUDA_VISIBLE_DEVICES holds indexes within ROCR's)
+DEVICE_VARIABLES = (ROCR_VISIBLE_DEVICES, ZE_AFFINITY_MASK, CUDA_VISIBLE_DEVICES)
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
@@ -177,8 +178,9 @@ def device_env(vendor: str, devices: Sequence[str], hierarchy: str = "") -> dict
     * intel: ``ZE_AFFINITY_MASK``, with ``ZE_FLAT_DEVICE_HIERARCHY`` set to ``hierarchy`` where the ids need
       one: ``FLAT`` for tiles (every tile a device, ids 0..11 on Aurora, the hierarchy ALCF recommends for
       AI/ML), ``COMPOSITE`` for ``GPU.tile`` ids (``0.0`` .. ``5.1``).
-    * amd: ``ROCR_VISIBLE_DEVICES``, and HIP's and CUDA's variables set to the matching indices
-      ``0..k-1`` of what ROCR left visible: an inherited ``HIP_VISIBLE_DEVICES=3`` beside
+    * amd: ``ROCR_VISIBLE_DEVICES`` chooses the devices (in index order: the order is not relied on), and HIP's
+      and CUDA's variables give the order, as indexes among what ROCR left (``devices`` 4,5,2,3: ROCR 2,3,4,5,
+      HIP 2,3,0,1); they are always set, since an inherited ``HIP_VISIBLE_DEVICES=3`` beside
       ``ROCR_VISIBLE_DEVICES=3`` would otherwise leave the rank with no GPU.
     """
     if not devices:
@@ -187,9 +189,24 @@ def device_env(vendor: str, devices: Sequence[str], hierarchy: str = "") -> dict
     if vendor == "intel":
         return {ZE_AFFINITY_MASK: listed, **({ZE_FLAT_DEVICE_HIERARCHY: hierarchy} if hierarchy else {})}
     if vendor == "amd":
-        relative = ",".join(str(i) for i in range(len(devices)))
-        return {ROCR_VISIBLE_DEVICES: listed, HIP_VISIBLE_DEVICES: relative, CUDA_VISIBLE_DEVICES: relative}
+        chosen = sorted(devices, key=lambda d: (not d.isdigit(), int(d) if d.isdigit() else 0, d))
+        order = ",".join(str(chosen.index(device)) for device in devices)
+        return {ROCR_VISIBLE_DEVICES: ",".join(chosen), HIP_VISIBLE_DEVICES: order, CUDA_VISIBLE_DEVICES: order}
     return {CUDA_VISIBLE_DEVICES: listed}
+
+
+def devices_shown(environ: Mapping[str, str]) -> tuple[str, list[str]] | None:
+    """The devices a rank's runtime shows it, in device order, and the variables that say so (for reports):
+    ROCR's devices in the order HIP's indexes give on AMD, else the first variable of :data:`DEVICE_VARIABLES`."""
+    name = next((name for name in DEVICE_VARIABLES if environ.get(name)), None)
+    if name is None:
+        return None
+    listed = environ[name].split(",")
+    order = environ.get(HIP_VISIBLE_DEVICES, "").split(",") if name == ROCR_VISIBLE_DEVICES else []
+    if order and all(i.isdigit() and int(i) < len(listed) for i in order):
+        return f"{name}={environ[name]} {HIP_VISIBLE_DEVICES}={environ[HIP_VISIBLE_DEVICES]}", [
+            listed[int(i)] for i in order]
+    return f"{name}={environ[name]}", listed
 
 
 _JOB_DEVICE_VARIABLE = {"nvidia": CUDA_VISIBLE_DEVICES, "intel": ZE_AFFINITY_MASK, "amd": ROCR_VISIBLE_DEVICES}

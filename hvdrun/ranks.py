@@ -67,9 +67,28 @@ class GpuLayout:
         return self.gpu_order or self.default_order()
 
     def visible_for(self, local_rank: int, host: str) -> tuple[str, ...]:
-        """What ``local_rank`` on ``host`` is shown (see ``visibility``); raises UsageError when its own are missing."""
+        """What ``local_rank`` on ``host`` is shown (see ``visibility``), tiles as FLAT ids under ``node``.
+
+        Raises:
+            UsageError: its own devices are missing, or an Intel order Level Zero cannot show (it lists the
+                masked devices in index order, so ``node`` visibility needs them ascending).
+        """
         own = self.devices_for(local_rank, host)
-        return own if self.visibility == "rank" else self.order()
+        if self.visibility == "rank":
+            return own
+        shown = tuple(self._flat(device) for device in self.order())
+        if self.vendor == "intel" and all(d.isdigit() for d in shown) and list(shown) != sorted(shown, key=int):
+            raise UsageError(f"gpu_order {','.join(self.order())} on host '{host}': Level Zero shows the devices of a "
+                             "mask in index order, so with gpu_visibility node (every rank sees the node's) the order "
+                             "must be ascending; give an ascending gpu_order, or --gpu-visibility rank")
+        return shown
+
+    def _flat(self, device: str) -> str:
+        """A ``GPU.tile`` id as Level Zero's FLAT id (``1.1`` is 3 with 2 tiles a GPU); other ids as they are."""
+        gpu, dot, tile = device.partition(".")
+        if self.vendor != "intel" or not dot or not (gpu.isdigit() and tile.isdigit()):
+            return device
+        return str(int(gpu) * self.tiles_per_gpu + int(tile))
 
     def ordinal_for(self, local_rank: int) -> int:
         """The index of ``local_rank``'s first device among the devices it sees."""
@@ -78,22 +97,27 @@ class GpuLayout:
     def cards_for(self, local_rank: int, host: str) -> tuple[str, ...]:
         """The GPUs (cards) of ``local_rank``'s devices: a tile's FLAT id names GPU ``id // tiles_per_gpu``
         (for NUMA lookups, which /sys answers per card)."""
-        return tuple(str(int(d) // self.tiles_per_gpu) if self.tiles_per_gpu > 1 and d.isdigit() else d
+        return tuple(str(int(d) // self.tiles_per_gpu) if self._tiled(d) else d
                      for d in self.devices_for(local_rank, host))
 
     def tile_ids_for(self, local_rank: int, host: str) -> tuple[str, ...]:
         """``local_rank``'s devices with tiles as ``GPU.tile`` ids (FLAT id 3 is ``1.1``): what Cray PALS's
         ``--gpu-bind list:`` parses (ALCF's Aurora page: FLAT ids fail there); other ids as they are."""
         tiles = self.tiles_per_gpu
-        return tuple(f"{int(d) // tiles}.{int(d) % tiles}" if self.vendor == "intel" and tiles > 1 and d.isdigit()
-                     else d for d in self.devices_for(local_rank, host))
+        return tuple(f"{int(d) // tiles}.{int(d) % tiles}" if self._tiled(d) else d
+                     for d in self.devices_for(local_rank, host))
+
+    def _tiled(self, device: str) -> bool:
+        """Whether ``device`` is the FLAT id of a tile (Intel GPUs whose tiles each get a rank)."""
+        return self.vendor == "intel" and self.tiles_per_gpu > 1 and device.isdigit()
 
     def hierarchy(self) -> str:
-        """Level Zero's device hierarchy the ids need: ``FLAT`` (tiles as devices, FLAT ids), ``COMPOSITE``
-        (``GPU.tile`` ids), or "" (whole GPUs: whatever the site set)."""
+        """Level Zero's device hierarchy the ids a rank is shown need: ``FLAT`` (tiles as devices, FLAT ids; node
+        visibility shows ``GPU.tile`` ids that way too), ``COMPOSITE`` (a rank shown only its ``GPU.tile`` ids),
+        or "" (whole GPUs: whatever the site set)."""
         if self.vendor != "intel" or not self.gpus_per_node:
             return ""
-        if any("." in device for device in self.order()):
+        if self.visibility == "rank" and any("." in device for device in self.order()):
             return "COMPOSITE"
         return "FLAT" if self.tiles_per_gpu > 1 else ""
 
@@ -244,8 +268,9 @@ def layout_value(layout: GpuLayout) -> str:
 
 def layout_of(value: str) -> GpuLayout:
     """The layout :func:`layout_value` wrote."""
-    gpus_per_node, order, per_rank, vendor, tiles, visibility = json.loads(value)
-    return GpuLayout(gpus_per_node, tuple(order) or None, per_rank, vendor, tiles, visibility=visibility)
+    gpus_per_node, order, per_rank, vendor, tiles, *rest = json.loads(value)  # rest: visibility (hvdrun >= 33)
+    return GpuLayout(gpus_per_node, tuple(order) or None, per_rank, vendor, tiles,
+                     visibility=rest[0] if rest else "rank")
 
 
 def parse_rank_list(text: str) -> frozenset[int]:

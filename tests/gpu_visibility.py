@@ -1,14 +1,16 @@
 """Each GPU vendor's visibility rule, applied to a rank's environment, and the idioms of unchanged scripts.
 
 No GPU is needed: what a rank's runtime shows it is a function of its environment, by each vendor's
-documented rule (device ``i`` is the ``i``-th entry of the visible list):
+rule, taken at its strictest where a vendor's documentation leaves the order open:
 
-* NVIDIA (CUDA): ``CUDA_VISIBLE_DEVICES`` lists the devices in order; unset, every device in index order.
-* AMD (ROCm): ``ROCR_VISIBLE_DEVICES`` chooses among the node's devices, then ``HIP_VISIBLE_DEVICES`` (or
-  ``CUDA_VISIBLE_DEVICES``) indexes what ROCR left.
+* NVIDIA (CUDA): ``CUDA_VISIBLE_DEVICES`` lists the devices in order (device ``i`` is its ``i``-th entry);
+  unset, every device in index order.
+* AMD (ROCm): ``ROCR_VISIBLE_DEVICES`` chooses among the node's devices, kept in index order (whatever
+  order it lists them in), then ``HIP_VISIBLE_DEVICES`` (or ``CUDA_VISIBLE_DEVICES``) lists, in order,
+  indexes among what ROCR left.
 * Intel (Level Zero): under ``ZE_FLAT_DEVICE_HIERARCHY=FLAT`` every tile is a device (FLAT id ``g * tiles + t``)
-  and ``ZE_AFFINITY_MASK`` lists FLAT ids; under ``COMPOSITE`` a mask of ``GPU.tile`` ids shows each masked
-  GPU as one device made of its masked tiles.
+  and ``ZE_AFFINITY_MASK`` chooses FLAT ids, kept in index order; under ``COMPOSITE`` a mask of ``GPU.tile``
+  ids shows each masked GPU, in index order, as one device made of its masked tiles.
 
 The idioms pick an ordinal among what the rank sees: Horovod's ``set_device(hvd.local_rank())``, torchrun's
 ``set_device(int(os.environ["LOCAL_RANK"]))``, pytorch/examples' ``device_count() // local_world_size`` (first of
@@ -35,7 +37,7 @@ def visible_devices(vendor: str, environ: Mapping[str, str], node: Sequence[str]
     """What a rank's runtime shows it, ordinal by ordinal, on a node whose devices are ``node`` (index order;
     Intel: FLAT ids, ``tiles_per_gpu`` a GPU)."""
     if vendor == "amd":
-        rocr = _split(environ.get("ROCR_VISIBLE_DEVICES")) or list(node)
+        rocr = sorted(_split(environ.get("ROCR_VISIBLE_DEVICES")) or list(node), key=int)
         hip = _split(environ.get("HIP_VISIBLE_DEVICES") or environ.get("CUDA_VISIBLE_DEVICES"))
         shown = [rocr[int(i)] for i in hip if int(i) < len(rocr)] if hip is not None else rocr
         return [frozenset({d}) for d in shown]
@@ -43,10 +45,10 @@ def visible_devices(vendor: str, environ: Mapping[str, str], node: Sequence[str]
         mask = _split(environ.get("ZE_AFFINITY_MASK"))
         if environ.get("ZE_FLAT_DEVICE_HIERARCHY") == "COMPOSITE" and mask and "." in mask[0]:
             cards: dict[str, set[str]] = {}
-            for tile in mask:
+            for tile in sorted(mask, key=lambda t: [int(part) for part in t.split(".")]):
                 cards.setdefault(tile.split(".")[0], set()).update(own_device(vendor, tile, tiles_per_gpu))
             return [frozenset(tiles) for tiles in cards.values()]
-        return [frozenset({d}) for d in (mask if mask is not None else node)]
+        return [frozenset({d}) for d in sorted(mask if mask is not None else node, key=int)]
     shown_ids = _split(environ.get("CUDA_VISIBLE_DEVICES"))
     return [frozenset({d}) for d in (shown_ids if shown_ids is not None else node)]
 

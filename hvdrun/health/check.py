@@ -174,7 +174,8 @@ def interface_of(plan: JobPlan, run: RunOptions) -> dict[str, str | None]:
         source = f"network_interface of {run.cluster or run.config_file}"
     else:
         source = None
-    return {"name": name, "from": source, "address": interface_address(name) if name else None}
+    shown = {"name": name, "from": source, "address": interface_address(name) if name else None}
+    return {**shown, "note": plan.notes[0]} if plan.notes else shown
 
 
 def run_check_job(plan: JobPlan) -> JobReport:

@@ -85,6 +85,8 @@ def network_line(report: CheckReport) -> Text:
     """Which interface rank 0 advertises its address on, and why (``--network-interface``, the cluster file)."""
     interface = report.launcher.get("interface") or {}
     line = Text("network: ", style="bold")
+    if interface.get("note"):  # the cluster file's interface is not on this machine
+        return line + Text(str(interface["note"]), style="yellow")
     if not interface.get("name"):
         return line + Text("rank 0 advertises the address of its route to the first other host (no "
                            "--network-interface; a cluster file's network_interface counts when the job spans hosts)")

@@ -251,8 +251,11 @@ def _server_queue(job: QueueJob, server: ServerQueues, queue: str) -> ServerQueu
 
 
 def _merge(server: ServerQueue, yaml: QueueLimits | None, server_tag: str, yaml_tag: str) -> _Sourced:
-    """The server's limits where it states them, the YAML's elsewhere (and the YAML's unit and sizes)."""
-    from_server = frozenset(n for n in _LIMIT_FIELDS if n in server.stated or yaml is None)
+    """The server's limits where it states them, the YAML's elsewhere (and the YAML's unit and sizes). A queue
+    the YAML counts in GPUs (Sophia's by-gpu: -n is GPUs on one node) takes no node count from the server."""
+    in_gpus = yaml is not None and yaml.unit != "nodes"
+    from_server = frozenset(n for n in _LIMIT_FIELDS if (n in server.stated or yaml is None)
+                            and not (in_gpus and n in ("min_nodes", "max_nodes", "routes")))
     base = yaml or QueueLimits()
     merged = replace(base, **{n: getattr(server.limits, n) for n in from_server})
     sources = {n: server_tag if n in from_server else yaml_tag for n in _LIMIT_FIELDS}

@@ -168,9 +168,28 @@ def _program_of(command: Sequence[str]) -> str:
             return next(words, "job")
         if word == "-c":
             return "job"
-        if not word.startswith("-"):
+        if word in _PYTHON_OPTIONS_WITH_VALUES:
+            next(words, None)
+        elif not word.startswith("-"):
             return Path(word).stem
     return "job"
+
+
+def _for_hvdrun(command: tuple[str, ...], python: str) -> tuple[list[str], tuple[str, ...]]:
+    """A COMMAND that starts with a bare Python, as the job's hvdrun should run it: ``python train.py ARGS`` as
+    ``train.py ARGS`` and ``python -m pkg ARGS`` as ``--module pkg ARGS`` (hvdrun runs them with its own Python,
+    a host's ``python:`` or the ``--stage-env`` copy), other interpreter options with the job's ``python``;
+    never the ``python`` the site's setup lines put first on PATH. Returns (hvdrun options, command)."""
+    if not is_python(command[0]) or len(command) < 2:
+        return [], (python, *command[1:]) if is_python(command[0]) else command
+    if command[1] == "-m" and len(command) > 2:
+        return ["--module"], command[2:]
+    if command[1].endswith(".py"):
+        return [], command[1:]
+    return [], (python, *command[1:])
+
+
+_PYTHON_OPTIONS_WITH_VALUES = frozenset({"-W", "-X", "-Q"})
 
 
 def _job_name(request: JobRequest) -> str:
@@ -315,10 +334,8 @@ def _launch(request: JobRequest, config_args: list[str], python: str, ranks_per_
             run_options: Sequence[str]) -> tuple[str, ...]:
     from hvdrun.launch.job import resolve_command
 
-    command = resolve_command(request.command, check_program=False)
-    if is_python(command[0]):  # the Python that runs hvdrun, not whatever the site's setup put first on PATH
-        command = (python, *command[1:])
-    args = [python, "-m", "hvdrun", *config_args, "--ranks-per-node", str(ranks_per_node)]
+    module, command = _for_hvdrun(resolve_command(request.command, check_program=False), python)
+    args = [python, "-m", "hvdrun", *config_args, "--ranks-per-node", str(ranks_per_node), *module]
     if request.gpus_per_node is not None:
         args += ["--gpus-per-node", str(request.gpus_per_node)]
     args += [*run_options, *_run_args(request)]

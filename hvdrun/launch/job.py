@@ -24,6 +24,7 @@ from hvdrun.envvars import (
     BACKEND,
     BIND_REPORT,
     CPU_BIND,
+    DEVICE_ORDINAL,
     ELASTIC_ADDR,
     ELASTIC_PORT,
     GPU_LAYOUT,
@@ -57,7 +58,7 @@ from hvdrun.launch.stacks import print_stacks, signal_ranks, stacks_on_demand
 from hvdrun.launch.staging import DEFAULT_STAGE_DIR, StagePlan, check_stage_dir, plan_staging, staged_env
 from hvdrun.launch.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, ElasticSettings
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, parse_rank_list, total_slots
-from hvdrun.schedulers import SLURM
+from hvdrun.schedulers import SCHEDULERS, SLURM
 
 if TYPE_CHECKING:
     from hvdrun.launch.remote.connections import SshOptions
@@ -145,6 +146,7 @@ class JobPlan:
     forward_signals: tuple[int, ...] = DEFAULT_FORWARD_SIGNALS
     stage: StagePlan | None = None  # --stage-env: what to stage where
     staged: Mapping[str, str] = field(default_factory=dict)  # host name -> its staged copy's Python, once staged
+    notes: tuple[str, ...] = ()  # what the user should hear about the plan (a YAML setting that did not apply)
 
     def python_for(self, host: Host) -> str:
         """The Python of ``host``: its staged copy's (``--stage-env``), its own from the cluster YAML, else the
@@ -208,8 +210,8 @@ def _resolve_hosts(options: RunOptions, config: ClusterConfig | None, layout: Gp
     return (Host("localhost", options.num_proc or 1),), "default"
 
 
-def _gpu_layout(options: RunOptions, config: ClusterConfig | None, environ: Mapping[str, str]) -> GpuLayout:
-    """The GPU layout of the options and the cluster YAML, within the devices the scheduler gave the job."""
+def _gpu_layout(options: RunOptions, config: ClusterConfig | None) -> GpuLayout:
+    """The GPU layout of the options and the cluster YAML."""
     gpus_per_node = options.gpus_per_node if options.gpus_per_node is not None else (
         config.gpus_per_node if config else 0)
     order = config.gpu_order if config and config.gpu_order and len(config.gpu_order) == gpus_per_node else None
@@ -219,8 +221,43 @@ def _gpu_layout(options: RunOptions, config: ClusterConfig | None, environ: Mapp
                        tiles_per_gpu=config.tiles_per_gpu if config else 1,
                        binder=config.gpu_bind if config else "hvdrun",
                        visibility=options.gpu_visibility or (config.gpu_visibility if config else "node"))
-    given = job_devices(layout.vendor, environ) if gpus_per_node else None
-    return layout.within(given) if given else layout
+    return layout
+
+
+def _within_job_devices(layout: GpuLayout, options: RunOptions, environ: Mapping[str, str]) -> GpuLayout:
+    """``layout`` on the GPUs the scheduler gave the job, where hvdrun's environment names them (Slurm
+    ``--gpus``, PBS by-gpu): the first ``--gpus-per-node`` of them when that option is given.
+
+    Raises:
+        UsageError: ``--gpus-per-node`` asks for more GPUs than the job was given.
+    """
+    given = job_devices(layout.vendor, environ) if layout.gpus_per_node else None
+    if given is None:
+        return layout
+    variable, ids = given
+    wanted = options.gpus_per_node
+    if wanted is not None and wanted > len(ids):
+        raise UsageError(f"--gpus-per-node {wanted}, but the job was given {len(ids)} GPUs ({variable}="
+                         f"{','.join(ids)} in hvdrun's environment); lower --gpus-per-node, or ask the scheduler "
+                         "for more GPUs")
+    return layout.within((variable, ids[:wanted] if wanted is not None else ids))
+
+
+def _hosts_and_gpus(options: RunOptions, config: ClusterConfig | None,
+                    environ: Mapping[str, str]) -> tuple[tuple[Host, ...], str, GpuLayout]:
+    """The hosts, where they came from, and the GPU layout: within the job's own GPUs where those GPUs are the
+    hosts' (hvdrun runs in the allocation, or every host is this machine), else the YAML's and the options'."""
+    layout = _gpu_layout(options, config)
+    if options.host_discovery_script:
+        hosts, source = make_discovery(options.host_discovery_script, options.slots_per_host, ()).find(), "discovery"
+    else:
+        hosts, source = _resolve_hosts(options, config, layout, environ)
+    if source in SCHEDULERS:  # the allocation's nodes get one rank per GPU of the job's own
+        layout = _within_job_devices(layout, options, environ)
+        hosts, source = _resolve_hosts(options, config, layout, environ)
+    elif all(is_local_host(host.name) for host in hosts):
+        layout = _within_job_devices(layout, options, environ)
+    return hosts, source, layout
 
 
 def resolve_command(command: Sequence[str], check_program: bool = True, module: bool = False) -> tuple[str, ...]:
@@ -263,11 +300,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
         UsageError: any invalid input (hosts, config, -np, -x, command); exit code 2.
     """
     config = load_cluster_config(options.cluster, options.config_file)
-    layout = _gpu_layout(options, config, environ)
-    if options.host_discovery_script:
-        hosts, source = make_discovery(options.host_discovery_script, options.slots_per_host, ()).find(), "discovery"
-    else:
-        hosts, source = _resolve_hosts(options, config, layout, environ)
+    hosts, source, layout = _hosts_and_gpus(options, config, environ)
     ranks_per_node = options.ranks_per_node or (config.ranks_per_node if config else None)
     if ranks_per_node:
         hosts = tuple(replace(host, slots=ranks_per_node) for host in hosts)
@@ -275,7 +308,8 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
         raise UsageError("--exclude-hosts/--exclude-hosts-file leave hosts out of a fixed list; with "
                          "--host-discovery-script, leave them out of what the script prints")
     hosts = without_excluded(hosts, excluded_hosts(options.exclude_hosts, options.exclude_hosts_file))
-    options = replace(options, network_interface=_network_interface(options, config, hosts))
+    interface, notes = _network_interface(options, config, hosts)
+    options = replace(options, network_interface=interface)
     elastic = _elastic_plan(options, hosts) if options.elastic else None
     if elastic and (options.max_restarts or options.spares):
         raise UsageError("--max-restarts/--spares restart a whole job; an elastic job (--min-np/--max-np/"
@@ -287,6 +321,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     command = resolve_command(options.command, check_program=launcher == "local", module=options.module)
     base_env = {**environ, **(config.env if config else {}), **dict(options.extra_env),
                 **forwarded_env(options.env_specs, environ)}
+    base_env.pop(DEVICE_ORDINAL, None)  # a rank's own, set with its GPUs (an hvdrun started inside a rank inherits it)
     if options.horovod_compat:
         base_env[HOROVOD_COMPAT] = "1"
     base_env.update(interface_env(options.network_interface, base_env))
@@ -306,16 +341,26 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
                    hosts=hosts, console_ranks=_console_ranks(options, len(slots)),
                    forward_signals=DEFAULT_FORWARD_SIGNALS if options.forward_signals is None else
                    parse_signal_list(options.forward_signals),
-                   stage=_stage_plan(options, config, launcher, hosts, default_python))
+                   stage=_stage_plan(options, config, launcher, hosts, default_python), notes=notes)
 
 
-def _network_interface(options: RunOptions, config: ClusterConfig | None, hosts: Sequence[Host]) -> str | None:
-    """The interface rank 0 advertises its address on: ``--network-interface``, else the cluster file's
-    ``network_interface`` (Aurora's hsn0) when the job spans hosts; a job on this machine alone talks over
-    loopback (and the machine it runs on, a login node, a laptop, may lack the site's interface)."""
+def _network_interface(options: RunOptions, config: ClusterConfig | None,
+                       hosts: Sequence[Host]) -> tuple[str | None, tuple[str, ...]]:
+    """The interface rank 0 advertises its address on, and a note when the YAML's did not apply:
+    ``--network-interface``, else the cluster file's ``network_interface`` (Aurora's hsn0) when the job spans
+    hosts and, where rank 0 runs here, this machine has it (a login node or a laptop may not: the route to the
+    first remote host decides then, as without the setting); a job on this machine alone talks over loopback."""
+    from hvdrun.launch.remote.hostfacts import interface_address
+
     if options.network_interface or config is None or not config.network_interface:
-        return options.network_interface
-    return config.network_interface if any(not is_local_host(host.name) for host in hosts) else None
+        return options.network_interface, ()
+    name = config.network_interface
+    if all(is_local_host(host.name) for host in hosts):
+        return None, ()
+    if hosts and is_local_host(hosts[0].name) and interface_address(name) is None:
+        return None, (f"this machine has no IPv4 address on {name} (network_interface of {config.source}); rank 0 "
+                      "advertises the address of the route to the other hosts instead",)
+    return name, ()
 
 
 def _stage_plan(options: RunOptions, config: ClusterConfig | None, launcher: str, hosts: Sequence[Host],

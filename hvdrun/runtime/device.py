@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from hvdrun.envvars import DEVICE_BACKEND, DEVICE_ORDINAL
+from hvdrun.envvars import DEVICE_BACKEND, DEVICE_ORDINAL, RANK
 from hvdrun.errors import DeviceError, UsageError
 from hvdrun.runtime.negotiation import Entry, Request
 from hvdrun.runtime.reduce import (
@@ -59,11 +59,12 @@ def device_backend_name(environ: Mapping[str, str]) -> str | None:
 
 def own_device_ordinal(environ: Mapping[str, str], local_rank: int, count: int) -> int | None:
     """Which of the ``count`` devices this rank sees is its own: the ordinal hvdrun's launcher chose
-    (``HVDRUN_DEVICE_ORDINAL``), else ``local_rank`` among them (MPI or srun launched it); None without devices
-    or when the launcher's ordinal is not among them (the script changed what it sees)."""
-    if count < 1:
-        return None
+    (``HVDRUN_DEVICE_ORDINAL``), else, where another launcher started it (mpiexec, srun: no ``HVDRUN_RANK``),
+    ``local_rank`` among them. None without devices, for a job hvdrun started with no GPUs given out (it
+    leaves CUDA alone), or when the launcher's ordinal is not among them (the script changed what it sees)."""
     given = environ.get(DEVICE_ORDINAL, "")
+    if count < 1 or not given and RANK in environ:
+        return None
     if given.isdigit():
         return int(given) if int(given) < count else None
     return local_rank % count
@@ -79,7 +80,7 @@ def select_current_device(environ: Mapping[str, str], local_rank: int) -> str | 
         module = getattr(torch, kind, None)
         if module is None or not module.is_available():
             continue
-        if module.is_initialized():
+        if getattr(module, "is_initialized", lambda: False)():
             return None
         ordinal = own_device_ordinal(environ, local_rank, module.device_count())
         if ordinal is None:

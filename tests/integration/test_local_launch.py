@@ -353,8 +353,8 @@ print("PIN " + json.dumps({"rank": int(os.environ["RANK"]), **{n: os.environ.get
 
 def test_amd_ranks_read_back_their_rocr_gpus_and_no_contradicting_variable(run_hvdrun, hvdrun_env, tmp_path):
     """A HIP_VISIBLE_DEVICES inherited from the shell must not leave a rank with no GPU: the ranks see
-    ROCR_VISIBLE_DEVICES in the cluster's order and HIP/CUDA indices 0..k-1 within it (rank 1's GPUs 2,3 are
-    its devices 2 and 3)."""
+    ROCR_VISIBLE_DEVICES (which GPUs) and HIP/CUDA indexes within it in the cluster's order (rank 1's GPUs 2,3
+    are its devices 2 and 3)."""
     (tmp_path / "amd.yaml").write_text("gpu_vendor: amd\ngpus_per_node: 4\ngpus_per_rank: 2\ngpu_order: [4, 5, 2, 3]\n"
                                        "hosts: ['localhost:2']\n")
     hvdrun_env["HIP_VISIBLE_DEVICES"] = "7"
@@ -363,7 +363,7 @@ def test_amd_ranks_read_back_their_rocr_gpus_and_no_contradicting_variable(run_h
     pins = sorted((json.loads(line.split("PIN ", 1)[1]) for line in done.stdout.splitlines() if "PIN " in line),
                   key=lambda p: p["rank"])
     assert [(p["ROCR_VISIBLE_DEVICES"], p["HIP_VISIBLE_DEVICES"], p["CUDA_VISIBLE_DEVICES"], p["ZE_AFFINITY_MASK"])
-            for p in pins] == [("4,5,2,3", "0,1,2,3", "0,1,2,3", None)] * 2
+            for p in pins] == [("2,3,4,5", "2,3,0,1", "2,3,0,1", None)] * 2  # GPUs 4,5 are devices 0 and 1
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -122,7 +122,7 @@ def test_a_bare_python_command_runs_the_jobs_python_when_setup_puts_another_firs
     assert sorted(re.findall(r"\[(\d)\]<stdout>:rank \d local \d", output)) == ["0", "1"], output
     script = next((job_dir / "hvdrun-jobs").glob("*.slurm.sh")).read_text()
     assert "#SBATCH --job-name=pinned" in script
-    assert f"-- {sys.executable} pinned.py" in script
+    assert f"{sys.executable} -m hvdrun --cluster slurm --ranks-per-node 2 -- pinned.py" in script  # its Python
 
 
 def test_slurm_wait_returns_the_jobs_failing_exit_code(slurm_env, job_dir):

@@ -91,6 +91,6 @@ def test_the_frontier_like_config_gives_each_rank_the_gcd_next_to_its_cores():
     config = load_cluster("slurm-amd")
     layout = GpuLayout(config.gpus_per_node, config.gpu_order, config.gpus_per_rank, config.gpu_vendor)
     envs = [envvars.worker_env(slot, RDV) for slot in assign_slots([Host("f1", 8)], 8, layout)]
-    assert {env["ROCR_VISIBLE_DEVICES"] for env in envs} == {"4,5,2,3,6,7,0,1"}  # GCD 4 is local rank 0's device
-    assert {env["HIP_VISIBLE_DEVICES"] for env in envs} == {"0,1,2,3,4,5,6,7"}
+    assert {env["ROCR_VISIBLE_DEVICES"] for env in envs} == {"0,1,2,3,4,5,6,7"}  # which GCDs, in index order
+    assert {env["HIP_VISIBLE_DEVICES"] for env in envs} == {"4,5,2,3,6,7,0,1"}  # their order: GCD 4 is device 0
     assert parse_cpu_bind(config.cpu_bind or "").lists[0] == set(range(1, 8))  # next to GCD 4 (OLCF's map)

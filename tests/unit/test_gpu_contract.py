@@ -49,12 +49,31 @@ def test_two_gpus_a_rank_start_at_local_rank_times_two():
     assert reached("device_count() // local_world_size", "nvidia", env, ["0", "1", "2", "3"]) == {"2"}
 
 
+def ranks_env(environ, **options):
+    plan = plan_job(RunOptions(command=("true",), **options), {"PATH": "/usr/bin:/bin", **environ})
+    return [envvars.worker_env(slot, RDV) for slot in plan.slots]
+
+
 def test_devices_the_scheduler_gave_the_job_are_what_the_ranks_share():
     """PBS by-gpu on Sophia, or Slurm --gpus: CUDA_VISIBLE_DEVICES=2,5 in the job; two ranks see 2,5."""
-    plan = plan_job(RunOptions(command=("true",), gpus_per_node=8, num_proc=2),
-                    {"CUDA_VISIBLE_DEVICES": "2,5", "PATH": "/usr/bin:/bin"})
-    envs = [envvars.worker_env(slot, RDV) for slot in plan.slots]
+    envs = ranks_env({"CUDA_VISIBLE_DEVICES": "2,5"}, cluster="sophia", launcher="local", num_proc=2)
     assert [(e["CUDA_VISIBLE_DEVICES"], e["HVDRUN_DEVICE_ORDINAL"]) for e in envs] == [("2,5", "0"), ("2,5", "1")]
+    one = ranks_env({"CUDA_VISIBLE_DEVICES": "2,5"}, gpus_per_node=1, hosts="localhost:1")
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in one] == ["2"]  # --gpus-per-node 1: the first the job was given
+    with pytest.raises(UsageError, match=r"^--gpus-per-node 8, but the job was given 2 GPUs \(CUDA_VISIBLE_DEVICES"):
+        ranks_env({"CUDA_VISIBLE_DEVICES": "2,5"}, gpus_per_node=8, num_proc=2)
+
+
+def test_the_launchers_own_gpus_say_nothing_of_other_hosts():
+    """-H other hosts: this machine's CUDA_VISIBLE_DEVICES (a login node's, a laptop's) is not theirs."""
+    envs = ranks_env({"CUDA_VISIBLE_DEVICES": "0"}, gpus_per_node=4, hosts="node1:4", launcher="ssh")
+    assert [(e["CUDA_VISIBLE_DEVICES"], e["HVDRUN_DEVICE_ORDINAL"]) for e in envs][:2] == [
+        ("0,1,2,3", "0"), ("0,1,2,3", "1")]
+
+
+def test_an_inherited_ordinal_does_not_reach_ranks_given_no_gpu():
+    plan = plan_job(RunOptions(command=("true",), num_proc=1), {"PATH": "/usr/bin:/bin", "HVDRUN_DEVICE_ORDINAL": "3"})
+    assert "HVDRUN_DEVICE_ORDINAL" not in plan.base_env
 
 
 def test_the_cluster_order_is_kept_within_the_given_devices():
@@ -90,6 +109,7 @@ def test_gpu_bind_launcher_means_rank_visibility_and_refuses_node():
     ({}, 3, 4, 3),  # mpiexec / srun without hvdrun: local rank among the node's devices
     ({}, 3, 1, 0),  # ... where the site pinned one device a rank
     ({}, 0, 0, None),  # no device
+    ({"HVDRUN_RANK": "3"}, 3, 4, None),  # hvdrun gave out no GPUs: CUDA is left alone (no context on any GPU)
 ])
 def test_own_device_ordinal(environ, local_rank, count, expected):
     assert own_device_ordinal(environ, local_rank, count) == expected
@@ -124,3 +144,31 @@ def test_init_makes_the_ranks_own_gpu_current_unless_the_script_chose_one(monkey
     tiles = _Runtime(12)
     monkeypatch.setitem(__import__("sys").modules, "torch", types.SimpleNamespace(cuda=_Runtime(0), xpu=tiles))
     assert select_current_device({}, 7) == "xpu:7" and tiles.chosen == 7
+
+
+def test_gpu_tile_ids_are_shown_as_flat_devices_under_node_visibility():
+    """An Aurora YAML of the composite era (gpu_order 0.0, 0.1, ...): every rank still lands on its own tile."""
+    order = tuple(f"{gpu}.{tile}" for gpu in range(6) for tile in range(2))
+    layout = GpuLayout(12, order, vendor="intel", tiles_per_gpu=2)
+    envs = [envvars.worker_env(slot, RDV) for slot in assign_slots([Host("x1", 12)], 12, layout)]
+    assert {(e["ZE_AFFINITY_MASK"], e["ZE_FLAT_DEVICE_HIERARCHY"]) for e in envs} == {
+        (",".join(map(str, range(12))), "FLAT")}
+    node = [str(i) for i in range(12)]
+    assert [reached("set_device(LOCAL_RANK)", "intel", e, node, 2) for e in envs] == [{str(i)} for i in range(12)]
+    strict = assign_slots([Host("x1", 12)], 12, GpuLayout(12, order, vendor="intel", tiles_per_gpu=2,
+                                                            visibility="rank"))
+    assert envvars.worker_env(strict[3], RDV)["ZE_AFFINITY_MASK"] == "1.1"  # its tile alone, COMPOSITE
+
+
+def test_an_intel_order_level_zero_cannot_show_needs_rank_visibility():
+    with pytest.raises(UsageError, match="Level Zero shows the devices of a mask in index order"):
+        assign_slots([Host("x1", 2)], 2, GpuLayout(2, ("1", "0"), vendor="intel"))
+    assert assign_slots([Host("x1", 2)], 2, GpuLayout(2, ("1", "0"), vendor="intel", visibility="rank"))[0].devices \
+        == ("1",)
+
+
+def test_amd_rocr_lists_which_gpus_and_hip_their_order():
+    slots = assign_slots([Host("f1", 4)], 4, GpuLayout(4, ("3", "1", "2", "0"), vendor="amd"))
+    env = envvars.worker_env(slots[0], RDV)
+    assert (env["ROCR_VISIBLE_DEVICES"], env["HIP_VISIBLE_DEVICES"]) == ("0,1,2,3", "3,1,2,0")
+    assert reached("set_device(LOCAL_RANK)", "amd", env, ["0", "1", "2", "3"]) == {"3"}

@@ -26,6 +26,7 @@ def test_what_counts_as_a_bare_python(word, expected):
     (("python3", "-u", "/abs/dir/train_gpt.py"), "train_gpt"),
     (("python", "-m", "mypkg.train", "--epochs", "2"), "mypkg.train"),
     (("python", "-c", "print(1)"), "job"),
+    (("python", "-W", "ignore", "train.py"), "train"),
     (("examples/linear_regression.py",), "linear_regression"),
     (("./run.sh",), "run"),
 ])
@@ -33,16 +34,28 @@ def test_the_job_is_named_after_its_script_or_module(command, name):
     assert spec_of(*command).job_name == name
 
 
-def test_a_bare_python_becomes_the_python_that_runs_hvdrun():
-    launch = spec_of("python", "-m", "mypkg.train", "--lr", "1").launch
-    assert launch[launch.index("--") + 1:] == (sys.executable, "-m", "mypkg.train", "--lr", "1")
+def hvdrun_line(*command: str, **fields) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the job's hvdrun and its options, the COMMAND it runs)."""
+    launch = spec_of(*command, **fields).launch
+    return launch[:launch.index("--")], launch[launch.index("--") + 1:]
 
 
-def test_the_job_python_given_with_venv_runs_the_command_too(tmp_path):
-    launch = spec_of("python3", "train.py", venv=str(tmp_path / "venv")).launch
-    assert launch[0] == launch[launch.index("--") + 1] == str(tmp_path / "venv" / "bin" / "python")
+def test_a_bare_python_script_is_run_by_hvdrun_with_its_own_python():
+    """hvdrun runs a .py COMMAND with its Python (or a host's python:, or the --stage-env copy)."""
+    hvdrun, command = hvdrun_line("python", "train.py", "--lr", "1")
+    assert hvdrun[0] == sys.executable and command == ("train.py", "--lr", "1")
+
+
+def test_a_bare_python_module_is_hvdruns_module():
+    hvdrun, command = hvdrun_line("python", "-m", "mypkg.train", "--lr", "1")
+    assert hvdrun[-1] == "--module" and command == ("mypkg.train", "--lr", "1")
+
+
+def test_a_bare_python_with_its_own_options_becomes_the_jobs_python(tmp_path):
+    hvdrun, command = hvdrun_line("python3", "-X", "importtime", "train.py", venv=str(tmp_path / "venv"))
+    assert hvdrun[0] == command[0] == str(tmp_path / "venv" / "bin" / "python")
+    assert command[1:] == ("-X", "importtime", "train.py")
 
 
 def test_an_explicit_interpreter_path_is_kept():
-    launch = spec_of("/opt/other/bin/python3", "train.py").launch
-    assert launch[launch.index("--") + 1:] == ("/opt/other/bin/python3", "train.py")
+    assert hvdrun_line("/opt/other/bin/python3", "train.py")[1] == ("/opt/other/bin/python3", "train.py")

@@ -200,6 +200,14 @@ def test_a_limit_the_server_does_not_state_is_the_yamls_and_named_so():
     assert decide(job("by-gpu", nodes=2, defaults=sophia, cluster="sophia"), answer).limits.unit == "gpus"
 
 
+def test_a_server_node_count_says_nothing_of_a_queue_the_yaml_counts_in_gpus():
+    """Sophia's by-gpu: -n counts GPUs on one node, so a server's resources_max.nodect=1 refuses no -n 8."""
+    sophia = SchedulerDefaults(kind="pbs", queues={"by-gpu": QueueLimits(nodes_allowed=(1, 2, 4, 8), unit="gpus")})
+    answer = ServerAnswer(ServerQueues("the PBS server", "qstat -Qf -F json", {"by-gpu": ServerQueue(
+        "by-gpu", QueueLimits(min_nodes=1, max_nodes=1), frozenset({"min_nodes", "max_nodes"}))}))
+    assert decide(job("by-gpu", nodes=8, defaults=sophia, cluster="sophia"), answer).limits.max_nodes is None
+
+
 def test_a_routing_queue_takes_the_first_destination_that_accepts_nodes_and_walltime():
     routes = (QueueRoute("small", 10, 24, 3 * H), QueueRoute("backfill-small", 10, 24, 6 * H))
     answer = ServerAnswer(ServerQueues("the PBS server", "qstat -Qf -F json",

@@ -99,17 +99,28 @@ def test_a_named_open_mpi_whose_version_cannot_be_read_keeps_prrte_spellings(tmp
 
 # --- the interface rank 0 advertises ----------------------------------------------------------------------------
 
-def plan(tmp_path, hosts: str, interface: str | None = None, environ: dict | None = None, launcher: str = "ssh"):
+def plan(tmp_path, hosts: str, interface: str | None = None, environ: dict | None = None, launcher: str = "ssh",
+         yaml_interface: str = "lo"):
     config = tmp_path / "site.yaml"
-    config.write_text(f"launcher: {launcher}\nnetwork_interface: hsn0\n")
+    config.write_text(f"launcher: {launcher}\nnetwork_interface: {yaml_interface}\n")
     options = RunOptions(command=("/bin/true",), hosts=hosts, config_file=str(config), network_interface=interface)
     return options, plan_job(options, environ or {})
 
 
 def test_the_cluster_files_interface_carries_a_job_across_hosts(tmp_path):
     _, planned = plan(tmp_path, "localhost:1,node-b:1")
-    assert planned.options.network_interface == "hsn0"
-    assert planned.base_env["GLOO_SOCKET_IFNAME"] == planned.base_env["NCCL_SOCKET_IFNAME"] == "hsn0"
+    assert planned.options.network_interface == "lo" and planned.notes == ()
+    assert planned.base_env["GLOO_SOCKET_IFNAME"] == planned.base_env["NCCL_SOCKET_IFNAME"] == "lo"
+    _, remote_rank0 = plan(tmp_path, "node-a:1,node-b:1", yaml_interface="hsn0")  # rank 0's host probes it there
+    assert remote_rank0.options.network_interface == "hsn0"
+
+
+def test_a_cluster_interface_this_machine_lacks_gives_way_to_the_route_with_a_note(tmp_path):
+    """A login node or a laptop without hsn0, rank 0 here: the job runs, as it did before the YAML named one."""
+    _, planned = plan(tmp_path, "localhost:1,node-b:1", yaml_interface="hsn0")
+    assert planned.options.network_interface is None and "GLOO_SOCKET_IFNAME" not in planned.base_env
+    assert planned.notes == (f"this machine has no IPv4 address on hsn0 (network_interface of {tmp_path / 'site.yaml'})"
+                             "; rank 0 advertises the address of the route to the other hosts instead",)
 
 
 def test_a_job_on_this_machine_alone_ignores_it(tmp_path):
@@ -133,7 +144,7 @@ def test_mpiexec_advertises_the_interfaces_address_or_says_which_interface_is_mi
 
 
 def shown(report: CheckReport) -> str:
-    console = Console(width=200, record=True, color_system=None)
+    console = Console(width=400, record=True, color_system=None)
     console.print(network_line(report))
     return console.export_text().strip()
 
@@ -141,10 +152,16 @@ def shown(report: CheckReport) -> str:
 def test_check_shows_the_interface_and_where_it_comes_from(tmp_path):
     options, planned = plan(tmp_path, "localhost:1,node-b:1")
     interface = interface_of(planned, options)
-    assert interface == {"name": "hsn0", "from": f"network_interface of {tmp_path / 'site.yaml'}", "address": None}
+    assert interface == {"name": "lo", "from": f"network_interface of {tmp_path / 'site.yaml'}",
+                         "address": "127.0.0.1"}
     report = CheckReport({"interface": interface}, [], JobReport(ran=False))
-    assert shown(report) == (f"network: rank 0 advertises its address on hsn0 (network_interface of "
-                             f"{tmp_path / 'site.yaml'}); this machine has no IPv4 address on it")
+    assert shown(report) == (f"network: rank 0 advertises its address on lo (network_interface of "
+                             f"{tmp_path / 'site.yaml'}); this machine's is 127.0.0.1")
+    options, planned = plan(tmp_path, "localhost:1,node-b:1", yaml_interface="hsn0")
+    report = CheckReport({"interface": interface_of(planned, options)}, [], JobReport(ran=False))
+    assert shown(report) == (f"network: this machine has no IPv4 address on hsn0 (network_interface of "
+                             f"{tmp_path / 'site.yaml'}); rank 0 advertises the address of the route to the other "
+                             "hosts instead")
     options, planned = plan(tmp_path, "localhost:1,node-b:1", "lo")
     report = CheckReport({"interface": interface_of(planned, options)}, [], JobReport(ran=False))
     assert shown(report) == ("network: rank 0 advertises its address on lo (--network-interface); "

@@ -285,15 +285,15 @@ def bind_cpus(environ: Mapping[str, str]) -> None:
 
 
 def _gpu_seen(environ: Mapping[str, str]) -> str:
-    """``3 (device 0 of 3,2,1,0)``: the rank's own GPU and what it sees, for the bindings report."""
-    name = next((name for name in envvars.DEVICE_VARIABLES if environ.get(name)), None)
-    if name is None:
+    """``3 (device 0 of CUDA_VISIBLE_DEVICES=3,2,1,0)``: the rank's own GPU and what it sees (bindings report)."""
+    shown = envvars.devices_shown(environ)
+    if shown is None:
         return "-"
-    visible = environ[name].split(",")
+    described, devices = shown
     ordinal = environ.get(envvars.DEVICE_ORDINAL, "")
-    if not ordinal.isdigit() or int(ordinal) >= len(visible):
-        return environ[name]
-    return f"{visible[int(ordinal)]} (device {ordinal} of {name}={environ[name]})"
+    if not ordinal.isdigit() or int(ordinal) >= len(devices):
+        return described
+    return f"{devices[int(ordinal)]} (device {ordinal} of {described})"
 
 
 def main(argv: list[str]) -> None:
