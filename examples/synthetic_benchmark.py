@@ -44,7 +44,7 @@ def main() -> None:
     hvd.init()
     torch.manual_seed(0)
     cuda = torch.cuda.is_available() and not args.no_cuda
-    if cuda:  # one GPU per rank: the pinned one, or the local rank's where nothing was pinned
+    if cuda:  # one GPU per rank: the local rank's (hvd.init() has made it current already under hvdrun)
         torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
     device = torch.device("cuda" if cuda else "cpu")
     model = SmallConvNet().to(device)
