@@ -18,6 +18,7 @@ def slow_data_loader(release: str) -> None:
 
 
 def main() -> None:
+    print("imported", flush=True)  # and again after them: importing torch takes seconds on loaded cores
     hvd.init()
     data = torch.ones(1000)
     for step in range(3):

@@ -36,9 +36,11 @@ assert board.round - before >= 200, (before, board.round)
 # rank's engine, idle, sees their posts and joins their cycles (announcing nothing), as it would on ring bytes
 engine = context.current().engine
 for step in range(3):
-    if local == step:
-        before = engine.cycles
+    if local == step:  # late until its engine has joined a peers' cycle (at most 10 s: 9 ranks share 2 cores in CI)
+        before, deadline = engine.cycles, time.monotonic() + 10
         time.sleep(0.3)
+        while engine.cycles == before and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert engine.cycles > before, "an idle rank's engine did not join its local peers' cycle"
     t = torch.tensor([float(rank)])
     hvd.allreduce_(t, name=f"late.{step}", op=hvd.Sum)
