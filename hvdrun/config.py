@@ -129,13 +129,6 @@ class QueueLimits:
     unit: str = "nodes"
     routes: tuple[QueueRoute, ...] = ()
 
-    def route_for(self, nodes: int) -> QueueRoute | None:
-        """The execution queue a job of ``nodes`` nodes is routed to (None: no route takes it)."""
-        for route in self.routes:
-            if route.min_nodes <= nodes and (route.max_nodes is None or nodes <= route.max_nodes):
-                return route
-        return None
-
 
 @dataclass(frozen=True)
 class SchedulerDefaults:

@@ -38,6 +38,7 @@ _WORD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
 _JOB_ID_RE = re.compile(r"[0-9]+(\[[0-9]*\])?(\.[A-Za-z0-9_.-]+)?|[0-9]+_[0-9]+")
 _VAR_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PYTHON_RE = re.compile(r"python(3(\.[0-9]+)?)?")
+_PYTHON_OPTIONS_WITH_VALUES = frozenset({"-W", "-X", "-Q"})
 
 
 @dataclass(frozen=True)
@@ -180,16 +181,14 @@ def _for_hvdrun(command: tuple[str, ...], python: str) -> tuple[list[str], tuple
     ``train.py ARGS`` and ``python -m pkg ARGS`` as ``--module pkg ARGS`` (hvdrun runs them with its own Python,
     a host's ``python:`` or the ``--stage-env`` copy), other interpreter options with the job's ``python``;
     never the ``python`` the site's setup lines put first on PATH. Returns (hvdrun options, command)."""
-    if not is_python(command[0]) or len(command) < 2:
-        return [], (python, *command[1:]) if is_python(command[0]) else command
-    if command[1] == "-m" and len(command) > 2:
-        return ["--module"], command[2:]
-    if command[1].endswith(".py"):
-        return [], command[1:]
-    return [], (python, *command[1:])
-
-
-_PYTHON_OPTIONS_WITH_VALUES = frozenset({"-W", "-X", "-Q"})
+    if not is_python(command[0]):
+        return [], command
+    rest = command[1:]
+    if len(rest) > 1 and rest[0] == "-m":
+        return ["--module"], rest[1:]
+    if rest and rest[0].endswith(".py"):
+        return [], rest
+    return [], (python, *rest)
 
 
 def _job_name(request: JobRequest) -> str:
@@ -295,8 +294,7 @@ def _run_args(request: JobRequest) -> list[str]:
 def _job_launcher(run_args: Sequence[str], config: ClusterConfig | None, kind: str, nodes: int) -> tuple[str, str]:
     """The launcher the job's hvdrun will use, and where that choice comes from (as ``launch/job.py`` chooses:
     srun in a Slurm job of several nodes)."""
-    given = [word.split("=", 1)[1] if "=" in word else (run_args[i + 1] if i + 1 < len(run_args) else "")
-             for i, word in enumerate(run_args) if word.split("=", 1)[0] == "--launcher"]
+    given = _option_values(run_args, "--launcher")
     if given:
         return given[-1], "--run-args"
     if config is not None and config.launcher:
@@ -319,15 +317,39 @@ def _stage_args(request: JobRequest, config: ClusterConfig | None, kind: str, no
     return ["--stage-env", *(["--stage-dir", directory] if directory else [])]
 
 
+def _option_values(words: Sequence[str], option: str) -> list[str]:
+    """The values ``option`` takes among ``words`` (``--name value`` and ``--name=value``), in order."""
+    values = []
+    for i, word in enumerate(words):
+        name, sep, value = word.partition("=")
+        if name == option:
+            values.append(value if sep else (words[i + 1] if i + 1 < len(words) else ""))
+    return values
+
+
 def _filesystem_args(request: JobRequest, config: ClusterConfig | None, defaults: SchedulerDefaults, kind: str,
                      nodes: int, filesystems: Sequence[str]) -> list[str]:
-    """``--mpi-args`` the job's mpiexec needs for the filesystems it requests (Aurora's DAOS: ``--no-vni``)."""
-    from hvdrun.launch.mpiexec import filesystem_mpi_args
+    """``--mpi-args`` the job's mpiexec needs for the filesystems it requests (the cluster file's
+    ``scheduler.filesystem_mpi_args``, e.g. Aurora's DAOS needs PALS's ``--no-vni``); nothing when none needs any
+    or ``--run-args`` already passes them.
 
-    if not defaults.filesystem_mpi_args or _job_launcher(_run_args(request), config, kind, nodes)[0] != "mpiexec":
+    Raises:
+        UsageError: ``--run-args`` has its own ``--mpi-args`` without them (the job's hvdrun takes only that one).
+    """
+    run_args = _run_args(request)
+    wanted = {word: name for name in filesystems for word in defaults.filesystem_mpi_args.get(name, ())}
+    if not wanted or _job_launcher(run_args, config, kind, nodes)[0] != "mpiexec":
         return []
-    where = f"{config.source if config else kind}: scheduler.filesystem_mpi_args"
-    return filesystem_mpi_args(defaults.filesystem_mpi_args, filesystems, _run_args(request), where)
+    given = _option_values(run_args, "--mpi-args")
+    if not given:
+        return [f"--mpi-args={shlex.join(wanted)}"]
+    missing = [word for word in wanted if word not in shlex.split(given[-1])]
+    if missing:
+        where = f"{config.source if config else kind}: scheduler.filesystem_mpi_args"
+        raise UsageError(f"--run-args gives --mpi-args {given[-1]!r}, which the job's mpiexec would get instead of "
+                         f"the {' '.join(missing)} that filesystem {wanted[missing[0]]} needs ({where}); add it: "
+                         f"--run-args \"--mpi-args='{' '.join([given[-1], *missing])}'\"")
+    return []
 
 
 def _launch(request: JobRequest, config_args: list[str], python: str, ranks_per_node: int,

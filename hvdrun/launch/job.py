@@ -203,11 +203,16 @@ def _resolve_hosts(options: RunOptions, config: ClusterConfig | None, layout: Gp
     allocation = detect_allocation(environ)
     if allocation:
         scheduler, hosts = allocation
-        if layout.gpus_per_node:  # one rank per GPU (or per gpus_per_rank GPUs) on every node
-            per_node = max(layout.gpus_per_node // layout.gpus_per_rank, 1)
-            hosts = tuple(replace(host, slots=per_node) for host in hosts)
-        return hosts, scheduler
+        return _rank_per_gpu(hosts, layout), scheduler
     return (Host("localhost", options.num_proc or 1),), "default"
+
+
+def _rank_per_gpu(hosts: tuple[Host, ...], layout: GpuLayout) -> tuple[Host, ...]:
+    """An allocation's nodes with one slot per GPU (or per ``gpus_per_rank`` GPUs); as they are without GPUs."""
+    if not layout.gpus_per_node:
+        return hosts
+    per_node = max(layout.gpus_per_node // layout.gpus_per_rank, 1)
+    return tuple(replace(host, slots=per_node) for host in hosts)
 
 
 def _gpu_layout(options: RunOptions, config: ClusterConfig | None) -> GpuLayout:
@@ -216,12 +221,11 @@ def _gpu_layout(options: RunOptions, config: ClusterConfig | None) -> GpuLayout:
         config.gpus_per_node if config else 0)
     order = config.gpu_order if config and config.gpu_order and len(config.gpu_order) == gpus_per_node else None
     gpus_per_rank = options.gpus_per_rank or (config.gpus_per_rank if config else 1)
-    layout = GpuLayout(gpus_per_node=gpus_per_node, gpu_order=order, gpus_per_rank=gpus_per_rank,
-                       vendor=config.gpu_vendor if config else "nvidia",
-                       tiles_per_gpu=config.tiles_per_gpu if config else 1,
-                       binder=config.gpu_bind if config else "hvdrun",
-                       visibility=options.gpu_visibility or (config.gpu_visibility if config else "node"))
-    return layout
+    return GpuLayout(gpus_per_node=gpus_per_node, gpu_order=order, gpus_per_rank=gpus_per_rank,
+                     vendor=config.gpu_vendor if config else "nvidia",
+                     tiles_per_gpu=config.tiles_per_gpu if config else 1,
+                     binder=config.gpu_bind if config else "hvdrun",
+                     visibility=options.gpu_visibility or (config.gpu_visibility if config else "node"))
 
 
 def _within_job_devices(layout: GpuLayout, options: RunOptions, environ: Mapping[str, str]) -> GpuLayout:
@@ -254,7 +258,7 @@ def _hosts_and_gpus(options: RunOptions, config: ClusterConfig | None,
         hosts, source = _resolve_hosts(options, config, layout, environ)
     if source in SCHEDULERS:  # the allocation's nodes get one rank per GPU of the job's own
         layout = _within_job_devices(layout, options, environ)
-        hosts, source = _resolve_hosts(options, config, layout, environ)
+        hosts = _rank_per_gpu(hosts, layout)
     elif all(is_local_host(host.name) for host in hosts):
         layout = _within_job_devices(layout, options, environ)
     return hosts, source, layout

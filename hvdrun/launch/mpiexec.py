@@ -172,17 +172,16 @@ class MpiexecCommand:
         if os.geteuid() == 0:
             args.append("--allow-run-as-root")
         if self.ssh_agent:
-            args += self._openmpi_agent()
+            args += self._openmpi_agent(self.ssh_agent)
         hidden = [word for name in self._hidden_names() for word in ("-x", name)]  # -x NAME: from the environment
         return args + hidden + [word for name, value in self._shown_env() for word in ("-x", f"{name}={value}")]
 
-    def _openmpi_agent(self) -> list[str]:
-        """The SSH wrapper, as this Open MPI spells it: ORTE's ``--mca plm_rsh_agent`` up to Open MPI 4,
+    def _openmpi_agent(self, agent: str) -> list[str]:
+        """The SSH wrapper ``agent``, as this Open MPI spells it: ORTE's ``--mca plm_rsh_agent`` up to Open MPI 4,
         PRRTE's ``--prtemca plm_ssh_agent`` from Open MPI 5 on (each refuses the other's)."""
-        assert self.ssh_agent is not None
         if self.openmpi_major is not None and self.openmpi_major < 5:
-            return ["--mca", "plm_rsh_agent", self.ssh_agent]
-        return ["--prtemca", "plm_ssh_agent", self.ssh_agent]
+            return ["--mca", "plm_rsh_agent", agent]
+        return ["--prtemca", "plm_ssh_agent", agent]
 
     def _pals(self) -> list[str]:
         per_host = {host.slots for host in self.hosts}
@@ -197,40 +196,6 @@ class MpiexecCommand:
         if self.hostfile:
             args += ["--hostfile", self.hostfile]
         return args + [word for name, value in self._shown_env() for word in ("--env", f"{name}={value}")]  # --envall
-
-
-def filesystem_mpi_args(needed: Mapping[str, Sequence[str]], filesystems: Sequence[str], run_args: Sequence[str],
-                        where: str) -> list[str]:
-    """The ``--mpi-args`` a job's hvdrun needs for the filesystems the job requests (``needed``: the cluster file's
-    ``scheduler.filesystem_mpi_args``, e.g. Aurora's DAOS needs PALS's ``--no-vni``); nothing when no filesystem
-    needs any, or when ``run_args`` (``hvdrun qsub --run-args``) already passes them.
-
-    Example: ``{"daos_user_fs": ["--no-vni"]}``, ``["flare", "daos_user_fs"]``, ``[]`` -> ``["--mpi-args=--no-vni"]``.
-
-    Raises:
-        UsageError: ``run_args`` has its own ``--mpi-args`` without them (the job's hvdrun would take only that one).
-    """
-    wanted = {word: name for name in filesystems for word in needed.get(name, ())}
-    if not wanted:
-        return []
-    given = [value for option, value in _options(run_args) if option == "--mpi-args"]
-    if not given:
-        return [f"--mpi-args={shlex.join(wanted)}"]
-    missing = [word for word in wanted if word not in shlex.split(given[-1])]
-    if missing:
-        name = wanted[missing[0]]
-        raise UsageError(f"--run-args gives --mpi-args {given[-1]!r}, which the job's mpiexec would get instead of "
-                         f"the {' '.join(missing)} that filesystem {name} needs ({where}); add it: --run-args "
-                         f"\"--mpi-args='{' '.join([given[-1], *missing])}'\"")
-    return []
-
-
-def _options(words: Sequence[str]) -> Iterator[tuple[str, str]]:
-    """(option, value) of every ``--name value`` and ``--name=value`` among ``words``."""
-    for i, word in enumerate(words):
-        if word.startswith("--"):
-            option, sep, value = word.partition("=")
-            yield option, value if sep else (words[i + 1] if i + 1 < len(words) else "")
 
 
 def ssh_agent_script(options: SshOptions) -> str:
