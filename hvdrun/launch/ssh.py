@@ -164,8 +164,10 @@ class SshLauncher(Launcher):
             self._remote[hosts[root["index"]]].clients.append(client)
         forest.start(self._job(), deadline)
         silent = forest.wait(deadline)
-        for index, host in enumerate(hosts):
-            self._remote[host].facts = self._facts(host, forest, index, index in silent)
+        # a host that failed (down, refused, no hvdrun) is the cause to name before one that was only slow
+        failed_first = sorted(range(len(hosts)), key=lambda index: index not in forest.failed)
+        for index in failed_first:
+            self._remote[hosts[index]].facts = self._facts(hosts[index], forest, index, index in silent)
 
     def _job(self) -> dict[str, Any]:
         """What every host's agent shares: the interface to look up, and how to reach the hosts beneath it."""

@@ -83,7 +83,7 @@ def test_fast_lane_exact_ordered_mismatched_joined_threaded_and_long(run_hvdrun,
     result = run_hvdrun("-np", str(ranks), worker("fast_lane.py"), timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     checks = re.findall(r"CHECK (\S+) rank (\d): (.*)", result.stdout)
-    assert len(checks) == ranks * 11 and all(verdict == "ok" for _, _, verdict in checks), checks
+    assert len(checks) == ranks * 12 and all(verdict == "ok" for _, _, verdict in checks), checks
     used = [int(n) for n in re.findall(r"LANE rank \d used (-?\d+)", result.stdout)]
     express = [int(n) for n in re.findall(r"EXPRESS rank \d used (\d+)", result.stdout)]
     if env:  # tensors on the device path: the lane takes only the barriers, express cycles the allreduces

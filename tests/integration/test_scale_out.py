@@ -87,7 +87,7 @@ def test_express_cycles_across_hosts_take_the_blocking_ops_and_hand_back_everyth
     outputs = _finish(spawn_ranks(str(Path(__file__).parent / "workers" / "fast_lane.py"), size, hosts=hosts))
     for rank, out in outputs.items():
         checks = re.findall(r"CHECK (\S+) rank \d+: (.*)", out)
-        assert len(checks) == 11 and all(verdict == "ok" for _, verdict in checks), checks
+        assert len(checks) == 12 and all(verdict == "ok" for _, verdict in checks), checks
         used = int(re.search(rf"EXPRESS rank {rank} used (\d+)", out).group(1))
         assert used > 100, out  # most of the long run's 300 blocking allreduces (a late peer hands one back)
 

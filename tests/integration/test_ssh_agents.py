@@ -145,9 +145,9 @@ def test_a_broken_host_beneath_another_is_named(run_hvdrun, ssh_hosts, tree_env,
     assert done.returncode == 1
     assert f"Python /opt/no/such/python not found on root@{h4} ({h4}:22)" in done.stderr
     down, start = ssh_hosts.unused_addr(), time.monotonic()
-    done = run_hvdrun("-H", f"{ssh_hosts.hosts(1, 3)},{down}:1", *ssh_hosts.args(), "--start-timeout", "4",
+    done = run_hvdrun("-H", f"{ssh_hosts.hosts(1, 3)},{down}:1", *ssh_hosts.args(), "--start-timeout", "8",
                       "hostname")
-    assert time.monotonic() - start < 15  # within --start-timeout, named by the agent that tried
+    assert time.monotonic() - start < 30  # about --start-timeout, named by the agent that tried
     assert done.returncode == 1 and f"{down} (root@{down}:22) did not answer within" in done.stderr
     assert done.stderr.rstrip().endswith(f"(reached through {h1})")
 

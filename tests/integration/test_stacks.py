@@ -8,6 +8,7 @@ and name the divergence from the flight recorders; the job goes on and ends norm
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,8 +18,20 @@ import pytest
 from tests.conftest import REPO, job_processes, wait_until
 
 WORKER = REPO / "tests" / "integration" / "workers" / "late_rank.py"
+SLEEP_LINE = next(n for n, line in enumerate(WORKER.read_text().splitlines(), 1) if "the line the reports name" in line)
 DIVERGENCE = ("first divergence: rank 2 has not reached #4 allreduce 'grad.fc2' that ranks 0-1,3 wait in: rank 2 "
               "finished #3 'grad.step2'")
+
+
+def assert_waits_cost_no_core(stdout: str) -> None:
+    """Ranks 0,1,3 waited a second or more for rank 2 in 'grad.fc2' (the reports above took that long): a waiting rank
+    sleeps between polls instead of spinning a core (a spinning one used about one CPU-second a second)."""
+    waits = {int(rank): (float(wall), float(cpu)) for rank, wall, cpu in
+             re.findall(r"rank (\d) waited ([\d.]+) s using ([\d.]+) s of CPU", stdout)}
+    assert sorted(waits) == [0, 1, 2, 3], stdout
+    for rank in (0, 1, 3):
+        wall, cpu = waits[rank]
+        assert wall > 1 and cpu < wall / 4, (rank, waits)
 
 
 def launch_args(kind: str, request: pytest.FixtureRequest) -> list[str]:
@@ -31,11 +44,11 @@ def launch_args(kind: str, request: pytest.FixtureRequest) -> list[str]:
 
 
 def assert_report(text: str) -> None:
-    assert DIVERGENCE in text and "and waits in no collective (main thread at late_rank.py:17 in slow_data_loader)" \
-        in text, text
+    where = f"main thread at late_rank.py:{SLEEP_LINE} in slow_data_loader"
+    assert DIVERGENCE in text and f"and waits in no collective ({where})" in text, text
     assert "ranks 0-1,3 (on " in text and "  waiting in: #4 allreduce 'grad.fc2' (4000 B" in text, text
     rank_2 = text.split("rank 2 (on ", 1)[1]
-    assert "waiting in: no collective" in rank_2 and "late_rank.py:17 in slow_data_loader" in rank_2, text
+    assert "waiting in: no collective" in rank_2 and f"late_rank.py:{SLEEP_LINE} in slow_data_loader" in rank_2, text
     assert "last collectives: #1 'grad.step0', #2 'grad.step1', #3 'grad.step2'" in rank_2
 
 
@@ -77,6 +90,7 @@ def test_stacks_on_demand_ctrl_backslash_and_the_stall_report(kind, request, hvd
         out.close()
         err.close()
     assert stdout().count("done 4.0") == 4 and stdout().count("starting") == 4
+    assert_waits_cost_no_core(stdout())
     assert not list((jobs / "running").glob("*.json"))  # the job's registration went with it
     assert wait_until(lambda: not job_processes(token)), job_processes(token)
 

@@ -37,10 +37,19 @@ _MAX_PLANS = 4096  # layouts (and names per layout) remembered
 # a rank that waits this long for the others leaves the lane (through the verdict): a late rank, a stall
 # or a deadlock is then the engine's to handle, with its warnings, probes and errors
 WITHDRAW_AFTER_S = 0.02
+# past this wait a rank polls the board between sleeps instead of spinning: a late peer (a slow data loader,
+# rank 0 in user code) then costs no core; each sleep is at most a twentieth of the wait so far, up to MAX_NAP_S
+NAP_AFTER_S = WITHDRAW_AFTER_S
+MAX_NAP_S = 2e-3
 LANE_OPS = frozenset((SUM, AVERAGE, MIN, MAX, PRODUCT))  # what the lane reduces
 
 
 _Layout = tuple[np.dtype, tuple[int, ...], int, float, float]  # dtype, shape, op, prescale, postscale
+
+
+def nap(waited_s: float) -> None:
+    """Sleep a twentieth of ``waited_s`` (at most MAX_NAP_S): a long wait polls rarely, a short one stays quick."""
+    time.sleep(min(waited_s / 20, MAX_NAP_S))
 
 
 class _Plan:
@@ -150,24 +159,24 @@ class FastLane:
         """Attempt ``g`` reuses the buffers of attempt ``g - 2``: wait until every reader of it is done."""
         if self._verdict(g - 2) != GO:
             return
-        spins = 0
+        spins, started = 0, time.monotonic()
         while any(words[DONE] < g - 1 for words in self.board.words):
-            spins = self._pause(spins)
+            spins = self._pause(spins, started)
         self._readers_done_to = min(words[DONE] for words in self.board.words)
 
     def _await_verdict(self, g: int, name: str, engine_busy: Callable[[], bool]) -> int:
         head, judge = self.head, self.rank == 0
-        spins, withdrawn, warned = 0, False, False
+        spins, withdrawn, warned, napping = 0, False, False, False
         started = time.monotonic()
         while head[COUNT] <= g:
             if judge:
                 self._judge(g, own_post=True, engine_seen=False)
             spins += 1
-            if spins & 63:
+            if spins & 63 and not napping:
                 if spins > self.spins_before_yield:
                     os.sched_yield()
                 continue
-            # every 64 polls: the abort flag, the engine, the clock
+            # every 64 polls, and every poll once napping: the abort flag, the engine, the clock
             self.abort.check()
             waited = time.monotonic() - started
             if (engine_busy() or waited > WITHDRAW_AFTER_S) and not withdrawn:
@@ -184,13 +193,21 @@ class FastLane:
             if self.stall_error_s and waited > self.stall_error_s:
                 raise CollectiveError(f"stalled: '{name}' waited more than {self.stall_error_s:g} s for rank 0, "
                                       "which never reached it")
-            os.sched_yield()
+            napping = waited > NAP_AFTER_S
+            if napping:
+                nap(waited)
+            else:
+                os.sched_yield()
         return self._verdict(g)
 
-    def _pause(self, spins: int) -> int:
+    def _pause(self, spins: int, started: float) -> int:
         self.abort.check()
         if spins >= self.spins_before_yield:
-            os.sched_yield()
+            waited = time.monotonic() - started
+            if waited > NAP_AFTER_S:
+                nap(waited)
+            else:
+                os.sched_yield()
         return spins + 1
 
     # -- rank 0: verdicts -------------------------------------------------------------------------

@@ -86,6 +86,14 @@ if rank == 1:
 late = hvd.allreduce(torch.ones(4), name="late", op=hvd.Sum)
 report("late", bool(torch.equal(late, torch.full((4,), float(size)))))
 
+# 4b. rank 0 (the lane's judge) late by a second: the others wait without spinning a core
+wall, cpu = time.monotonic(), time.process_time()
+if rank == 0:
+    time.sleep(1.0)
+hvd.allreduce(torch.ones(4), name="rank-0-late", op=hvd.Sum)
+wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+report("idle-wait", rank == 0 or cpu < wall / 4, f"used {cpu:.2f} s of CPU in a wait of {wall:.2f} s")
+
 # 5. different names: the engine's deadlock check names them, then the next op works
 try:
     hvd.allreduce(torch.ones(4), name=f"mine{rank}", op=hvd.Sum)
