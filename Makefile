@@ -7,7 +7,7 @@ HVDRUN := $(VENV)/bin/hvdrun
 # The CPU build of PyTorch for CI and development; GPU users install their own torch.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv system-deps demo test lint bench clean
+.PHONY: venv system-deps demo test lint bench docs clean
 
 venv: $(VENV)/.installed
 
@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[dev,mpi]" mpich
+	$(PY) -m pip install --quiet -e ".[dev,mpi,docs]" mpich
 	touch $@
 
 # Tests start real sshd servers in network namespaces and a real Slurm cluster on them: install
@@ -39,12 +39,17 @@ test: venv system-deps
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: venv
-	$(VENV)/bin/ruff check hvdrun tests examples
+	$(VENV)/bin/ruff check hvdrun tests examples benchmarks
 	$(VENV)/bin/mypy hvdrun
 
 bench: venv
 	$(PY) benchmarks/allreduce.py
 	$(PY) benchmarks/training.py
+
+# The documentation site (mkdocs.yml, pages in docs/) into build/site; any warning (a broken link or anchor)
+# fails the build. NO_MKDOCS_2_WARNING silences the theme's end-of-life banner (not a build warning).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache
