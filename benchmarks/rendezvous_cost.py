@@ -22,14 +22,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hvdrun.protocol.sockets import listen  # noqa: E402
 from hvdrun.runtime.peers import Peer, ring_neighbours  # noqa: E402
-from hvdrun.runtime.rendezvous.common import listen, reserve_listener  # noqa: E402
+from hvdrun.runtime.rendezvous.common import reserve_listener  # noqa: E402
 from hvdrun.runtime.rendezvous.server import RootServer  # noqa: E402
 from hvdrun.runtime.transport.base import AbortFlag  # noqa: E402
 
 LEADER = textwrap.dedent("""
     import socket, sys, time
-    from hvdrun.runtime.wire import authenticate_server, recv_frame, send_frame
+    from hvdrun.protocol.wire import authenticate_server, recv_frame, send_frame
     port, host, per_host, secret = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), bytes.fromhex(sys.argv[4])
     rows = [[1 + (host - 1) * per_host + i, f"node{host}", f"node{host}/boot", 1000 + i, "10.0.0.1", 20000 + i, 0, ""]
             for i in range(per_host)]

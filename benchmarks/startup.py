@@ -10,8 +10,8 @@ For every rank count N, each round runs (order rotating from round to round):
   and calls ``shutdown()`` (no torch): seconds from starting hvdrun to the last rank past ``init()``;
 - ``mpiexec``: the mpich wheel's ``mpiexec -n N`` of a rank that imports ``mpi4py`` (``MPI_Init``) and passes
   a barrier: seconds to the last rank past the barrier;
-- ``import``: ``mpiexec -n N python -c 'import hvdrun.runtime'`` (what the interpreters and our imports cost
-  alone, whole command);
+- ``import``: ``mpiexec -n N python -c 'from hvdrun.runtime import init'`` (what the interpreters and our imports
+  cost alone, whole command);
 - ``hvdrun true`` / ``mpiexec true``: the launchers alone, starting N ``true`` (whole command).
 
 The table gives the median over rounds and hvdrun's time over mpiexec's. ``--hosts`` adds the same
@@ -89,7 +89,7 @@ def local_kinds(workdir: Path) -> dict[str, Callable[[int], float]]:
     return {
         "hvdrun": lambda n: past_init([hvdrun, "-np", str(n), str(runtime_py)]),
         "mpiexec": lambda n: past_init([mpiexec, "-n", str(n), python, str(mpi_py)]),
-        "import": lambda n: _run([mpiexec, "-n", str(n), python, "-c", "import hvdrun.runtime"], env)[0],
+        "import": lambda n: _run([mpiexec, "-n", str(n), python, "-c", "from hvdrun.runtime import init"], env)[0],
         "hvdrun true": lambda n: _run([hvdrun, "-np", str(n), "true"], env)[0],
         "mpiexec true": lambda n: _run([mpiexec, "-n", str(n), "true"], env)[0],
     }

@@ -4,8 +4,8 @@ At every ``init()`` a worker (:mod:`hvdrun.runtime.membership`, the other end) c
 knows the job's secret and either asks for the *host updates* count (answered at once) or joins
 the next round: its connection then waits here until the elastic driver
 (:mod:`hvdrun.launch.elastic_driver`) decides the round and :meth:`MembershipService.assign` answers
-every waiting worker with its place, or until the worker is told to leave. The messages' kinds are
-named in :mod:`hvdrun.runtime.wire`.
+every waiting worker with its place, or until the worker is told to leave. The messages and the
+assignment are named in :mod:`hvdrun.protocol.rounds`.
 
 The service only keeps and answers connections; every decision (who forms a round, who leaves,
 when the job ends) is the driver's.
@@ -19,17 +19,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hvdrun.runtime.membership import Assignment
-from hvdrun.runtime.rendezvous import listen
-from hvdrun.runtime.wire import (
+from hvdrun.protocol.rounds import (
     MEMBERSHIP_ASSIGN,
     MEMBERSHIP_JOIN,
     MEMBERSHIP_LEAVE,
     MEMBERSHIP_UPDATES,
-    authenticate_client,
-    recv_frame,
-    send_frame,
+    Assignment,
 )
+from hvdrun.protocol.sockets import listen
+from hvdrun.protocol.wire import authenticate_client, recv_frame, send_frame
 
 _HANDSHAKE_TIMEOUT_S = 5.0
 JOB_ENDING = "the job is ending"

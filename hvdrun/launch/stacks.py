@@ -1,7 +1,7 @@
 """Every rank's stack on demand, from the launcher: Ctrl-\\ (SIGQUIT) to hvdrun, or ``hvdrun stacks [JOB]``.
 
 The launcher asks rank 0's rendezvous for every rank's report (see :mod:`hvdrun.runtime.rendezvous`,
-authenticated with the job's secret) and prints them folded (:func:`hvdrun.runtime.forensics.format_reports`);
+authenticated with the job's secret) and prints them folded (:func:`hvdrun.protocol.inspection.format_reports`);
 the job goes on. So that ``hvdrun stacks`` can find a job from another shell, each running job is
 registered in a file readable by its user alone (``~/.hvdrun/jobs/JOB.json``, mode 0600), removed when
 the job ends.
@@ -22,9 +22,8 @@ from typing import Any
 
 from hvdrun.envvars import Rendezvous, jobs_dir
 from hvdrun.errors import RendezvousError, UsageError
-from hvdrun.runtime.forensics import format_reports
-from hvdrun.runtime.rendezvous import INSPECT, REPORT_TIMEOUT_S, SIGNAL
-from hvdrun.runtime.wire import authenticate_server, recv_frame, send_frame
+from hvdrun.protocol.inspection import INSPECT, REPORT_TIMEOUT_S, SIGNAL, format_reports
+from hvdrun.protocol.wire import authenticate_server, recv_frame, send_frame
 
 _CONNECT_TIMEOUT_S = 5.0
 # rank 0 did not answer: the job ended or has not reached init(), a port now served by another job

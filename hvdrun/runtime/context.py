@@ -13,6 +13,8 @@ from typing import Any
 
 from hvdrun import envvars
 from hvdrun.errors import CollectiveError, NotInitializedError, UsageError
+from hvdrun.protocol.inspection import format_reports
+from hvdrun.protocol.rounds import Assignment
 from hvdrun.runtime.backends.base import Backend, World
 from hvdrun.runtime.backends.torchdist import open_store
 from hvdrun.runtime.collectives.hierarchical import (
@@ -22,8 +24,8 @@ from hvdrun.runtime.collectives.hierarchical import (
 )
 from hvdrun.runtime.device import DeviceCollectives, device_backend_name, select_current_device
 from hvdrun.runtime.engine import Engine
-from hvdrun.runtime.forensics import format_reports, rank_report
-from hvdrun.runtime.membership import Assignment, is_elastic, join_round
+from hvdrun.runtime.forensics import rank_report
+from hvdrun.runtime.membership import is_elastic, join_round
 from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY
 from hvdrun.runtime.rendezvous import Rendezvous
 from hvdrun.runtime.timeline import Timeline

@@ -1,10 +1,10 @@
-"""Where every rank is: a flight recorder of each rank's collectives, its report, and the job's folded report.
+"""Where every rank is: a flight recorder of each rank's collectives, and its report when asked.
 
 Each rank keeps its last collectives (:class:`FlightRecorder`: name, kind, bytes, when it started and
 ended). On request (``hvdrun stacks``, Ctrl-\\ to hvdrun, the stall check) every rank answers with a
 :func:`rank_report`: the Python stack of each of its threads, the collectives it waits in and its recent
-ones. :func:`format_reports` folds ranks with identical stacks into one entry ("ranks 0,2-7:") and names
-the first divergence among the flight recorders ("rank 3 has not submitted #12 'grad.fc2' ...").
+ones. :func:`hvdrun.protocol.inspection.format_reports` folds them into the job's report, in the launcher
+(``hvdrun stacks``) and on rank 0 (the stall check) alike.
 
 Reports travel as plain dicts, lists, strings and numbers (the control plane marshals them).
 """
@@ -19,13 +19,12 @@ import time
 import traceback
 from typing import Any
 
-from hvdrun.ranks import format_ranks
+from hvdrun.protocol.inspection import PACKAGE_DIR
 
 RECENT = 8  # finished collectives shown per rank
 _KEPT = 64  # collectives the recorder keeps
 _STACK_LINES = 12  # innermost frames shown per thread
 _INTERNAL_THREAD = "hvdrun-"  # hvdrun's own threads (engine, rendezvous, reports): not the program's
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../hvdrun
 
 
 class Flight:
@@ -103,110 +102,9 @@ def _thread_stacks() -> list[list[Any]]:
         if name.startswith(_INTERNAL_THREAD):
             continue
         frames: list[traceback.FrameSummary] = list(traceback.extract_stack(frame))
-        entry = next((i for i, f in enumerate(frames) if f.filename.startswith(_PACKAGE + os.sep)), None)
+        entry = next((i for i, f in enumerate(frames) if f.filename.startswith(PACKAGE_DIR + os.sep)), None)
         if entry is not None:
             frames = frames[:entry + 1]
         stacks.append([name, [f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line}" if f.line else "")
                               for f in frames[-_STACK_LINES:]]])
     return stacks
-
-
-def format_reports(reports: list[dict[str, Any]], size: int, absent: dict[int, str] | None = None,
-                   now: float | None = None) -> str:
-    """The job's report: the first divergence, then one entry per group of ranks with identical stacks and
-    collectives, then the ranks that did not answer (``absent``: rank -> why)."""
-    now = time.time() if now is None else now
-    lines = [f"hvdrun: stacks of {len(reports)} of {size} rank(s)"]
-    divergence = first_divergence(reports, now)
-    if divergence:
-        lines.append(f"first divergence: {divergence}")
-    groups: dict[str, list[int]] = {}
-    for report in sorted(reports, key=lambda r: r["rank"]):
-        groups.setdefault(_entry(report, now), []).append(report["rank"])
-    for entry, ranks in groups.items():
-        hosts = sorted({r["host"] for r in reports if r["rank"] in ranks})
-        lines.append(f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} (on {', '.join(hosts)}):")
-        lines.append(entry)
-    reasons: dict[str, list[int]] = {}
-    for rank, why in sorted((absent or {}).items()):
-        reasons.setdefault(why, []).append(rank)
-    for why, ranks in reasons.items():
-        lines.append(f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}: no report: {why}")
-    return "\n".join(lines)
-
-
-def _entry(report: dict[str, Any], now: float) -> str:
-    """What a rank does, without what differs between ranks in the same state (pid, exact times)."""
-    out = []
-    waiting = report["waiting"]
-    if waiting:
-        out.append("  waiting in: " + "; ".join(f"#{seq} {kind} '{name}' ({nbytes} B, {_age(now - started)})"
-                                               for seq, name, kind, nbytes, started, _ in waiting))
-    else:
-        out.append("  waiting in: no collective")
-    recent = report["recent"]
-    if recent:
-        out.append("  last collectives: " + ", ".join(f"#{seq} '{name}'" for seq, name, *_ in recent))
-    for name, frames in report["threads"]:
-        out.append(f"  thread {name}:")
-        out.extend(f"    {frame}" for frame in frames)
-    return "\n".join(out)
-
-
-def _age(seconds: float) -> str:
-    """``for over 10 s``: coarse, so that ranks waiting alike fold together."""
-    bound = next((b for b in (300, 60, 10, 1) if seconds >= b), None)
-    return f"for over {bound} s" if bound else "just now"
-
-
-def first_divergence(reports: list[dict[str, Any]], now: float | None = None) -> str | None:
-    """Where the ranks part ways: the collective most ranks wait in, and what each other rank does instead.
-
-    ``rank 2 has not submitted #12 allreduce 'grad.fc2' that ranks 0,1,3 wait in: it finished #11
-    'grad.fc1' 4 s ago and waits in no collective (main thread at train.py:14 in slow_step)``.
-    """
-    now = time.time() if now is None else now
-    waiters: dict[str, list[int]] = {}
-    for report in reports:
-        for _, name, *_ in report["waiting"]:
-            waiters.setdefault(name, []).append(report["rank"])
-    if not waiters:
-        return None
-    name, ranks = max(waiters.items(), key=lambda item: (len(item[1]), -min(item[1])))
-    others = [r for r in sorted(reports, key=lambda r: r["rank"]) if r["rank"] not in ranks]
-    if not others:
-        return None
-    seq, kind = next((row[0], row[2]) for r in reports for row in r["waiting"] if row[1] == name)
-    parts = [_elsewhere(report, name, now) for report in others]
-    return (f"rank{'s' if len(others) > 1 else ''} {format_ranks([r['rank'] for r in others])} "
-            f"{'have' if len(others) > 1 else 'has'} not reached #{seq} {kind} '{name}' that "
-            f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} wait{'' if len(ranks) > 1 else 's'} in: "
-            + "; ".join(parts))
-
-
-def _elsewhere(report: dict[str, Any], name: str, now: float) -> str:
-    """What one rank that is not waiting in ``name`` does instead."""
-    rank = report["rank"]
-    finished = [row for row in report["recent"] if row[1] == name]
-    if finished:
-        where = "finished it"
-    elif report["recent"]:
-        seq, last, *_, ended = report["recent"][-1]
-        where = f"finished #{seq} '{last}' {now - ended:.1f} s ago"
-    else:
-        where = "has run no collective yet"
-    waiting = report["waiting"]
-    doing = (f"waits in #{waiting[0][0]} '{waiting[0][1]}'" if waiting
-             else f"waits in no collective ({_main_frame(report)})")
-    return f"rank {rank} {where} and {doing}"
-
-
-def _main_frame(report: dict[str, Any]) -> str:
-    """``main thread at train.py:14 in slow_step``: the innermost frame of the main thread outside hvdrun."""
-    for name, frames in report["threads"]:
-        if name == "MainThread" and frames:
-            outside = [frame for frame in frames if not frame.startswith(_PACKAGE + os.sep)]
-            frame = (outside or frames)[-1]
-            where, _, rest = frame.partition(" in ")
-            return f"main thread at {os.path.basename(where)} in {rest.split(':')[0]}"
-    return "its main thread's stack is unknown"

@@ -6,8 +6,8 @@ launch. The launcher runs a membership service (``hvdrun.launch.membership_servi
 and where it could serve the round's rendezvous, and waits. When every live worker has come, the
 service answers each with its assignment: the round number, the worker's rank and the world size,
 and the address of the worker that is rank 0 this round. Rank 0 is always a worker of the previous
-round (its state is the one that is broadcast), joiners come last. The messages' kinds are named
-in :mod:`hvdrun.runtime.wire`.
+round (its state is the one that is broadcast), joiners come last. The messages and the assignment
+are named in :mod:`hvdrun.protocol.rounds`.
 
 The service also counts *host updates* (workers added, hosts removed, workers lost); rank 0 asks
 for that count at each commit (``hvdrun.torch.elastic``) and, when it moved, every rank resets.
@@ -18,19 +18,13 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from hvdrun import envvars
 from hvdrun.errors import HvdrunError
-from hvdrun.runtime.rendezvous import listen, reserve_listener
-from hvdrun.runtime.wire import (
-    MEMBERSHIP_ASSIGN,
-    MEMBERSHIP_JOIN,
-    MEMBERSHIP_UPDATES,
-    authenticate_server,
-    recv_frame,
-    send_frame,
-)
+from hvdrun.protocol.rounds import MEMBERSHIP_ASSIGN, MEMBERSHIP_JOIN, MEMBERSHIP_UPDATES, Assignment
+from hvdrun.protocol.sockets import listen
+from hvdrun.protocol.wire import authenticate_server, recv_frame, send_frame
+from hvdrun.runtime.rendezvous import reserve_listener
 
 _CONNECT_TIMEOUT_S = 10.0
 
@@ -44,18 +38,6 @@ class MembershipError(HvdrunError):
 
 class WorkerRemoved(MembershipError):
     """The launcher took this worker out of the job (its host left discovery, or the job is ending)."""
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """This worker's place in one round of an elastic job."""
-
-    round: int
-    rank: int
-    size: int
-    rendezvous_addr: str
-    rendezvous_port: int
-    updates: int  # the launcher's host-update count when the round formed
 
 
 def is_elastic(environ: Mapping[str, str]) -> bool:

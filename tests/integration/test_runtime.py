@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvdrun.runtime.wire import AuthError, authenticate_server
+from hvdrun.protocol.wire import AuthError, authenticate_server
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration

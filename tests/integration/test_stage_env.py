@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 WHERE = """
 import json, os, socket, sys
-import hvdrun.runtime
+from hvdrun.runtime import init
 print("WHERE " + json.dumps({"host": socket.gethostname(), "executable": sys.executable, "prefix": sys.prefix,
       "path0": os.environ["PATH"].split(":")[0]}), flush=True)
 """

@@ -215,3 +215,10 @@ def test_importing_the_cli_loads_no_heavy_library():
     code = f"import sys, hvdrun.cli; print(sorted(set({heavy!r}) & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_launcher_loads_none_of_the_worker_runtime():
+    code = ("import sys, hvdrun.launch.job, hvdrun.launch.ssh, hvdrun.launch.local; "
+            "print(sorted(m for m in sys.modules if m == 'numpy' or m.startswith('hvdrun.runtime')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

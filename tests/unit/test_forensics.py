@@ -1,10 +1,11 @@
-"""The reports of where every rank is (hvdrun/runtime/forensics.py): flight recorder, folding, divergence."""
+"""Where every rank is (runtime/forensics.py, protocol/inspection.py): flight recorder, folding, divergence."""
 
 from __future__ import annotations
 
 import threading
 
-from hvdrun.runtime.forensics import FlightRecorder, first_divergence, format_reports, rank_report
+from hvdrun.protocol.inspection import first_divergence, format_reports
+from hvdrun.runtime.forensics import FlightRecorder, rank_report
 
 NOW = 1000.0
 

@@ -15,11 +15,11 @@ import time
 from collections.abc import Iterable
 
 from hvdrun.errors import RendezvousError
+from hvdrun.protocol.wire import AuthError, authenticate_client, authenticate_server, recv_frame, send_frame
 from hvdrun.runtime.collectives.pairwise import Link
 from hvdrun.runtime.peers import Peer
 from hvdrun.runtime.transport.shm import ShmRx, ShmSegment, ShmTx
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx, tune
-from hvdrun.runtime.wire import AuthError, authenticate_client, authenticate_server, recv_frame, send_frame
 
 CONNECT_TIMEOUT_S = 30.0
 RING, LINK = "ring", "link"

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from hvdrun.protocol.sockets import bind_host
 from hvdrun.runtime.backends.base import Backend, World, topology
 from hvdrun.runtime.backends.links import LINK, RING, Acceptor, dial, shm_link, tcp_link
 from hvdrun.runtime.collectives import Ring
@@ -35,7 +36,7 @@ from hvdrun.runtime.collectives.pairwise import Link
 from hvdrun.runtime.lane import FastLane, create_board, open_lane
 from hvdrun.runtime.peers import Layout, NeedsPlan, Peer
 from hvdrun.runtime.reduce import ReduceFn
-from hvdrun.runtime.rendezvous import Rendezvous, bind_host
+from hvdrun.runtime.rendezvous import Rendezvous
 from hvdrun.runtime.transport.base import (
     DEFAULT_SPIN_S,
     MARSHAL,

@@ -8,10 +8,10 @@
 2. Afterwards the control connections are the job's failure detector: if one drops without a goodbye, rank 0
    (or the host's leader) tells every other rank which rank died; if rank 0 drops, every rank notices (through
    its leader). Either way the :class:`AbortFlag` is set and every wait loop raises.
-3. They also carry reports (:mod:`hvdrun.runtime.forensics`): an inspector that knows the secret
-   (``hvdrun stacks``, or hvdrun on Ctrl-\\) connects to rank 0 and sends ``("inspect",)``; rank 0 asks
-   every rank for its report over the control connections (a leader answers for its host) and answers with all
-   of them. Rank 0's stall check gathers the same reports itself.
+3. They also carry reports (:mod:`hvdrun.runtime.forensics`; the requests: :mod:`hvdrun.protocol.inspection`):
+   an inspector that knows the secret (``hvdrun stacks``, or hvdrun on Ctrl-\\) connects to rank 0 and sends
+   ``("inspect",)``; rank 0 asks every rank for its report over the control connections (a leader answers for
+   its host) and answers with all of them. Rank 0's stall check gathers the same reports itself.
 """
 
 from __future__ import annotations
@@ -25,13 +25,8 @@ from hvdrun import envvars
 from hvdrun.runtime.peers import NeedsPlan, Peer, PeerTable, ring_neighbours
 from hvdrun.runtime.rendezvous.client import Client
 from hvdrun.runtime.rendezvous.common import (
-    INSPECT,
-    REPORT_TIMEOUT_S,
-    SIGNAL,
     Reporter,
     Upstream,
-    bind_host,
-    listen,
     local_socket_name,
     reserve_listener,
     route_to,
@@ -41,8 +36,7 @@ from hvdrun.runtime.rendezvous.leader import HostLeader
 from hvdrun.runtime.rendezvous.server import RootServer
 from hvdrun.runtime.transport.base import AbortFlag
 
-__all__ = ["INSPECT", "REPORT_TIMEOUT_S", "SIGNAL", "Peer", "PeerTable", "Rendezvous", "bind_host", "listen",
-           "reserve_listener"]
+__all__ = ["Peer", "PeerTable", "Rendezvous", "reserve_listener"]
 
 
 class Rendezvous:

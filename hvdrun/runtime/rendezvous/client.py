@@ -9,10 +9,11 @@ from dataclasses import astuple
 from typing import Any
 
 from hvdrun.errors import RendezvousError
+from hvdrun.protocol.inspection import SIGNAL
+from hvdrun.protocol.wire import AuthError, authenticate_server, recv_frame, send_frame
 from hvdrun.runtime.peers import Peer, PeerTable
 from hvdrun.runtime.rendezvous.common import (
     HANDSHAKE_TIMEOUT_S,
-    SIGNAL,
     Barriers,
     Reporter,
     Upstream,
@@ -20,7 +21,6 @@ from hvdrun.runtime.rendezvous.common import (
     signal_self,
 )
 from hvdrun.runtime.transport.base import AbortFlag
-from hvdrun.runtime.wire import AuthError, authenticate_server, recv_frame, send_frame
 
 
 class Client:

@@ -1,10 +1,9 @@
-"""What every role of the rendezvous shares: constants, listening sockets, local sockets and small helpers."""
+"""What every role of the rendezvous shares: constants, rank 0's kept listening socket, local sockets and helpers."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
-import ipaddress
 import marshal
 import os
 import socket
@@ -17,46 +16,14 @@ from typing import Any
 
 from hvdrun import envvars
 from hvdrun.errors import RendezvousError
+from hvdrun.protocol.sockets import MIN_BACKLOG, listen
 from hvdrun.runtime.transport.base import AbortFlag
 
 HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this, whatever it sends
-REPORT_TIMEOUT_S = 3.0  # how long rank 0 waits for the ranks' reports (a rank stuck holding the GIL never answers)
-INSPECT = "inspect"
-SIGNAL = "signal"  # an inspector's request: pass signal N to every rank's process (hvdrun --forward-signals)
 Reporter = Callable[[], dict[str, Any]]
-_BIND_RETRY_S = 5.0
-MIN_BACKLOG = 128
 # Rank 0 keeps its listening socket for the life of the process: between a shutdown() and the
 # next init() the kernel could otherwise hand the port to another socket (an ephemeral port).
 _listeners: dict[tuple[str, int], socket.socket] = {}
-
-
-def bind_host(addr: str) -> str:
-    """Where to listen so that ranks reach ``addr``: that address itself when it is an IP address
-    (loopback for a job on one machine, the advertised interface otherwise), every interface for a name."""
-    try:
-        ipaddress.ip_address(addr)
-    except ValueError:
-        return ""
-    return addr
-
-
-def listen(addr: str, port: int, backlog: int) -> socket.socket:
-    """A listening socket on ``bind_host(addr):port``; a port taken by someone else is retried for a while.
-
-    Raises:
-        RendezvousError: the port stayed taken.
-    """
-    deadline = time.monotonic() + _BIND_RETRY_S
-    while True:
-        try:
-            return socket.create_server((bind_host(addr), port), backlog=max(backlog, MIN_BACKLOG))
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-                where, reason = f"{bind_host(addr) or '*'}:{port}", os.strerror(e.errno or 0)
-                raise RendezvousError(f"cannot listen on {where}: {reason}; the port hvdrun chose was taken by "
-                                      "another program meanwhile: start the job again") from e
-            time.sleep(0.1)
 
 
 def reserve_listener(addr: str, port: int, sock: socket.socket) -> None:

@@ -23,19 +23,18 @@ from dataclasses import astuple
 from typing import Any
 
 from hvdrun.errors import RendezvousError
+from hvdrun.protocol.inspection import REPORT_TIMEOUT_S, SIGNAL
+from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
 from hvdrun.runtime.peers import Peer, PeerTable
 from hvdrun.runtime.rendezvous.client import Client
 from hvdrun.runtime.rendezvous.common import (
     HANDSHAKE_TIMEOUT_S,
-    REPORT_TIMEOUT_S,
-    SIGNAL,
     Barriers,
     Reporter,
     report_or_none,
     same_user,
     signal_self,
 )
-from hvdrun.runtime.wire import AuthError, authenticate_client, recv_frame, send_frame
 
 _LOCAL_HANDSHAKE_S = 2.0  # a local rank's handshake; a connection that stalls longer is dropped
 

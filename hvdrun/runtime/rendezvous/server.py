@@ -12,13 +12,11 @@ from typing import Any
 
 from hvdrun.envvars import START_TIMEOUT
 from hvdrun.errors import RendezvousError
-from hvdrun.runtime.forensics import format_reports
+from hvdrun.protocol.inspection import INSPECT, REPORT_TIMEOUT_S, SIGNAL, format_reports
+from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
 from hvdrun.runtime.peers import Layout, NeedsPlan, Peer, PeerTable
 from hvdrun.runtime.rendezvous.common import (
     HANDSHAKE_TIMEOUT_S,
-    INSPECT,
-    REPORT_TIMEOUT_S,
-    SIGNAL,
     Barriers,
     Reporter,
     drop_handshake,
@@ -28,7 +26,6 @@ from hvdrun.runtime.rendezvous.common import (
     signal_self,
 )
 from hvdrun.runtime.transport.base import AbortFlag
-from hvdrun.runtime.wire import AuthError, authenticate_client, recv_frame, send_frame
 
 
 class _Conn:

@@ -7,8 +7,8 @@ directions, so neither side ever sends the secret and a peer without it is refus
     client -> server   client_nonce + HMAC(secret, b"client" + server_nonce + client_nonce)
     server -> client   b"OKAY" + HMAC(secret, b"server" + client_nonce + server_nonce)   (or b"DENY")
 
-The kinds of the messages of an elastic job's membership (join, assign, leave, updates) are named
-here too, once for both ends of the wire.
+Every control connection speaks it: the rendezvous and the data links between ranks, ``hvdrun stacks``
+asking rank 0, and an elastic job's workers joining the launcher's membership service.
 """
 
 from __future__ import annotations
@@ -89,18 +89,3 @@ def authenticate_server(sock: socket.socket, secret: bytes, peer: str) -> None:
     if not hmac.compare_digest(recv_exact(sock, _DIGEST), _mac(secret, b"server", client_nonce, server_nonce)):
         raise AuthError(f"{peer} does not know the job's secret")
 
-
-
-# -- membership messages --------------------------------------------------------------------------------------------
-# What an elastic job's workers (hvdrun.runtime.membership) and the launcher's membership service
-# (hvdrun.launch.membership_service) send each other; every frame is a tuple whose first item is its kind:
-#
-#   worker -> service   (MEMBERSHIP_JOIN, worker number, rendezvous address, rendezvous port, pid)
-#   service -> worker   (MEMBERSHIP_ASSIGN, {round, rank, size, rendezvous_addr, rendezvous_port, updates})
-#                       or (MEMBERSHIP_LEAVE, why the worker is no longer part of the job)
-#   worker -> service   (MEMBERSHIP_UPDATES,)
-#   service -> worker   (MEMBERSHIP_UPDATES, the launcher's host-update count)
-MEMBERSHIP_JOIN = "join"
-MEMBERSHIP_ASSIGN = "assign"
-MEMBERSHIP_LEAVE = "leave"
-MEMBERSHIP_UPDATES = "updates"
