@@ -321,7 +321,8 @@ SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_HOSTFILE = "SLURM_HOSTFILE"  # srun's host list for --distribution=arbitrary
 PMI_FD = "PMI_FD"  # hydra's PMI connection, inherited by the rank through the guard
 SSH_CONNECTION = "SSH_CONNECTION"  # sshd's "client_ip client_port server_ip server_port" (launch/remote/hostfacts.py)
-# hosts hvdrun reaches itself over SSH; past that many, the host agents reach the others in a tree (launch/agents.py)
+# hosts hvdrun reaches itself over SSH; past that many, the host agents reach the others in a tree
+# (launch/agent_forest.py)
 SSH_FANOUT = "HVDRUN_SSH_FANOUT"
 TASK = "HVDRUN_TASK"  # hvdrun.run(fn): the pickled call a rank runs (launch/remote/task.py)
 

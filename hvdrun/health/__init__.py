@@ -2,7 +2,7 @@
 
 - :mod:`check`: plans the check on the job's hosts, runs it, and judges the result (:class:`CheckReport`);
 - :mod:`host_checks`: every host at once (reach, Python, hvdrun, torch, GPUs, disk, a port), from the launcher;
-- :mod:`host_agent`: what runs on each host for that (``python -m hvdrun.health.host_agent facts|listen|connect``);
+- :mod:`on_host`: what runs on each host for that (``python -m hvdrun.health.on_host facts|listen|connect``);
 - :mod:`check_job`: the allreduce job run on every slot (``python -m hvdrun.health.check_job``);
 - :mod:`report`: the report on a terminal (rich).
 

@@ -1,7 +1,7 @@
 """Per-host checks of ``hvdrun check``: reach every host at once, ask it about itself, test the port.
 
 Phase 1 runs in parallel, one thread per host, each bounded by the per-host timeout: reach the
-host (this machine, or SSH with its host key verified), run ``python -m hvdrun.health.host_agent
+host (this machine, or SSH with its host key verified), run ``python -m hvdrun.health.on_host
 facts`` under the Python the ranks will use, and compare the answer with the launcher's own
 (Python, hvdrun and torch versions), the GPUs the config promises and the free disk. A host that
 does not answer is reported by name when its timeout passes; the others go on.
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hvdrun.errors import LaunchError, UsageError
-from hvdrun.health.host_agent import HealthFacts, ask_token, serve_token, torch_facts
+from hvdrun.health.on_host import HealthFacts, ask_token, serve_token, torch_facts
 from hvdrun.hosts import Host
 from hvdrun.launch.hostprobe import explain_probe_failure, module_command
 from hvdrun.launch.local import LOOPBACK
@@ -46,7 +46,7 @@ from hvdrun.version import __version__
 if TYPE_CHECKING:
     import paramiko
 
-AGENT_MODULE = "hvdrun.health.host_agent"  # run on every host (python -m)
+ON_HOST_MODULE = "hvdrun.health.on_host"  # run on every host (python -m)
 _GB = 1e9
 
 
@@ -194,7 +194,7 @@ class HostChecker:
 
     def _probe(self, target: CheckTarget, deadline: float) -> tuple[str, int, str, str]:
         args = ["facts"] + (["--interface", self.interface] if self.interface else [])
-        command = module_command(self.workdir, target.python, AGENT_MODULE, args)
+        command = module_command(self.workdir, target.python, ON_HOST_MODULE, args)
         if not target.remote:
             done = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True,
                                   timeout=max(deadline - time.monotonic(), 0.1))
@@ -247,7 +247,7 @@ class HostChecker:
         if target.remote:
             client = self._clients[target.host.name]
             addr = (report.facts.base.interface_addr if report.facts else None) or peer_address(client)[1]
-            command = module_command(self.workdir, target.python, AGENT_MODULE, ["listen", "--token", token])
+            command = module_command(self.workdir, target.python, ON_HOST_MODULE, ["listen", "--token", token])
             return _RemoteListener(client, command, addr, self.timeout_s)
         route = next((peer_address(c)[0] for c in self._clients.values()), LOOPBACK)
         addr = (interface_address(self.interface) if self.interface else None) or route
@@ -260,7 +260,7 @@ class HostChecker:
                 return ask_token(addr, port, min(self.timeout_s, 5.0))
             except OSError as e:
                 return f"error: {e.strerror or e}"
-        command = module_command(self.workdir, target.python, AGENT_MODULE, ["connect", addr, str(port)])
+        command = module_command(self.workdir, target.python, ON_HOST_MODULE, ["connect", addr, str(port)])
         try:
             status, out, err = run_command(self._clients[target.host.name], command, self.timeout_s)
         except Exception as e:  # noqa: BLE001 - a timeout or a dropped connection

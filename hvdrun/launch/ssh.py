@@ -1,7 +1,7 @@
 """Start ranks on other hosts over SSH (paramiko), each under the same guard as a local rank.
 
 Before any rank starts, :meth:`SshLauncher.prepare` starts a host agent on every remote host
-(:mod:`hvdrun.launch.agents`): up to the fan-out (``HVDRUN_SSH_FANOUT``, 32) hvdrun connects to each host itself
+(:mod:`hvdrun.launch.agent_forest`): up to the fan-out (``HVDRUN_SSH_FANOUT``, 32) hvdrun connects to each host itself
 (host keys verified, see :mod:`hvdrun.launch.remote.connections`), past it the agents of the hosts it reaches
 reach the others, a tree. Each agent answers with its host's facts (:mod:`hvdrun.launch.remote.hostfacts`): a
 missing working directory, Python or hvdrun, or a missing ``--network-interface``, stops the launch naming the
@@ -44,7 +44,7 @@ from hvdrun import envvars
 from hvdrun.envvars import OFF_THE_COMMAND_LINE, guard_options
 from hvdrun.errors import LaunchError, UsageError
 from hvdrun.hosts import Host, is_local_host
-from hvdrun.launch.agents import (
+from hvdrun.launch.agent_forest import (
     DEFAULT_FANOUT,
     KILL_CONFIRM_S,
     LOST_STATUS,
@@ -79,7 +79,7 @@ if TYPE_CHECKING:
 
 SESSIONS_PER_CONNECTION = 8  # below sshd's default MaxSessions (10), with the host agent's channel
 _LOST_CONNECTION = -1  # paramiko's exit status when the channel closed without one
-AGENT_MODULE = "hvdrun.launch.remote.hostagent"
+AGENT_MODULE = "hvdrun.launch.remote.host_agent.main"
 
 
 @dataclass

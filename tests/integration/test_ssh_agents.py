@@ -98,7 +98,7 @@ def start_sleepers(ssh_hosts: SshHosts, env: dict[str, str], tmp_path: Path, fai
 
 def agent_of(ssh_hosts: SshHosts, addr: str) -> psutil.Process:
     """The agent of the host at ``addr`` (its fork server and guards carry the same command line, below it)."""
-    ours = [proc for proc in host_processes([addr]) if "hvdrun.launch.remote.hostagent" in proc.cmdline()]
+    ours = [proc for proc in host_processes([addr]) if "hvdrun.launch.remote.host_agent.main" in proc.cmdline()]
     agents = [proc for proc in ours if proc.ppid() not in {other.pid for other in ours}]
     assert len(agents) == 1, ours
     return agents[0]
@@ -109,7 +109,7 @@ def test_sigkill_of_hvdrun_leaves_nothing_on_any_host_of_the_tree(ssh_hosts, tre
     assert wait_until(lambda: len(job_processes(token)) >= 1 + 4 * 2)  # hvdrun + (rank, its child) x 4
     for addr in ssh_hosts.addrs:
         agent_of(ssh_hosts, addr)
-    forked = [p for p in host_processes(ssh_hosts.addrs) if "hvdrun.launch.remote.hostagent" in p.cmdline()]
+    forked = [p for p in host_processes(ssh_hosts.addrs) if "hvdrun.launch.remote.host_agent.main" in p.cmdline()]
     assert len(forked) == 4 * 3  # (agent, fork server, guard) x 4
     assert not [p for p in forked if "HVDRUN_SECRET" in p.environ()]  # the secret came down the channel's stdin
     proc.kill()

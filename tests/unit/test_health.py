@@ -11,8 +11,8 @@ import pytest
 from hvdrun.errors import UsageError
 from hvdrun.health.check import CheckReport, JobReport, hosts_of_ranks, judge
 from hvdrun.health.excludes import describe_written, exclude_text, write_excludes
-from hvdrun.health.host_agent import Gpu, HealthFacts
 from hvdrun.health.host_checks import Check, Expectations, HostReport, binding_check, compare
+from hvdrun.health.on_host import Gpu, HealthFacts
 from hvdrun.hosts import Host
 from hvdrun.launch.remote.hostfacts import HostFacts
 from hvdrun.measure.timing import bus_bandwidth, human_bytes, parse_size

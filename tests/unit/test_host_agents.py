@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from hvdrun.hosts import Host
-from hvdrun.launch.agents import AgentHost, agent_tree, lost_note, plan_entry, tree_nodes
+from hvdrun.launch.agent_forest import AgentHost, agent_tree, lost_note, plan_entry, tree_nodes
 from hvdrun.launch.base import WorkerSpec
-from hvdrun.launch.remote.agentwire import MAX_FRAME_BYTES, frame, read_frame, subtree
 from hvdrun.launch.remote.connections import SshTarget
+from hvdrun.launch.remote.host_agent.messages import MAX_FRAME_BYTES, frame, read_frame, subtree
 from hvdrun.launch.remote.lines import tag, untag
 from hvdrun.ranks import Slot
 
@@ -103,16 +103,16 @@ def test_a_lost_host_names_the_hosts_that_went_with_it():
 def test_an_agent_that_hears_nothing_from_above_takes_it_for_gone(monkeypatch, capsys):
     """A host above that crashed or was cut off sends no end of file: silence past SILENCE_S ends the agent's stdin
     (and so its ranks), while the pings of a live host above keep it going."""
-    from hvdrun.launch.remote import hostagent
+    from hvdrun.launch.remote.host_agent import main as host_agent
 
-    monkeypatch.setattr(hostagent, "SILENCE_S", 0.2)
+    monkeypatch.setattr(host_agent, "SILENCE_S", 0.2)
     read, write = os.pipe()
     saved = os.dup(0)
     os.dup2(read, 0)
     try:
         os.write(write, b"ping")
-        assert hostagent._stdin(16) == b"ping"
-        assert hostagent._stdin(16) == b""  # 0.2 s of silence
+        assert host_agent._stdin(16) == b"ping"
+        assert host_agent._stdin(16) == b""  # 0.2 s of silence
     finally:
         os.dup2(saved, 0)
         for fd in (saved, read, write):

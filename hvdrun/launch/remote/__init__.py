@@ -3,9 +3,8 @@
 * ``guard.py``: leads each rank's process group and stops it when hvdrun's lifeline ends
   (run as a script, standard library only);
 * ``forkserver.py``: forks each rank's guard (one Python start per host, not per rank), and its client;
-* ``hostagent.py``: a host's agent under one SSH channel (``python -m hvdrun.launch.remote.hostagent``): runs
-  the host's ranks through ``agentranks.py``, reaches the hosts beneath it through ``agentlink.py``, speaking
-  ``agentwire.py``;
+* ``host_agent/``: a host's agent under one SSH channel (``python -m hvdrun.launch.remote.host_agent.main``): runs
+  the host's ranks, reaches the hosts beneath it, speaks hvdrun's frames and tagged lines;
 * ``connections.py``: SSH connections with verified host keys, for hvdrun and for the agents alike;
 * ``mpirank.py``: the shim mpiexec starts as each rank (``python -m hvdrun.launch.remote.mpirank``);
 * ``task.py``: a rank of :func:`hvdrun.run` (``python -m hvdrun.launch.remote.task``);

@@ -11,7 +11,7 @@
   failures that such drops cause are retried.
 
 hvdrun uses this module on its own machine, and the host agents use it to reach the hosts beneath them
-(:mod:`hvdrun.launch.remote.hostagent`), with the targets hvdrun resolved and the same options.
+(:mod:`hvdrun.launch.remote.host_agent.main`), with the targets hvdrun resolved and the same options.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``python forkserver.py FD`` serves requests on the ``SOCK_SEQPACKET`` socket ``FD`` (its launcher's end is
 :class:`ForkServer`: the local launcher spawns the server, a host agent forks it at its start,
-:mod:`hvdrun.launch.remote.hostagent`). A request is one message, ``marshal((guard_argv, env, cwd))``, carrying
+:mod:`hvdrun.launch.remote.host_agent.main`). A request is one message, ``marshal((guard_argv, env, cwd))``, carrying
 three file descriptors: the rank's lifeline (the guard's stdin) and its stdout and stderr. The server forks; the
 child becomes that rank's guard exactly as ``python guard.py GUARD_ARGV`` would be (its own session, the lifeline
 on its stdin, see ``guard.py``), without paying an interpreter start and the guard's imports again. Every

@@ -1,6 +1,6 @@
 """What a host says about itself before ranks start there: ``python -m hvdrun.launch.remote.hostfacts [OPTIONS]``.
 
-A host's agent (:mod:`hvdrun.launch.remote.hostagent`) answers with these facts first; the SSH launcher runs
+A host's agent (:mod:`hvdrun.launch.remote.host_agent.main`) answers with these facts first; the SSH launcher runs
 this module on a host to check it without starting an agent (before a restart), in the job's working directory
 under the host's Python, and reads one JSON line: hostname, Python and package versions, CPU count, the address
 of ``--interface``, free ports for rank 0's rendezvous and the address sshd was reached at. A host where the

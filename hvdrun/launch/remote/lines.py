@@ -9,7 +9,7 @@ Standard library only.
 Many streams on one (mpiexec's merged output, a host agent's SSH channel) travel as *tagged lines*:
 ``[N]<kind>:`` and one line. ``N`` is a rank for the kinds ``stdout``, ``stderr`` (a line the rank wrote, its
 terminator kept) and ``exit`` (the rank's exit code, negative for a signal), a host's index in its job for the
-host agents' kinds (:mod:`hvdrun.launch.remote.hostagent`). A line that had no terminator (the last line of a
+host agents' kinds (:mod:`hvdrun.launch.remote.host_agent.main`). A line that had no terminator (the last line of a
 stream, or a piece of a huge line) gets ``\\n`` and a ``~`` after its kind (``[3]<stdout~>:no newline\\n``),
 which :func:`untag` takes off again: what a rank wrote arrives byte for byte.
 """

@@ -1,4 +1,4 @@
-"""hvdrun's end of the host agents (:mod:`hvdrun.launch.remote.hostagent`): the tree they form, the facts they
+"""hvdrun's end of the host agents (:mod:`hvdrun.launch.remote.host_agent.main`): the tree they form, the facts they
 report, and the ranks they run for a job started over SSH.
 
 Every remote host runs one agent under one SSH channel: it answers with the host's facts (it is the probe), then
@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 from hvdrun.envvars import guard_options, remote_env
 from hvdrun.launch.base import Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
-from hvdrun.launch.remote.agentlink import AgentChannel
-from hvdrun.launch.remote.agentwire import DROP, FACTS, FAILED, LOST, PLAN, SIGNAL, Node, frame, node, subtree
 from hvdrun.launch.remote.connections import SshTarget
 from hvdrun.launch.remote.guard import KILL, TERMINATE, forward_byte
+from hvdrun.launch.remote.host_agent.channel import AgentChannel
+from hvdrun.launch.remote.host_agent.messages import DROP, FACTS, FAILED, LOST, PLAN, SIGNAL, Node, frame, node, subtree
 from hvdrun.launch.remote.hostfacts import HostFacts
 from hvdrun.launch.remote.lines import Tagged, untag
 from hvdrun.ranks import Slot

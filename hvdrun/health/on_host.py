@@ -1,4 +1,4 @@
-"""What ``hvdrun check`` asks a host: ``python -m hvdrun.health.host_agent facts|listen|connect``.
+"""What ``hvdrun check`` asks a host: ``python -m hvdrun.health.on_host facts|listen|connect``.
 
 * ``facts``: one JSON line: the facts every launch asks for (:mod:`hvdrun.launch.remote.hostfacts`), the torch
   that ``import torch`` really loads (or why it fails), the GPUs (``nvidia-smi``, else
@@ -41,7 +41,7 @@ class Gpu:
 
 @dataclass(frozen=True)
 class HealthFacts:
-    """A host's answer to ``host_agent facts``."""
+    """A host's answer to ``on_host facts``."""
 
     base: HostFacts
     torch_version: str | None
@@ -164,7 +164,7 @@ def _listen(token: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry: ``facts``, ``listen`` or ``connect``."""
-    parser = argparse.ArgumentParser(prog="python -m hvdrun.health.host_agent")
+    parser = argparse.ArgumentParser(prog="python -m hvdrun.health.on_host")
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("facts").add_argument("--interface")
     listen = sub.add_parser("listen")

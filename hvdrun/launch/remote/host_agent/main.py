@@ -1,7 +1,7 @@
-"""A host's agent: ``python -m hvdrun.launch.remote.hostagent``, one per host of a job, under one SSH channel.
+"""A host's agent: ``python -m hvdrun.launch.remote.host_agent.main``, one per host of a job, under one SSH channel.
 
-hvdrun (``--launcher ssh``, :mod:`hvdrun.launch.agents`) starts it in the job's working directory, under the
-host's Python, and speaks to it over the channel (:mod:`hvdrun.launch.remote.agentwire`). The agent
+hvdrun (``--launcher ssh``, :mod:`hvdrun.launch.agent_forest`) starts it in the job's working directory, under the
+host's Python, and speaks to it over the channel (:mod:`hvdrun.launch.remote.host_agent.messages`). The agent
 
 1. reads its hello frame, forks its fork server while it has one thread (one Python start per host, not one per
    rank) and answers with the host's facts (what the probe, :mod:`hvdrun.launch.remote.hostfacts`, says);
@@ -9,7 +9,7 @@ host's Python, and speaks to it over the channel (:mod:`hvdrun.launch.remote.age
    options hvdrun resolved (host keys verified against the same known_hosts, the same key file: a shared
    home, as clusters have), starts their agents the same way and passes their lines up and frames down;
 3. starts its host's ranks when their plan comes, each under its own guard with its own lifeline
-   (:mod:`hvdrun.launch.remote.agentranks`), and sends their output and exit codes up as tagged lines;
+   (:mod:`hvdrun.launch.remote.host_agent.local_ranks`), and sends their output and exit codes up as tagged lines;
 4. writes the lifeline bytes that ``signal`` frames carry (terminate, kill, a forwarded signal, or close);
 5. when its stdin ends (hvdrun ended or was killed, the connection dropped, the agent above it died) closes
    every rank's lifeline, so every guard stops its rank exactly as it would for a local rank, closes the
@@ -28,9 +28,10 @@ import traceback
 from typing import Any
 
 from hvdrun.errors import LaunchError
-from hvdrun.launch.remote.agentlink import AgentChannel
-from hvdrun.launch.remote.agentranks import HostRanks
-from hvdrun.launch.remote.agentwire import (
+from hvdrun.launch.remote.forkserver import ForkServer
+from hvdrun.launch.remote.host_agent.channel import AgentChannel
+from hvdrun.launch.remote.host_agent.local_ranks import HostRanks
+from hvdrun.launch.remote.host_agent.messages import (
     DROP,
     FACTS,
     FAILED,
@@ -45,7 +46,6 @@ from hvdrun.launch.remote.agentwire import (
     subtree,
     unreached,
 )
-from hvdrun.launch.remote.forkserver import ForkServer
 from hvdrun.launch.remote.hostfacts import facts
 
 

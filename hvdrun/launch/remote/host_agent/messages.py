@@ -1,4 +1,6 @@
-"""What hvdrun and the host agents say to each other (:mod:`hvdrun.launch.remote.hostagent`). Standard library only.
+"""What hvdrun and the host agents (:mod:`hvdrun.launch.remote.host_agent.main`) say to each other.
+
+Standard library only.
 
 **Down** (hvdrun to an agent, and an agent to the agents beneath it), on the SSH channel's stdin: frames, each a
 4-byte big-endian length and ``marshal`` of a tuple. Secrets travel only here, never on a command line.

@@ -1,4 +1,4 @@
-"""The ranks of one host, as its agent runs them (:mod:`hvdrun.launch.remote.hostagent`).
+"""The ranks of one host, as its agent runs them (:mod:`hvdrun.launch.remote.host_agent.main`).
 
 Each rank runs under its own guard, forked by the agent's fork server (:mod:`hvdrun.launch.remote.forkserver`),
 with its own lifeline (a pipe whose write end only the agent holds: if the agent dies, even by SIGKILL, every
@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hvdrun.errors import LaunchError
-from hvdrun.launch.remote.agentwire import DROP
 from hvdrun.launch.remote.forkserver import ForkServer
+from hvdrun.launch.remote.host_agent.messages import DROP
 from hvdrun.launch.remote.lines import LineSplitter, tag
 
 _READ_BYTES = 1 << 20

@@ -1,10 +1,10 @@
 """One host agent under its SSH channel, seen from above: from hvdrun (the hosts it reaches itself) or from the
-agent of the host above it in the tree (:mod:`hvdrun.launch.remote.hostagent`).
+agent of the host above it in the tree (:mod:`hvdrun.launch.remote.host_agent.main`).
 
 An :class:`AgentChannel` starts the agent (one exec channel), sends it its hello frame, passes frames down and
 hands every whole line the agent sends up to its owner. When the channel ends it says why, in the wire's words
-(:mod:`hvdrun.launch.remote.agentwire`): ``failed`` for the host and ``unreached`` for the hosts beneath it if the
-agent never answered (no Python, no hvdrun, no working directory: the exit status and stderr say which), ``lost``
+(:mod:`hvdrun.launch.remote.host_agent.messages`): ``failed`` for the host and ``unreached`` for the hosts beneath it
+if the agent never answered (no Python, no hvdrun, no working directory: the exit status and stderr say which), ``lost``
 for the host and every host beneath it if it had answered and the channel was not closed from above.
 """
 
@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hvdrun.launch.remote.agentwire import (
+from hvdrun.launch.remote.host_agent.messages import (
     FACTS,
     FAILED,
     HEARTBEAT_S,
