@@ -51,12 +51,12 @@ from hvdrun.hosts import (
     without_excluded,
 )
 from hvdrun.launch.base import DEFAULT_FORWARD_SIGNALS, Launcher, WorkerGroup, WorkerSpec, parse_signal_list
-from hvdrun.launch.discovery import FixedHosts, ScriptDiscovery
-from hvdrun.launch.elastic_driver import ElasticDriver, check_settings, make_discovery
+from hvdrun.launch.elastic.discovery import FixedHosts, ScriptDiscovery
+from hvdrun.launch.elastic.driver import ElasticDriver, check_settings, make_discovery
+from hvdrun.launch.elastic.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, ElasticSettings
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.stacks import print_stacks, signal_ranks, stacks_on_demand
 from hvdrun.launch.staging import DEFAULT_STAGE_DIR, StagePlan, check_stage_dir, plan_staging, staged_env
-from hvdrun.launch.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, ElasticSettings
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, parse_rank_list, total_slots
 from hvdrun.schedulers import SCHEDULERS, SLURM
 

@@ -1,6 +1,6 @@
 """An elastic job's membership messages: what its workers and the launcher's membership service send each other.
 
-The workers' side is :mod:`hvdrun.runtime.membership`, the launcher's :mod:`hvdrun.launch.membership_service`;
+The workers' side is :mod:`hvdrun.runtime.membership`, the launcher's :mod:`hvdrun.launch.elastic.membership_service`;
 every frame (:mod:`hvdrun.protocol.wire`) is a tuple whose first item is its kind::
 
     worker -> service   (MEMBERSHIP_JOIN, worker number, rendezvous address, rendezvous port, pid)

@@ -1,7 +1,7 @@
 """A worker's side of an elastic job's membership: which round it joins, and with which rank.
 
 In an elastic job (``hvdrun --min-np/--max-np/--host-discovery-script``) ranks are not fixed at
-launch. The launcher runs a membership service (``hvdrun.launch.membership_service``); at every
+launch. The launcher runs a membership service (``hvdrun.launch.elastic.membership_service``); at every
 ``init()`` a worker connects to it (authenticated with the job's secret), says which worker it is
 and where it could serve the round's rendezvous, and waits. When every live worker has come, the
 service answers each with its assignment: the round number, the worker's rank and the world size,

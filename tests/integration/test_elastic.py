@@ -235,7 +235,7 @@ def test_no_process_outlives_an_interrupted_elastic_job(hvdrun_env, tmp_path, to
 
 
 def test_discovery_lines_parse_like_horovods():
-    from hvdrun.launch.discovery import DiscoveryError, parse_discovery_output
+    from hvdrun.launch.elastic.discovery import DiscoveryError, parse_discovery_output
 
     hosts = parse_discovery_output("a:4\nb\n# spare\n\nroot@c:2  # comment\n", "d.sh", 8)
     assert [(h.name, h.slots, h.user) for h in hosts] == [("a", 4, None), ("b", 8, None), ("c", 2, "root")]

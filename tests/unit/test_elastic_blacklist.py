@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hvdrun.hosts import Host
-from hvdrun.launch.discovery import FixedHosts
+from hvdrun.launch.elastic.discovery import FixedHosts
+from hvdrun.launch.elastic.worker_pool import HOST, SLOT, ElasticSettings, Member, WorkerPool
 from hvdrun.launch.job import RunOptions, plan_job
-from hvdrun.launch.worker_pool import HOST, SLOT, ElasticSettings, Member, WorkerPool
 from hvdrun.ranks import GpuLayout
 
 A, B = Host("localhost", 3), Host("127.0.0.1", 2)

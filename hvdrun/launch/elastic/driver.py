@@ -1,8 +1,8 @@
 """Elastic jobs: workers come and go while training goes on (Horovod's elastic mode).
 
-The launcher's side, in three parts: :class:`~hvdrun.launch.worker_pool.WorkerPool` keeps the job's
-workers matched to what discovery (:mod:`hvdrun.launch.discovery`) offers; the *membership service*
-(:mod:`hvdrun.launch.membership_service`) answers the workers that join at every ``init()``
+The launcher's side, in three parts: :class:`~hvdrun.launch.elastic.worker_pool.WorkerPool` keeps the job's
+workers matched to what discovery (:mod:`hvdrun.launch.elastic.discovery`) offers; the *membership service*
+(:mod:`hvdrun.launch.elastic.membership_service`) answers the workers that join at every ``init()``
 (:mod:`hvdrun.runtime.membership` is the other end); :class:`ElasticDriver` supervises them and
 decides each round:
 
@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 from hvdrun.errors import JobInterrupted, UsageError, WorkerFailed
 from hvdrun.hosts import Host
 from hvdrun.launch.base import Failure, Launcher, WorkerSpec, stop_signals_handled, stop_workers
-from hvdrun.launch.discovery import FixedHosts, ScriptDiscovery
-from hvdrun.launch.membership_service import MembershipService
+from hvdrun.launch.elastic.discovery import FixedHosts, ScriptDiscovery
+from hvdrun.launch.elastic.membership_service import MembershipService
+from hvdrun.launch.elastic.worker_pool import BLACKLIST_SCOPES, ElasticSettings, Member, WorkerPool
 from hvdrun.launch.output import OutputRouter
-from hvdrun.launch.worker_pool import BLACKLIST_SCOPES, ElasticSettings, Member, WorkerPool
 from hvdrun.ranks import GpuLayout, Slot
 
 _TICK_S = 0.05

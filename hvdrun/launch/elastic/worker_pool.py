@@ -1,7 +1,7 @@
 """The workers of an elastic job and the hosts they run on (:class:`WorkerPool`), and the job's elastic options.
 
-The pool keeps the workers matched to what discovery (:mod:`hvdrun.launch.discovery`) offers and
-keeps the cool-downs of failed slots and hosts; :class:`hvdrun.launch.elastic_driver.ElasticDriver`
+The pool keeps the workers matched to what discovery (:mod:`hvdrun.launch.elastic.discovery`) offers and
+keeps the cool-downs of failed slots and hosts; :class:`hvdrun.launch.elastic.driver.ElasticDriver`
 decides when to ask it and what counts as a host update.
 """
 
@@ -17,7 +17,7 @@ from hvdrun import envvars
 from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host
 from hvdrun.launch.base import Launcher, Worker, WorkerSpec
-from hvdrun.launch.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
+from hvdrun.launch.elastic.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
 from hvdrun.launch.output import OutputRouter
 from hvdrun.ranks import GpuLayout, Slot, Topology, slot_on
 

@@ -3,7 +3,7 @@
 At every ``init()`` a worker (:mod:`hvdrun.runtime.membership`, the other end) connects, proves it
 knows the job's secret and either asks for the *host updates* count (answered at once) or joins
 the next round: its connection then waits here until the elastic driver
-(:mod:`hvdrun.launch.elastic_driver`) decides the round and :meth:`MembershipService.assign` answers
+(:mod:`hvdrun.launch.elastic.driver`) decides the round and :meth:`MembershipService.assign` answers
 every waiting worker with its place, or until the worker is told to leave. The messages and the
 assignment are named in :mod:`hvdrun.protocol.rounds`.
 
