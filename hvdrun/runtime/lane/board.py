@@ -7,14 +7,13 @@ bytes used by attempt parity. Rank 0's header also holds the verdict count and a
 
 from __future__ import annotations
 
-import mmap
 import os
 import zlib
 from pathlib import Path
 
 import numpy as np
 
-from hvdrun import envvars
+from hvdrun.runtime.transport.shmfile import map_shared, shm_file, unlink_names
 
 CAPACITY = 64 << 10  # bytes of one post: larger allreduces are the ring's
 HEADER_WORDS = 128
@@ -28,7 +27,7 @@ SLOT_BYTES = HEADER_WORDS * 8 + 2 * CAPACITY
 def board_path(job_key: str) -> Path:
     """``/dev/shm/hvdrun-JOB-GEN-0.lane``: a file of rank 0, which creates it, so rank 0's guard removes it
     even when the launcher is killed."""
-    return Path(envvars.shm_segment_base(job_key, 0) + ".lane")
+    return shm_file(job_key, 0, ".lane")
 
 
 class Board:
@@ -36,18 +35,7 @@ class Board:
 
     def __init__(self, job_key: str, size: int, create: bool) -> None:
         self.path, self.bell_path = board_path(job_key), board_path(job_key).with_suffix(".lanebell")
-        length = size * SLOT_BYTES
-        if create:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, length)
-            os.mkfifo(self.bell_path, 0o600)
-        else:
-            fd = os.open(self.path, os.O_RDWR)
-        try:
-            self.map = mmap.mmap(fd, length)
-        finally:
-            os.close(fd)
-        self.bell_fd = os.open(self.bell_path, os.O_RDWR | os.O_NONBLOCK)
+        self.map, (self.bell_fd,) = map_shared(self.path, [self.bell_path], size * SLOT_BYTES, create)
         self.words = [memoryview(self.map)[r * SLOT_BYTES:r * SLOT_BYTES + HEADER_WORDS * 8].cast("q")
                       for r in range(size)]
         self.buffers = [[np.frombuffer(self.map, np.uint8, CAPACITY, r * SLOT_BYTES + HEADER_WORDS * 8 + p * CAPACITY)
@@ -55,8 +43,7 @@ class Board:
 
     def unlink(self) -> None:
         """Remove the names once every rank has mapped the board."""
-        self.path.unlink(missing_ok=True)
-        self.bell_path.unlink(missing_ok=True)
+        unlink_names(self.path, self.bell_path)
 
     def close(self) -> None:
         """Unmap (left to the garbage collector while views remain)."""

@@ -22,13 +22,11 @@ single stores, which x86-64 keeps in order (as the shared-memory rings, :mod:`.s
 
 from __future__ import annotations
 
-import mmap
 import os
-import stat
 from pathlib import Path
 
-from hvdrun import envvars
 from hvdrun.runtime.transport.base import Doorbell, Message, fence
+from hvdrun.runtime.transport.shmfile import map_shared, shm_file, unlink_names
 
 SLOT_BYTES = 256 << 10  # one post; a longer message takes the host's ring in that round, on every rank
 TOO_LONG = -1
@@ -38,7 +36,7 @@ _HEADER = 64  # bytes
 
 def board_path(job_key: str, first_rank: int) -> Path:
     """``/dev/shm/hvdrun-JOB-GEN-FIRST.posts``, named after the host's first rank, which creates it."""
-    return Path(envvars.shm_segment_base(job_key, first_rank) + ".posts")
+    return shm_file(job_key, first_rank, ".posts")
 
 
 class PostBoard:
@@ -56,7 +54,7 @@ class PostBoard:
         self.path, self.members, self.index = board_path(job_key, first_rank), members, index
         self.bell_paths = [self.path.with_name(f"{self.path.name}-bell{m}") for m in range(members)]
         stride = _HEADER + 2 * SLOT_BYTES
-        self.map, self._bell_fds = self._open(create, members * stride)
+        self.map, self._bell_fds = map_shared(self.path, self.bell_paths, members * stride, create)
         view = memoryview(self.map)
         self.words = [view[m * stride:m * stride + _HEADER].cast("q") for m in range(members)]
         self.buffers = [[view[m * stride + _HEADER + p * SLOT_BYTES:m * stride + _HEADER + (p + 1) * SLOT_BYTES]
@@ -67,42 +65,6 @@ class PostBoard:
         self.too_long = 0  # rounds that took the ring (tests read it)
         self.complete = BoardWatch(self, ahead=False)  # every rank posted this rank's round
         self.arrivals = BoardWatch(self, ahead=True)  # a rank posted a round this rank has not
-
-    def _open(self, create: bool, length: int) -> tuple[mmap.mmap, list[int]]:
-        """Make (``create``) or open the board's file and bells: the mapping and the bells' fds. On failure nothing
-        stays open, and what this rank made is removed."""
-        made: list[Path] = []
-        bell_fds: list[int] = []
-        mapping: mmap.mmap | None = None
-        fd = -1
-        try:
-            if create:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                made.append(self.path)
-                os.ftruncate(fd, length)
-                for bell in self.bell_paths:
-                    os.mkfifo(bell, 0o600)
-                    made.append(bell)
-            else:
-                fd = os.open(self.path, os.O_RDWR)
-                for bell in self.bell_paths:
-                    if not stat.S_ISFIFO(os.stat(bell).st_mode):
-                        raise OSError(f"{bell} is not a FIFO")
-            mapping = mmap.mmap(fd, length)
-            for bell in self.bell_paths:
-                bell_fds.append(os.open(bell, os.O_RDWR | os.O_NONBLOCK))
-            return mapping, bell_fds
-        except BaseException:
-            for opened in bell_fds:
-                os.close(opened)
-            if mapping is not None:
-                mapping.close()
-            for path in made:
-                path.unlink(missing_ok=True)
-            raise
-        finally:
-            if fd >= 0:
-                os.close(fd)
 
     @property
     def own_bell(self) -> Doorbell:
@@ -143,8 +105,7 @@ class PostBoard:
 
     def unlink(self) -> None:
         """Remove the names once every rank of the host has opened the board (mappings stay valid)."""
-        for path in (self.path, *self.bell_paths):
-            path.unlink(missing_ok=True)
+        unlink_names(self.path, *self.bell_paths)
 
     def close(self) -> None:
         """Release the views, close the bells and unmap (the map is left to the garbage collector while views

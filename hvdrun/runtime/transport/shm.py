@@ -17,14 +17,13 @@ Segments and FIFOs are unlinked as soon as every peer has opened them, so nothin
 
 from __future__ import annotations
 
-import mmap
 import os
 import platform
-import stat
 from pathlib import Path
 
 from hvdrun import envvars
 from hvdrun.runtime.transport.base import Doorbell, RxChannel, TxChannel
+from hvdrun.runtime.transport.shmfile import map_shared, shm_file, unlink_names
 
 _HEADER = 256
 _WRITE, _READ, _SLEEPING = 0, 8, 16  # word indices in the header
@@ -37,8 +36,7 @@ def shm_supported() -> bool:
 
 
 def _paths(job_key: str, rank: int, sender: int | None) -> tuple[Path, Path]:
-    base = envvars.shm_segment_base(job_key, rank, sender)
-    return Path(base + ".ring"), Path(base + ".bell")
+    return shm_file(job_key, rank, ".ring", sender), shm_file(job_key, rank, ".bell", sender)
 
 
 class ShmSegment:
@@ -50,27 +48,14 @@ class ShmSegment:
     def __init__(self, job_id: str, rank: int, capacity: int, create: bool, sender: int | None = None) -> None:
         self.ring_path, self.bell_path = _paths(job_id, rank, sender)
         self.capacity = capacity
-        if create:
-            fd = os.open(self.ring_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, _HEADER + capacity)
-            os.mkfifo(self.bell_path, 0o600)
-        else:
-            fd = os.open(self.ring_path, os.O_RDWR)
-            if not stat.S_ISFIFO(os.stat(self.bell_path).st_mode):
-                raise OSError(f"{self.bell_path} is not a FIFO")
-        try:
-            self.map = mmap.mmap(fd, _HEADER + capacity)
-        finally:
-            os.close(fd)
-        self.bell_fd = os.open(self.bell_path, os.O_RDWR | os.O_NONBLOCK)
+        self.map, (self.bell_fd,) = map_shared(self.ring_path, [self.bell_path], _HEADER + capacity, create)
         self.words = memoryview(self.map)[:_HEADER].cast("Q")
         self.data = memoryview(self.map)[_HEADER:]
         self.bell = Doorbell(self.bell_fd, memoryview(self.map)[_SLEEPING * 8:_SLEEPING * 8 + 8].cast("Q"))
 
     def unlink(self) -> None:
         """Remove the names from /dev/shm (mappings stay valid)."""
-        for path in (self.ring_path, self.bell_path):
-            path.unlink(missing_ok=True)
+        unlink_names(self.ring_path, self.bell_path)
 
     def close(self) -> None:
         """Close the doorbell and unmap (left to the garbage collector while views remain)."""
