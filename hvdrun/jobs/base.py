@@ -79,12 +79,6 @@ class JobSpec:
         """The walltime in whole minutes, rounded up (Cobalt's ``-t``)."""
         return -(-self.walltime_s // 60) if self.walltime_s else None
 
-    @property
-    def total_ranks(self) -> int:
-        """Ranks of the job."""
-        return self.ranks_per_node * (1 if self.unit == "gpus" else self.nodes)
-
-
 @dataclass(frozen=True)
 class JobStatus:
     """One job as the scheduler reports it.

@@ -2,6 +2,9 @@
 
 * ``guard.py``: leads each rank's process group and stops it when hvdrun's lifeline ends
   (run as a script, standard library only);
+* ``escapees.py``: the guard's hold on what its rank starts: a cgroup of its own, else a child subreaper, so
+  processes that leave the rank's process group and environment are still stopped with it;
+* ``cpubind.py``: which cores ``--cpu-bind`` gives each local rank (the launcher checks it, the guard applies it);
 * ``forkserver.py``: forks each rank's guard (one Python start per host, not per rank), and its client;
 * ``host_agent/``: a host's agent under one SSH channel (``python -m hvdrun.launch.remote.host_agent.main``): runs
   the host's ranks, reaches the hosts beneath it, speaks hvdrun's frames and tagged lines;

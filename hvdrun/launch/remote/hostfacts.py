@@ -54,13 +54,6 @@ def interface_address(name: str) -> str | None:
     return None
 
 
-def interface_names() -> list[str]:
-    """Names of this machine's network interfaces."""
-    import psutil
-
-    return sorted(psutil.net_if_addrs())
-
-
 def free_ports(count: int) -> tuple[int, ...]:
     """``count`` distinct TCP ports that were free on every interface a moment ago."""
     sockets = [socket.create_server(("", 0)) for _ in range(count)]
