@@ -366,7 +366,8 @@ def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:
     """Run COMMAND on every rank (a .py file runs under this Python)."""
-    from hvdrun.launch.job import RunOptions, describe_plan, plan_job, run_job
+    from hvdrun.launch.job import run_job
+    from hvdrun.launch.plan import RunOptions, describe_plan, plan_job
 
     horovod = {name: options.pop(name) for name in _HOROVODRUN_NAMES}
     if horovod.pop("check_build"):
@@ -421,7 +422,7 @@ def check(timeout_s: float, as_json: bool, min_disk_gb: float, latency_bytes: in
     from hvdrun.health.check import CheckOptions, check_targets, plan_check, run_check
     from hvdrun.health.excludes import check_writable, describe_written, write_excludes
     from hvdrun.health.report import HostProgress, print_check
-    from hvdrun.launch.job import RunOptions
+    from hvdrun.launch.plan import RunOptions
 
     check_options = CheckOptions(RunOptions(command=(), **options), timeout_s, min_disk_gb, latency_bytes,
                                  bandwidth_bytes, link_bytes)
@@ -493,7 +494,7 @@ def bench(rank_counts: tuple[int, ...] | None, sizes: tuple[int, ...], libraries
 
     from hvdrun.bench.sweep import BenchOptions, plan_bench, run_bench
     from hvdrun.bench.table import print_bench
-    from hvdrun.launch.job import RunOptions
+    from hvdrun.launch.plan import RunOptions
 
     bench_options = BenchOptions(RunOptions(command=(), **options), rank_counts, sizes,
                                  tuple(libraries.split(",")) if libraries else None, iterations, warmup)

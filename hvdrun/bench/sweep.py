@@ -18,7 +18,7 @@ from typing import Any
 
 from hvdrun.bench.bench_job import LIBRARIES, RESULT_TAG
 from hvdrun.errors import HvdrunError, UsageError
-from hvdrun.launch.job import JobPlan, RunOptions, plan_job
+from hvdrun.launch.plan import JobPlan, RunOptions, plan_job
 from hvdrun.measure.capture import run_captured
 from hvdrun.measure.timing import bus_bandwidth
 

@@ -1,6 +1,6 @@
 """``hvdrun check``: prove that the hosts of a job can run it, before an allocation is spent.
 
-The hosts come from the same options as a launch (:func:`hvdrun.launch.job.plan_job`). Every host
+The hosts come from the same options as a launch (:func:`hvdrun.launch.plan.plan_job`). Every host
 is checked at once (:mod:`hvdrun.health.host_checks`); when all pass, a real job runs on every slot
 (:mod:`hvdrun.health.check_job`) through the plan's launcher. The result is a
 :class:`CheckReport`, whose :meth:`CheckReport.to_dict` is the versioned JSON document
@@ -20,7 +20,8 @@ from hvdrun.envvars import CPU_BIND
 from hvdrun.health.check_job import RESULT_TAG
 from hvdrun.health.host_checks import Check, CheckTarget, Expectations, HostChecker, HostReport
 from hvdrun.hosts import is_local_host
-from hvdrun.launch.job import JobPlan, RunOptions, plan_job, ssh_options
+from hvdrun.launch.job import ssh_options
+from hvdrun.launch.plan import JobPlan, RunOptions, plan_job
 from hvdrun.measure.capture import run_captured
 from hvdrun.measure.timing import human_bytes
 from hvdrun.ranks import Slot

@@ -354,7 +354,7 @@ def _filesystem_args(request: JobRequest, config: ClusterConfig | None, defaults
 
 def _launch(request: JobRequest, config_args: list[str], python: str, ranks_per_node: int,
             run_options: Sequence[str]) -> tuple[str, ...]:
-    from hvdrun.launch.job import resolve_command
+    from hvdrun.launch.plan import resolve_command
 
     module, command = _for_hvdrun(resolve_command(request.command, check_program=False), python)
     args = [python, "-m", "hvdrun", *config_args, "--ranks-per-node", str(ranks_per_node), *module]

@@ -16,7 +16,8 @@ from typing import Any
 
 from hvdrun import envvars
 from hvdrun.errors import LaunchError, UsageError
-from hvdrun.launch.job import RunOptions, plan_job, run_job
+from hvdrun.launch.job import run_job
+from hvdrun.launch.plan import RunOptions, plan_job
 from hvdrun.launch.remote.task import RESULT_MARK, TASK_VAR, dumps, loads
 
 _TASK_ENV_LIMIT = 100_000  # one variable's value must stay below the kernel's 128 KiB

@@ -30,12 +30,12 @@ from typing import Protocol, TypeVar
 
 from hvdrun.errors import JobInterrupted, LaunchError, WorkerFailed
 from hvdrun.hosts import Host
-from hvdrun.launch.base import stop_signals_handled
+from hvdrun.launch.supervision import stop_signals_handled
 from hvdrun.ranks import Slot, total_slots
 
 
 class Plan(Protocol):
-    """What a restart reads of a job's plan (:class:`hvdrun.launch.job.JobPlan`)."""
+    """What a restart reads of a job's plan (:class:`hvdrun.launch.plan.JobPlan`)."""
 
     @property
     def slots(self) -> tuple[Slot, ...]:

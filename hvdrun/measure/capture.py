@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hvdrun.errors import HvdrunError
-from hvdrun.launch.job import JobPlan, run_job
+from hvdrun.launch.job import run_job
+from hvdrun.launch.plan import JobPlan
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import pytest
 from hvdrun.hosts import Host
 from hvdrun.launch.elastic.discovery import FixedHosts
 from hvdrun.launch.elastic.worker_pool import HOST, SLOT, ElasticSettings, Member, WorkerPool
-from hvdrun.launch.job import RunOptions, plan_job
+from hvdrun.launch.plan import RunOptions, plan_job
 from hvdrun.ranks import GpuLayout
 
 A, B = Host("localhost", 3), Host("127.0.0.1", 2)

@@ -8,10 +8,10 @@ import signal
 import pytest
 
 from hvdrun.errors import UsageError
-from hvdrun.launch.base import parse_signal_list
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.remote.guard import FORWARD, forward_byte
 from hvdrun.launch.remote.lines import LineSplitter
+from hvdrun.launch.supervision import parse_signal_list
 from hvdrun.ranks import format_ranks, parse_rank_list
 
 

@@ -13,7 +13,7 @@ from hvdrun import envvars
 from hvdrun.config import parse_config
 from hvdrun.errors import ConfigError, UsageError
 from hvdrun.hosts import Host
-from hvdrun.launch.job import RunOptions, plan_job
+from hvdrun.launch.plan import RunOptions, plan_job
 from hvdrun.ranks import GpuLayout, assign_slots
 from hvdrun.runtime.device import own_device_ordinal, select_current_device
 from tests.gpu_visibility import IDIOMS, SHIPPED_LAYOUTS, idiom_table, reached

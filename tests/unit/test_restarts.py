@@ -9,7 +9,8 @@ import pytest
 
 from hvdrun.errors import HostSpecError, LaunchError, WorkerFailed
 from hvdrun.hosts import Host, excluded_hosts, without_excluded
-from hvdrun.launch.job import RunOptions, plan_for_attempt, plan_job
+from hvdrun.launch.job import plan_for_attempt
+from hvdrun.launch.plan import RunOptions, plan_job
 from hvdrun.launch.restarts import Fault, _same_error_elsewhere, fault_of, hosts_for_attempt, run_with_restarts
 
 
@@ -88,7 +89,7 @@ def test_excluded_hosts_come_from_the_option_and_the_file(tmp_path):
 
 def failed(host: str | None, code: int = 1, signal: int | None = None, cause: str = "",
            note: str = "") -> WorkerFailed:
-    """A rank's failure as :class:`hvdrun.launch.base.WorkerGroup` raises it."""
+    """A rank's failure as :class:`hvdrun.launch.supervision.WorkerGroup` raises it."""
     how = f"was killed by signal {signal}" if signal else note or f"exited with code {code}"
     return WorkerFailed(f"rank 1 on host {host} {how} 0.4 s after start (first failure); stopped the other 1 rank",
                         128 + signal if signal else code, host=host, signal=signal, cause=cause, note=note)

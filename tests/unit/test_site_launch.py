@@ -18,8 +18,9 @@ from hvdrun.errors import LaunchError
 from hvdrun.health.check import CheckReport, JobReport, interface_of
 from hvdrun.health.report import network_line
 from hvdrun.hosts import Host
-from hvdrun.launch.job import RunOptions, make_launcher, plan_job
+from hvdrun.launch.job import make_launcher
 from hvdrun.launch.mpiexec import MpiexecCommand, MpiexecLauncher, detect_flavour, openmpi_major
+from hvdrun.launch.plan import RunOptions, plan_job
 from hvdrun.launch.remote.connections import SshOptions
 from hvdrun.ranks import GpuLayout
 

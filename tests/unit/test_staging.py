@@ -16,7 +16,7 @@ from hvdrun.config import load_config
 from hvdrun.errors import ConfigError, UsageError
 from hvdrun.hosts import Host
 from hvdrun.launch.envcopy import MARKER, Environment, HostStaged, unpack_command
-from hvdrun.launch.job import RunOptions, plan_job
+from hvdrun.launch.plan import RunOptions, plan_job
 from hvdrun.launch.staging import (
     StagePlan,
     ThisMachine,

@@ -31,11 +31,12 @@ from collections.abc import Callable, Sequence
 
 from hvdrun.errors import JobInterrupted, UsageError, WorkerFailed
 from hvdrun.hosts import Host
-from hvdrun.launch.base import Failure, Launcher, WorkerSpec, stop_signals_handled, stop_workers
+from hvdrun.launch.base import Launcher, WorkerSpec
 from hvdrun.launch.elastic.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.elastic.membership_service import MembershipService
 from hvdrun.launch.elastic.worker_pool import BLACKLIST_SCOPES, ElasticSettings, Member, WorkerPool
 from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.supervision import Failure, stop_signals_handled, stop_workers
 from hvdrun.ranks import GpuLayout, Slot
 
 _TICK_S = 0.05
