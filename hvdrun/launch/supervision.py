@@ -36,8 +36,6 @@ _NOT_FORWARDED = {signal.SIGINT: "stops the job (every rank gets SIGTERM)",
                   signal.SIGKILL: "cannot be caught by hvdrun", signal.SIGSTOP: "cannot be caught by hvdrun"}
 
 
-
-
 @dataclass(frozen=True)
 class Failure:
     """The first worker that failed: the root cause of a job's failure."""
