@@ -19,8 +19,8 @@ import torch
 
 from hvdrun import envvars
 from hvdrun.runtime import context
+from hvdrun.runtime.blocking import allreduce_unqueued
 from hvdrun.runtime.handles import Handle
-from hvdrun.runtime.lane import try_allreduce as try_lane
 from hvdrun.runtime.negotiation import GLOBAL_SET, JOIN, Request
 from hvdrun.runtime.reduce import ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM, average_divisor
 from hvdrun.torch import adasum, dtypes
@@ -215,8 +215,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | None, op: int | None,
                         prescale_factor: float, postscale_factor: float, process_set: Any,
                         remember: bool) -> torch.Tensor:
-    """The blocking allreduce: the fast lane first (a small CPU tensor of the whole job), else an express cycle (a
-    tensor of the whole job, see Engine.express_allreduce), else the engine's queued path."""
+    """The blocking allreduce: of the whole job, the runtime's unqueued paths first (a numpy view of a CPU tensor as
+    it is; a device tensor), else the engine's queued path."""
     op = _resolve_op(op, average, adasum=True)
     if op == ADASUM:
         return synchronize(allreduce_async_(tensor, None, name, op, prescale_factor, postscale_factor, process_set))
@@ -225,14 +225,13 @@ def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | 
         if name is None:
             name = engine.auto_name("allreduce")  # the same name on either path
         array = _lane_view(tensor, remember)
-        if array is not None and (try_lane(engine, array, name, op, prescale_factor, postscale_factor) or (
-                engine.express and engine.express_allreduce(_express_request(array, name, op, prescale_factor,
-                                                                             postscale_factor), array))):
+        if array is not None and allreduce_unqueued(engine, array, name, op, prescale_factor, postscale_factor,
+                                                    _express_request):
             return tensor
     work, wide = _reduced_in(tensor, op)
     array = _check(work, REDUCTION_DTYPES)
-    if (process_set is None and name is not None and isinstance(array, torch.Tensor) and engine.express
-            and engine.express_allreduce(_express_request(array, name, op, prescale_factor, postscale_factor), array)):
+    if (process_set is None and name is not None and isinstance(array, torch.Tensor)
+            and allreduce_unqueued(engine, array, name, op, prescale_factor, postscale_factor, _express_request)):
         return tensor  # a device tensor: no lane, but the express cycle
     request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set,
                               source=dtypes.source_of(tensor, array))
@@ -496,7 +495,7 @@ def barrier(process_set: Any = None) -> None:
     """Block until every rank reached the barrier."""
     scope = set_id(process_set)
     name = _scoped_name("barrier", None, scope)
-    if scope == GLOBAL_SET and try_lane(_engine(), _BARRIER_TOKEN, name, SUM, 1.0, 1.0):
+    if scope == GLOBAL_SET and allreduce_unqueued(_engine(), _BARRIER_TOKEN, name, SUM, 1.0, 1.0, None):
         return  # every rank posted it on the fast lane
     _engine().run(Request(name, "barrier", process_set=scope))
 
