@@ -130,13 +130,15 @@ FAKE_PALS = REPO / "tests" / "fakes" / "fake_pals_mpiexec.py"
 
 PINNED = """
 import json, os
-import torch
-import hvdrun.torch as hvd
-hvd.init()
-total = hvd.allreduce(torch.ones(3), op=hvd.Sum)
-print("PIN " + json.dumps({"rank": hvd.rank(), "local": hvd.local_rank(), "gpus": os.environ["CUDA_VISIBLE_DEVICES"],
-                            "ok": total.tolist() == [float(hvd.size())] * 3}), flush=True)
-hvd.shutdown()
+import numpy as np
+from hvdrun.runtime import context
+from hvdrun.runtime.negotiation import Request
+runtime = context.init()
+world = runtime.world
+total = runtime.engine.submit(Request("sum", "allreduce", "float64", (3,)), np.ones(3)).wait()
+print("PIN " + json.dumps({"rank": world.rank, "local": world.local_rank, "gpus": os.environ["CUDA_VISIBLE_DEVICES"],
+                            "ok": total.tolist() == [float(world.size)] * 3}), flush=True)
+context.shutdown()
 """
 
 

@@ -20,12 +20,12 @@ WORKERS = Path(__file__).parent / "workers"
 FAKES = REPO / "tests" / "fakes"
 PINNED = """\
 import os, sys
-import hvdrun.torch as hvd
-hvd.init()
-print(f"rank {hvd.rank()} local {hvd.local_rank()} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} "
+from hvdrun.runtime import context
+world = context.init().world
+print(f"rank {world.rank} local {world.local_rank} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} "
       f"device {os.environ.get('HVDRUN_DEVICE_ORDINAL')}", flush=True)
-rank = hvd.rank()
-hvd.shutdown()
+rank = world.rank
+context.shutdown()
 sys.exit(int(sys.argv[1]) if len(sys.argv) > 2 and rank == int(sys.argv[2]) else 0)
 """
 

@@ -20,10 +20,13 @@ pytestmark = pytest.mark.integration
 
 SCAN = """
 import json, os, subprocess
-import torch
-import hvdrun.torch as hvd
-hvd.init()
-hvd.barrier()  # every rank, guard and launcher of the job is running now
+import numpy as np
+from hvdrun.runtime import context
+from hvdrun.runtime.negotiation import Request
+runtime = context.init()
+def total(name):
+    return runtime.engine.submit(Request(name, "allreduce", "float64", (4,)), np.ones(4)).wait()
+total("before")  # every rank, guard and launcher of the job is running now
 secret = os.environ["HVDRUN_SECRET"].encode()
 leaks = []
 for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -36,10 +39,10 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         leaks.append(line.replace(b"\\0", b" ").decode(errors="replace")[:300])
 ps = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True).stdout
 leaks += [row.decode(errors="replace")[:300] for row in ps.splitlines() if secret in row]
-total = hvd.allreduce(torch.ones(4), op=hvd.Sum)
-hvd.barrier()
-print("SCAN " + json.dumps({"rank": hvd.rank(), "leaks": leaks, "ok": total.tolist() == [hvd.size()] * 4}), flush=True)
-hvd.shutdown()
+ok = total("scan").tolist() == [runtime.world.size] * 4
+total("after")
+print("SCAN " + json.dumps({"rank": runtime.world.rank, "leaks": leaks, "ok": ok}), flush=True)
+context.shutdown()
 """
 
 
