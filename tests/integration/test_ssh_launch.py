@@ -35,18 +35,21 @@ pytestmark = pytest.mark.integration
 
 WORKERS = Path(__file__).parent / "workers"
 
+# the numpy runtime (hvdrun.runtime): these tests are about the launch over SSH, and a rank then starts without
+# torch's import; hvdrun.torch across hosts is test_distributed_optimizer_training_across_hosts' and the torchrun one's
 ALLREDUCE = """
 import json, os, socket, sys
-import torch
-import hvdrun.torch as hvd
-hvd.init()
-rank, size = hvd.rank(), hvd.size()
-total = hvd.allreduce(torch.full((100_003,), rank + 1.0, dtype=torch.float64), op=hvd.Sum)
+import numpy as np
+from hvdrun.runtime import context
+from hvdrun.runtime.negotiation import Request
+runtime = context.init()
+rank, size = runtime.world.rank, runtime.world.size
+total = runtime.engine.submit(Request("sum", "allreduce", "float64", (100_003,)), np.full(100_003, rank + 1.0)).wait()
 print("RESULT " + json.dumps({"rank": rank, "size": size, "host": socket.gethostname(),
-      "local_rank": hvd.local_rank(), "ok": bool((total == size * (size + 1) / 2).all()),
+      "local_rank": runtime.world.local_rank, "ok": bool((total == size * (size + 1) / 2).all()),
       "argv": sys.argv[1:], "injected": os.environ.get("INJECTED"), "master": os.environ["MASTER_ADDR"],
       "home": os.environ.get("HOME"), "gloo_if": os.environ.get("GLOO_SOCKET_IFNAME")}), flush=True)
-hvd.shutdown()
+context.shutdown()
 """
 
 SLEEPER = """
