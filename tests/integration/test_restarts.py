@@ -36,6 +36,8 @@ mark, how = pathlib.Path(sys.argv[1]), sys.argv[2]
 print(f"RANK {world.rank} node={socket.gethostname()} host={os.environ['HVDRUN_HOSTNAME']} "
       f"restart={os.environ['HVDRUN_RESTART_COUNT']} "
       f"torch={os.environ['TORCHELASTIC_RESTART_COUNT']}/{os.environ['TORCHELASTIC_MAX_RESTARTS']}", flush=True)
+engine = context.current().engine
+engine.submit(Request("printed", "allreduce", "float64", (1,)), np.ones(1)).wait()  # every rank's line is out
 if how == "kill" and world.rank == 1 and not mark.exists():
     mark.write_text("failed once")
     os.kill(os.getpid(), signal.SIGKILL)
@@ -45,7 +47,7 @@ if how == "hang":
     print("ready", flush=True)
     time.sleep(1)
     sys.exit(5)
-total = context.current().engine.submit(Request("sum", "allreduce", "float64", (3,)), np.ones(3)).wait()
+total = engine.submit(Request("sum", "allreduce", "float64", (3,)), np.ones(3)).wait()
 assert total.tolist() == [float(world.size)] * 3
 context.shutdown()
 """
