@@ -47,9 +47,13 @@ LANE_OPS = frozenset((SUM, AVERAGE, MIN, MAX, PRODUCT))  # what the lane reduces
 _Layout = tuple[np.dtype, tuple[int, ...], int, float, float]  # dtype, shape, op, prescale, postscale
 
 
-def nap(waited_s: float) -> None:
-    """Sleep a twentieth of ``waited_s`` (at most MAX_NAP_S): a long wait polls rarely, a short one stays quick."""
-    time.sleep(min(waited_s / 20, MAX_NAP_S))
+def rest(waited_s: float) -> None:
+    """Between two polls of a wait of ``waited_s`` so far: yield the core, or past NAP_AFTER_S sleep a twentieth
+    of the wait (at most MAX_NAP_S), so that a long wait polls rarely and a short one stays quick."""
+    if waited_s > NAP_AFTER_S:
+        time.sleep(min(waited_s / 20, MAX_NAP_S))
+    else:
+        os.sched_yield()
 
 
 class _Plan:
@@ -194,20 +198,13 @@ class FastLane:
                 raise CollectiveError(f"stalled: '{name}' waited more than {self.stall_error_s:g} s for rank 0, "
                                       "which never reached it")
             napping = waited > NAP_AFTER_S
-            if napping:
-                nap(waited)
-            else:
-                os.sched_yield()
+            rest(waited)
         return self._verdict(g)
 
     def _pause(self, spins: int, started: float) -> int:
         self.abort.check()
         if spins >= self.spins_before_yield:
-            waited = time.monotonic() - started
-            if waited > NAP_AFTER_S:
-                nap(waited)
-            else:
-                os.sched_yield()
+            rest(time.monotonic() - started)
         return spins + 1
 
     # -- rank 0: verdicts -------------------------------------------------------------------------
