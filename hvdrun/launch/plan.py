@@ -12,7 +12,6 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hvdrun.config import ClusterConfig, load_cluster_config
 from hvdrun.envvars import (
@@ -50,9 +49,6 @@ from hvdrun.launch.staging import DEFAULT_STAGE_DIR, StagePlan, check_stage_dir,
 from hvdrun.launch.supervision import DEFAULT_FORWARD_SIGNALS, parse_signal_list
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, parse_rank_list, total_slots
 from hvdrun.schedulers import SCHEDULERS, SLURM
-
-if TYPE_CHECKING:
-    pass
 
 DEFAULT_START_TIMEOUT_S = 60.0
 
