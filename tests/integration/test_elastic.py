@@ -84,7 +84,9 @@ def test_killed_rank_mid_epoch_leaves_three_ranks_with_the_reference_model(run_h
 @pytest.mark.parametrize("backend", [{}, {"HVDRUN_BACKEND": "gloo"}], ids=["ring-shm", "gloo"])  # tcp: over SSH
 def test_three_deaths_in_one_job_rank_zero_among_them(run_hvdrun, hvdrun_env, backend):
     hvdrun_env.update(ELASTIC_STEPS="30", ELASTIC_KILLS="2:5,0:13,4:21", OMP_NUM_THREADS="1", **backend)
-    done = run_hvdrun("-np", "5", "-H", "localhost:5", "--min-np", "2", TRAIN, timeout=150)
+    # cool-downs longer than the job: a refilled slot would add a round (a run under load can pass 60 s)
+    done = run_hvdrun("-np", "5", "-H", "localhost:5", "--min-np", "2", "--blacklist-cooldown-range", "900", "900",
+                      TRAIN, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     survivors = assert_trained_to_reference(done.stdout, 2)
     assert sorted(f["worker"] for f in survivors) == [1, 3] and all(f["resets"] == 3 for f in survivors)
@@ -104,6 +106,19 @@ def test_single_machine_survives_a_rank_death_and_refills_the_slot_after_its_coo
     assert int(rounds[-1][1]) == 3  # then a new worker took the cooled-down slot
     final = assert_trained_to_reference(done.stdout, 3)
     assert 1 not in [f["worker"] for f in final] and 3 in [f["worker"] for f in final]
+
+
+
+def test_a_worker_waiting_for_a_round_when_the_training_ends_leaves_and_the_job_succeeds(run_hvdrun, hvdrun_env):
+    # the survivors never commit again, so they never learn of the slot refilled after its 1 s cool-down: the new
+    # worker is still waiting for a round when they finish (it used to form one alone, without the state, and fail)
+    hvdrun_env.update(ELASTIC_STEPS="24", ELASTIC_KILL_WORKER="1", ELASTIC_KILL_STEP="2", ELASTIC_STEP_SLEEP="0.25",
+                      ELASTIC_COMMIT_EVERY="1000", OMP_NUM_THREADS="1")
+    done = run_hvdrun("-np", "3", "-H", "localhost:3", "--min-np", "2", "--blacklist-cooldown-range", "1", "1",
+                      TRAIN, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(f["worker"] for f in assert_trained_to_reference(done.stdout, 2)) == [0, 2]
+    assert "worker 3 on host localhost leaves: the training ended before it joined a round" in done.stderr
 
 
 def change_discovery_mid_training(hvdrun_env: dict[str, str], tmp_path: Path, before: str, after: str,

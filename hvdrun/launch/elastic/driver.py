@@ -104,8 +104,8 @@ class ElasticDriver:
         last_discovery = time.monotonic()
         while self._interrupt is None:
             self._reap()
-            if self._finished and not self.pool.live():
-                return None
+            if self._finished and not self.pool.serving():
+                return None  # workers that never held a rank are stopped on the way out
             if time.monotonic() - last_discovery >= self.settings.discovery_interval_s and not self._finished:
                 if self.pool.rediscover():
                     self.service.count_update()
@@ -130,8 +130,20 @@ class ElasticDriver:
                 continue
             if status == 0:
                 self._finished = True
+                self._dismiss_joiners()
                 continue
             self._lost(member, status)
+
+    def _dismiss_joiners(self) -> None:
+        """The training has ended: workers started for a round to come (a refilled slot, a new host) leave
+        instead of forming a round of their own, which would start from scratch without the committed state."""
+        if self.service.round == 0:
+            return
+        for member in self.pool.serving():
+            if member.last_rank is None:
+                member.removed = "the training ended before it joined a round"
+                self.log(f"hvdrun: elastic: worker {member.number} on host {member.host.name} leaves: "
+                         f"{member.removed}")
 
     def _lost(self, member: Member, status: int) -> None:
         """A worker of the job failed: its slot or host cools down and the others learn of it at their next commit."""
