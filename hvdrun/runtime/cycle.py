@@ -4,8 +4,8 @@ Every rank announces the requests submitted since its last cycle and the names i
 blocked on; the announcements are all-gathered and fed, in rank order, into each rank's identical
 :class:`~hvdrun.runtime.negotiation.Table`. The ready entries are planned into batches (small
 allreduces fused) and executed; ops that can never complete get their verdict
-(:mod:`hvdrun.runtime.verdicts`). The engine (:mod:`hvdrun.runtime.engine`) decides *when* a cycle
-runs and on which thread; this module is *what* a cycle does.
+(:mod:`hvdrun.runtime.verdicts`). The engine's progress loop (:mod:`hvdrun.runtime.progress`) decides
+*when* a cycle runs and on which thread; this module is *what* a cycle does.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
-"""The engine: a background thread and a progress lock that own all communication of a rank.
+"""The engine: the door to all communication of a rank.
 
 Callers :meth:`Engine.submit` a :class:`Request` with its numpy buffer and get a
 :class:`Handle`. Communication happens in *cycles*: all-gather of new requests, the ready
 entries of the (identical) negotiation table, execution batch by batch (fusing small
-allreduces). Only the holder of the progress lock runs cycles. The background thread runs
-them for asynchronous work (gradient hooks during backward); a caller blocked in
-:meth:`Handle.wait` runs them itself instead of sleeping, as MPI progress works, because a
-hand-off to another thread and back costs tens of microseconds. An idle engine sleeps until it
+allreduces). Only the holder of the progress lock runs cycles: the background thread for
+asynchronous work (gradient hooks during backward), or a caller blocked in :meth:`Handle.wait`,
+which runs them itself instead of sleeping, as MPI progress works. An idle engine sleeps until it
 has a new request or a peer starts a cycle. Any error that makes further communication unsafe
 (dead peer, hard stall) fails every pending and future op and is relayed to the other ranks
 through the rendezvous.
 
-Four homes: this module decides when cycles run and on which thread;
+Five homes: this module is the caller's side (submission, the blocking paths, the rank's failure);
+:mod:`hvdrun.runtime.progress` decides when cycles run and on which thread;
 :mod:`hvdrun.runtime.submissions` keeps this rank's ops from submission until they finish;
 :mod:`hvdrun.runtime.cycle` is what one cycle does; :mod:`hvdrun.runtime.verdicts` judges the ops
 that can never complete (deadlocks, stalls, departed ranks).
@@ -20,10 +20,7 @@ that can never complete (deadlocks, stalls, departed ranks).
 from __future__ import annotations
 
 import contextlib
-import os
-import select
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -38,22 +35,10 @@ from hvdrun.runtime.forensics import FlightRecorder
 from hvdrun.runtime.handles import Handle, LocalOp
 from hvdrun.runtime.lane import lane_enabled
 from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY, JOIN, Request, Table
+from hvdrun.runtime.progress import ProgressLoop
 from hvdrun.runtime.submissions import Submissions
 from hvdrun.runtime.timeline import Timeline
 from hvdrun.runtime.verdicts import SHUTDOWN, StallWatch
-
-_IDLE_TIMEOUT_S = 0.5
-# After a caller stopped driving, the background thread waits this long before taking over,
-# so a loop of blocking collectives keeps the progress on its own thread.
-_TAKEOVER_GRACE_S = 0.002
-# A rank blocked this long starts a cycle (at most one per period) in which every rank says what it waits
-# for: if every rank of a wait-for cycle is blocked, they all learn it together and fail those ops.
-DEADLOCK_PROBE_S = 1.0
-# A rank counts as blocked only after waiting this long: a rank that just began to wait may have another
-# thread about to submit what its peers wait for. Each rank measures its own wait and announces only
-# the waits past this age, so every rank still decides from the same data.
-DEADLOCK_CONFIRM_S = 0.5
-
 
 PEER_LOST_GRACE_S = 0.5  # how long a rank that lost a peer's connection waits for the job's root cause
 
@@ -82,7 +67,6 @@ class Engine:
                  cache_capacity: int = DEFAULT_CACHE_CAPACITY,
                  root_cause: Callable[[], str | None] = lambda: None) -> None:
         self.backend, self.world, self.lane = backend, backend.world, backend.lane
-        self.cycles = 0  # negotiation cycles run on this rank (the fast lane watches it for engine traffic)
         self.express = lane_enabled()  # blocking allreduces the fast lane does not take: see express_allreduce
         self.express_used = 0  # express cycles that went through at once (tests read it)
         if self.lane is not None:
@@ -95,18 +79,15 @@ class Engine:
         self._root_cause = root_cause
         self.ledger = Submissions(self, self.world.size, eager_bytes,
                                   self.world.local_size if backend.merges else self.world.size)
-        self._lock = self.ledger.lock
         self._cycle = Cycle(backend, self.ledger, fusion_threshold, device, cache_capacity)
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        self._idle_fds = [self._wake_read] + ([self.lane.bell_fd] if self.lane and self.world.rank == 0 else [])
-        self._progress = threading.Lock()
-        self._waiters = 0  # threads inside drive_until: the background thread stands down
-        self._holds = 0  # paused() sections: the background thread starts no cycle
-        self._last_driven = 0.0
-        self._last_cycle = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="hvdrun-engine", daemon=True)
-        self._thread.start()
+        self._loop = ProgressLoop(backend, self.ledger, self._cycle, cycle_time_s, self.fail, self._fail_from,
+                                  self._check_stalls)
+        self._loop.start()
+
+    @property
+    def cycles(self) -> int:
+        """Negotiation cycles run on this rank (the fast lane watches it for engine traffic)."""
+        return self._loop.cycles
 
     @property
     def table(self) -> Table:
@@ -150,7 +131,7 @@ class Engine:
         ops, wake_now = self.ledger.add(items, wake, negotiation_starts)
         self._record(ops)
         if wake_now:
-            os.write(self._wake_write, b"\0")
+            self._loop.wake()
         return [op.handle for op in ops]
 
     def _record(self, ops: Sequence[LocalOp]) -> None:
@@ -175,19 +156,18 @@ class Engine:
         The background thread stops starting cycles before the barrier, so once any rank is
         past it, no rank can mistake direct traffic for negotiation.
         """
-        with self._lock:
-            self._holds += 1
-        try:
+        with self._loop.held():
             self.run(Request(self.auto_name("pause"), "barrier"))
-            with self._progress:
+            with self._loop.progress():
                 yield self.backend
-        finally:
-            with self._lock:
-                self._holds -= 1
 
     def run(self, request: Request, array: np.ndarray | None = None) -> Any:
         """Submit and wait on the calling thread: the blocking collectives."""
         return self.submit(request, array, wake=False).wait()
+
+    def drive_until(self, handle: Handle, timeout_s: float | None) -> None:
+        """Run cycles on the caller's thread until ``handle`` is done (:meth:`Handle.wait` calls it)."""
+        self._loop.drive_until(handle, timeout_s)
 
     def express_allreduce(self, request: Request, array: np.ndarray) -> bool:
         """A blocking allreduce of a rank with nothing else in flight, as one cycle on the caller's thread without
@@ -201,22 +181,21 @@ class Engine:
         """
         if not self.express or not self.quiet():
             return False
-        if request.kind != "allreduce" or request.group_size > 1 or not self._progress.acquire(blocking=False):
+        if request.kind != "allreduce" or request.group_size > 1 or not self._loop.try_drive():
             return False
         payload = self.ledger.eager_payload(request, array)
         name = request.name
         try:
             if not self.ledger.claim(name):
                 return False
-            self.cycles += 1
-            flight = self.recorder.take_off(name, "allreduce", array.nbytes)
-            try:
-                decoded = self._cycle.express(request, payload, array)
-            except Exception as e:  # as in the progress loop: every op of this rank fails, the others are told
-                flight.land()
-                self._fail_from(e)
-                raise CollectiveError(self.ledger.failure or str(e)) from e
-            self._last_cycle = time.monotonic()
+            with self._loop.counted():
+                flight = self.recorder.take_off(name, "allreduce", array.nbytes)
+                try:
+                    decoded = self._cycle.express(request, payload, array)
+                except Exception as e:  # as in the progress loop: every op of this rank fails, the others are told
+                    flight.land()
+                    self._fail_from(e)
+                    raise CollectiveError(self.ledger.failure or str(e)) from e
             if decoded is None:
                 flight.land()
                 self.ledger.release_name(name)
@@ -229,8 +208,7 @@ class Engine:
             except Exception as e:
                 self._fail_from(e)
         finally:
-            self._last_driven = time.monotonic()  # as after drive_until: the background thread stands down a while
-            self._progress.release()
+            self._loop.stop_driving()  # as after drive_until: the background thread stands down a while
         op.handle.wait()
         return True
 
@@ -238,7 +216,7 @@ class Engine:
         """Nothing of this rank in flight, nothing held, no failure, no timeline, no join: the
         fast lane may take a blocking allreduce (:func:`hvdrun.runtime.lane.try_allreduce`)."""
         ledger = self.ledger
-        return not (ledger.taken or self._holds or ledger.failure is not None or ledger.stopped
+        return not (ledger.taken or self._loop.holding or ledger.failure is not None or ledger.stopped
                     or self._cycle.timeline is not None or JOIN in self._cycle.table.entries)
 
     def stop(self, timeout_s: float) -> None:
@@ -247,64 +225,9 @@ class Engine:
             self.submit(Request(SHUTDOWN, "shutdown")).wait(timeout_s)
         except (CollectiveError, TimeoutError):
             pass
-        with self._lock:
-            self.ledger.stopped = True
-        os.write(self._wake_write, b"\0")
-        self._thread.join(timeout_s)
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        self._loop.stop(timeout_s)
 
-    # -- progress: whoever holds self._progress runs cycles ----------------------------------
-    def _has_work(self) -> bool:
-        return bool(self.ledger.new) or self.backend.peer_waiting() or (
-            not self.backend.wakeable and time.monotonic() - self._last_cycle >= self.cycle_time_s)
-
-    def _cycle_once(self) -> None:
-        self.cycles += 1
-        new, waiting = self.ledger.take_new(DEADLOCK_CONFIRM_S)
-        self._cycle.run(new, waiting)
-        self._last_cycle = time.monotonic()
-
-    def drive_until(self, handle: Handle, timeout_s: float | None) -> None:
-        """Run cycles on the caller's thread until ``handle`` is done; the background thread stands down."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        started = time.monotonic()
-        awaited = (handle.name, started) if handle.name is not None and handle.name != SHUTDOWN else None
-        with self._lock:
-            self._waiters += 1
-            if awaited is not None:
-                self.ledger.waiting.append(awaited)
-        try:
-            while not handle.done() and (deadline is None or time.monotonic() < deadline):
-                if not (self._progress.acquire(blocking=False) or self._progress.acquire(timeout=0.001)):
-                    continue  # the background thread is finishing a cycle
-                try:
-                    self._drive_locked(handle, deadline, started)
-                finally:
-                    self._progress.release()
-        finally:
-            with self._lock:
-                self._waiters -= 1
-                self._last_driven = time.monotonic()
-                if awaited is not None:
-                    self.ledger.waiting.remove(awaited)
-
-    def _drive_locked(self, handle: Handle, deadline: float | None, started: float) -> None:
-        lane, ledger = self.lane, self.ledger
-        try:
-            with lane.engine_path() if lane is not None else contextlib.nullcontext():
-                while not handle.done() and not ledger.stopped and (deadline is None or time.monotonic() < deadline):
-                    if lane is not None:
-                        lane.service()  # rank 0 in this path aborts fast-lane attempts peers wait on
-                    if self._has_work() or self._probe_due(started):
-                        self._cycle_once()
-                        self.backend.progressed()
-                    else:
-                        self.backend.idle_wait(self._idle_fds)
-                        self._check_stalls()
-        except Exception as e:
-            self._fail_from(e)
-
+    # -- failure: the progress loop reports here ---------------------------------------------
     def _fail_from(self, error: Exception) -> None:
         """Fail this rank for an error of a cycle: a collective's own, or the backend's (gloo: a peer closed its
         connection)."""
@@ -312,67 +235,6 @@ class Engine:
             self.fail(self._explain(error))
         else:
             self.fail(f"the {self.backend.name} backend failed on rank {self.world.rank}: {error}")
-
-    def _probe_due(self, waiting_since: float) -> bool:
-        """Blocked for a while, and no cycle for as long: ask every rank what it waits for."""
-        now = time.monotonic()
-        return now - waiting_since >= DEADLOCK_PROBE_S and now - self._last_cycle >= DEADLOCK_PROBE_S
-
-    def _run(self) -> None:
-        try:
-            while not self.ledger.stopped:
-                grace = self._last_driven + _TAKEOVER_GRACE_S - time.monotonic()
-                if self._holds or ((self._waiters or grace > 0) and not self.ledger.async_new):
-                    self._sleep_on_wake_pipe(max(grace, _TAKEOVER_GRACE_S))  # a caller drives
-                    continue
-                if self._has_work():
-                    if self._progress.acquire(timeout=_TAKEOVER_GRACE_S):
-                        try:  # re-check: a paused() section may have begun while we waited for the lock
-                            if not self._holds and self._has_work():
-                                self._cycle_once()
-                        finally:
-                            self._progress.release()
-                else:
-                    self._idle()
-                if self._progress.acquire(blocking=False):
-                    try:
-                        self._check_stalls()
-                    finally:
-                        self._progress.release()
-        except CollectiveError as e:
-            self.fail(self._explain(e))
-        except Exception as e:  # a bug: still fail every rank cleanly rather than hang them
-            self.fail(f"hvdrun engine crashed on rank {self.world.rank}: {e!r}")
-
-    def _sleep_on_wake_pipe(self, timeout_s: float) -> None:
-        with self._lock:
-            if self.ledger.async_new or self.ledger.stopped:
-                return
-            self.ledger.sleeping = True
-        try:
-            select.select([self._wake_read], [], [], timeout_s)
-        finally:
-            self.ledger.sleeping = False
-            self._drain_wake_pipe()
-
-    def _drain_wake_pipe(self) -> None:
-        try:
-            while os.read(self._wake_read, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def _idle(self) -> None:
-        with self._lock:
-            if self.ledger.new or self.ledger.stopped:
-                return
-            self.ledger.sleeping = True
-        timeout = _IDLE_TIMEOUT_S if self.backend.wakeable else self.cycle_time_s
-        try:
-            self.backend.wait_for_peer([self._wake_read], timeout)
-        finally:
-            self.ledger.sleeping = False
-            self._drain_wake_pipe()
 
     def _check_stalls(self) -> None:
         warning = self._stalls.check(self._cycle.table, self.world.rank)

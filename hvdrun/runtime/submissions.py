@@ -58,7 +58,7 @@ class Submissions:
         self.taken: set[str] = set()  # names submitted and not yet finished (a superset of inflight's)
         self.waiting: list[tuple[str, float]] = []  # (name, since) that threads of this rank are blocked on
         self.async_new = False  # something was submitted for the background thread to announce
-        self.sleeping = False  # the background thread sleeps on the wake pipe (set by the engine)
+        self.sleeping = False  # the background thread sleeps on the wake pipe (set by the progress loop)
         self.failure: str | None = None
         self.stopped = False
         self._counters: defaultdict[str, int] = defaultdict(int)

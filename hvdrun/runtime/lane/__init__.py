@@ -80,8 +80,12 @@ class LaneHost(Protocol):
     """What the lane's entry needs of the engine."""
 
     lane: FastLane | None
-    cycles: int  # negotiation cycles run on this rank: a change means a peer used the engine
     recorder: FlightRecorder  # this rank's collectives (hvdrun.runtime.forensics)
+
+    @property
+    def cycles(self) -> int:
+        """Negotiation cycles run on this rank: a change means a peer used the engine."""
+        ...
 
     def quiet(self) -> bool:
         """Nothing of this rank in flight or unsynchronized, nothing held, no failure, no timeline, no join."""
