@@ -643,11 +643,18 @@ def stacks(job: str | None) -> int:
     """Print where every rank of a running job is: each thread's Python stack, the collective it waits in,
     its last collectives (ranks alike folded together). JOB: the job id or hvdrun's pid (default: the only
     job of this user that is running). Ctrl-\\ to a running hvdrun prints the same."""
-    from hvdrun.launch.stacks import NO_ANSWER, choose_job, fetch_report
+    from hvdrun.launch.registry import ask_secret, choose_job
+    from hvdrun.launch.stacks import NO_ANSWER, fetch_report
 
     chosen = choose_job(job)
     try:
-        click.echo(fetch_report(chosen["addr"], int(chosen["port"]), chosen["secret"]))
+        secret = ask_secret(chosen)
+    except OSError as e:
+        click.echo(f"hvdrun: error: job {chosen['job_id']}: its hvdrun (pid {chosen['pid']}) did not hand over the "
+                   f"job's secret ({e}); the job may have just ended", err=True)
+        return 1
+    try:
+        click.echo(fetch_report(chosen["addr"], int(chosen["port"]), secret))
     except NO_ANSWER as e:
         click.echo(f"hvdrun: error: job {chosen['job_id']}: rank 0 at {chosen['addr']}:{chosen['port']} did not "
                    f"answer ({e}); its ranks may not have reached init() yet", err=True)

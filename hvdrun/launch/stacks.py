@@ -3,36 +3,27 @@
 The launcher asks rank 0's rendezvous for every rank's report (see :mod:`hvdrun.runtime.rendezvous`,
 authenticated with the job's secret) and prints them folded (:func:`hvdrun.protocol.inspection.format_reports`);
 the job goes on. So that ``hvdrun stacks`` can find a job from another shell, each running job is
-registered in a file readable by its user alone (``~/.hvdrun/jobs/JOB.json``, mode 0600), removed when
-the job ends.
+registered (:mod:`hvdrun.launch.registry`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-from hvdrun.envvars import Rendezvous, jobs_dir
-from hvdrun.errors import RendezvousError, UsageError
+from hvdrun.envvars import Rendezvous
+from hvdrun.errors import RendezvousError
+from hvdrun.launch.registry import register, unregister
 from hvdrun.protocol.inspection import INSPECT, REPORT_TIMEOUT_S, SIGNAL, format_reports
 from hvdrun.protocol.wire import authenticate_server, recv_frame, send_frame
 
 _CONNECT_TIMEOUT_S = 5.0
 # rank 0 did not answer: the job ended or has not reached init(), a port now served by another job
 NO_ANSWER = (OSError, ValueError, EOFError, RendezvousError)
-
-
-def running_dir() -> Path:
-    """Where running jobs are registered: ``running/`` in hvdrun's job records (``$HVDRUN_JOBS_DIR``)."""
-    return jobs_dir() / "running"
 
 
 def fetch_report(addr: str, port: int, secret: str) -> str:
@@ -83,7 +74,7 @@ def stacks_on_demand(rendezvous: Rendezvous, size: int, write: Callable[[str], N
         threading.Thread(target=print_stacks, args=(rendezvous, write), name="hvdrun-stacks",
                          daemon=True).start()
 
-    registered = _register(rendezvous, size)
+    registered = register(rendezvous, size)
     previous = signal.signal(signal.SIGQUIT, on_quit) if threading.current_thread() is threading.main_thread() \
         else None
     try:
@@ -91,63 +82,4 @@ def stacks_on_demand(rendezvous: Rendezvous, size: int, write: Callable[[str], N
     finally:
         if previous is not None:
             signal.signal(signal.SIGQUIT, previous)
-        if registered is not None:
-            registered.unlink(missing_ok=True)
-
-
-def _register(rendezvous: Rendezvous, size: int) -> Path | None:
-    """Write the job's file (0600 in a 0700 directory); None where the home directory is not writable."""
-    folder = running_dir()
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if folder.stat().st_uid == os.getuid():
-            folder.chmod(0o700)  # an older or shared directory: the secrets below are this user's alone
-        path = folder / f"{rendezvous.job_id}.json"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as out:
-            json.dump({"job_id": rendezvous.job_id, "pid": os.getpid(), "size": size, "addr": rendezvous.addr,
-                       "port": rendezvous.port, "secret": rendezvous.secret,
-                       "command": " ".join(sys.argv)}, out)
-        return path
-    except OSError:
-        return None
-
-
-def running_jobs() -> list[dict[str, Any]]:
-    """This user's registered jobs whose hvdrun is still running (files of ended ones are removed)."""
-    jobs = []
-    for path in sorted(running_dir().glob("*.json")):
-        try:
-            job = json.loads(path.read_text())
-            os.kill(int(job["pid"]), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            continue
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        jobs.append(job)
-    return jobs
-
-
-def choose_job(job_id: str | None) -> dict[str, Any]:
-    """The running job ``hvdrun stacks`` means: ``job_id``, or the only one running.
-
-    Raises:
-        UsageError: no such job, none running, or several and none named.
-    """
-    jobs = running_jobs()
-    if job_id is not None:
-        match = [job for job in jobs if job["job_id"] == job_id or str(job["pid"]) == job_id]
-        if not match:
-            raise UsageError(f"no running hvdrun job {job_id!r}; running: {_listing(jobs) or 'none'}")
-        return match[0]
-    if not jobs:
-        raise UsageError(f"no running hvdrun job of this user (looked in {running_dir()})")
-    if len(jobs) > 1:
-        raise UsageError(f"{len(jobs)} hvdrun jobs are running; name one: {_listing(jobs)}")
-    return jobs[0]
-
-
-def _listing(jobs: list[dict[str, Any]]) -> str:
-    return "; ".join(f"{job['job_id']} (hvdrun pid {job['pid']}, {job['size']} ranks: {job['command']})"
-                     for job in jobs)
+        unregister(registered)

@@ -7,6 +7,7 @@ and name the divergence from the flight recorders; the job goes on and ends norm
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import sys
 
 import pytest
 
+from hvdrun.launch.registry import ask_secret
 from tests.conftest import REPO, job_processes, wait_until
 
 WORKER = REPO / "tests" / "integration" / "workers" / "late_rank.py"
@@ -70,6 +72,9 @@ def test_stacks_on_demand_ctrl_backslash_and_the_stall_report(kind, request, hvd
         assert wait_until(lambda: stderr().split("as the stall check warns", 1)[1].count("last collectives:") >= 2,
                           10), stderr()
         assert_report(stderr().split("as the stall check warns", 1)[1].replace("[0]<stderr>:", ""))
+        # the job's registration names where to ask for its secret, and holds no secret itself
+        registered = json.loads(next((jobs / "running").glob("*.json")).read_text())
+        assert sorted(registered) == ["addr", "command", "job_id", "pid", "port", "secret_socket", "size"]
         # hvdrun stacks from another shell
         asked = subprocess.run([sys.executable, "-m", "hvdrun", "stacks"], env=env, capture_output=True, text=True,
                                timeout=30)
@@ -112,12 +117,60 @@ def test_a_registered_job_whose_hvdrun_ended_is_forgotten(tmp_path):
     jobs.mkdir(parents=True)
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (jobs / "dead.json").write_text(f'{{"job_id": "dead", "pid": {int(ended.stdout)}, "size": 2, "addr": "x", '
-                                    '"port": 1, "secret": "s", "command": "c"}')
+                                    '"port": 1, "secret_socket": "s", "command": "c"}')
     env = {**os.environ, "HVDRUN_JOBS_DIR": str(jobs.parent)}
     done = subprocess.run([sys.executable, "-m", "hvdrun", "stacks"], env=env, capture_output=True, text=True,
                           timeout=30)
     assert done.returncode == 2 and "no running hvdrun job of this user" in done.stderr
     assert not (jobs / "dead.json").exists()
+
+
+
+SECRET_HOLDER = """
+import os, sys, time
+with open(sys.argv[1] + ".tmp", "w") as out:
+    out.write(os.environ["HVDRUN_SECRET"])
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(120)
+"""
+OTHER_USER_ASKS = """
+import socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.settimeout(10)
+sock.connect("\\0" + sys.argv[1])
+print(repr(sock.recv(4096)))
+"""
+
+
+def test_the_secret_is_served_to_this_user_alone_and_dies_with_a_killed_hvdrun(hvdrun_env, token, tmp_path):
+    """The secret stays in hvdrun's memory: ``kill -9`` of hvdrun leaves none on disk (it used to stay in the job's
+    registration until some ``hvdrun stacks`` pruned it)."""
+    jobs, program, seen = tmp_path / "jobs", tmp_path / "holder.py", tmp_path / "seen-secret"
+    program.write_text(SECRET_HOLDER)
+    env = {**hvdrun_env, "HVDRUN_JOBS_DIR": str(jobs)}
+    job = subprocess.Popen([sys.executable, "-m", "hvdrun", "-np", "2", "-H", "localhost:2", sys.executable,
+                            str(program), str(seen)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: seen.exists() and list((jobs / "running").glob("*.json")), 60)
+        registered = json.loads(next((jobs / "running").glob("*.json")).read_text())
+        assert ask_secret(registered) == seen.read_text()  # this user gets it
+        other = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", OTHER_USER_ASKS,
+                                registered["secret_socket"]], capture_output=True, text=True, timeout=30)
+        assert other.stdout == "b''\n", other  # another user is answered nothing
+        job.kill()
+        job.wait(10)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    secret = seen.read_text()
+    assert not [path for path in jobs.rglob("*") if path.is_file() and secret in path.read_text()]
+    with pytest.raises(OSError):
+        ask_secret(registered)
+    assert wait_until(lambda: not job_processes(token)), job_processes(token)
+    left = subprocess.run([sys.executable, "-m", "hvdrun", "stacks"], env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert left.returncode == 2 and not list((jobs / "running").glob("*.json"))  # the dead job's entry is pruned
 
 
 NEVER_JOINS = """
