@@ -124,7 +124,7 @@ def validate(entry: Entry, size: int) -> str | None:
         checks.append(("shape after the first dimension", lambda r: r.shape[1:]))
     if kind in ("allreduce", "reducescatter"):
         checks += [("reduction op", lambda r: OP_NAMES.get(r.op, r.op)),
-                   ("prescale/postscale factors", lambda r: (r.prescale, r.postscale))]
+                   ("scaling (prescale, postscale)", lambda r: (r.prescale, r.postscale))]
     if kind == "broadcast":
         checks.append(("root rank", lambda r: r.root))
     if kind in ("add_set", "remove_set"):

@@ -39,3 +39,12 @@ def test_process_sets_count_only_their_members():
 def test_a_name_already_executed_means_the_rank_is_about_to_go_on():
     t = table(2, {"x": [1]})
     assert t.deadlocked({0: ["gone"], 1: ["x"]}) == {}
+
+
+def test_a_scaling_mismatch_names_both_factors_of_each_rank_in_a_sentence():
+    from hvdrun.runtime.negotiation import Entry, validate
+
+    entry = Entry("g", {0: Request("g", "allreduce", "float32", (4,), prescale=2.0),
+                        1: Request("g", "allreduce", "float32", (4,))}, members=(0, 1))
+    assert validate(entry, 2) == ("allreduce 'g': scaling (prescale, postscale) differs across ranks "
+                                  "(rank 0: (2.0, 1.0); rank 1: (1.0, 1.0))")
