@@ -320,7 +320,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     if options.start_timeout_s is not None:
         base_env[START_TIMEOUT] = str(options.start_timeout_s)
     if options.timeline_filename:
-        base_env[TIMELINE[0]] = str(Path(options.timeline_filename).resolve())
+        base_env[TIMELINE[0]] = _timeline_path(options.timeline_filename, hosts)
     base_env.update(_binding_env(options, config, slots, layout))
     default_python = (config.python if config else None) or sys.executable
     return JobPlan(slots=tuple(slots), command=command, launcher=launcher, options=options, base_env=base_env,
@@ -332,6 +332,18 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
                    parse_signal_list(options.forward_signals),
                    stage=_stage_plan(options, config, launcher, hosts, default_python), notes=notes)
 
+
+
+def _timeline_path(filename: str, hosts: Sequence[Host]) -> str:
+    """The timeline's absolute path. Where rank 0 runs on this machine, a folder it could not write the file to
+    (when the job ends) is a usage error now."""
+    path = Path(filename).resolve()
+    if hosts and is_local_host(hosts[0].name):
+        folder = next(parent for parent in path.parents if parent.exists())
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise UsageError(f"--timeline-filename {filename}: {folder} is not a directory this user can write "
+                             "(rank 0 writes the timeline there when the job ends)")
+    return str(path)
 
 def _network_interface(options: RunOptions, config: ClusterConfig | None,
                        hosts: Sequence[Host]) -> tuple[str | None, tuple[str, ...]]:

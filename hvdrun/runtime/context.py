@@ -325,7 +325,11 @@ def stop_timeline() -> None:
     """Stop recording and write the timeline file."""
     timeline, current().engine.timeline = current().engine.timeline, None
     if timeline is not None:
-        timeline.close()
+        try:
+            timeline.close()
+        except OSError as e:
+            print(f"hvdrun: warning: the timeline could not be written to {timeline.path}: {e}", file=sys.stderr,
+                  flush=True)
 
 
 def shutdown() -> None:

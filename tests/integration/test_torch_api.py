@@ -101,10 +101,23 @@ def test_timeline_filename_writes_a_chrome_trace(run_hvdrun, tmp_path):
     assert rows["gathered"][-1] == ("ALLGATHER", "E")
 
 
+
+def test_a_timeline_filename_rank_0_could_not_write_is_a_usage_error_before_the_job(run_hvdrun, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    result = run_hvdrun("-np", "1", "--timeline-filename", "a-file/trace.json", "true")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (f"hvdrun: error: --timeline-filename a-file/trace.json: {tmp_path / 'a-file'} is not a "
+                             "directory this user can write (rank 0 writes the timeline there when the job ends)\n")
+
+
 def test_dynamic_timeline_starts_and_stops(run_hvdrun, hvdrun_env, tmp_path):
     hvdrun_env["HOROVOD_TIMELINE"] = "DYNAMIC"
-    result = run_hvdrun("-np", "2", str(WORKERS / "timeline.py"), str(tmp_path / "dynamic.json"))
+    (tmp_path / "a-file").write_text("")
+    unwritable = tmp_path / "a-file" / "timeline.json"
+    result = run_hvdrun("-np", "2", str(WORKERS / "timeline.py"), str(tmp_path / "dynamic.json"), str(unwritable))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert f"hvdrun: warning: the timeline could not be written to {unwritable}: " in result.stderr
+    assert "Traceback" not in result.stderr
     rows = trace_rows(tmp_path / "dynamic.json")
     assert set(rows) == {"small", "large", "gathered"}  # nothing after stop_timeline()
     import json

@@ -16,6 +16,10 @@ hvd.allgather(torch.ones(2, 2), name="gathered")
 if os.environ.get("HOROVOD_TIMELINE") == "DYNAMIC":
     hvd.stop_timeline()
     hvd.allreduce(torch.ones(3), name="after_stop")
+    if len(sys.argv) > 2:  # a timeline that cannot be written: one line at its stop, the job goes on
+        hvd.start_timeline(sys.argv[2])
+        hvd.allreduce(torch.ones(3), name="unwritten")
+        hvd.stop_timeline()
 else:
     try:
         hvd.start_timeline(sys.argv[1])
