@@ -211,8 +211,9 @@ class WorkerGroup:
                 self.router.say(f"hvdrun: passed {name} to {reached} rank{'s' if reached != 1 else ''} through the "
                                 "job's control connections; the job goes on")
             else:
-                self.router.say(f"hvdrun: warning: cannot pass {name} to these ranks (launcher "
-                                f"{type(self.launcher).__name__}); ignored, the job goes on")
+                self.router.say(f"hvdrun: warning: cannot pass {name} to the ranks yet: their launcher does not "
+                                "pass signals, and rank 0's control connections (which do) are up only once the "
+                                "ranks have called init(); ignored, the job goes on")
 
     def _teardown(self) -> None:
         stop_workers(self.workers, self.launcher.grace_s)
