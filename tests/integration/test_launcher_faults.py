@@ -107,3 +107,4 @@ def test_a_killed_fork_server_is_named_at_once_and_running_ranks_still_count(hvd
     text = job.stderr_text()
     assert "stopped" not in text.replace("the running ranks go on", ""), text
     assert wait_until(lambda: not job_processes(token), 10), job_processes(token)
+
