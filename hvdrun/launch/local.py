@@ -1,7 +1,10 @@
 """Start workers on this machine, each under its own guard process (see ``remote/guard.py``).
 
 The guards are forked by one fork server per job (``remote/forkserver.py``): one Python start for the
-host instead of one per rank, every guard still its rank's own process with its own lifeline.
+host instead of one per rank, every guard still its rank's own process with its own lifeline. A rank's status
+comes from its guard's status pipe; a guard that ends without reporting one was killed (its rank with it:
+the rank's parent-death signal and the fork server), and the rank's failure names the guard's death. A fork
+server that dies is named at once; the running ranks go on, and a restart starts a new server.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host
 from hvdrun.launch.base import GUARD_SCRIPT, Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
-from hvdrun.launch.remote.forkserver import ForkServer, GuardPipes
+from hvdrun.launch.remote.forkserver import ForkServer, GuardPipes, GuardStatus, describe_status
 from hvdrun.launch.remote.guard import forward_byte
 from hvdrun.launch.remote.hostfacts import free_ports
 from hvdrun.ranks import Slot
@@ -71,27 +74,44 @@ class LocalWorker(Worker):
 class ForkedWorker(Worker):
     """A worker whose guard the fork server started; its guard leads the worker's process group."""
 
-    def __init__(self, slot: Slot, pid: int, server: ForkServer, lifeline: int) -> None:
+    def __init__(self, slot: Slot, pid: int, server: ForkServer, lifeline: int, status: int) -> None:
         super().__init__(slot)
         self.pid, self._server, self._lifeline = pid, server, lifeline
+        self._status = GuardStatus(status)
+        self._ended: int | None = None
         self._note = ""
 
     def poll(self) -> int | None:
-        status = self._server.exited.get(self.pid)
-        if status is None and self._server.gone and not _alive(self.pid):
-            self._note = "ended, but hvdrun's fork server that reports its status was gone"
-            status = self._server.exited.setdefault(self.pid, 1)
-        if status is not None and self._lifeline >= 0:
+        if self._ended is None:
+            reported = self._status.read()
+            self._ended = reported if reported is not None else self._guard_end()
+        if self._ended is not None and self._lifeline >= 0:
             os.close(self._lifeline)
             self._lifeline = -1
+        return self._ended
+
+    def _guard_end(self) -> int | None:
+        """The guard ended without reporting its rank's status (killed, or it could not start the rank): its own
+        status, as the fork server reports it; None while the guard lives or that report is on its way."""
+        if not self._status.ended:
+            return None
+        status = self._server.exited.get(self.pid)
+        if status is None and not self._server.gone:
+            return None
+        if status is None:
+            self._note = (f"lost its guard (pid {self.pid}), which ended without reporting the rank's status while "
+                          "hvdrun's fork server that reports the guard's own was gone; its rank was stopped")
+            return 1
+        if status < 0:
+            self._note = f"lost its guard: the guard (pid {self.pid}) {describe_status(status)}; its rank was stopped"
         return status
 
     def failure_note(self) -> str:
         return self._note
 
     def signal_group(self, signum: int) -> None:
-        if self.pid in self._server.exited:
-            return  # reaped: the pid may already be someone else's
+        if self._status.ended or self.pid in self._server.exited:
+            return  # the guard ended: the fork server killed what it left; the pid may already be someone else's
         try:
             os.killpg(self.pid, signum)
         except (ProcessLookupError, PermissionError):
@@ -105,16 +125,6 @@ class ForkedWorker(Worker):
             except OSError:  # the guard is gone: nothing left to signal
                 pass
         return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class LocalLauncher(Launcher):
@@ -156,8 +166,12 @@ class LocalLauncher(Launcher):
 
     def start_all(self, specs: Sequence[WorkerSpec], router: OutputRouter) -> Iterator[Worker]:
         """Ask the fork server for every rank's guard at once, then yield the workers in order."""
+        if self._server is not None and self._server.gone:  # it died (named then): a restart starts a new one
+            self._server.close()
+            self._server = None
         if self._server is None:
-            self._server = ForkServer.spawn()
+            self._server = ForkServer.spawn(on_gone=lambda death: router.say(
+                f"hvdrun: warning: {death}; the running ranks go on (their guards report how they end)"))
         server = self._server
         requested: list[tuple[WorkerSpec, GuardPipes]] = []
         try:
@@ -172,13 +186,15 @@ class LocalLauncher(Launcher):
                     widen_pipe(fd)
                     router.attach(spec.slot.rank, stream, fd)
             for handed, (spec, pipes) in enumerate(requested):
-                worker = ForkedWorker(spec.slot, server.pid_of(pipes.request, spec.slot.rank), server, pipes.lifeline)
-                requested[handed] = (spec, replace(pipes, lifeline=-1))  # the worker's now
+                worker = ForkedWorker(spec.slot, server.pid_of(pipes.request, spec.slot.rank), server, pipes.lifeline,
+                                      pipes.status)
+                requested[handed] = (spec, replace(pipes, lifeline=-1, status=-1))  # the worker's now
                 yield worker
         finally:  # a failed or abandoned start: the guards not handed out see their lifelines end and stop
             for _, pipes in requested:
-                if pipes.lifeline >= 0:
-                    os.close(pipes.lifeline)
+                for fd in (pipes.lifeline, pipes.status):
+                    if fd >= 0:
+                        os.close(fd)
 
     def close(self) -> None:
         if self._server is not None:

@@ -11,12 +11,14 @@ outside the worker's process group are named in a warning when they are stopped.
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
 import signal
 import time
 from collections.abc import Callable
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
 
 
 def _cgroup2_mount() -> tuple[str, str] | None:
@@ -58,6 +60,17 @@ def _make_cgroup(label: str) -> str | None:
         return path
     _remove(path)
     return None
+
+
+def kill_rank_cgroups(guard: int) -> None:
+    """SIGKILL everything in the cgroups that the guard ``guard``, a child of this process, made for its worker
+    (``hvdrun-*-GUARD`` beside ours) and remove the ones already empty: a guard killed leaves its cgroup."""
+    parent = _own_cgroup_dir()
+    if parent is None:
+        return
+    for path in glob.glob(os.path.join(glob.escape(parent), f"hvdrun-*-{guard}")):
+        _write(os.path.join(path, "cgroup.kill"), "1")
+        _remove(path)  # fails while its killed processes are still going: left for the machine's tools
 
 
 def _remove(path: str) -> None:
@@ -194,6 +207,24 @@ def _become_subreaper() -> bool:
         return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
+
+
+def parent_death_killer() -> Callable[[], None]:
+    """A function for a child between fork and exec (``preexec_fn``): the kernel SIGKILLs the child when the
+    thread that forked it dies (``PR_SET_PDEATHSIG``; fork from the main thread), and the child kills itself at
+    once if its parent already died. libc is looked up here, before the fork."""
+    parent = os.getpid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the line above: nobody would send the signal
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return arm
 
 
 def reap_children(each: Callable[[int, int], None] = lambda pid, status: None) -> None:

@@ -3,16 +3,20 @@
 ``python forkserver.py FD`` serves requests on the ``SOCK_SEQPACKET`` socket ``FD`` (its launcher's end is
 :class:`ForkServer`: the local launcher spawns the server, a host agent forks it at its start,
 :mod:`hvdrun.launch.remote.host_agent.main`). A request is one message, ``marshal((guard_argv, env, cwd))``, carrying
-three file descriptors: the rank's lifeline (the guard's stdin) and its stdout and stderr. The server forks; the
-child becomes that rank's guard exactly as ``python guard.py GUARD_ARGV`` would be (its own session, the lifeline
-on its stdin, see ``guard.py``), without paying an interpreter start and the guard's imports again. Every
-teardown guarantee is the guard's own: each rank keeps its own lifeline and process group.
+four file descriptors: the rank's lifeline (the guard's stdin), its stdout and stderr, and the guard's status pipe
+(``guard.py --status-fd``: the rank's status comes back there, also when this server is gone). The server forks;
+the child becomes that rank's guard exactly as ``python guard.py GUARD_ARGV`` would be (its own session, the
+lifeline on its stdin, see ``guard.py``), without paying an interpreter start and the guard's imports again. Every
+teardown guarantee is the guard's own: each rank keeps its own lifeline and process group; and when a guard
+ends, even killed, the server SIGKILLs what is left of its process group (and its rank's cgroup) before it reaps
+it: a guard killed by SIGKILL leaves no rank behind.
 
 Answers, one message each: ``("started", request, pid)`` or ``("failed", request, why)`` per request, in order;
 ``("exited", pid, returncode)`` when a guard ends (returncode as :attr:`subprocess.Popen.returncode`: negative for
 a signal). The server is the parent of every guard it started, so it alone can reap them and report their status.
 When the launcher's end closes (hvdrun ended or was killed), the server exits; its guards then see their own
-lifelines end and stop their ranks.
+lifelines end and stop their ranks. When the server dies first (killed), the launcher says so at once
+(``on_gone``); its guards go on, and their ranks' statuses still come back through their status pipes.
 """
 
 from __future__ import annotations
@@ -32,12 +36,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hvdrun.errors import LaunchError
-from hvdrun.launch.remote.escapees import reap_children
+from hvdrun.launch.remote.escapees import kill_rank_cgroups
 
 MAX_MESSAGE_BYTES = 8 << 20  # one request at most (the socket's send buffer bounds it further, see request())
 ANSWER_BYTES = 4096  # one answer of the server
 SOCKET_BUFFER_BYTES = 8 << 20
-FDS_PER_REQUEST = 3
+FDS_PER_REQUEST = 4
 
 
 def _send(sock: socket.socket, message: tuple[Any, ...]) -> None:
@@ -48,7 +52,8 @@ def _send(sock: socket.socket, message: tuple[Any, ...]) -> None:
 
 
 def _become_guard(sock: socket.socket, wakeup: tuple[int, int], fds: list[int], request: tuple[Any, ...]) -> None:
-    """In the forked child: take the rank's descriptors as 0, 1, 2 and run the guard; never returns."""
+    """In the forked child: take the rank's descriptors as 0, 1, 2 (the status pipe stays where it is, named to
+    the guard by ``--status-fd``) and run the guard; never returns."""
     code = 1
     try:
         os.setsid()  # first: the launcher may signal the guard's group as soon as it knows the pid
@@ -57,12 +62,14 @@ def _become_guard(sock: socket.socket, wakeup: tuple[int, int], fds: list[int], 
         sock.close()
         for fd in wakeup:
             os.close(fd)
-        for target, fd in enumerate(fds):
+        status = os.dup(fds[3])  # above 2: fds 0..2 are open in the server
+        for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)
         for fd in fds:
-            if fd > 2:
+            if fd > 2 and fd != status:
                 os.close(fd)
         guard_argv, env, cwd = request
+        guard_argv = [guard_argv[0], "--status-fd", str(status), *guard_argv[1:]]
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
@@ -109,8 +116,23 @@ def _serve_request(sock: socket.socket, wakeup: tuple[int, int], number: int) ->
 
 
 def _reap(sock: socket.socket) -> None:
-    """Report every guard that ended."""
-    reap_children(lambda pid, status: _send(sock, ("exited", pid, os.waitstatus_to_exitcode(status))))
+    """Report every guard that ended, once what is left of its process group and its rank's cgroup is SIGKILLed
+    (a guard killed before its rank ended leaves the rank's processes behind). The group is killed while the
+    guard's zombie still holds its id: the id cannot be someone else's yet."""
+    while True:
+        try:
+            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if ended is None:
+            return
+        try:
+            os.killpg(ended.si_pid, signal.SIGKILL)
+        except OSError:
+            pass  # the common case: the guard left nothing
+        kill_rank_cgroups(ended.si_pid)
+        _, status = os.waitpid(ended.si_pid, 0)
+        _send(sock, ("exited", ended.si_pid, os.waitstatus_to_exitcode(status)))
 
 
 def serve(fd: int) -> None:
@@ -145,12 +167,59 @@ def _socket_pair() -> tuple[socket.socket, socket.socket]:
 
 @dataclass(frozen=True)
 class GuardPipes:
-    """Our ends of a requested guard's pipes: write to (or close) its lifeline, read its rank's output."""
+    """Our ends of a requested guard's pipes: write to (or close) its lifeline, read its rank's output and its
+    status pipe (see :class:`GuardStatus`)."""
 
     request: int
     lifeline: int
     stdout: int
     stderr: int
+    status: int
+
+
+class GuardStatus:
+    """Our end of a guard's status pipe (``guard.py --status-fd``): the rank's status once the guard reports it.
+
+    The guard alone holds the other end: an end of the pipe without a status means the guard died before its
+    rank's end (killed), or failed before starting it.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.ended = fd, fd < 0
+        self._data = b""
+
+    def read(self, block: bool = False) -> int | None:
+        """The rank's status (negative: a signal), or None: not yet (or never: then :attr:`ended`).
+        ``block``: wait for the guard's end."""
+        while not self.ended:
+            try:
+                chunk = os.read(self.fd, 64) if block or select.select([self.fd], [], [], 0)[0] else None
+            except OSError:
+                chunk = b""
+            if chunk is None:
+                break
+            self._data += chunk
+            if not chunk:
+                self.close()
+        head, newline, _ = self._data.partition(b"\n")
+        return int(head) if newline and head.lstrip(b"-").isdigit() else None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.ended = True
+
+
+def describe_status(returncode: int) -> str:
+    """``exited with code 3`` or ``was killed by signal 9 (SIGKILL)`` (a :attr:`subprocess.Popen.returncode`)."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "?"
+    return f"was killed by signal {-returncode} ({name})"
 
 
 class ForkServer:
@@ -163,20 +232,27 @@ class ForkServer:
         server: the server, our child: its process, or its pid.
         where: the host, for error messages (``this machine``, ``h3``).
         on_exit: called with ``(pid, returncode)`` when a guard ends, from the thread that reads the answers.
+        on_gone: called once with what happened (``hvdrun's fork server on h3 (pid 12) was killed by signal 9
+            (SIGKILL)``) if the server ends before :meth:`close`, from that thread.
     """
 
     def __init__(self, sock: socket.socket, server: subprocess.Popen[bytes] | int, where: str,
-                 on_exit: Callable[[int, int], None] | None = None) -> None:
+                 on_exit: Callable[[int, int], None] | None = None,
+                 on_gone: Callable[[str], None] | None = None) -> None:
         self._sock, self._server, self.where, self._on_exit = sock, server, where, on_exit
+        self.on_gone = on_gone
         self._answers: dict[int, tuple[str, int | str]] = {}  # request -> ("started", pid) | ("failed", why)
         self.exited: dict[int, int] = {}  # pid -> returncode
         self.gone = False  # the server's end closed
+        self.death = ""  # how the server died, when it ended before close()
+        self._closing = False
         self._changed = threading.Condition()
         self._requests = 0
         threading.Thread(target=self._read_answers, name="hvdrun-forkserver", daemon=True).start()
 
     @classmethod
-    def spawn(cls, where: str = "this machine", on_exit: Callable[[int, int], None] | None = None) -> ForkServer:
+    def spawn(cls, where: str = "this machine", on_exit: Callable[[int, int], None] | None = None,
+              on_gone: Callable[[str], None] | None = None) -> ForkServer:
         """Start the server as ``python forkserver.py FD`` in a session of its own.
 
         Raises:
@@ -191,10 +267,11 @@ class ForkServer:
             raise LaunchError(f"cannot start hvdrun's fork server on {where}: {e}") from e
         finally:
             theirs.close()
-        return cls(ours, process, where, on_exit)
+        return cls(ours, process, where, on_exit, on_gone)
 
     @classmethod
-    def fork(cls, where: str, on_exit: Callable[[int, int], None] | None = None) -> ForkServer:
+    def fork(cls, where: str, on_exit: Callable[[int, int], None] | None = None,
+             on_gone: Callable[[str], None] | None = None) -> ForkServer:
         """Fork this process into the server: no interpreter start. Call it before this process starts a thread
         (a fork copies only the calling thread, and the locks the others held). The server's standard streams
         become /dev/null: it holds nothing of ours open (an SSH channel would never end)."""
@@ -211,7 +288,7 @@ class ForkServer:
             finally:
                 os._exit(0)
         theirs.close()
-        return cls(ours, pid, where, on_exit)
+        return cls(ours, pid, where, on_exit, on_gone)
 
     def request(self, guard_argv: Sequence[str], env: dict[str, str], cwd: str, fds: Sequence[int], rank: int) -> int:
         """Ask for a guard (``guard.py GUARD_ARGV`` in ``cwd`` with ``env``) with ``fds`` as its lifeline, stdout
@@ -233,8 +310,8 @@ class ForkServer:
         return self._requests - 1
 
     def start_guard(self, guard_argv: Sequence[str], env: dict[str, str], cwd: str, rank: int) -> GuardPipes:
-        """Make the rank's lifeline, stdout and stderr pipes and ask for its guard with their far ends (closed here
-        once sent); our ends come back.
+        """Make the rank's lifeline, stdout, stderr and status pipes and ask for its guard with their far ends
+        (closed here once sent); our ends come back.
 
         Raises:
             LaunchError: as :meth:`request` (our ends are closed then too).
@@ -242,16 +319,17 @@ class ForkServer:
         lifeline_read, lifeline = os.pipe()
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
+        status_read, status_write = os.pipe()
         try:
-            request = self.request(guard_argv, env, cwd, (lifeline_read, out_write, err_write), rank)
+            request = self.request(guard_argv, env, cwd, (lifeline_read, out_write, err_write, status_write), rank)
         except LaunchError:
-            for fd in (lifeline, out_read, err_read):
+            for fd in (lifeline, out_read, err_read, status_read):
                 os.close(fd)
             raise
         finally:
-            for fd in (lifeline_read, out_write, err_write):
+            for fd in (lifeline_read, out_write, err_write, status_write):
                 os.close(fd)
-        return GuardPipes(request, lifeline, out_read, err_read)
+        return GuardPipes(request, lifeline, out_read, err_read, status_read)
 
     def pid_of(self, request: int, rank: int) -> int:
         """The pid of the guard started for ``request`` (waits for the server's answer).
@@ -264,6 +342,8 @@ class ForkServer:
             answer = self._answers.get(request)
         if answer is None or answer[0] != "started":
             why = answer[1] if answer is not None else "it ended"
+            if self.death:
+                why = f"it {self.death.split(') ', 1)[1]} earlier; no new rank can start on {self.where}"
             raise LaunchError(f"cannot start rank {rank} on {self.where}: hvdrun's fork server: {why}")
         return int(answer[1])
 
@@ -273,11 +353,10 @@ class ForkServer:
                 data = self._sock.recv(ANSWER_BYTES)
             except OSError:
                 data = b""
+            if not data:
+                self._went()
+                return
             with self._changed:
-                if not data:
-                    self.gone = True
-                    self._changed.notify_all()
-                    return
                 kind, key, value = marshal.loads(data)
                 if kind == "exited":
                     self.exited[key] = value
@@ -289,8 +368,41 @@ class ForkServer:
             if kind == "exited" and self._on_exit is not None:
                 self._on_exit(key, value)
 
+    def _went(self) -> None:
+        """The server's end closed: by :meth:`close`, or the server died (then named through ``on_gone``)."""
+        death = "" if self._closing else f"hvdrun's fork server on {self.where} (pid {self.pid}) {self._end()}"
+        with self._changed:
+            self.gone, self.death = True, death
+            self._changed.notify_all()
+        if death and self.on_gone is not None:
+            self.on_gone(death)
+
+    @property
+    def pid(self) -> int:
+        """The server's pid."""
+        return self._server if isinstance(self._server, int) else self._server.pid
+
+    def _end(self, wait_s: float = 2.0) -> str:
+        """How the server ended, as :func:`describe_status` says it (its socket closes just before it ends)."""
+        if isinstance(self._server, subprocess.Popen):
+            try:
+                return describe_status(self._server.wait(wait_s))
+            except subprocess.TimeoutExpired:
+                return "closed its socket"
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                pid, status = os.waitpid(self._server, os.WNOHANG)
+            except ChildProcessError:
+                return "ended"
+            if pid:
+                return describe_status(os.waitstatus_to_exitcode(status))
+            time.sleep(0.01)
+        return "closed its socket"
+
     def close(self) -> None:
         """Let the server go (its guards stay with their lifelines) and reap it."""
+        self._closing = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes our reader; a plain close would wait for its recv()
         except OSError:

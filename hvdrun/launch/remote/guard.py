@@ -5,7 +5,10 @@ its shared-memory ring); ``--track NAME=VALUE`` (repeatable: processes whose env
 these entries belong to the worker even if they left its process group with ``setsid``; looked for
 when the worker's cgroup or the guard as subreaper (``escapees.py``) still holds a process);
 ``--env-from-stdin NAME`` (repeatable: the first lines of the lifeline are these variables' values, in
-order, so that a secret reaches the worker without appearing on any command line).
+order, so that a secret reaches the worker without appearing on any command line); ``--status-fd N``
+(the worker's exit status, as :attr:`subprocess.Popen.returncode` and a newline, is written to file
+descriptor N just before the guard exits: whoever reads N's other end tells a guard that reported its
+worker's end from one that was killed, which closes N without a word).
 
 The guard leads a process group (and session) that holds the worker and everything the
 worker starts. Its standard input is a *lifeline* from hvdrun (a pipe, or an SSH channel):
@@ -20,6 +23,8 @@ worker starts. Its standard input is a *lifeline* from hvdrun (a pipe, or an SSH
   and then SIGKILLs the group, itself included;
 * SIGTERM / SIGINT sent to the group reach the worker directly; the guard survives them
   so that it can report the worker's status;
+* if the guard itself dies (even by SIGKILL), the kernel SIGKILLs the worker (its parent-death
+  signal); the rest of the group is the fork server's to kill (``forkserver.py``);
 * when the worker ends, whatever it left in the group (or tracked by environment) is killed and
   the ``--remove`` files are deleted; the guard exits with the worker's exit code, or dies of the
   same signal the worker died of. With ``--signal-as-code`` it exits with ``128 + N`` instead
@@ -43,7 +48,7 @@ from dataclasses import dataclass, field
 
 from hvdrun import envvars
 from hvdrun.launch.remote import cpubind
-from hvdrun.launch.remote.escapees import Containment
+from hvdrun.launch.remote.escapees import Containment, parent_death_killer
 from hvdrun.ranks import layout_of
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -65,6 +70,7 @@ class _Options:
     remove: list[str] = field(default_factory=list)
     track: list[bytes] = field(default_factory=list)
     env_from_stdin: list[str] = field(default_factory=list)
+    status_fd: int = -1
 
 
 def _parse(argv: list[str]) -> tuple[_Options, list[str]]:
@@ -83,6 +89,8 @@ def _parse(argv: list[str]) -> tuple[_Options, list[str]]:
             options.track.append(os.fsencode(next(words)))
         elif word == "--env-from-stdin":
             options.env_from_stdin.append(next(words))
+        elif word == "--status-fd":
+            options.status_fd = int(next(words))
         else:
             raise ValueError(f"unknown option {word}")
     return options, command
@@ -98,6 +106,8 @@ def _kill_group(options: _Options, worker: subprocess.Popen[bytes]) -> None:
     _remove_files(options)
     if _containment is not None:
         _containment.close(0.2)
+    returncode = worker.poll()
+    _report_status(options.status_fd, -signal.SIGKILL if returncode is None else returncode)
     os.killpg(0, signal.SIGKILL)
 
 
@@ -211,6 +221,16 @@ def _env_from_stdin(names: list[str]) -> None:
         os.environ[name] = value
 
 
+def _report_status(fd: int, returncode: int) -> None:
+    """Write the worker's status to ``fd`` (``--status-fd``); nobody may be reading any more."""
+    if fd < 0:
+        return
+    try:
+        os.write(fd, f"{returncode}\n".encode())
+    except OSError:
+        pass
+
+
 def _exit_like(returncode: int, signal_as_code: bool) -> None:
     if returncode >= 0:
         sys.exit(returncode)
@@ -302,7 +322,7 @@ def main(argv: list[str]) -> None:
         options, command = _parse(argv)
     except (ValueError, IndexError, StopIteration) as e:
         sys.stderr.write(f"usage: guard.py GRACE_S [--signal-as-code] [--remove GLOB] [--track NAME=VALUE]... "
-                         f"[--env-from-stdin NAME]... -- COMMAND... ({e})\n")
+                         f"[--env-from-stdin NAME]... [--status-fd N] -- COMMAND... ({e})\n")
         sys.exit(2)
     if os.getpgid(0) != os.getpid():
         os.setsid()
@@ -312,9 +332,11 @@ def main(argv: list[str]) -> None:
     bind_cpus(os.environ)
     global _containment
     _containment = Containment(f"{os.environ.get(envvars.JOB_ID, 'job')}-r{os.environ.get(envvars.RANK, '0')}")
-    try:
+    enter, die_with_guard = _containment.enter, parent_death_killer()
+    try:  # from the main thread (the parent-death signal follows the thread that forked), before any other starts
         worker = subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=inherited_fds(os.environ),
-                                  env=command_env(os.environ), preexec_fn=_containment.enter)  # noqa: PLW1509
+                                  env=command_env(os.environ),
+                                  preexec_fn=lambda: (enter(), die_with_guard()))  # noqa: PLW1509
     except OSError as e:
         sys.stderr.write(f"hvdrun: cannot start {command[0]!r}: {e.strerror}\n")
         sys.exit(127)
@@ -325,6 +347,7 @@ def main(argv: list[str]) -> None:
         _kill_others(options)
     _containment.close()
     _remove_files(options)
+    _report_status(options.status_fd, returncode)
     _exit_like(returncode, options.signal_as_code)
 
 

@@ -4,8 +4,11 @@ Each rank runs under its own guard, forked by the agent's fork server (:mod:`hvd
 with its own lifeline (a pipe whose write end only the agent holds: if the agent dies, even by SIGKILL, every
 guard sees EOF and stops its rank), so every guarantee of ``guard.py`` holds as for a local rank. Every line a
 rank writes goes up as a tagged line (:mod:`hvdrun.launch.remote.lines`), and ``[rank]<exit>:CODE`` after its
-last line, once both of its streams ended and the fork server reported how its guard ended (CODE as
-:attr:`subprocess.Popen.returncode`: negative for a signal).
+last line, once both of its streams ended and its guard reported the rank's status on its status pipe (CODE as
+:attr:`subprocess.Popen.returncode`: negative for a signal). A guard that ended without reporting one was killed
+(its rank with it: the rank's parent-death signal and the fork server): its own status, as the fork server
+reports it, is the rank's, after a line that names the guard's death. A fork server that dies is named at once
+on the stderr of one running rank; the running ranks go on, and their statuses still come from their guards.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hvdrun.errors import LaunchError
-from hvdrun.launch.remote.forkserver import ForkServer
+from hvdrun.launch.remote.forkserver import ForkServer, GuardStatus, describe_status
 from hvdrun.launch.remote.host_agent.messages import DROP
 from hvdrun.launch.remote.lines import LineSplitter, tag
 
@@ -28,8 +31,11 @@ _SETTLE_S = 2.0  # how long a rank's exit waits for its streams to end (a proces
 class _Rank:
     rank: int
     lifeline: int
+    status: GuardStatus
     streams_open: int = 2
     pid: int | None = None
+    guard: int | None = None  # the guard's own status, from the fork server
+    said: int | None = None  # the rank's status, from its guard's status pipe
     code: int | None = None
     reported: bool = False
 
@@ -62,12 +68,14 @@ class HostRanks:
     def _start(self, rank: int, guard_argv: Sequence[str], env: dict[str, str], cwd: str) -> None:
         assert self.server is not None
         pipes = self.server.start_guard(guard_argv, env, cwd, rank)
-        state = _Rank(rank, pipes.lifeline)
+        state = _Rank(rank, pipes.lifeline, GuardStatus(pipes.status))
         with self._lock:
             self._ranks[rank] = state
         for stream, fd in (("stdout", pipes.stdout), ("stderr", pipes.stderr)):
             threading.Thread(target=self._pump, args=(state, stream, fd), daemon=True,
                              name=f"hvdrun-rank-{rank}-{stream}").start()
+        threading.Thread(target=self._watch_status, args=(state,), daemon=True,
+                         name=f"hvdrun-rank-{rank}-status").start()
         self._started(state, pipes.request)
 
     def _started(self, state: _Rank, request: int) -> None:
@@ -97,13 +105,47 @@ class HostRanks:
             state.streams_open -= 1
         self._report_if_done(state)
 
+    def _watch_status(self, state: _Rank) -> None:
+        said = state.status.read(block=True)
+        with self._lock:
+            state.said = said
+        self._resolve(state)
+
     def on_exit(self, pid: int, code: int) -> None:
         """The fork server says a guard ended (from its reader thread)."""
         with self._lock:
             state = self._by_pid.get(pid)
             if state is None:  # before pid_of() returned: start() looks again
                 return
-            state.code = code
+            state.guard = code
+        self._resolve(state)
+
+    def on_gone(self, death: str) -> None:
+        """The fork server died (from its reader thread): one line, on the stderr of the first running rank."""
+        with self._lock:
+            running = [state.rank for state in self._ranks.values() if state.code is None]
+        if running:
+            self._up(tag(min(running), "stderr", f"hvdrun: warning: {death}; the running ranks go on (their guards "
+                                                 f"report how they end), but no new rank can start here\n".encode()))
+        for state in list(self._ranks.values()):
+            self._resolve(state)
+
+    def _resolve(self, state: _Rank) -> None:
+        """Settle the rank's status once its guard ended: the one it reported, else the guard's own (then a line
+        names the guard's death), else 1 when the fork server that would say is gone."""
+        assert self.server is not None
+        with self._lock:
+            if state.code is not None or not state.status.ended:
+                return
+            if state.said is None and state.guard is None and not self.server.gone:
+                return  # the fork server's word on the guard is on its way
+            state.code = state.said if state.said is not None else state.guard if state.guard is not None else 1
+            lost = state.said is None and (state.guard is None or state.guard < 0)
+        if lost:
+            how = describe_status(state.guard) if state.guard is not None else "ended without a word while " \
+                "hvdrun's fork server that would say how was gone"
+            self._up(tag(state.rank, "stderr", f"hvdrun: error: rank {state.rank}'s guard (pid {state.pid}) on "
+                                               f"{self.where} {how}; its rank was stopped\n".encode()))
         self._report_if_done(state)
         threading.Timer(_SETTLE_S, self._report, args=(state,)).start()
 
@@ -114,15 +156,8 @@ class HostRanks:
             threading.Timer(_SETTLE_S, self._report_unknown, args=(state,)).start()
 
     def _report_unknown(self, state: _Rank) -> None:
-        """A rank whose streams ended long ago without word from the fork server: if the server is gone, no word
-        will come; the rank is reported ended with code 1, and why."""
-        assert self.server is not None
-        if state.code is not None or state.reported or not self.server.gone:
-            return
-        state.code = 1
-        self._up(tag(state.rank, "stderr", f"hvdrun: rank {state.rank} on {self.where} ended, but hvdrun's fork "
-                                           "server that reports its exit code was gone\n".encode()))
-        self._report(state)
+        """A rank whose streams ended long ago: settle its status if it can be (a fork server that went away)."""
+        self._resolve(state)
 
     def _report(self, state: _Rank) -> None:
         """``[rank]<exit>:CODE``, once; the lifeline is closed (a later signal finds nothing to reach)."""

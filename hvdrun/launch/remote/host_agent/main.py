@@ -166,7 +166,7 @@ def main() -> None:
     _, top, job = hello
     up = _Upstream()
     ranks = HostRanks(up.write, top["name"])
-    ranks.server = ForkServer.fork(top["name"], on_exit=ranks.on_exit)  # before the first thread
+    ranks.server = ForkServer.fork(top["name"], on_exit=ranks.on_exit, on_gone=ranks.on_gone)  # before any thread
     agent = Agent(top, job, up, ranks)
     up.write(_facts_line(top, job))
     if top["children"]:

@@ -1,0 +1,110 @@
+"""hvdrun's own processes on a host killed mid-job (issue #37): a rank's guard, the fork server. Real processes.
+
+Bounds are generous (the suite runs on 2 loaded cores) and still fail on the bugs, which left a rank running for
+its whole 60 s or ended a finished job with exit 1.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import job_processes, wait_until
+from tests.integration.test_local_launch import script
+
+pytestmark = pytest.mark.integration
+
+# Each rank prints its pid and its parent's (the guard's), then works for SECONDS; mode "init": rank 0 sleeps
+# that long before init(), so rank 1 waits in init() meanwhile.
+WORKER = """
+import os, sys, time
+rank, mode, seconds = int(os.environ["RANK"]), sys.argv[1], float(sys.argv[2])
+print(f"PID {rank} {os.getpid()} {os.getppid()}", flush=True)
+if mode == "init":
+    if rank == 0:
+        time.sleep(seconds)
+    from hvdrun.runtime import context
+    context.init()
+time.sleep(seconds)
+print(f"done {rank}", flush=True)
+"""
+
+
+class Job:
+    """hvdrun in the background, its stdout and stderr lines collected as they come."""
+
+    def __init__(self, hvdrun_env: dict[str, str], tmp_path, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "hvdrun", *args], env=hvdrun_env, cwd=tmp_path,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.stdout: queue.Queue[str] = queue.Queue()
+        self.stderr: list[tuple[float, str]] = []
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        out, err = self.proc.stdout, self.proc.stderr
+        threading.Thread(target=lambda: [self.stdout.put(line) for line in out], daemon=True).start()
+        threading.Thread(target=lambda: [self.stderr.append((time.monotonic(), line)) for line in err],
+                         daemon=True).start()
+
+    def pids(self, ranks: int) -> dict[int, tuple[int, int]]:
+        """rank -> (pid, guard's pid), from the ranks' first lines."""
+        found: dict[int, tuple[int, int]] = {}
+        while len(found) < ranks:
+            line = self.stdout.get(timeout=60)
+            if "PID " in line:
+                rank, pid, ppid = map(int, line.split("PID ", 1)[1].split())
+                found[rank] = (pid, ppid)
+        return found
+
+    def stderr_text(self) -> str:
+        return "".join(line for _, line in self.stderr)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("mode", ["run", "init"])
+def test_a_rank_dies_with_its_guard_and_the_failure_names_the_guard(hvdrun_env, tmp_path, token, mode):
+    job = Job(hvdrun_env, tmp_path, "-np", "2", "--grace-period", "1", script(tmp_path, "w.py", WORKER), mode, "60")
+    pids = job.pids(2)
+    rank_pid, guard_pid = pids[1]
+    if mode == "init":
+        time.sleep(1)  # rank 1 on its way into init(), where it waits for rank 0
+    killed = time.monotonic()
+    os.kill(guard_pid, signal.SIGKILL)
+    assert wait_until(lambda: gone(rank_pid), 10), "rank 1 outlived its guard"
+    assert job.proc.wait(timeout=30) == 128 + signal.SIGKILL
+    took = time.monotonic() - killed
+    assert took < 25, f"the job ended {took:.1f} s after rank 1's guard was killed"
+    text = job.stderr_text()
+    assert f"rank 1 on host localhost lost its guard: the guard (pid {guard_pid}) was killed by signal 9 (SIGKILL); " \
+           "its rank was stopped" in text, text
+    assert "rank 1 on host localhost was killed by signal 9" not in text
+    assert wait_until(lambda: not job_processes(token), 10), job_processes(token)
+
+
+def test_a_killed_fork_server_is_named_at_once_and_running_ranks_still_count(hvdrun_env, tmp_path, token):
+    job = Job(hvdrun_env, tmp_path, "-np", "2", script(tmp_path, "w.py", WORKER), "run", "12")
+    job.pids(2)
+    [server] = [p for p in psutil.Process(job.proc.pid).children() if "forkserver.py" in " ".join(p.cmdline())]
+    killed = time.monotonic()
+    server.kill()
+    named = f"fork server on this machine (pid {server.pid}) was killed by signal 9 (SIGKILL)"
+    assert wait_until(lambda: named in job.stderr_text(), 10), job.stderr_text()
+    [said] = [at for at, line in job.stderr if named in line]
+    assert said - killed < 10
+    assert job.proc.wait(timeout=60) == 0, job.stderr_text()
+    text = job.stderr_text()
+    assert "stopped" not in text.replace("the running ranks go on", ""), text
+    assert wait_until(lambda: not job_processes(token), 10), job_processes(token)
+
