@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from hvdrun.config import available_clusters
 from hvdrun.envvars import RESTART_COUNT, TORCHELASTIC_RESTART_COUNT
-from hvdrun.errors import HvdrunError
+from hvdrun.errors import HvdrunError, JobInterrupted
+from hvdrun.interrupts import own_signals, signal_number
 from hvdrun.ranks import GPU_VISIBILITIES
 from hvdrun.schedulers import SCHEDULERS
 from hvdrun.version import __version__
@@ -73,13 +75,12 @@ class _DefaultRunGroup(click.Group):
                 message = _no_such_option(e)
             if isinstance(e, click.UsageError):  # click's own: one line, with where to look
                 message = " ".join(message.split()) + "; see 'hvdrun --help'"
-            click.echo(f"hvdrun: error: {message}", err=True)
+            _say(f"hvdrun: error: {message}")
             sys.exit(e.exit_code)
-        except click.Abort:
+        except click.Abort as e:
             if not standalone_mode:
                 raise
-            click.echo("hvdrun: interrupted", err=True)
-            sys.exit(130)
+            _exit_interrupted(e.__context__ or KeyboardInterrupt())
         if standalone_mode:
             sys.exit(result if isinstance(result, int) else 0)
         return result
@@ -105,6 +106,28 @@ class _DefaultRunGroup(click.Group):
             return super().invoke(ctx)
         except HvdrunError as e:
             raise _HvdrunFailure(e) from e
+        except KeyboardInterrupt as e:  # a stop signal outside the phases that handle their own: nothing runs
+            raise _HvdrunFailure(_interrupted(e)) from None
+
+
+def _interrupted(error: BaseException) -> JobInterrupted:
+    """The error that a stop signal (:mod:`hvdrun.interrupts`) that reached the command line becomes."""
+    signum = signal_number(error)
+    return JobInterrupted(f"received {signal.Signals(signum).name}; nothing is running", 128 + signum)
+
+
+def _exit_interrupted(error: BaseException) -> NoReturn:
+    """One line for an interrupt that reached the command line, and exit 128 + N."""
+    failure = _interrupted(error)
+    _say(f"hvdrun: error: {failure}")
+    sys.exit(failure.exit_code)
+
+
+def _say(line: str) -> None:
+    """One line on stderr that waits for a console that stopped reading a few seconds at most."""
+    from hvdrun.launch.console import write_bounded
+
+    write_bounded(sys.stderr, f"{line}\n")
 
 
 @click.group(cls=_DefaultRunGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -356,7 +379,8 @@ def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[
 @click.option("--idle-timeout", "idle_timeout_s", type=_Seconds(positive=True),
               help="Stop the job (exit 124) when no rank printed anything for this many seconds.")
 @click.option("--forward-signals", metavar="LIST",
-              help="Signals to hvdrun passed on to every rank, the job going on (default USR1,USR2; 'none').")
+              help="Signals to hvdrun passed on to every rank, the job going on (default USR1,USR2; 'none'). "
+                   "USR1/USR2 not listed are ignored with a note (a scheduler's warning never stops the job).")
 @click.option("--horovod-compat", is_flag=True,
               help="'import horovod' and 'import horovod.torch' in the ranks resolve to hvdrun.")
 @_stage_options
@@ -664,4 +688,5 @@ def stacks(job: str | None) -> int:
 
 def main() -> None:
     """Console-script entry point."""
+    own_signals()  # again for the ``hvdrun`` script, which imports this module first
     cli(prog_name="hvdrun")

@@ -8,8 +8,10 @@ connection; this machine copies the environment directly (``tar | tar``, one pas
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import signal
 import subprocess
 import tempfile
 import threading
@@ -191,12 +193,28 @@ class _Session(Protocol):
     def finish(self) -> tuple[int, str, str]: ...
 
 
+_RUNNING: set[subprocess.Popen[bytes]] = set()  # the unpack lines running on this machine
+
+
+def stop_local_copies() -> int:
+    """SIGKILL every unpack line running on this machine, with its ``tar | tar`` (hvdrun was interrupted); how
+    many there were."""
+    running = list(_RUNNING)
+    for process in running:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+    return len(running)
+
+
 class _LocalSession:
-    """The unpack line on this machine, in ``sh``."""
+    """The unpack line on this machine, in ``sh``, in a session of its own (stopped with hvdrun: see
+    :func:`stop_local_copies`)."""
 
     def __init__(self, argv: Sequence[str]) -> None:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in finish()
-        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                        start_new_session=True)
+        _RUNNING.add(self.process)
 
     def read_line(self) -> str:
         assert self.process.stdout is not None
@@ -214,6 +232,7 @@ class _LocalSession:
             pass
         rest = self.process.stdout.read().decode(errors="replace")
         status = self.process.wait()
+        _RUNNING.discard(self.process)
         self._stderr.seek(0)
         error = self._stderr.read().decode(errors="replace")
         self._stderr.close()

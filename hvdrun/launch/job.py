@@ -10,6 +10,7 @@ import functools
 import glob
 import secrets
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, TextIO
 from hvdrun.envvars import ELASTIC_ADDR, ELASTIC_PORT, Rendezvous, shm_files_glob
 from hvdrun.errors import JobInterrupted
 from hvdrun.hosts import Host
+from hvdrun.interrupts import signal_number
 from hvdrun.launch.base import Launcher, WorkerSpec
 from hvdrun.launch.elastic.driver import ElasticDriver
 from hvdrun.launch.output import OutputRouter
@@ -93,7 +95,7 @@ def run_job(plan: JobPlan, console: dict[str, TextIO] | None = None) -> None:
         run_id = secrets.token_hex(4)  # torchrun's TORCHELASTIC_RUN_ID stays the same across restarts
         return run_with_restarts(plan, plan.options.max_restarts, functools.partial(plan_for_attempt, plan),
                                  lambda attempt_plan, attempt: _run_attempt(attempt_plan, console, attempt, run_id),
-                                 lambda text: print(text, file=sys.stderr, flush=True),
+                                 lambda text: _console_writer(console)(f"{text}\n"),
                                  functools.partial(probe_hosts, plan))
     return _run_attempt(plan, console, 0)
 
@@ -135,8 +137,10 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
                         on_idle=lambda: print_stacks(rendezvous, write),
                         signal_ranks=functools.partial(signal_ranks, rendezvous),
                         forward_signals=plan.forward_signals).run(plan.specs(rendezvous, launcher.cpus))
-    except KeyboardInterrupt:
-        raise JobInterrupted("interrupted while reaching the hosts; nothing was started", 130) from None
+    except KeyboardInterrupt as e:  # reaching the hosts, staging: no rank was started
+        signum = signal_number(e)
+        raise JobInterrupted(f"received {signal.Signals(signum).name} while reaching the hosts; nothing was started",
+                             128 + signum) from None
     finally:
         launcher.close()
         remove_files(shm_files_glob(job_id))  # left by ranks killed during init() (their guards remove them too)
@@ -170,12 +174,10 @@ def _reach(launcher: Launcher) -> Reach:
 
 def _console_writer(console: dict[str, TextIO] | None) -> Callable[[str], None]:
     """Writes hvdrun's own reports where the ranks' stderr goes."""
-    stream = (console or {}).get("stderr") or sys.stderr
+    from hvdrun.launch.console import write_bounded
 
-    def write(text: str) -> None:
-        stream.write(text)
-        stream.flush()
-    return write
+    stream = (console or {}).get("stderr") or sys.stderr
+    return lambda text: None if write_bounded(stream, text) else None
 
 
 def run_elastic_job(plan: JobPlan, elastic: ElasticPlan, console: dict[str, TextIO] | None = None) -> None:

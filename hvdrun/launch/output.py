@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from hvdrun.envvars import CONSEQUENCE_MARKER, INIT_MARKER, JOINED_MARKER
+from hvdrun.launch.console import SAY_WAIT_S, ConsoleStream, standard_streams
 from hvdrun.launch.remote.lines import TAGGED_LINE_BYTES, LineSplitter, untag
 
 STREAMS = ("stdout", "stderr")
@@ -68,8 +68,7 @@ class OutputRouter:
         self.size, self.prefix, self.timestamp, self.console_ranks = size, prefix, timestamp, console_ranks
         self.last_output = time.monotonic()  # when a rank last wrote anything (--idle-timeout)
         self.output_dir = Path(output_dir) if output_dir else None
-        self._console = console or {"stdout": sys.stdout, "stderr": sys.stderr}
-        self._lock = threading.Lock()
+        self._console = {name: ConsoleStream(stream) for name, stream in (console or standard_streams()).items()}
         self._tails: dict[int, deque[bytes]] = {}
         self._tail_lines = tail_lines
         self._pumps: list[threading.Thread] = []
@@ -157,8 +156,14 @@ class OutputRouter:
 
     def drain(self, timeout_s: float) -> None:
         """Wait until every stream reached EOF and was written out, ``timeout_s`` in all: a stream still open
-        then is held by a process that outlived its rank, named in a warning and no longer waited for."""
+        then is held by a process that outlived its rank, named in a warning and no longer waited for.
+
+        The console gets half of ``timeout_s`` to take what is left; output it did not take by then (a reader
+        that stopped reading) is dropped and counted, in one line (the log files get all of it).
+        """
         deadline = time.monotonic() + timeout_s
+        for console in self._console.values():
+            console.give_up_at(deadline - timeout_s / 2)
         for pump in self._pumps:
             pump.join(max(deadline - time.monotonic(), 0.0))
         for ended in self._feeds.values():
@@ -166,11 +171,21 @@ class OutputRouter:
         held = [pump.name.removeprefix("hvdrun-output-") for pump in self._pumps if pump.is_alive()]
         held += [name for name, ended in self._feeds.items() if not ended.is_set()]
         if held:
-            self._write_console("stderr", f"hvdrun: warning: not waiting for output still held open {timeout_s:g} s "
-                                f"after the ranks ended (a process that outlived its rank?): {', '.join(held)}\n"
-                                .encode())
+            self.say(f"hvdrun: warning: not waiting for output still held open {timeout_s:g} s after the ranks "
+                     f"ended (a process that outlived its rank?): {', '.join(held)}")
         for log in self._rank_logs.values():
             self._close_log(log)
+        self._say_dropped()
+
+    def _say_dropped(self) -> None:
+        """One line per console stream that did not take all of the ranks' output."""
+        for name, console in self._console.items():
+            dropped = console.dropped()
+            if dropped is not None:
+                kept = f"every rank's output is in {self.output_dir}" if self.output_dir else \
+                    "--output-dir DIR keeps every rank's output in files"
+                self.say(f"hvdrun: warning: the console's {name} stopped reading; {dropped} of the ranks' output "
+                         f"not shown ({kept})")
 
     def _open_log(self, rank: int, stream: str) -> BinaryIO | None:
         if self.output_dir is None:
@@ -208,8 +223,9 @@ class OutputRouter:
                      f"{error.strerror or error}; the console still gets it")
 
     def say(self, line: str) -> None:
-        """One line of hvdrun's own on the console's stderr, between whole lines of the ranks."""
-        self._write_console("stderr", line.encode() + b"\n")
+        """One line of hvdrun's own on the console's stderr, between whole lines of the ranks; it waits for the
+        console :data:`~hvdrun.launch.console.SAY_WAIT_S` at most."""
+        self._console["stderr"].write(line.encode() + b"\n", SAY_WAIT_S)
 
     def _pump(self, rank: int, stream: str, read: Callable[[], bytes], close: Callable[[], None],
               log: BinaryIO | None) -> None:
@@ -268,19 +284,8 @@ class OutputRouter:
         self._write_console(stream, b"".join(tag + _with_newline(line) for line in lines))
 
     def _write_console(self, stream: str, data: bytes) -> None:
-        console = self._console[stream]
-        with self._lock:
-            try:
-                binary = getattr(console, "buffer", None)
-                if binary is not None:
-                    console.flush()
-                    binary.write(data)
-                    binary.flush()
-                else:
-                    console.write(data.decode(errors="replace"))
-                    console.flush()
-            except (BrokenPipeError, ValueError):  # console closed (e.g. piped into head): keep the logs
-                pass
+        """The ranks' output to the console: it waits while the job runs, and until the drain gives up at its end."""
+        self._console[stream].write(data)
 
 
 def _read(fd: int) -> bytes:

@@ -30,6 +30,7 @@ from typing import Protocol, TypeVar
 
 from hvdrun.errors import JobInterrupted, LaunchError, WorkerFailed
 from hvdrun.hosts import Host
+from hvdrun.interrupts import Interrupted, signal_number
 from hvdrun.launch.supervision import stop_signals_handled
 from hvdrun.ranks import Slot, total_slots
 
@@ -124,23 +125,26 @@ def run_with_restarts(plan: P, max_restarts: int, replan: Callable[[tuple[Host, 
 
     def interrupted(signum: int) -> None:
         interrupts.append(signum)
-        raise KeyboardInterrupt
+        if len(interrupts) == 1:  # a second one must not cut the first one's way out short
+            raise Interrupted(signum)
 
     with stop_signals_handled(interrupted):
         try:
-            _attempts(plan, max_restarts, replan, run_attempt, log, probe)
-        except KeyboardInterrupt:
-            signum = interrupts[0] if interrupts else signal.SIGINT
+            _attempts(plan, max_restarts, replan, run_attempt, log, probe, interrupts)
+        except KeyboardInterrupt as e:
+            signum = interrupts[0] if interrupts else signal_number(e)
             raise JobInterrupted(f"received {signal.Signals(signum).name} between two attempts; nothing is running",
                                  128 + signum) from None
 
 
 def _attempts(plan: P, limit: int, replan: Callable[[tuple[Host, ...]], P], run_attempt: Callable[[P, int], None],
-              log: Callable[[str], None], probe: Probe) -> None:
+              log: Callable[[str], None], probe: Probe, interrupts: Sequence[int] = ()) -> None:
     attempt_plan = plan
     suspects: list[str] = []
     faults: list[Fault] = []
     for attempt in range(limit + 1):
+        if interrupts:  # one came while an attempt's supervision handled it, or while a handler was being swapped
+            raise Interrupted(interrupts[0])
         try:
             run_attempt(attempt_plan, attempt)
             return

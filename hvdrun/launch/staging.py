@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from hvdrun.errors import UsageError
 from hvdrun.hosts import Host
-from hvdrun.launch.envcopy import Environment, HostStaged, Tarball, copy_on_host
+from hvdrun.launch.envcopy import Environment, HostStaged, Tarball, copy_on_host, stop_local_copies
 
 if TYPE_CHECKING:
     import paramiko
@@ -204,6 +204,9 @@ def stage(plan: StagePlan, hosts: Sequence[tuple[Host, str]], reach: Reach,
             futures = [pool.submit(_stage_host, name, host, reach, plan.directory, tarballs[python])
                        for name, python, host in jobs]
         done = [future.result() for future in futures]
+    except KeyboardInterrupt:  # hvdrun got a stop signal (hvdrun.interrupts): its copies here stop with it
+        stop_local_copies()
+        raise
     finally:
         for tarball in tarballs.values():
             tarball.__exit__()

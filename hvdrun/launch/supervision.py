@@ -117,8 +117,10 @@ class WorkerGroup:
         started = time.monotonic()
         with self._stop_signals_handled(), signals_handled(self.forward_signals, self._on_forward_signal):
             try:
-                for worker in self.launcher.start_all(specs, self.router):
+                for worker in self.launcher.start_all(specs, self.router) if self._interrupt is None else ():
                     self.workers.append(worker)
+                    if self._interrupt is not None:  # stop starting ranks: the others' guards are told to stop
+                        break
                 self.router.last_output = max(self.router.last_output, time.monotonic())
                 failure = self._supervise(started)
             finally:
@@ -221,8 +223,8 @@ class WorkerGroup:
     def _raise_for(self, failure: Failure | None, ranks: int) -> None:
         if self._interrupt is not None:
             name = signal.Signals(self._interrupt).name
-            raise JobInterrupted(f"received {name}; stopped all {ranks} workers",
-                                 128 + self._interrupt)
+            stopped = f"stopped all {ranks} workers" if self.workers else "no rank was started"
+            raise JobInterrupted(f"received {name}; {stopped}", 128 + self._interrupt)
         if self._idle and failure is None:
             raise JobInterrupted(f"no rank printed for {self.idle_timeout_s:g} s (--idle-timeout); stopped all "
                                  f"{ranks} workers", IDLE_EXIT_CODE)
