@@ -61,3 +61,12 @@ def test_line_splitter_is_linear_in_a_long_line():
     data = b"x" * (4 << 20) + b"\n"
     lines = [line for i in range(0, len(data), 65536) for line in splitter.feed(data[i:i + 65536])]
     assert lines == [data] and splitter.close() == []
+
+
+@pytest.mark.parametrize("pieces_of_limit", [1, 2, 3])
+def test_a_line_of_exactly_a_multiple_of_the_limit_gains_no_empty_line(pieces_of_limit):
+    splitter = LineSplitter(max_line_bytes=16)
+    data = b"x" * (16 * pieces_of_limit) + b"\n"
+    lines = [line for i in range(0, len(data), 16) for line in splitter.feed(data[i:i + 16])] + splitter.close()
+    assert b"".join(lines) == data and all(len(line) <= 16 for line in lines)
+    assert b"\n" not in lines and lines[-1].endswith(b"x\n")

@@ -96,8 +96,10 @@ class LineSplitter:
             start = end
         if start < len(data):
             self._add(data[start:])
-        if self._parts and (final or self._size >= self._max_line_bytes):
+        if self._parts and final:
             lines.append(self._take())
+        elif self._size >= self._max_line_bytes:
+            lines.append(self._take_piece())
         return lines
 
     def _add(self, part: bytes) -> None:
@@ -108,6 +110,13 @@ class LineSplitter:
         line = b"".join(self._parts)
         self._parts, self._cr_pending, self._size = [], False, 0
         return line
+
+    def _take_piece(self) -> bytes:
+        """A piece of a long partial line: all of it but its last byte, which stays to start the rest, so that a
+        terminator arriving next never makes a line of its own (an empty line after a piece of exactly the limit)."""
+        line = self._take()
+        self._add(line[-1:])
+        return line[:-1]
 
 
 def _line_ends(data: bytes, start: int) -> Iterator[int]:
