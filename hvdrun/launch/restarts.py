@@ -159,7 +159,7 @@ def _attempts(plan: P, limit: int, replan: Callable[[tuple[Host, ...]], P], run_
                 suspects.append(fault.host)
         previous = attempt_plan
         attempt_plan, broken = _probed_plan(plan, suspects, replan, probe, log, attempt + 2)
-        _announce(log, attempt, limit, fault, previous, attempt_plan, broken)
+        _announce(log, attempt, limit, faults, previous, attempt_plan, broken)
 
 
 def _why_stop(fault: Fault, earlier: list[Fault], attempt: int, limit: int) -> str | None:
@@ -216,12 +216,26 @@ def _hosts_of(plan: Plan) -> list[Host]:
     return list(dict.fromkeys(slot.host for slot in plan.slots))
 
 
-def _announce(log: Callable[[str], None], attempt: int, limit: int, fault: Fault, previous: Plan, next_plan: Plan,
-              broken: list[str]) -> None:
+def _announce(log: Callable[[str], None], attempt: int, limit: int, faults: list[Fault], previous: Plan,
+              next_plan: Plan, broken: list[str]) -> None:
+    fault = faults[-1]
     hosts = [host.name for host in _hosts_of(next_plan)]
     left_out = [name for name in dict.fromkeys([fault.host, *broken]) if name is not None and name not in hosts]
     same = set(hosts) == {host.name for host in _hosts_of(previous)}
     where = "the same hosts" if same else ", ".join(hosts) + (f", without {', '.join(left_out)}" if left_out else "")
     kind = "a node fault" if fault.node else "an error"
     log(f"hvdrun: restart {attempt + 1} of {limit}: attempt {attempt + 1} ended with {kind} ({fault.summary}); "
-        f"attempt {attempt + 2} runs on {where}")
+        f"attempt {attempt + 2} runs on {where}" + (_same_error_here(faults) if same else ""))
+
+
+def _same_error_here(faults: list[Fault]) -> str:
+    """What the restart line adds when a program error repeats on the same host, which the job has no other host to
+    try it on: why hvdrun still restarts (it cannot tell the program's error from the node's)."""
+    fault = faults[-1]
+    again = next((index for index, other in enumerate(faults[:-1])
+                  if not fault.node and not other.node and other.cause == fault.cause and other.host == fault.host),
+                 None)
+    if again is None:
+        return ""
+    return (f" (the same error as attempt {again + 1}, on the same host: with no other host to run it on, hvdrun "
+            "cannot tell the program's error from the node's; --max-restarts 0 while developing)")

@@ -171,3 +171,14 @@ def test_a_launch_error_that_names_no_host_stops_with_a_line_and_mpiexecs_own_fa
     ran, _, lines, error = run(plan("a:1,b:1,c:1", np=2), [failed(None, 255, note=note), None])
     assert error is None and ran == [["a", "b"], ["a", "b"]]
     assert "ended with a node fault" in lines[-1] and lines[-1].endswith("attempt 2 runs on the same hosts")
+
+
+def test_a_program_error_repeated_on_the_only_host_says_why_it_is_retried():
+    from hvdrun.launch.restarts import _same_error_here
+
+    first = again = Fault("h1", False, "exit code 3", "rank 0 exited")
+    assert _same_error_here([first]) == ""
+    assert _same_error_here([first, again]).startswith(" (the same error as attempt 1, on the same host: with no "
+                                                       "other host to run it on, hvdrun cannot tell the program's")
+    assert _same_error_here([first, Fault("h1", False, "exit code 4", "")]) == ""
+    assert _same_error_here([first, Fault("h1", True, "exit code 3", "")]) == ""  # a node fault

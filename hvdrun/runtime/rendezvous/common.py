@@ -130,8 +130,8 @@ class Upstream:
     local_name: str | None = None
 
     def describe(self) -> str:
-        """``rank 0 at ADDR:PORT`` or ``this host's leader (local rank 0)``."""
-        return "this host's leader (local rank 0)" if self.local_name else f"rank 0 at {self.addr}:{self.port}"
+        """``rank 0 at ADDR:PORT`` or ``this host's leader`` (whichever local rank bound the host's socket first)."""
+        return "this host's leader" if self.local_name else f"rank 0 at {self.addr}:{self.port}"
 
     def open(self) -> socket.socket:
         """A connected socket (not yet authenticated)."""
