@@ -35,7 +35,10 @@ demo: venv
 # Two pytest-xdist workers: much of the suite waits (sshd, timeouts, subprocesses). --dist loadfile gives all of a
 # file's tests to one worker: the Slurm tests (test_scheduler_jobs.py) start one cluster. (Not loadgroup: with
 # pytest 9.2 it silently ignores xdist_group marks, pytest-xdist issue #1386.)
+# Byte-compiled first: with PYTHONDONTWRITEBYTECODE set (as in some CI images) no import writes a .pyc, and every
+# rank, launcher and probe the suite starts (about 1,600) would compile the checkout's modules again.
 test: venv system-deps
+	PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -q -j 2 hvdrun tests examples benchmarks >/dev/null
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: venv
