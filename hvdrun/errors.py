@@ -81,6 +81,9 @@ class RendezvousError(CollectiveError):
     """The ranks of a job could not find or authenticate each other."""
 
 
+RENDEZVOUS_TIMED_OUT = "rendezvous timed out"  # how rank 0's error begins when ranks never joined (the launcher looks)
+
+
 class DeviceError(CollectiveError):
     """Device tensors cannot be reduced: the installed torch has no process group of the chosen backend."""
 

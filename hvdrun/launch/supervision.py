@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from hvdrun.errors import JobInterrupted, UsageError, WorkerFailed
+from hvdrun.errors import RENDEZVOUS_TIMED_OUT, JobInterrupted, UsageError, WorkerFailed
 from hvdrun.launch.base import Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
 from hvdrun.ranks import Slot, format_ranks
@@ -232,10 +232,13 @@ class WorkerGroup:
             return
         others = ranks - 1
         tail = self.router.stderr_tail(failure.slot.rank)
+        error = hvdrun_error(tail)
+        absent = self._still_outside_init(failure, error)
+        if absent:
+            raise self._never_joined_error(failure, absent, error, ranks)
         lines = [f"rank {failure.slot.rank} on host {failure.slot.hostname} {failure.describe()} "
                  f"{failure.seconds_after_start:.1f} s after start (first failure); stopped the other "
                  f"{others} rank{'s' if others != 1 else ''}"]
-        error = hvdrun_error(tail)
         if error:
             lines.append(f"rank {failure.slot.rank}'s error: {error}")
         lines.extend(self._others_summary(failure, ranks))
@@ -246,6 +249,26 @@ class WorkerGroup:
                            host=failure.slot.hostname if failure.host_known else None, signal=failure.signal,
                            cause="\n".join([line.strip() for line in tail if line.strip()][-_CAUSE_LINES:]),
                            note=failure.note)
+
+    def _still_outside_init(self, failure: Failure, error: str | None) -> list[Slot]:
+        """The ranks to blame when the first failure is a rendezvous that timed out: those still running that never
+        entered ``init()`` (the failed rank only waited for them)."""
+        if error is None or not error.startswith(RENDEZVOUS_TIMED_OUT):
+            return []
+        return [worker.slot for worker in self.workers
+                if worker.slot.rank != failure.slot.rank and worker.slot.rank not in self.router.entered_init
+                and self._ended.get(worker.slot.rank) is None]
+
+    def _never_joined_error(self, failure: Failure, absent: list[Slot], error: str | None,
+                            ranks: int) -> WorkerFailed:
+        """The job's error when ranks never joined: those ranks first, then what the rank that gave up said."""
+        first = absent[0]
+        lines = [f"{_ranks_on_hosts(absent)} never joined the job: still running without having called init() when "
+                 f"rank {failure.slot.rank}'s rendezvous timed out {failure.seconds_after_start:.1f} s after start; "
+                 f"stopped all {ranks} ranks",
+                 f"rank {failure.slot.rank}'s error: {error}"]
+        return WorkerFailed("\n".join(lines), failure.exit_code, host=first.hostname if failure.host_known else None,
+                            cause=f"never joined: rank {first.rank}", note=failure.note)
 
     def _others_summary(self, failure: Failure, ranks: int) -> list[str]:
         """``other ranks:`` and one line per group of ranks in the same state (torchrun's "Root Cause" block)."""

@@ -21,6 +21,7 @@ from hvdrun.ranks import format_ranks
 
 INSPECT = "inspect"
 SIGNAL = "signal"  # an inspector's request: pass signal N to every rank's process (hvdrun --forward-signals)
+MOMENT_S = 0.5  # reports taken further apart than this may show ranks at different moments of the job
 REPORT_TIMEOUT_S = 3.0  # how long rank 0 waits for the ranks' reports (a rank stuck holding the GIL never answers)
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../hvdrun: frames inside it are ours
 
@@ -91,11 +92,25 @@ def first_divergence(reports: list[dict[str, Any]], now: float | None = None) ->
     if not others:
         return None
     seq, kind = next((row[0], row[2]) for r in reports for row in r["waiting"] if row[1] == name)
+    ahead = [r["rank"] for r in others if any(row[1] == name for row in r["recent"])]
+    spread = max(r["time"] for r in reports) - min(r["time"] for r in reports)
+    if ahead and spread > MOMENT_S:  # past the op others wait in, reported later: it completed in between
+        return _different_moments(reports, ahead, ranks, f"#{seq} {kind} '{name}'")
     parts = [_elsewhere(report, name, now) for report in others]
     return (f"rank{'s' if len(others) > 1 else ''} {format_ranks([r['rank'] for r in others])} "
             f"{'have' if len(others) > 1 else 'has'} not reached #{seq} {kind} '{name}' that "
             f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} wait{'' if len(ranks) > 1 else 's'} in: "
             + "; ".join(parts))
+
+
+def _different_moments(reports: list[dict[str, Any]], ahead: list[int], waiting: list[int], op: str) -> str:
+    """Why no divergence is named: the reports do not show one moment (a rank holding the GIL answers late)."""
+    latest = max(reports, key=lambda r: r["time"])
+    spread = latest["time"] - min(r["time"] for r in reports)
+    return (f"none that these reports can show: rank{'s' if len(ahead) > 1 else ''} {format_ranks(ahead)} finished "
+            f"{op}, which rank{'s' if len(waiting) > 1 else ''} {format_ranks(waiting)} wait in, so the reports are "
+            f"of different moments (taken over {spread:.1f} s, rank {latest['rank']} last: a rank that holds the GIL "
+            "answers late); ask again")
 
 
 def _elsewhere(report: dict[str, Any], name: str, now: float) -> str:

@@ -196,6 +196,11 @@ def test_a_rendezvous_that_times_out_says_where_every_rank_is(run_hvdrun, tmp_pa
     assert "rank 1: no report: has not joined rank 0 (not in init() yet, or cannot reach rank 0)" in lines
     assert "rank 2: no report: joined rank 0; waits for the other ranks to join" in lines
     assert "rendezvous timed out: ranks 1 never joined rank 0" in done.stderr
+    # the job's error blames the rank that never came, not the ones that gave up waiting for it
+    headline = done.stderr.split("hvdrun: error: ", 1)[1].splitlines()
+    assert headline[0].startswith("rank 1 on localhost never joined the job: still running without having called "
+                                  "init() when rank "), headline
+    assert headline[1].startswith("rank ") and "'s error: rendezvous timed out: ranks 1 never joined" in headline[1]
 
 
 def test_an_idle_job_prints_where_every_rank_is_before_it_stops(run_hvdrun, tmp_path):

@@ -71,3 +71,12 @@ def test_a_rank_already_in_the_next_collective_and_one_that_never_ran_one():
 def test_no_divergence_when_every_rank_waits_alike_or_none_waits():
     assert first_divergence([report(0, waiting=[(1, "a")]), report(1, waiting=[(1, "a")])], NOW) is None
     assert first_divergence([report(0), report(1)], NOW) is None
+
+
+def test_reports_of_different_moments_name_no_divergence():
+    """Rank 1 held the GIL and answered 2 s late, when the op ranks 0 and 2 waited in (at their report) was done."""
+    reports = [report(0, waiting=[(2, "b")], recent=[(1, "a")]), report(2, waiting=[(2, "b")], recent=[(1, "a")]),
+               {**report(1, recent=[(1, "a"), (2, "b")]), "time": NOW + 2.1}]
+    assert first_divergence(reports, NOW + 2.1) == (
+        "none that these reports can show: rank 1 finished #2 allreduce 'b', which ranks 0,2 wait in, so the reports "
+        "are of different moments (taken over 2.1 s, rank 1 last: a rank that holds the GIL answers late); ask again")

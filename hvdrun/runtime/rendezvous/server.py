@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from hvdrun.envvars import START_TIMEOUT
-from hvdrun.errors import RendezvousError
+from hvdrun.errors import RENDEZVOUS_TIMED_OUT, RendezvousError
 from hvdrun.protocol.inspection import INSPECT, REPORT_TIMEOUT_S, SIGNAL, format_reports
 from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
 from hvdrun.runtime.peers import Layout, NeedsPlan, Peer, PeerTable
@@ -234,7 +234,7 @@ class RootServer:
 
     def _fail_missing(self, deadline: float) -> None:
         missing = sorted(set(range(1, self.size)) - set(self.members))
-        message = (f"rendezvous timed out: ranks {', '.join(map(str, missing))} never joined rank 0 "
+        message = (f"{RENDEZVOUS_TIMED_OUT}: ranks {', '.join(map(str, missing))} never joined rank 0 "
                    f"(raise {START_TIMEOUT} if they start slowly)")
         if self.reporter is not None:  # where every rank is, before they are stopped
             try:
