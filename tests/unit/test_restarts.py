@@ -182,3 +182,22 @@ def test_a_program_error_repeated_on_the_only_host_says_why_it_is_retried():
                                                        "other host to run it on, hvdrun cannot tell the program's")
     assert _same_error_here([first, Fault("h1", False, "exit code 4", "")]) == ""
     assert _same_error_here([first, Fault("h1", True, "exit code 3", "")]) == ""  # a node fault
+
+
+def test_a_stop_signal_as_an_attempt_fails_starts_no_next_attempt():
+    import os
+    import signal
+
+    from hvdrun.errors import JobInterrupted
+
+    job, ran = plan("a:1,b:1", np=2), []
+
+    def attempt(attempt_plan, number):
+        ran.append(number)
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives as the attempt fails, before the next one is planned
+        raise WorkerFailed("rank 1 on host b exited with code 1", 1, host="b")
+
+    with pytest.raises(JobInterrupted, match="received SIGTERM between two attempts") as stopped:
+        run_with_restarts(job, 2, functools.partial(plan_for_attempt, job), attempt, lambda line: None,
+                          lambda hosts, deadline: {})
+    assert ran == [0] and stopped.value.exit_code == 143
