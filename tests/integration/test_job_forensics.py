@@ -157,6 +157,20 @@ def test_sigusr1_reaches_ranks_under_mpiexec(hvdrun_env, tmp_path):
     assert "hvdrun: passed SIGUSR1 to 2 ranks through the job's control connections; the job goes on" in err
 
 
+
+def test_a_signal_before_init_under_mpiexec_is_ignored_with_the_reason(hvdrun_env, tmp_path):
+    """Before init() no control connection exists, and hydra cannot pass SIGUSR1: one line says why, in words."""
+    path = script(tmp_path, "usr1.py", WAITS_FOR_USR1.replace("time.time() + 60", "time.time() + 3").replace(
+        "sys.exit(0 if got else 5)", "sys.exit(0)"))
+    process = start_hvdrun(hvdrun_env, tmp_path, "-np", "2", "-H", "localhost:2", "--launcher", "mpiexec", path)
+    out, err = signal_when_ready(process, 2, signal.SIGUSR1)
+    assert process.returncode == 0, err
+    assert out.count("no signal") == 2
+    assert ("hvdrun: warning: cannot pass SIGUSR1 to the ranks yet: their launcher does not pass signals, and rank "
+            "0's control connections (which do) are up only once the ranks have called init()") in err
+    assert "Launcher" not in err
+
+
 def test_the_summary_of_a_failed_job_says_what_the_other_ranks_did(run_hvdrun, tmp_path):
     path = script(tmp_path, "fail4.py", """
         import os, sys, time
