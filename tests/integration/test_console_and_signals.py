@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -72,12 +73,27 @@ def test_sigint_ends_a_job_whose_console_does_not_read(hvdrun_env, tmp_path, tok
     assert wait_until(lambda: not job_processes(token)), job_processes(token)
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (``SigCgt`` of /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signum - 1) & 1)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_as_hvdrun_starts_is_one_line(hvdrun_env, tmp_path, token, signum):
-    for delay in (0.05, 0.3):
+    """At hvdrun's first instruction (the moment it catches SIGTERM, with SIGINT: before that the interpreter is still
+    starting, with only its own handling), and 0.3 s later (importing, planning)."""
+    for delay in (0.0, 0.3):
         proc = subprocess.Popen([sys.executable, "-m", "hvdrun", "-np", "2", "python", "-c",
                                  "import time; time.sleep(30)"], env=hvdrun_env, cwd=tmp_path,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 30
+        while not catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:  # Python catches SIGINT itself
+            time.sleep(0.001)
         time.sleep(delay)
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=30)

@@ -108,3 +108,16 @@ def test_a_killed_fork_server_is_named_at_once_and_running_ranks_still_count(hvd
     assert "stopped" not in text.replace("the running ranks go on", ""), text
     assert wait_until(lambda: not job_processes(token), 10), job_processes(token)
 
+
+
+def test_over_ssh_a_rank_dies_with_its_guard_and_the_failure_names_the_guard(hvdrun_env, ssh_hosts, tmp_path, token):
+    job = Job(hvdrun_env, tmp_path, "-H", ssh_hosts.hosts(1), *ssh_hosts.args(), "--grace-period", "1",
+              script(tmp_path, "w.py", WORKER), "run", "60")
+    rank_pid, guard_pid = job.pids(2)[1]
+    os.kill(guard_pid, signal.SIGKILL)  # the hosts are network namespaces of this machine: the pids are ours
+    assert wait_until(lambda: gone(rank_pid), 10), "rank 1 outlived its guard"
+    assert job.proc.wait(timeout=30) == 128 + signal.SIGKILL
+    text = job.stderr_text()
+    assert f"rank 1's guard (pid {guard_pid}) on h1 was killed by signal 9 (SIGKILL); its rank was stopped" in text, \
+        text
+    assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
