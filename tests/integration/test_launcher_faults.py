@@ -118,6 +118,7 @@ def test_over_ssh_a_rank_dies_with_its_guard_and_the_failure_names_the_guard(hvd
     assert wait_until(lambda: gone(rank_pid), 10), "rank 1 outlived its guard"
     assert job.proc.wait(timeout=30) == 128 + signal.SIGKILL
     text = job.stderr_text()
-    assert f"rank 1's guard (pid {guard_pid}) on h1 was killed by signal 9 (SIGKILL); its rank was stopped" in text, \
-        text
+    died = (f"rank 1's guard (pid {guard_pid}) on {ssh_hosts.addrs[1]} was killed by signal 9 (SIGKILL); its rank "
+            "was stopped")
+    assert f"\nrank 1's error: {died}\n" in text, text  # the job's error says why rank 1 ended
     assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
