@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import job_processes, wait_until
+from tests.conftest import host_processes, job_processes, wait_until
 from tests.integration.test_local_launch import script
 
 pytestmark = pytest.mark.integration
@@ -121,4 +121,21 @@ def test_over_ssh_a_rank_dies_with_its_guard_and_the_failure_names_the_guard(hvd
     died = (f"rank 1's guard (pid {guard_pid}) on {ssh_hosts.addrs[1]} was killed by signal 9 (SIGKILL); its rank "
             "was stopped")
     assert f"\nrank 1's error: {died}\n" in text, text  # the job's error says why rank 1 ended
+    assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
+
+
+def test_over_ssh_a_killed_fork_server_is_named_and_running_ranks_still_count(hvdrun_env, ssh_hosts, tmp_path,
+                                                                              token):
+    job = Job(hvdrun_env, tmp_path, "-H", ssh_hosts.hosts(1), *ssh_hosts.args(), script(tmp_path, "w.py", WORKER),
+              "run", "12")
+    _, guard = job.pids(2)[1]
+    server = psutil.Process(guard).parent()  # forked by the host agent: the guards' parent
+    assert server is not None and server.pid in {p.pid for p in host_processes(ssh_hosts.addrs[1:2])}
+    server.kill()
+    assert wait_until(lambda: "fork server" in job.stderr_text(), 10), job.stderr_text()
+    assert job.proc.wait(timeout=60) == 0, job.stderr_text()
+    rest = []
+    while not any("done 0" in line for line in rest) or not any("done 1" in line for line in rest):
+        rest.append(job.stdout.get(timeout=10))  # both ranks finished (queue.Empty otherwise)
+    assert "stopped" not in job.stderr_text(), job.stderr_text()
     assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
