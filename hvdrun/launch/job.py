@@ -198,7 +198,8 @@ def run_elastic_job(plan: JobPlan, elastic: ElasticPlan, console: dict[str, Text
         service = Rendezvous(extra_env[ELASTIC_ADDR], int(extra_env[ELASTIC_PORT]), 0, secret, job_id)
         return plan.spec(slot, service, launcher.cpus, extra_env)
 
-    driver = ElasticDriver(launcher, router, elastic.discovery(), elastic.settings, spec_for, secret, plan.layout)
+    driver = ElasticDriver(launcher, router, elastic.discovery(), elastic.settings, spec_for, secret, plan.layout,
+                           log=router.say)  # never held up by a console that stopped reading
     try:
         driver.run()
     finally:
