@@ -187,17 +187,23 @@ class GuardStatus:
     def __init__(self, fd: int) -> None:
         self.fd, self.ended = fd, fd < 0
         self._data = b""
+        if fd >= 0:
+            os.set_blocking(fd, False)  # polled without select(): a launcher of hundreds of ranks has fds past 1024
 
     def read(self, block: bool = False) -> int | None:
         """The rank's status (negative: a signal), or None: not yet (or never: then :attr:`ended`).
         ``block``: wait for the guard's end."""
         while not self.ended:
+            if block:
+                waiter = select.poll()
+                waiter.register(self.fd, select.POLLIN)
+                waiter.poll()
             try:
-                chunk = os.read(self.fd, 64) if block or select.select([self.fd], [], [], 0)[0] else None
+                chunk = os.read(self.fd, 64)
+            except BlockingIOError:
+                break
             except OSError:
                 chunk = b""
-            if chunk is None:
-                break
             self._data += chunk
             if not chunk:
                 self.close()
