@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from hvdrun.errors import CollectiveError
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.cycle import Cycle
 from hvdrun.runtime.handles import Handle
+from hvdrun.runtime.readiness import readable
 from hvdrun.runtime.submissions import Submissions
 from hvdrun.runtime.verdicts import SHUTDOWN
 
@@ -217,7 +217,7 @@ class ProgressLoop:
                 return
             self.ledger.sleeping = True
         try:
-            select.select([self._wake_read], [], [], timeout_s)
+            readable([self._wake_read], timeout_s)
         finally:
             self.ledger.sleeping = False
             self._drain_wake_pipe()

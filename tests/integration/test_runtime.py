@@ -354,3 +354,34 @@ def test_a_device_backend_this_torch_lacks_is_named_on_every_rank(run_hvdrun, hv
     for rank in range(2):
         assert (f"[{rank}]<stdout>:rank {rank}: HVDRUN_DEVICE_BACKEND=xccl: this torch ({torch.__version__}) has no "
                 "XCCL process group") in done.stdout, done.stdout
+
+
+MANY_DESCRIPTORS = """
+import os, resource
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), hard))
+null = os.open(os.devnull, os.O_RDONLY)
+held = [os.dup(null) for _ in range(1100)]  # every socket and pipe hvdrun opens from here on is numbered past 1024
+import numpy as np
+from hvdrun.runtime import context
+from hvdrun.runtime.negotiation import Request
+runtime = context.init()
+rank, size = runtime.world.rank, runtime.world.size
+for step in range(20):
+    total = runtime.engine.submit(Request(f"sum.{step}", "allreduce", "float64", (1000,)),
+                                  np.full(1000, rank + 1.0)).wait()
+    assert (total == size * (size + 1) / 2).all()
+context.shutdown()
+print(f"MANY rank {rank} ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_job_whose_descriptors_are_numbered_past_1024_runs(run_hvdrun, hvdrun_env, tmp_path, transport):
+    """select() cannot watch them (rank 0 of a thousand hosts holds a socket for each): the waits use poll()."""
+    hvdrun_env["HVDRUN_TRANSPORT"] = transport
+    program = tmp_path / "many.py"
+    program.write_text(MANY_DESCRIPTORS)
+    done = run_hvdrun("-np", "3", sys.executable, str(program), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ranks_reporting(done.stdout, r"MANY rank (\d+) ok") == {0, 1, 2}

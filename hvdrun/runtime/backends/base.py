@@ -73,9 +73,9 @@ class Backend(abc.ABC):
 
     def wait_for_peer(self, extra_fds: Sequence[int], timeout_s: float) -> None:
         """Sleep until a peer may have started a cycle, an fd in ``extra_fds`` is readable, or the timeout."""
-        import select
+        from hvdrun.runtime.readiness import readable
 
-        select.select(list(extra_fds), [], [], timeout_s)
+        readable(list(extra_fds), timeout_s)
 
     def idle_wait(self, extra_fds: Sequence[int]) -> None:
         """A short wait for a peer while a caller drives progress (spin first where that pays)."""

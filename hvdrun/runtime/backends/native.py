@@ -9,7 +9,6 @@ ranks all share one host also gets the fast lane (:mod:`hvdrun.runtime.lane`).
 from __future__ import annotations
 
 import os
-import select
 import socket
 import sys
 import time
@@ -35,6 +34,7 @@ from hvdrun.runtime.collectives.hierarchical import (
 from hvdrun.runtime.collectives.pairwise import Link
 from hvdrun.runtime.lane import FastLane, create_board, open_lane
 from hvdrun.runtime.peers import Layout, NeedsPlan, Peer
+from hvdrun.runtime.readiness import readable
 from hvdrun.runtime.reduce import ReduceFn
 from hvdrun.runtime.rendezvous import Rendezvous
 from hvdrun.runtime.transport.base import (
@@ -195,7 +195,7 @@ class NativeBackend(Backend):
 
     def idle_wait(self, extra_fds: Sequence[int]) -> None:
         if not self._wake:
-            select.select(list(extra_fds), [], [], 0.001)
+            readable(list(extra_fds), 0.001)
             return
         self.ring.waiter.idle(self._wake, extra_read_fds=extra_fds)
 

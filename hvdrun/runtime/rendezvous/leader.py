@@ -15,7 +15,6 @@ If rank 0 goes, the leader tells its ranks with the words every rank used when i
 from __future__ import annotations
 
 import os
-import select
 import socket
 import threading
 import time
@@ -26,6 +25,7 @@ from hvdrun.errors import RendezvousError
 from hvdrun.protocol.inspection import REPORT_TIMEOUT_S, SIGNAL
 from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
 from hvdrun.runtime.peers import Peer, PeerTable
+from hvdrun.runtime.readiness import readable
 from hvdrun.runtime.rendezvous.client import Client
 from hvdrun.runtime.rendezvous.common import (
     HANDSHAKE_TIMEOUT_S,
@@ -94,13 +94,13 @@ class HostLeader:
             if remaining <= 0:
                 self._fail_locals("rank 0 did not answer the rendezvous in time")
                 raise RendezvousError(f"rank 0 at {self.up.addr} did not answer the rendezvous in time")
-            readable = select.select([self.listener, sock], [], [], min(remaining, 0.5))[0]
-            if self.listener in readable:
+            ready = readable([self.listener, sock], min(remaining, 0.5))
+            if self.listener in ready:
                 peer = self._admit_local()
                 if peer is not None:
                     rows.append(astuple(peer))
                     send_frame(sock, ("rows", [list(astuple(peer))]))
-            if sock in readable:
+            if sock in ready:
                 message = self._answer_of_rank0()
                 if message[0] == "retry":  # rank 0 of an earlier init(): join its next one
                     sock = self._rejoin(rows, deadline)
@@ -179,14 +179,14 @@ class HostLeader:
             live = [sock for sock in self.locals if sock not in self._said_bye]
             watched: list[Any] = [up, self._wake_read, *live]
             try:
-                readable = select.select(watched, [], [], self._next_timeout())[0]
+                ready = readable(watched, self._next_timeout())
             except (OSError, ValueError):
                 return
-            if self._wake_read in readable:
+            if self._wake_read in ready:
                 return
-            if up in readable and not self._from_rank0(up):
+            if up in ready and not self._from_rank0(up):
                 return
-            for sock in readable:
+            for sock in ready:
                 if sock in self.locals:
                     self._from_local(sock)
             self._answer_reports()

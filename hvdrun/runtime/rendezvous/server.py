@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
 import socket
 import sys
 import threading
@@ -15,6 +14,7 @@ from hvdrun.errors import RENDEZVOUS_TIMED_OUT, RendezvousError
 from hvdrun.protocol.inspection import INSPECT, REPORT_TIMEOUT_S, SIGNAL, format_reports
 from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
 from hvdrun.runtime.peers import Layout, NeedsPlan, Peer, PeerTable
+from hvdrun.runtime.readiness import readable
 from hvdrun.runtime.rendezvous.common import (
     HANDSHAKE_TIMEOUT_S,
     Barriers,
@@ -134,7 +134,7 @@ class RootServer:
             with self._lock:
                 leaders = [conn.sock for conn in self.conns.values() if conn.leader]
             listeners = [sock for sock in (self.listener, self.local_listener) if sock is not None]
-            for sock in select.select([*listeners, *leaders], [], [], min(remaining, 0.005))[0]:
+            for sock in readable([*listeners, *leaders], min(remaining, 0.005)):
                 if sock in listeners:
                     self._accept(sock)
                 else:
@@ -257,10 +257,10 @@ class RootServer:
             conns = {conn.sock: conn for conn in self._live()}
             watched: list[Any] = [*listeners, self._wake_read, *conns]
             try:
-                readable = select.select(watched, [], [], 0.5)[0]
+                ready = readable(watched, 0.5)
             except (OSError, ValueError):
                 return
-            for sock in readable:
+            for sock in ready:
                 if sock is self._wake_read:
                     return
                 if sock in listeners:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import abc
 import marshal
 import os
-import select
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from hvdrun.errors import CollectiveError
+from hvdrun.runtime.readiness import readable
 
 # Spin (yielding the CPU) this long before sleeping in select(); 0 when ranks outnumber cores.
 # Waking a sleeping thread costs up to ~100 us on virtual machines, so spinning pays up to about 1 ms.
@@ -202,7 +202,7 @@ class Waiter:
                     bell.sleeping[0] += 1  # type: ignore[index]
         try:
             if not any(channel.ready() for channel in channels):
-                select.select(read_fds, write_fds, [], timeout_s)
+                readable(read_fds, timeout_s, write_fds)
         finally:
             if bells:
                 with self._count_lock:

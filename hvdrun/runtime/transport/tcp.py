@@ -52,6 +52,8 @@ class TcpRx(RxChannel):
         self._buffer = bytearray(STAGING_BYTES)
         self._view = memoryview(self._buffer)
         self._start = self._end = 0
+        self._incoming = select.poll()  # poll, not select: a socket may be numbered past 1024
+        self._incoming.register(sock.fileno(), select.POLLIN)
 
     def peek(self, limit: int) -> memoryview:
         if self._start == self._end:
@@ -97,7 +99,7 @@ class TcpRx(RxChannel):
 
     def ready(self) -> bool:
         """Bytes are staged or waiting in the socket; never touches the stream (other threads may call it)."""
-        return self._end > self._start or bool(select.select([self.sock], [], [], 0)[0])
+        return self._end > self._start or bool(self._incoming.poll(0))
 
     def close(self) -> None:
         self.sock.close()
