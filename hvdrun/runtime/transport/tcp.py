@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import select
 import socket
 
 from hvdrun.errors import PeerLostError
@@ -52,8 +51,6 @@ class TcpRx(RxChannel):
         self._buffer = bytearray(STAGING_BYTES)
         self._view = memoryview(self._buffer)
         self._start = self._end = 0
-        self._incoming = select.poll()  # poll, not select: a socket may be numbered past 1024
-        self._incoming.register(sock.fileno(), select.POLLIN)
 
     def peek(self, limit: int) -> memoryview:
         if self._start == self._end:
@@ -99,7 +96,15 @@ class TcpRx(RxChannel):
 
     def ready(self) -> bool:
         """Bytes are staged or waiting in the socket; never touches the stream (other threads may call it)."""
-        return self._end > self._start or bool(self._incoming.poll(0))
+        if self._end > self._start:
+            return True
+        try:  # a peek, not select (no descriptor past 1024) nor a shared poll object (one thread at a time)
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True  # the read that follows names the error
+        return True  # a byte, or the peer's end (an empty peek)
 
     def close(self) -> None:
         self.sock.close()
