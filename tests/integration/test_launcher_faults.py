@@ -139,3 +139,15 @@ def test_over_ssh_a_killed_fork_server_is_named_and_running_ranks_still_count(hv
         rest.append(job.stdout.get(timeout=10))  # both ranks finished (queue.Empty otherwise)
     assert "stopped" not in job.stderr_text(), job.stderr_text()
     assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
+
+
+def test_under_mpiexec_a_rank_dies_with_its_guard_and_the_failure_names_the_guard(hvdrun_env, tmp_path, token):
+    job = Job(hvdrun_env, tmp_path, "-np", "2", "-H", "localhost:2", "--launcher", "mpiexec", "--grace-period", "1",
+              script(tmp_path, "w.py", WORKER), "run", "60")
+    rank_pid, guard_pid = job.pids(2)[1]
+    os.kill(guard_pid, signal.SIGKILL)
+    assert wait_until(lambda: gone(rank_pid), 10), "rank 1 outlived its guard"
+    assert job.proc.wait(timeout=30) == 128 + signal.SIGKILL
+    died = f"rank 1's guard (pid {guard_pid}) on localhost was killed by signal 9 (SIGKILL); its rank was stopped"
+    assert f"\nrank 1's error: {died}\n" in job.stderr_text(), job.stderr_text()
+    assert wait_until(lambda: not job_processes(token), 15), job_processes(token)

@@ -102,6 +102,23 @@ def _stop(worker: subprocess.Popen[bytes], grace_s: float, signum: int) -> None:
         pass
 
 
+def _guard_reported(status_r: int) -> bool:
+    """Whether the guard wrote its rank's status before it ended (read without waiting: the rank, or what it left
+    outside its group, may still hold the pipe's other end)."""
+    os.set_blocking(status_r, False)
+    try:
+        return os.read(status_r, 64).endswith(b"\n")
+    except BlockingIOError:
+        return False
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "?"
+
+
 def main(argv: list[str]) -> None:
     """Run one rank; ``argv`` is ``[GRACE_S, "--", COMMAND...]``."""
     if len(argv) < 3 or argv[1] != "--":
@@ -115,10 +132,13 @@ def main(argv: list[str]) -> None:
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     lifeline, _keep_open = os.pipe()  # ours is not inherited: if this shim dies, even by SIGKILL, the guard sees EOF
-    guard = [sys.executable, "-m", "hvdrun.launch.remote.guard", f"{grace_s:g}", *envvars.guard_options(env), "--"]
+    status_r, status_w = os.pipe()  # the guard writes its rank's status there before it exits; killed, it writes none
+    os.set_inheritable(status_w, True)
+    guard = [sys.executable, "-m", "hvdrun.launch.remote.guard", f"{grace_s:g}", *envvars.guard_options(env),
+             "--status-fd", str(status_w), "--"]
     worker = subprocess.Popen([*guard, *argv[2:]], stdin=lifeline, stdout=out_w, stderr=err_w, env=env,
                               start_new_session=True, close_fds=False)  # close_fds=False: MPI's PMI_FD stays
-    for fd in (out_w, err_w, lifeline):
+    for fd in (out_w, err_w, lifeline, status_w):
         os.close(fd)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda s, _f: threading.Thread(target=_stop, args=(worker, grace_s, s)).start())
@@ -135,6 +155,10 @@ def main(argv: list[str]) -> None:
         pass
     for pump in pumps:
         pump.join()
+    if code < 0 and not _guard_reported(status_r):  # the guard itself was killed (its rank with it: PDEATHSIG)
+        died = f"was killed by signal {-code} ({_signal_name(-code)})"
+        _emit(slot.rank, "stderr", f"hvdrun: error: rank {slot.rank}'s guard (pid {worker.pid}) on {slot.hostname} "
+                                   f"{died}; its rank was stopped\n".encode())
     _emit(slot.rank, "exit", f"{code}\n".encode())
     sys.exit(code if code >= 0 else 128 - code)
 
