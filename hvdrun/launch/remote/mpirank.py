@@ -31,6 +31,7 @@ from collections.abc import Mapping
 
 from hvdrun import envvars
 from hvdrun.hosts import Host
+from hvdrun.launch.remote.forkserver import describe_status
 from hvdrun.launch.remote.guard import forward_byte
 from hvdrun.launch.remote.lines import LineSplitter, tag
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_of, layout_value
@@ -112,13 +113,6 @@ def _guard_reported(status_r: int) -> bool:
         return False
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return "?"
-
-
 def main(argv: list[str]) -> None:
     """Run one rank; ``argv`` is ``[GRACE_S, "--", COMMAND...]``."""
     if len(argv) < 3 or argv[1] != "--":
@@ -156,9 +150,8 @@ def main(argv: list[str]) -> None:
     for pump in pumps:
         pump.join()
     if code < 0 and not _guard_reported(status_r):  # the guard itself was killed (its rank with it: PDEATHSIG)
-        died = f"was killed by signal {-code} ({_signal_name(-code)})"
         _emit(slot.rank, "stderr", f"hvdrun: error: rank {slot.rank}'s guard (pid {worker.pid}) on {slot.hostname} "
-                                   f"{died}; its rank was stopped\n".encode())
+                                   f"{describe_status(code)}; its rank was stopped\n".encode())
     _emit(slot.rank, "exit", f"{code}\n".encode())
     sys.exit(code if code >= 0 else 128 - code)
 
