@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from hvdrun.errors import RENDEZVOUS_TIMED_OUT, JobInterrupted, UsageError, WorkerFailed
 from hvdrun.launch.base import Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.remote.forkserver import describe_status
 from hvdrun.ranks import Slot, format_ranks
 
 _POLL_INTERVAL_S = 0.02
@@ -60,11 +61,7 @@ class Failure:
 
     def describe(self) -> str:
         """``exited with code 3`` or ``was killed by signal 9 (SIGKILL)``."""
-        if self.note:
-            return self.note
-        if self.status > 0:
-            return f"exited with code {self.status}"
-        return f"was killed by signal {-self.status} ({signal.Signals(-self.status).name})"
+        return self.note or describe_status(self.status)
 
 
 def hvdrun_error(stderr_tail: Sequence[str]) -> str | None:

@@ -227,14 +227,13 @@ def parent_death_killer() -> Callable[[], None]:
     return arm
 
 
-def reap_children(each: Callable[[int, int], None] = lambda pid, status: None) -> None:
-    """Collect the exit status of every ended child of this process, passing ``(pid, wait status)`` to ``each``
-    (the guard's reparented orphans would stay zombies until it exits; the fork server reports its guards')."""
+def reap_children() -> None:
+    """Collect every ended child of this process (the guard's reparented orphans would stay zombies until it
+    exits)."""
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        each(pid, status)
