@@ -383,6 +383,10 @@ def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[
                    "USR1/USR2 not listed are ignored with a note (a scheduler's warning never stops the job).")
 @click.option("--horovod-compat", is_flag=True,
               help="'import horovod' and 'import horovod.torch' in the ranks resolve to hvdrun.")
+@click.option("--preload", metavar="MODULES", default="auto", show_default=True,
+              help="Modules each host imports once, its ranks then starting by fork (local and ssh launchers): "
+                   "'auto' (torch when the script imports it), 'none' (every rank starts a new Python), or a "
+                   "comma-separated list. A rank whose Python or environment differs starts a new Python.")
 @_stage_options
 @_elastic_options
 @_restart_options

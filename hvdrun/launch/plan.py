@@ -45,6 +45,7 @@ from hvdrun.launch.base import WorkerSpec
 from hvdrun.launch.elastic.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.elastic.driver import check_settings, make_discovery
 from hvdrun.launch.elastic.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, ElasticSettings
+from hvdrun.launch.remote.preload import AUTO, PRELOAD, choose_modules, rank_source
 from hvdrun.launch.staging import DEFAULT_STAGE_DIR, StagePlan, check_stage_dir, plan_staging, staged_env
 from hvdrun.launch.supervision import DEFAULT_FORWARD_SIGNALS, parse_signal_list
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, parse_rank_list, total_slots
@@ -104,6 +105,7 @@ class RunOptions:
     forward_signals: str | None = None  # "USR1,USR2" (default), "none"
     stage_env: bool = False  # copy the ranks' environment to every host's disk first (launch/staging.py)
     stage_dir: str | None = None  # where on each host (implies stage_env); default: the YAML's local_dir, else /tmp
+    preload: str = AUTO  # auto | none | mod,mod: what each host's fork server imports once (launch/remote/preload.py)
 
     @property
     def elastic(self) -> bool:
@@ -322,6 +324,10 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     if options.timeline_filename:
         base_env[TIMELINE[0]] = _timeline_path(options.timeline_filename, hosts)
     base_env.update(_binding_env(options, config, slots, layout))
+    base_env.pop(PRELOAD, None)
+    modules = choose_modules(options.preload, rank_source(command, options.module))
+    if modules:
+        base_env[PRELOAD] = ",".join(modules)
     default_python = (config.python if config else None) or sys.executable
     return JobPlan(slots=tuple(slots), command=command, launcher=launcher, options=options, base_env=base_env,
                    cwd=os.getcwd(), default_python=default_python,
@@ -471,8 +477,11 @@ def _prepare_output_dir(path: str | None) -> None:
 
 def describe_plan(plan: JobPlan) -> str:
     """A table of the ranks: host, local and cross rank, GPUs, and the command."""
-    lines = [f"hvdrun: {len(plan.slots)} ranks, launcher {plan.launcher}: {' '.join(plan.command)}",
-             "  rank  host                  local  cross  gpus"]
+    lines = [f"hvdrun: {len(plan.slots)} ranks, launcher {plan.launcher}: {' '.join(plan.command)}"]
+    if plan.base_env.get(PRELOAD):
+        lines.append(f"hvdrun: preload: {plan.base_env[PRELOAD]} (imported once per host; ranks start by fork "
+                     "where their Python and environment allow)")
+    lines.append("  rank  host                  local  cross  gpus")
     for slot in plan.slots:
         lines.append(f"  {slot.rank:<5} {slot.hostname:<21} {slot.local_rank}/{slot.local_size:<4} "
                      f"{slot.cross_rank}/{slot.cross_size:<4} {','.join(slot.devices) or '-'}")

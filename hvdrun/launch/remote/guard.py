@@ -43,16 +43,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from hvdrun import envvars
-from hvdrun.launch.remote import cpubind
+from hvdrun.launch.remote import cpubind, preload
 from hvdrun.launch.remote.escapees import Containment, parent_death_killer
 from hvdrun.ranks import layout_of
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TERMINATE, KILL = b"T", b"K"
+_Worker = subprocess.Popen[bytes] | preload.ForkedRank
 FORWARD = 0x80  # the byte FORWARD + N passes signal N (1..63) to the worker's processes
 
 
@@ -96,7 +97,7 @@ def _parse(argv: list[str]) -> tuple[_Options, list[str]]:
     return options, command
 
 
-def _kill_group(options: _Options, worker: subprocess.Popen[bytes]) -> None:
+def _kill_group(options: _Options, worker: _Worker) -> None:
     """SIGTERM the whole group, wait for the worker up to the grace period, then SIGKILL everything."""
     os.killpg(0, signal.SIGTERM)
     deadline = time.monotonic() + options.grace_s
@@ -178,7 +179,7 @@ def _remove_files(options: _Options) -> None:
                 pass
 
 
-def _watch_lifeline(options: _Options, worker: subprocess.Popen[bytes]) -> None:
+def _watch_lifeline(options: _Options, worker: _Worker) -> None:
     while True:
         try:
             data = os.read(0, 4096)
@@ -316,6 +317,17 @@ def _gpu_seen(environ: Mapping[str, str]) -> str:
     return f"{devices[int(ordinal)]} (device {ordinal} of {described})"
 
 
+def _start_worker(command: list[str], prepare: Callable[[], object]) -> _Worker:
+    """Start the worker: forked from this process when it preloaded what the rank imports and nothing the rank's
+    interpreter would decide at its start differs (``preload.py``), else as a new process."""
+    env, inherit = command_env(os.environ), inherited_fds(os.environ)
+    parsed = preload.why_not(command, env, bound=os.environ.get(envvars.CPU_BIND, "none") != "none")
+    if isinstance(parsed, preload.PythonCommand):
+        return preload.start(parsed, env, inherit, prepare)
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=inherit, env=env,
+                            preexec_fn=prepare)  # noqa: PLW1509
+
+
 def main(argv: list[str]) -> None:
     """Run the guard; ``argv`` is ``[GRACE_S, OPTIONS..., "--", COMMAND...]``."""
     try:
@@ -334,9 +346,7 @@ def main(argv: list[str]) -> None:
     _containment = Containment(f"{os.environ.get(envvars.JOB_ID, 'job')}-r{os.environ.get(envvars.RANK, '0')}")
     enter, die_with_guard = _containment.enter, parent_death_killer()
     try:  # from the main thread (the parent-death signal follows the thread that forked), before any other starts
-        worker = subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=inherited_fds(os.environ),
-                                  env=command_env(os.environ),
-                                  preexec_fn=lambda: (enter(), die_with_guard()))  # noqa: PLW1509
+        worker = _start_worker(command, lambda: (enter(), die_with_guard()))
     except OSError as e:
         sys.stderr.write(f"hvdrun: cannot start {command[0]!r}: {e.strerror}\n")
         sys.exit(127)
