@@ -25,6 +25,7 @@ RECENT = 8  # finished collectives shown per rank
 _KEPT = 64  # collectives the recorder keeps
 _STACK_LINES = 12  # innermost frames shown per thread
 _INTERNAL_THREAD = "hvdrun-"  # hvdrun's own threads (engine, rendezvous, reports): not the program's
+_PRELOAD_FILE = os.path.join(PACKAGE_DIR, "launch", "remote", "preload.py")  # where a forked rank's code starts
 
 
 class Flight:
@@ -88,6 +89,13 @@ def _flight_row(flight: Flight) -> list[Any]:
     return [flight.seq, flight.name, flight.kind, flight.nbytes, flight.started, flight.ended]
 
 
+def _below_rank_entry(frames: list[traceback.FrameSummary]) -> list[traceback.FrameSummary]:
+    """``frames`` without the launcher's own below the rank's code (a rank forked from a preloaded fork server
+    runs inside its frames, ``launch/remote/preload.py``)."""
+    entries = [i for i, f in enumerate(frames) if f.filename == _PRELOAD_FILE]
+    return frames[entries[-1] + 1:] if entries else frames
+
+
 def _thread_stacks() -> list[list[Any]]:
     """``[[thread name, [frame lines, innermost last]], ...]`` of the program's threads, the main thread first.
 
@@ -101,7 +109,7 @@ def _thread_stacks() -> list[list[Any]]:
         name = names.get(ident, f"thread {ident}")
         if name.startswith(_INTERNAL_THREAD):
             continue
-        frames: list[traceback.FrameSummary] = list(traceback.extract_stack(frame))
+        frames: list[traceback.FrameSummary] = _below_rank_entry(list(traceback.extract_stack(frame)))
         entry = next((i for i, f in enumerate(frames) if f.filename.startswith(PACKAGE_DIR + os.sep)), None)
         if entry is not None:
             frames = frames[:entry + 1]
