@@ -82,6 +82,9 @@ def test_healthy_hosts_pass_every_check_and_the_allreduce(run_hvdrun, ssh_hosts)
     assert job["hosts"][1:] == ["h1", "h1", "h2"] and job["latency_s"] > 0 and job["bus_bandwidth"] > 0
     assert [(link["src"], link["dst"]) for link in job["links"]] == [(0, 1), (1, 2), (2, 3), (3, 0)]
     assert all(link["bandwidth"] > 0 for link in job["links"])
+
+
+def test_the_check_table_names_every_link(run_hvdrun, ssh_hosts):
     table = run_hvdrun("check", *SMALL, "-H", ssh_hosts.hosts(1, 2), *ssh_hosts.args(), timeout=120)
     assert table.returncode == 0, table.stderr
     assert "hvdrun check: all checks passed" in table.stdout and "link 1->0" in table.stdout

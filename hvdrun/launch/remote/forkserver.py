@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hvdrun.errors import LaunchError
+from hvdrun.launch.remote import proctitle
 from hvdrun.launch.remote.escapees import kill_rank_cgroups
 from hvdrun.launch.remote.preload import preload
 
@@ -268,7 +269,9 @@ class ForkServer:
         """
         ours, theirs = _socket_pair()
         try:
-            process = subprocess.Popen([sys.executable, __file__, str(theirs.fileno())], stdin=subprocess.DEVNULL,
+            pad, pad_env = proctitle.room()  # what ps shows of a forked rank is written over these strings
+            process = subprocess.Popen([sys.executable, __file__, str(theirs.fileno()), pad],
+                                       stdin=subprocess.DEVNULL, env={**os.environ, **pad_env},
                                        pass_fds=(theirs.fileno(),), start_new_session=True)
         except OSError as e:
             ours.close()

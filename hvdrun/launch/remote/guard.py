@@ -323,7 +323,7 @@ def _start_worker(command: list[str], prepare: Callable[[], object]) -> _Worker:
     env, inherit = command_env(os.environ), inherited_fds(os.environ)
     parsed = preload.why_not(command, env, bound=os.environ.get(envvars.CPU_BIND, "none") != "none")
     if isinstance(parsed, preload.PythonCommand):
-        return preload.start(parsed, env, inherit, prepare)
+        return preload.start(command, parsed, env, inherit, prepare)
     return subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=inherit, env=env,
                             preexec_fn=prepare)  # noqa: PLW1509
 

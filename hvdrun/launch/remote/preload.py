@@ -40,6 +40,8 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from hvdrun.launch.remote import proctitle
+
 PRELOAD = "HVDRUN_PRELOAD"  # the modules the fork server imports once (hvdrun.envvars names it too)
 _LATE_PREFIXES = ("HVDRUN_", "HOROVOD_", "TORCHELASTIC_", "NCCL_", "TORCH_NCCL_")
 _LATE_NAMES = frozenset({
@@ -276,11 +278,12 @@ class ForkedRank:
         return self.returncode
 
 
-def start(parsed: PythonCommand, environ: Mapping[str, str], inherit: Sequence[int],
+def start(command: Sequence[str], parsed: PythonCommand, environ: Mapping[str, str], inherit: Sequence[int],
           prepare: Callable[[], object]) -> ForkedRank:
     """Fork this (preloaded) process and run ``parsed`` in the child as the rank.
 
     Args:
+        command: the rank's command, as ``ps`` is to show it.
         parsed: the rank's command (from :func:`why_not`).
         environ: the rank's environment.
         inherit: file descriptors the rank keeps besides 0, 1 and 2 (MPICH's ``PMI_FD``).
@@ -292,6 +295,7 @@ def start(parsed: PythonCommand, environ: Mapping[str, str], inherit: Sequence[i
         try:
             prepare()
             _become_rank(environ, inherit, parsed.unbuffered)
+            proctitle.show_as(command, environ)
             code = _run_command(parsed)
         except BaseException:  # noqa: BLE001 - before the rank's code ran: say why, never return to the guard
             traceback.print_exc()

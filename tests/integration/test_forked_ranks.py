@@ -1,0 +1,58 @@
+"""Ranks forked from a fork server that preloaded torch (``hvdrun --preload``) see what a new interpreter shows
+them, and end the way it ends."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+WORKER = REPO / "tests" / "integration" / "workers" / "rank_facts.py"
+
+
+def rank_facts(stdout: str) -> list[dict]:
+    found = [json.loads(line.split("FACTS ", 1)[1]) for line in stdout.splitlines() if "FACTS " in line]
+    return sorted(found, key=lambda facts: facts["rank"])
+
+
+@pytest.fixture
+def worker(tmp_path):
+    shutil.copy(WORKER, tmp_path / "rank_facts.py")
+    return "rank_facts.py"
+
+
+def test_a_forked_rank_starts_and_ends_as_a_new_interpreter_would(run_hvdrun, worker):
+    runs = {choice: run_hvdrun("-np", "2", "--preload", choice, worker, "ok") for choice in ("auto", "none")}
+    for choice, done in runs.items():
+        assert done.returncode == 0, done.stderr
+        for rank in (0, 1):
+            lines = [line for line in done.stdout.splitlines() if line.startswith(f"[{rank}]<stdout>:")]
+            assert lines[-3:] == [f"[{rank}]<stdout>:{text}" for text in (
+                "written without a flush", "the non-daemon thread ended", "atexit ran")], (choice, done.stdout)
+    forked, fresh = (rank_facts(runs[choice].stdout) for choice in ("auto", "none"))
+    assert [f.pop("preloaded") for f in forked] == [True, True] and [f.pop("preloaded") for f in fresh] == [False] * 2
+    assert forked[0].pop("random") != forked[1].pop("random")  # each rank its own random state
+    for f in fresh:
+        f.pop("random")
+    assert forked == fresh
+    assert forked[0]["argv"] == ["rank_facts.py", "ok"] and forked[0]["stdin"] == ""
+    assert forked[0]["ps"] == ["-u", "rank_facts.py", "ok"] and forked[0]["environ_is_own"]
+
+
+@pytest.mark.parametrize(("end", "code", "says"), [
+    ("exit3", "exited with code 3", None),
+    ("raise", "exited with code 1", "ValueError: the rank failed"),
+    ("message", "exited with code 1", "the rank gave up"),
+    ("interrupt", "was killed by signal 2 (SIGINT)", "KeyboardInterrupt"),
+])
+def test_a_forked_rank_that_fails_reports_as_its_interpreter_would(run_hvdrun, worker, end, code, says):
+    done = run_hvdrun("-np", "1", worker, end)
+    assert done.returncode != 0 and f"rank 0 on host localhost {code}" in done.stderr, done.stderr
+    assert says is None or f"[0]<stderr>:{says}" in done.stdout + done.stderr
+    assert "preload.py" not in done.stderr  # the traceback starts at the rank's script, as python's would
+    assert "atexit ran" in done.stdout

@@ -1,0 +1,117 @@
+"""What the preload imports, and when a rank may start by fork (``launch/remote/preload.py``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvdrun.launch.plan import RunOptions, plan_job
+from hvdrun.launch.remote import preload
+from hvdrun.launch.remote.preload import PRELOAD, PythonCommand, choose_modules, parse_python_command, rank_source
+
+TRAIN = "import torch\nimport hvdrun.torch as hvd\nopt = hvd.DistributedOptimizer(torch.optim.SGD([], lr=1))\n"
+
+
+@pytest.mark.parametrize(("command", "expected"), [
+    (["python", "train.py", "--lr", "1"], PythonCommand("script", "train.py", ("--lr", "1"), False)),
+    (["python", "-u", "-m", "pkg.mod", "-x"], PythonCommand("module", "pkg.mod", ("-x",), True)),
+    (["python", "-c", "print(1)", "a"], PythonCommand("code", "print(1)", ("a",), False)),
+    (["python", "-O", "train.py"], "interpreter option -O"),
+    (["python", "-X", "importtime", "train.py"], "interpreter option -X"),
+    (["python", "-m"], "-m without a value"),
+    (["python", "-u"], "no script"),
+])
+def test_the_commands_a_preloaded_rank_can_run_and_why_others_cannot(command, expected):
+    assert parse_python_command(command) == expected
+
+
+@pytest.mark.parametrize(("choice", "source", "expected"), [
+    ("auto", TRAIN, ("torch", "torch._dynamo")),
+    ("auto", "import torch.distributed as dist\ndist.init_process_group('gloo')\n", ("torch",)),
+    ("auto", "def main():\n    import hvdrun.torch as hvd\n", ("torch",)),
+    ("auto", "from horovod.torch import allreduce\n", ("torch",)),
+    ("auto", "import os\nprint('torch is not imported here')\n", ()),
+    ("auto", None, ()),
+    ("none", TRAIN, ()),
+    ("numpy, torch", None, ("numpy", "torch")),
+])
+def test_auto_preloads_torch_only_for_scripts_that_import_it(choice, source, expected):
+    assert choose_modules(choice, source) == expected
+
+
+def test_the_source_of_a_script_a_python_command_a_module_and_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(TRAIN)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "job.py").write_text("import torch\n")
+    assert rank_source(["train.py", "--epochs", "1"]) == TRAIN
+    assert rank_source([sys.executable, "-u", "train.py"]) == TRAIN
+    assert rank_source(["pkg.job"], module=True) == "import torch\n"
+    assert rank_source(["python3", "-m", "pkg.job"]) == "import torch\n"
+    assert rank_source(["python", "-c", "import torch"]) == "import torch"
+    assert rank_source(["hostname"]) is None and rank_source(["missing.py"]) is None
+    assert "pkg" not in sys.modules  # looked up, never imported
+
+
+def test_only_variables_read_after_start_up_may_differ_from_the_preloads():
+    imported_under = {"PATH": "/bin", "OMP_PROC_BIND": "close", "RANK": "0", "CUDA_VISIBLE_DEVICES": "0",
+                      "HVDRUN_RANK": "0", "NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
+    rank = {**imported_under, "RANK": "3", "CUDA_VISIBLE_DEVICES": "3", "HVDRUN_RANK": "3", "NCCL_DEBUG": "WARN",
+            "OMP_NUM_THREADS": "2", "TORCHELASTIC_RESTART_COUNT": "1", "MASTER_PORT": "29500"}
+    assert preload.environment_difference(rank, imported_under) == []
+    changed = {**rank, "OMP_PROC_BIND": "spread", "LD_PRELOAD": "/lib/x.so", "PYTHONPATH": "/src"}
+    assert preload.environment_difference(changed, imported_under) == ["LD_PRELOAD", "OMP_PROC_BIND", "PYTHONPATH"]
+
+
+@pytest.fixture
+def preloaded(monkeypatch):
+    """This process as if it had preloaded torch under its own environment."""
+    environ = dict(os.environ)
+    monkeypatch.setattr(preload, "_preloaded", preload.Preloaded(("torch",), environ, frozenset()))
+    return environ
+
+
+def test_a_rank_forks_only_when_nothing_its_interpreter_decides_at_start_differs(preloaded, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    python = sys.executable
+    assert preload.why_not([python, "-u", str(script)], preloaded, bound=False) == PythonCommand(
+        "script", str(script), (), True)
+    assert preload.why_not(["/usr/bin/env", str(script)], preloaded, bound=False).endswith(f"is not {python}")
+    assert preload.why_not([python, "-O", str(script)], preloaded, bound=False) == "interpreter option -O"
+    different = preload.why_not([python, str(script)], {**preloaded, "LD_PRELOAD": "x.so"}, bound=False)
+    assert different == "environment differs from the preload's: LD_PRELOAD"
+    binding = {**preloaded, "OMP_PLACES": "cores"}
+    monkeypatch.setattr(preload, "_preloaded", preload.Preloaded(("torch",), binding, frozenset()))
+    assert preload.why_not([python, str(script)], binding, bound=False) == PythonCommand("script", str(script), (),
+                                                                                         False)
+    assert "OpenMP binding" in preload.why_not([python, str(script)], binding, bound=True)
+    assert preload.why_not([python, "gone.py"], binding, bound=False) == "gone.py is not a file"
+    (tmp_path / "torch.py").write_text("")  # python would import this one, not the preloaded torch
+    assert preload.why_not([python, str(script)], binding, bound=False) == f"{tmp_path / 'torch.py'} would shadow " \
+                                                                           "a preloaded module"
+
+
+def test_nothing_preloaded_means_every_rank_starts_a_new_interpreter(monkeypatch):
+    monkeypatch.setattr(preload, "_preloaded", None)
+    assert preload.why_not([sys.executable, "train.py"], dict(os.environ), bound=False) == "nothing preloaded"
+
+
+def test_the_plan_names_the_modules_for_the_ranks_and_drops_an_inherited_choice(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("train.py").write_text(TRAIN)
+    Path("other.py").write_text("print('no torch')\n")
+    inherited = {**os.environ, PRELOAD: "numpy"}  # an hvdrun started inside a rank
+
+    def modules(command: str, choice: str = "auto") -> str | None:
+        options = RunOptions(command=(command,), num_proc=1, hosts="localhost:1", preload=choice)
+        return plan_job(options, inherited).base_env.get(PRELOAD)
+
+    assert modules("train.py") == "torch,torch._dynamo"
+    assert modules("other.py") is None
+    assert modules("train.py", "none") is None
+    assert modules("other.py", "torch") == "torch"
