@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hvdrun.errors import LaunchError, UsageError
-from hvdrun.health.on_host import HealthFacts, ask_token, serve_token, torch_facts
+from hvdrun.health.on_host import HealthFacts, ask_token, installed_torch_version, serve_token
 from hvdrun.hosts import Host
 from hvdrun.launch.hostprobe import explain_probe_failure, module_command
 from hvdrun.launch.local import LOOPBACK
@@ -102,7 +102,7 @@ class Expectations:
     @classmethod
     def of_launcher(cls, gpus: int, gpus_from: str, min_disk_bytes: int) -> Expectations:
         """The launcher's own Python, hvdrun and torch (torch as ``import torch`` reports it)."""
-        return cls(python=sys.version.split()[0], hvdrun=__version__, torch=torch_facts()[0], gpus=gpus,
+        return cls(python=sys.version.split()[0], hvdrun=__version__, torch=installed_torch_version(), gpus=gpus,
                    gpus_from=gpus_from, min_disk_bytes=min_disk_bytes)
 
 

@@ -13,14 +13,17 @@ Runs under the host's Python, in the job's working directory; it needs hvdrun, n
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import threading
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from hvdrun.launch.remote import cpubind
 from hvdrun.launch.remote.hostfacts import HostFacts, facts
@@ -83,6 +86,21 @@ def torch_facts() -> tuple[str | None, str | None, list[Gpu]]:
     except Exception:  # noqa: BLE001,S110 - a broken CUDA runtime shows as no GPU (nvidia-smi says more)
         pass
     return str(torch.__version__), None, gpus
+
+
+def installed_torch_version() -> str | None:
+    """``torch.__version__`` as ``import torch`` would report it, read from ``torch/version.py`` without the
+    import (2 s of CPU); imported when that file says nothing plain. None when torch cannot be imported."""
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            text = Path(folder, "version.py").read_text()
+        except OSError:
+            continue
+        found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]\s*$", text, re.M)
+        if found:
+            return found.group(1)
+    return torch_facts()[0]
 
 
 def nvidia_smi_gpus() -> tuple[list[Gpu] | None, str | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import stat
+import sys
 from dataclasses import replace
 from datetime import datetime, timezone
 
@@ -198,3 +199,18 @@ def test_the_bindings_report_fails_a_core_list_the_host_does_not_have():
     expect = replace(EXPECT, cpu_bind="list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100")
     check = binding_check(polaris_like_facts(), expect, "x3001", 12)
     assert not check.ok and "local rank 7 gets cores 61-68, but 64-68 are not allowed here" in check.found
+
+
+def test_the_launchers_torch_version_is_read_without_importing_torch(tmp_path, monkeypatch):
+    import torch
+
+    from hvdrun.health.on_host import installed_torch_version
+
+    assert installed_torch_version() == str(torch.__version__)
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (fake / "version.py").write_text("from typing import Optional\n__version__ = '9.1.0a0+git1234'\ndebug = False\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch")
+    assert installed_torch_version() == "9.1.0a0+git1234"

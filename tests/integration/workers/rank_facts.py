@@ -22,6 +22,7 @@ def proc_view() -> dict:
 
 
 def facts() -> dict:
+    loader = torch.utils.data.DataLoader(range(4), batch_size=2, num_workers=1)  # forks a worker of its own
     handlers = {name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGINT", "SIGTERM", "SIGHUP",
                                                                                  "SIGPIPE", "SIGCHLD", "SIGUSR1")}
     return {"argv": sys.argv, "path0": sys.path[0], "file": __file__, "name": __name__, "spec": repr(__spec__),
@@ -29,7 +30,7 @@ def facts() -> dict:
             "handlers": handlers, "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
             "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
             "rank": os.environ["HVDRUN_RANK"], "unbuffered": sys.stdout.write_through,
-            **proc_view(), "loader": [b.tolist() for b in torch.utils.data.DataLoader(range(4), batch_size=2, num_workers=1)]}
+            **proc_view(), "loader": [batch.tolist() for batch in loader]}
 
 
 def late_line() -> None:
