@@ -25,7 +25,7 @@ RECENT = 8  # finished collectives shown per rank
 _KEPT = 64  # collectives the recorder keeps
 _STACK_LINES = 12  # innermost frames shown per thread
 _INTERNAL_THREAD = "hvdrun-"  # hvdrun's own threads (engine, rendezvous, reports): not the program's
-_PRELOAD_FILE = os.path.join(PACKAGE_DIR, "launch", "remote", "preload.py")  # where a forked rank's code starts
+_PRELOAD_FILE = os.path.join(PACKAGE_DIR, "launch", "remote", "inprocess.py")  # where a forked rank's code starts
 
 
 class Flight:

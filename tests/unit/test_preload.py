@@ -10,7 +10,8 @@ import pytest
 
 from hvdrun.launch.plan import RunOptions, plan_job
 from hvdrun.launch.remote import preload
-from hvdrun.launch.remote.preload import PRELOAD, PythonCommand, choose_modules, parse_python_command, rank_source
+from hvdrun.launch.remote.inprocess import PythonCommand, parse_python_command
+from hvdrun.launch.remote.preload import PRELOAD, choose_modules, rank_source
 
 TRAIN = "import torch\nimport hvdrun.torch as hvd\nopt = hvd.DistributedOptimizer(torch.optim.SGD([], lr=1))\n"
 

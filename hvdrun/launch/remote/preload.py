@@ -15,34 +15,26 @@ when the device runtime starts, never by ``import torch``), hvdrun's, torchrun's
 ``PYTHONUNBUFFERED`` and ``OMP_NUM_THREADS`` (both applied in the child). Anything else starts the rank the
 ordinary way: the preload saves time, never changes what a rank sees.
 
-In the child (:func:`_run_command`): the environment and standard streams are the rank's, signal handlers and
-mask are Python's defaults, ``random`` (and numpy's global generator) are reseeded, torch's thread count is what
-a fresh process would choose under the rank's ``OMP_NUM_THREADS`` and CPU binding, ``sys.argv``, ``sys.path[0]``
-and a new ``__main__`` are set as the interpreter sets them; at the end non-daemon threads are joined, ``atexit``
-functions run and the streams are flushed, and the exit status is the interpreter's (1 after an uncaught
-exception, death by SIGINT after an uncaught KeyboardInterrupt). Standard library only (the guard's rule).
+The child runs the command as a new interpreter would (``inprocess.py``) and shows its own command line and
+environment in ``/proc`` (``proctitle.py``). Standard library only (the guard's rule).
 """
 
 from __future__ import annotations
 
-import atexit
-import builtins
 import importlib
 import importlib.machinery
-import io
 import os
 import re
-import signal
 import sys
 import threading
 import traceback
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from hvdrun.launch.remote import proctitle
+from hvdrun.launch.remote import inprocess, proctitle
+from hvdrun.launch.remote.inprocess import PythonCommand, parse_python_command
 
-PRELOAD = "HVDRUN_PRELOAD"  # the modules the fork server imports once (hvdrun.envvars names it too)
+PRELOAD = "HVDRUN_PRELOAD"  # the modules the fork server imports once, comma-separated
 _LATE_PREFIXES = ("HVDRUN_", "HOROVOD_", "TORCHELASTIC_", "NCCL_", "TORCH_NCCL_")
 _LATE_NAMES = frozenset({
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -140,37 +132,7 @@ def preload(environ: Mapping[str, str]) -> None:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    _preloaded = Preloaded(modules, dict(environ), frozenset(_affinity()))
-
-
-def _affinity() -> set[int]:
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-
-
-@dataclass(frozen=True)
-class PythonCommand:
-    """A rank's ``python [-u] SCRIPT|-m MODULE|-c CODE ARGS...``, parsed."""
-
-    kind: str  # "script", "module" or "code"
-    target: str  # the script's path, the module's name or the code
-    args: tuple[str, ...]
-    unbuffered: bool
-
-
-def parse_python_command(command: Sequence[str]) -> PythonCommand | str:
-    """``command`` parsed, or why it is not a command the preload can run (other options, no target)."""
-    words, unbuffered = list(command[1:]), False
-    while words and words[0] == "-u":
-        unbuffered, words = True, words[1:]
-    if not words:
-        return "no script"
-    if words[0] in ("-m", "-c"):
-        if len(words) < 2:
-            return f"{words[0]} without a value"
-        return PythonCommand("module" if words[0] == "-m" else "code", words[1], tuple(words[2:]), unbuffered)
-    if words[0].startswith("-"):
-        return f"interpreter option {words[0]}"
-    return PythonCommand("script", words[0], tuple(words[1:]), unbuffered)
+    _preloaded = Preloaded(modules, dict(environ), frozenset(inprocess.affinity()))
 
 
 def _same_interpreter(program: str, environ: Mapping[str, str]) -> bool:
@@ -224,7 +186,7 @@ def why_not(command: Sequence[str], environ: Mapping[str, str], bound: bool) -> 
 
 def _shadowing_entry(parsed: PythonCommand) -> str | None:
     """A file or directory in the rank's first ``sys.path`` entry named like a preloaded top-level module."""
-    first = _path0(parsed)
+    first = inprocess.path0(parsed)
     assert _preloaded is not None
     for top in {m.split(".")[0] for m in _preloaded.modules}:
         for name in (top, f"{top}.py"):
@@ -232,13 +194,6 @@ def _shadowing_entry(parsed: PythonCommand) -> str | None:
             if os.path.exists(candidate):
                 return candidate
     return None
-
-
-def _path0(parsed: PythonCommand) -> str:
-    """``sys.path[0]`` of ``python`` running ``parsed``: the script's directory, the working directory, or ''."""
-    if parsed.kind == "script":
-        return os.path.dirname(os.path.realpath(parsed.target))
-    return os.getcwd() if parsed.kind == "module" else ""
 
 
 class ForkedRank:
@@ -294,9 +249,9 @@ def start(command: Sequence[str], parsed: PythonCommand, environ: Mapping[str, s
         code = 1
         try:
             prepare()
-            _become_rank(environ, inherit, parsed.unbuffered)
+            inprocess.become_rank(environ, inherit, parsed.unbuffered)
             proctitle.show_as(command, environ)
-            code = _run_command(parsed)
+            code = inprocess.run_command(parsed)
         except BaseException:  # noqa: BLE001 - before the rank's code ran: say why, never return to the guard
             traceback.print_exc()
         finally:
@@ -304,149 +259,3 @@ def start(command: Sequence[str], parsed: PythonCommand, environ: Mapping[str, s
     return ForkedRank(pid)
 
 
-def _become_rank(environ: Mapping[str, str], inherit: Sequence[int], unbuffered: bool) -> None:
-    """The process state a fresh interpreter would start the rank with."""
-    for signum in signal.valid_signals():
-        if signum not in (signal.SIGKILL, signal.SIGSTOP):
-            try:
-                signal.signal(signum, signal.SIG_DFL)
-            except (OSError, ValueError):
-                pass
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for signum in (signal.SIGPIPE, signal.SIGXFSZ):
-        signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    _close_fds_from(3, keep=set(inherit))
-    os.environ.clear()
-    os.environ.update(environ)
-    _reopen_streams(unbuffered or bool(environ.get("PYTHONUNBUFFERED")))
-    _reseed()
-    _set_threads(environ)
-
-
-def _close_fds_from(low: int, keep: set[int]) -> None:
-    for fd in sorted(keep | {1 << 20}):
-        if fd >= low:
-            os.closerange(low, fd)
-            low = fd + 1
-
-
-def _reopen_streams(unbuffered: bool) -> None:
-    """New ``sys.stdin``/``stdout``/``stderr`` on fds 0..2, buffered as the rank's interpreter would buffer them."""
-    encoding, errors = sys.stdout.encoding, sys.stdout.errors
-    for old in (sys.stdout, sys.stderr):
-        try:
-            old.flush()
-        except (OSError, ValueError):
-            pass
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False), encoding=encoding, errors=errors)
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        raw = open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False)
-        stream = io.TextIOWrapper(raw, encoding=encoding, errors="backslashreplace" if fd == 2 else errors,
-                                  line_buffering=fd == 2 or os.isatty(fd), write_through=unbuffered)
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
-
-
-def _reseed() -> None:
-    """Every rank its own random state, as a fresh interpreter has (``random`` reseeds itself at fork)."""
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        try:
-            numpy.random.seed()
-        except Exception:  # noqa: BLE001 - an unusual numpy: its generator stays as it is
-            pass
-
-
-def _set_threads(environ: Mapping[str, str]) -> None:
-    """torch's intra-op threads as a fresh process would choose them: ``OMP_NUM_THREADS``, else the CPUs this
-    process may run on (libgomp read both when torch was imported, before the rank's values were known)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return
-    value = environ.get("OMP_NUM_THREADS", "")
-    threads = int(value) if value.isdigit() and int(value) > 0 else len(_affinity()) or 1
-    if threads != torch.get_num_threads():
-        torch.set_num_threads(threads)
-
-
-def _run_command(parsed: PythonCommand) -> int:
-    """Run the rank's code as ``__main__`` and end as the interpreter ends; the exit status (or death by SIGINT)."""
-    interrupted = False
-    try:
-        _run_main(parsed)
-        code = 0
-    except SystemExit as e:
-        code = _exit_code(e)
-    except BaseException as e:  # noqa: BLE001 - the interpreter's own behaviour: report it, exit 1
-        own = _rank_frames(e.__traceback__)
-        sys.excepthook(type(e), e.with_traceback(own), own)
-        code, interrupted = 1, isinstance(e, KeyboardInterrupt)
-    code = _finalize(code)
-    if interrupted:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    return code
-
-
-def _rank_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """``tb`` without this module's frames: the traceback the rank's own interpreter would print."""
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    return tb
-
-
-def _run_main(parsed: PythonCommand) -> None:
-    main = types.ModuleType("__main__")
-    main.__dict__["__builtins__"] = builtins
-    sys.modules["__main__"] = main
-    path0 = _path0(parsed)
-    if not sys.flags.safe_path:
-        sys.path[0] = path0
-    if parsed.kind == "module":
-        import runpy
-
-        sys.argv = ["-m", *parsed.args]
-        runpy._run_module_as_main(parsed.target, alter_argv=True)  # what 'python -m' itself calls
-        return
-    if parsed.kind == "code":
-        sys.argv = ["-c", *parsed.args]
-        exec(compile(parsed.target, "<string>", "exec", dont_inherit=True), main.__dict__)  # noqa: S102
-        return
-    sys.argv = [parsed.target, *parsed.args]
-    path = os.path.abspath(parsed.target)  # __main__.__file__ is absolute since Python 3.9; argv[0] is as given
-    main.__file__, main.__cached__ = path, None
-    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
-    with open(path, "rb") as source:
-        code = compile(source.read(), path, "exec", dont_inherit=True)
-    exec(code, main.__dict__)  # noqa: S102 - running the rank's script is the point
-
-
-def _exit_code(e: SystemExit) -> int:
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code & 0xFF
-    try:
-        sys.stderr.write(f"{e.code}\n")
-    except (OSError, ValueError):
-        pass
-    return 1
-
-
-def _finalize(code: int) -> int:
-    """The interpreter's end: join non-daemon threads, run ``atexit`` functions, flush the streams (exit code
-    120 when that fails)."""
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-    except BaseException:  # noqa: BLE001
-        pass
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            code = 120 if code == 0 else code
-    return code
