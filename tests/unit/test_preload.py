@@ -71,7 +71,7 @@ def test_only_variables_read_after_start_up_may_differ_from_the_preloads():
 def preloaded(monkeypatch):
     """This process as if it had preloaded torch under its own environment."""
     environ = dict(os.environ)
-    monkeypatch.setattr(preload, "_preloaded", preload.Preloaded(("torch",), environ, frozenset()))
+    monkeypatch.setattr(preload, "_preloaded", preload.Preloaded(("torch",), environ))
     return environ
 
 
@@ -87,7 +87,7 @@ def test_a_rank_forks_only_when_nothing_its_interpreter_decides_at_start_differs
     different = preload.why_not([python, str(script)], {**preloaded, "LD_PRELOAD": "x.so"}, bound=False)
     assert different == "environment differs from the preload's: LD_PRELOAD"
     binding = {**preloaded, "OMP_PLACES": "cores"}
-    monkeypatch.setattr(preload, "_preloaded", preload.Preloaded(("torch",), binding, frozenset()))
+    monkeypatch.setattr(preload, "_preloaded", preload.Preloaded(("torch",), binding))
     assert preload.why_not([python, str(script)], binding, bound=False) == PythonCommand("script", str(script), (),
                                                                                          False)
     assert "OpenMP binding" in preload.why_not([python, str(script)], binding, bound=True)
@@ -116,3 +116,39 @@ def test_the_plan_names_the_modules_for_the_ranks_and_drops_an_inherited_choice(
     assert modules("other.py") is None
     assert modules("train.py", "none") is None
     assert modules("other.py", "torch") == "torch"
+
+
+@pytest.fixture
+def fresh_preload(monkeypatch):
+    """preload() as in a new fork server: nothing tried yet."""
+    monkeypatch.setattr(preload, "_tried", False)
+    monkeypatch.setattr(preload, "_preloaded", None)
+    return preload
+
+
+def test_the_fork_server_imports_once_under_the_ranks_environment(fresh_preload, monkeypatch):
+    environ = {**os.environ, PRELOAD: "json,email.utils", "ONLY_IN_THE_RANKS": "1"}
+    fresh_preload.preload(environ)
+    assert fresh_preload._preloaded == preload.Preloaded(("json", "email.utils"), environ)
+    assert "ONLY_IN_THE_RANKS" not in os.environ  # the server's own environment is given back
+    fresh_preload.preload({**environ, PRELOAD: "csv"})
+    assert fresh_preload._preloaded.modules == ("json", "email.utils")  # once per server
+
+
+@pytest.mark.parametrize("change", ["a module that fails", "another PYTHONPATH", "CUDA started"])
+def test_nothing_is_preloaded_when_a_forked_rank_could_not_be_what_a_new_one_is(fresh_preload, monkeypatch, change):
+    environ = {**os.environ, PRELOAD: "json"}
+    if change == "a module that fails":
+        environ[PRELOAD] = "json,no_such_module_here"
+    elif change == "another PYTHONPATH":
+        environ["PYTHONPATH"] = "/elsewhere"
+    else:
+        class Runtime:
+            @staticmethod
+            def is_initialized() -> bool:
+                return True
+
+        monkeypatch.setitem(sys.modules, "torch", type(sys)("torch"))
+        sys.modules["torch"].cuda = Runtime  # type: ignore[attr-defined]
+    fresh_preload.preload(environ)
+    assert fresh_preload._preloaded is None

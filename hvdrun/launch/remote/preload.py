@@ -103,7 +103,6 @@ class Preloaded:
 
     modules: tuple[str, ...]
     environ: dict[str, str]
-    affinity: frozenset[int]
 
 
 _preloaded: Preloaded | None = None
@@ -132,7 +131,16 @@ def preload(environ: Mapping[str, str]) -> None:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    _preloaded = Preloaded(modules, dict(environ), frozenset(inprocess.affinity()))
+    if not _device_runtime_started():
+        _preloaded = Preloaded(modules, dict(environ))
+
+
+def _device_runtime_started() -> bool:
+    """torch's CUDA or XPU runtime started during the imports: a forked child could not use its GPU
+    ("Cannot re-initialize CUDA in forked subprocess"), so the ranks must start new interpreters."""
+    torch = sys.modules.get("torch")
+    return torch is not None and any(
+        getattr(getattr(torch, name, None), "is_initialized", lambda: False)() for name in ("cuda", "xpu"))
 
 
 def _same_interpreter(program: str, environ: Mapping[str, str]) -> bool:
