@@ -478,7 +478,7 @@ def _prepare_output_dir(path: str | None) -> None:
 def describe_plan(plan: JobPlan) -> str:
     """A table of the ranks: host, local and cross rank, GPUs, and the command."""
     lines = [f"hvdrun: {len(plan.slots)} ranks, launcher {plan.launcher}: {' '.join(plan.command)}"]
-    if plan.base_env.get(PRELOAD):
+    if plan.base_env.get(PRELOAD) and plan.launcher in ("local", "ssh"):
         lines.append(f"hvdrun: preload: {plan.base_env[PRELOAD]} (imported once per host; ranks start by fork "
                      "where their Python and environment allow)")
     lines.append("  rank  host                  local  cross  gpus")

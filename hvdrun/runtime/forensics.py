@@ -91,7 +91,7 @@ def _flight_row(flight: Flight) -> list[Any]:
 
 def _below_rank_entry(frames: list[traceback.FrameSummary]) -> list[traceback.FrameSummary]:
     """``frames`` without the launcher's own below the rank's code (a rank forked from a preloaded fork server
-    runs inside its frames, ``launch/remote/preload.py``)."""
+    runs inside its frames, ``launch/remote/inprocess.py``)."""
     entries = [i for i, f in enumerate(frames) if f.filename == _PRELOAD_FILE]
     return frames[entries[-1] + 1:] if entries else frames
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+import zipapp
 
 import pytest
 
@@ -56,3 +58,31 @@ def test_a_forked_rank_that_fails_reports_as_its_interpreter_would(run_hvdrun, w
     assert says is None or f"[0]<stderr>:{says}" in done.stdout + done.stderr
     assert "preload.py" not in done.stderr  # the traceback starts at the rank's script, as python's would
     assert "atexit ran" in done.stdout
+
+
+@pytest.fixture
+def exit_paths(tmp_path):
+    shutil.copy(REPO / "tests" / "integration" / "workers" / "exit_paths.py", tmp_path / "exit_paths.py")
+    return tmp_path
+
+
+def test_a_forked_rank_flushes_what_the_interpreters_end_would(run_hvdrun, hvdrun_env, exit_paths):
+    hvdrun_env.pop("PYTHONUNBUFFERED", None)  # the fork server's C stdout is then fully buffered, as on a cluster
+    done = run_hvdrun("-np", "1", "exit_paths.py", "last")
+    assert done.returncode == 0, done.stderr
+    assert "[0]<stdout>:preloaded=True faulthandler=False orig_argv=['exit_paths.py', 'last']" in done.stdout
+    assert "[0]<stdout>:a C printf line" in done.stdout
+    assert (exit_paths / "unclosed.txt").read_text() == "every byte arrives\n"
+
+
+def test_a_start_up_variable_or_a_zipapp_starts_a_new_interpreter(run_hvdrun, exit_paths):
+    done = run_hvdrun("-np", "1", "-x", "PYTHONFAULTHANDLER=1", "exit_paths.py")
+    assert done.returncode == 0, done.stderr
+    assert "[0]<stdout>:preloaded=False faulthandler=True" in done.stdout
+    app = exit_paths / "app"
+    app.mkdir()
+    shutil.copy(exit_paths / "exit_paths.py", app / "__main__.py")
+    zipapp.create_archive(app, exit_paths / "app.pyz")
+    done = run_hvdrun("-np", "1", "--preload", "torch", sys.executable, "app.pyz")
+    assert done.returncode == 0, done.stderr
+    assert "[0]<stdout>:preloaded=False" in done.stdout and "[0]<stdout>:a C printf line" in done.stdout

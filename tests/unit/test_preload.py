@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -61,10 +62,21 @@ def test_only_variables_read_after_start_up_may_differ_from_the_preloads():
     imported_under = {"PATH": "/bin", "OMP_PROC_BIND": "close", "RANK": "0", "CUDA_VISIBLE_DEVICES": "0",
                       "HVDRUN_RANK": "0", "NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
     rank = {**imported_under, "RANK": "3", "CUDA_VISIBLE_DEVICES": "3", "HVDRUN_RANK": "3", "NCCL_DEBUG": "WARN",
-            "OMP_NUM_THREADS": "2", "TORCHELASTIC_RESTART_COUNT": "1", "MASTER_PORT": "29500"}
+            "TORCHELASTIC_RESTART_COUNT": "1", "MASTER_PORT": "29500", "PYTHONUNBUFFERED": "0"}
     assert preload.environment_difference(rank, imported_under) == []
-    changed = {**rank, "OMP_PROC_BIND": "spread", "LD_PRELOAD": "/lib/x.so", "PYTHONPATH": "/src"}
-    assert preload.environment_difference(changed, imported_under) == ["LD_PRELOAD", "OMP_PROC_BIND", "PYTHONPATH"]
+    changed = {**rank, "OMP_PROC_BIND": "spread", "LD_PRELOAD": "/lib/x.so", "PYTHONPATH": "/src",
+               "OMP_NUM_THREADS": "2"}  # numpy's BLAS, imported with torch, read it at its load
+    assert preload.environment_difference(changed, imported_under) == ["LD_PRELOAD", "OMP_NUM_THREADS",
+                                                                       "OMP_PROC_BIND", "PYTHONPATH"]
+
+
+def test_what_the_loader_and_interpreter_read_at_start_is_compared_with_the_servers_own_start():
+    started_under = {"LANG": "C.UTF-8", "PYTHONPATH": "/src"}  # the fork server's (hvdrun's, or sshd's) start
+    rank = {"PATH": "/bin", "LANG": "C.UTF-8", "PYTHONPATH": "/src", "LD_PRELOAD": "libjemalloc.so"}
+    imported_under = dict(rank)  # `-x LD_PRELOAD=...`: every rank, and the preload's request, have it
+    assert preload.environment_difference(rank, imported_under, started_under) == ["LD_PRELOAD"]
+    assert preload.environment_difference({**rank, "LD_PRELOAD": ""}, {**imported_under, "LD_PRELOAD": ""},
+                                          {**started_under, "LD_PRELOAD": ""}) == []
 
 
 @pytest.fixture
@@ -91,10 +103,17 @@ def test_a_rank_forks_only_when_nothing_its_interpreter_decides_at_start_differs
     assert preload.why_not([python, str(script)], binding, bound=False) == PythonCommand("script", str(script), (),
                                                                                          False)
     assert "OpenMP binding" in preload.why_not([python, str(script)], binding, bound=True)
-    assert preload.why_not([python, "gone.py"], binding, bound=False) == "gone.py is not a file"
+    assert preload.why_not([python, "gone.py"], binding, bound=False).startswith("gone.py is not a Python source")
     (tmp_path / "torch.py").write_text("")  # python would import this one, not the preloaded torch
-    assert preload.why_not([python, str(script)], binding, bound=False) == f"{tmp_path / 'torch.py'} would shadow " \
-                                                                           "a preloaded module"
+    assert preload.why_not([python, str(script)], binding, bound=False) == (
+        f"{tmp_path / 'torch.py'} beside the rank's code would shadow a module already imported here")
+    (tmp_path / "torch.py").unlink()
+    (tmp_path / "app.pyz").write_bytes(b"PK\x05\x06" + b"\0" * 18)  # an empty zip archive: a zipapp's shape
+    (tmp_path / "cached.pyc").write_bytes(importlib.util.MAGIC_NUMBER + b"\0" * 12)
+    for other in ("app.pyz", "cached.pyc", "."):
+        assert "is not a Python source file" in preload.why_not([python, other], binding, bound=False)
+    monkeypatch.setitem(sys.modules, "sitecustomize", type(sys)("sitecustomize"))
+    assert "sitecustomize" in preload.why_not([python, str(script)], binding, bound=False)
 
 
 def test_nothing_preloaded_means_every_rank_starts_a_new_interpreter(monkeypatch):

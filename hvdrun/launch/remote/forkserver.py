@@ -38,6 +38,7 @@ from typing import Any
 from hvdrun.errors import LaunchError
 from hvdrun.launch.remote import proctitle
 from hvdrun.launch.remote.escapees import kill_rank_cgroups
+from hvdrun.launch.remote.guard import command_env
 from hvdrun.launch.remote.preload import preload
 
 MAX_MESSAGE_BYTES = 8 << 20  # one request at most (the socket's send buffer bounds it further, see request())
@@ -105,7 +106,7 @@ def _serve_request(sock: socket.socket, wakeup: tuple[int, int], number: int) ->
         if len(fds) != FDS_PER_REQUEST:
             raise ValueError(f"expected {FDS_PER_REQUEST} file descriptors, got {len(fds)}")
         request = marshal.loads(data)
-        preload(request[1])  # the first request's environment: import what the job's ranks will import, once
+        preload(command_env(request[1]))  # the first rank's environment: import what the ranks will import, once
         pid = os.fork()
     except (OSError, ValueError, EOFError, TypeError) as e:
         _send(sock, ("failed", number, str(e)))

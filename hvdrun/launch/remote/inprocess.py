@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import ctypes
+import gc
 import importlib.machinery
 import io
 import os
@@ -54,9 +56,8 @@ def parse_python_command(command: Sequence[str]) -> PythonCommand | str:
 
 
 def affinity() -> set[int]:
+    """The CPUs this process may run on (empty where the platform cannot say)."""
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-
-
 
 
 def path0(parsed: PythonCommand) -> str:
@@ -83,9 +84,31 @@ def become_rank(environ: Mapping[str, str], inherit: Sequence[int], unbuffered: 
     _close_fds_from(3, keep=set(inherit))
     os.environ.clear()
     os.environ.update(environ)
-    _reopen_streams(unbuffered or bool(environ.get("PYTHONUNBUFFERED")))
+    unbuffered = unbuffered or bool(environ.get("PYTHONUNBUFFERED"))
+    _reopen_streams(unbuffered)
+    if unbuffered:
+        _unbuffer_c_stdio()  # as the interpreter does for -u: an extension's printf goes out at once
     _reseed()
     _set_threads(environ)
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def _unbuffer_c_stdio() -> None:
+    libc = _libc()
+    if libc is None:
+        return
+    for name in ("stdout", "stderr"):
+        try:
+            stream = ctypes.c_void_p.in_dll(libc, name)
+        except ValueError:
+            continue
+        libc.setvbuf(stream, None, 2, 0)  # _IONBF
 
 
 def _close_fds_from(low: int, keep: set[int]) -> None:
@@ -207,9 +230,29 @@ def _finalize(code: int) -> int:
     except BaseException:  # noqa: BLE001
         pass
     atexit._run_exitfuncs()
+    _close_what_finalization_closes()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             code = 120 if code == 0 else code
+    libc = _libc()
+    if libc is not None:
+        libc.fflush(None)  # C stdio's buffers (an extension's printf): exit(3) would flush them, _exit does not
     return code
+
+
+def _close_what_finalization_closes() -> None:
+    """What the interpreter's finalization does to the rank's objects before the process ends: ``__main__``'s
+    names go (their files close, flushing what they buffered), and every file still open is flushed."""
+    main = sys.modules.get("__main__")
+    if main is not None:
+        main.__dict__.clear()
+    gc.collect()
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase) and obj not in (sys.stdout, sys.stderr):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except (OSError, ValueError):
+                pass

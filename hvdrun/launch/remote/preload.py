@@ -21,10 +21,12 @@ environment in ``/proc`` (``proctitle.py``). Standard library only (the guard's 
 
 from __future__ import annotations
 
+import gc
 import importlib
-import importlib.machinery
+import importlib.util
 import os
 import re
+import shutil
 import sys
 import threading
 import traceback
@@ -39,10 +41,14 @@ _LATE_PREFIXES = ("HVDRUN_", "HOROVOD_", "TORCHELASTIC_", "NCCL_", "TORCH_NCCL_"
 _LATE_NAMES = frozenset({
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
-    "ROCR_VISIBLE_DEVICES", "ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY", "PYTHONUNBUFFERED", "OMP_NUM_THREADS",
+    "ROCR_VISIBLE_DEVICES", "ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY", "PYTHONUNBUFFERED",
     "PMI_FD", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "PALS_RANKID", "PALS_LOCAL_RANKID",
 })
 _BINDING_NAMES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")  # read at libgomp's load
+# read when this process started (the loader, the interpreter, its site hooks): compared with its own start
+_EXEC_PREFIXES = ("LD_", "PYTHON", "LC_", "MALLOC_", "GLIBC_TUNABLES", "LANG", "COVERAGE_PROCESS_START")
+_STARTED_UNDER = {name: value for name, value in os.environ.items() if name.startswith(_EXEC_PREFIXES)}
+_DEVICE_LIBRARIES = ("libcuda.so", "libamdhip64.so", "libze_loader.so", "libnvidia-ml.so")
 
 
 _IMPORTS_TORCH = re.compile(r"^[ \t]*(?:import|from)[ \t]+(?:torch|hvdrun\.torch|horovod\.torch)\b", re.M)
@@ -126,27 +132,43 @@ def preload(environ: Mapping[str, str]) -> None:
         os.environ.update(environ)
         for module in modules:
             importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - any failure: the ranks import it themselves and report it
+    except BaseException:  # noqa: BLE001 - even SystemExit: the ranks import it themselves and report it
         return
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        _flush_standard_streams()  # what an import printed must not reach every rank's output from its buffer
     if not _device_runtime_started():
+        gc.freeze()  # the preloaded objects stay out of the collector's passes: their pages stay shared
         _preloaded = Preloaded(modules, dict(environ))
 
 
+def _flush_standard_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
 def _device_runtime_started() -> bool:
-    """torch's CUDA or XPU runtime started during the imports: a forked child could not use its GPU
-    ("Cannot re-initialize CUDA in forked subprocess"), so the ranks must start new interpreters."""
+    """A GPU runtime started during the imports (torch's CUDA or XPU, or a driver library loaded, as
+    ``torch.cuda.device_count()`` does): a forked child could not use its GPU ("Cannot re-initialize CUDA in
+    forked subprocess"), so the ranks must start new interpreters."""
     torch = sys.modules.get("torch")
-    return torch is not None and any(
-        getattr(getattr(torch, name, None), "is_initialized", lambda: False)() for name in ("cuda", "xpu"))
+    if torch is not None and any(
+            getattr(getattr(torch, name, None), "is_initialized", lambda: False)() for name in ("cuda", "xpu")):
+        return True
+    try:
+        with open("/proc/self/maps") as maps:
+            mapped = maps.read()
+    except OSError:
+        return False
+    return any(library in mapped for library in _DEVICE_LIBRARIES)
 
 
 def _same_interpreter(program: str, environ: Mapping[str, str]) -> bool:
     """``program`` (a path, or a name looked up on the rank's PATH) is this interpreter, in this virtualenv."""
-    import shutil
-
     found = program if os.sep in program else shutil.which(program, path=environ.get("PATH", os.defpath))
     if not found:
         return False
@@ -158,10 +180,17 @@ def _is_late(name: str) -> bool:
     return name in _LATE_NAMES or name.startswith(_LATE_PREFIXES)
 
 
-def environment_difference(environ: Mapping[str, str], imported_under: Mapping[str, str]) -> list[str]:
-    """The variables, read at start-up or import, whose values differ between the two environments."""
+def environment_difference(environ: Mapping[str, str], imported_under: Mapping[str, str],
+                           started_under: Mapping[str, str] | None = None) -> list[str]:
+    """The variables, read at start-up or import, whose values differ: every variable but the late ones against
+    the environment the modules were imported under, and those the loader and the interpreter read at their
+    start (``LD_*``, ``PYTHON*``, locale, malloc) also against the one this process started under."""
     names = set(environ) | set(imported_under)
-    return sorted(n for n in names if not _is_late(n) and environ.get(n) != imported_under.get(n))
+    different = {n for n in names if not _is_late(n) and environ.get(n) != imported_under.get(n)}
+    if started_under is not None:
+        started = {n for n in set(environ) | set(started_under) if n.startswith(_EXEC_PREFIXES) and not _is_late(n)}
+        different |= {n for n in started if environ.get(n) != started_under.get(n)}
+    return sorted(different)
 
 
 def why_not(command: Sequence[str], environ: Mapping[str, str], bound: bool) -> PythonCommand | str:
@@ -179,29 +208,42 @@ def why_not(command: Sequence[str], environ: Mapping[str, str], bound: bool) -> 
     parsed = parse_python_command(command)
     if isinstance(parsed, str):
         return parsed
-    different = environment_difference(environ, _preloaded.environ)
+    different = environment_difference(environ, _preloaded.environ, _STARTED_UNDER)
     if different:
         return f"environment differs from the preload's: {', '.join(different[:5])}"
     if bound and any(environ.get(name) for name in _BINDING_NAMES):
         return "an OpenMP binding variable with --cpu-bind (libgomp read it at import, before the binding)"
-    if parsed.kind == "script" and not os.path.isfile(parsed.target):
-        return f"{parsed.target} is not a file"
-    shadowed = _shadowing_entry(parsed)
+    if parsed.kind == "script" and not _is_source_file(parsed.target):
+        return f"{parsed.target} is not a Python source file (a zipapp, .pyc or directory runs in a new Python)"
+    if {"sitecustomize", "usercustomize"} & set(sys.modules):
+        return "a sitecustomize or usercustomize ran at this process's start, not at the rank's"
+    shadowed = _shadowing_entries(parsed)
     if shadowed:
-        return f"{shadowed} would shadow a preloaded module"
+        return f"{', '.join(shadowed[:3])} beside the rank's code would shadow a module already imported here"
     return parsed
 
 
-def _shadowing_entry(parsed: PythonCommand) -> str | None:
-    """A file or directory in the rank's first ``sys.path`` entry named like a preloaded top-level module."""
-    first = inprocess.path0(parsed)
-    assert _preloaded is not None
-    for top in {m.split(".")[0] for m in _preloaded.modules}:
-        for name in (top, f"{top}.py"):
-            candidate = os.path.join(first or os.getcwd(), name)
-            if os.path.exists(candidate):
-                return candidate
-    return None
+def _is_source_file(path: str) -> bool:
+    """A regular file that ``python PATH`` runs as source: not a zip archive (zipapp), not bytecode."""
+    import zipfile
+
+    if not os.path.isfile(path) or zipfile.is_zipfile(path):
+        return False
+    with open(path, "rb") as source:
+        return source.read(4) != importlib.util.MAGIC_NUMBER
+
+
+def _shadowing_entries(parsed: PythonCommand) -> list[str]:
+    """Entries of the rank's first ``sys.path`` entry named like a module this process already imported: a new
+    interpreter would import the rank's file, this one has the module."""
+    first = inprocess.path0(parsed) or os.getcwd()
+    try:
+        names = os.listdir(first)
+    except OSError:
+        return []
+    preloaded = _preloaded.modules if _preloaded else ()
+    loaded = {name.split(".")[0] for name in (*sys.modules, *preloaded)} - {"__main__"}
+    return sorted(os.path.join(first, n) for n in names if (n[:-3] if n.endswith(".py") else n) in loaded)
 
 
 class ForkedRank:
@@ -214,7 +256,10 @@ class ForkedRank:
 
     def _collect(self, options: int) -> int | None:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, options)
+            try:
+                pid, status = os.waitpid(self.pid, options)
+            except ChildProcessError:  # reaped by another waiter (waitpid(-1)): its status is lost, as Popen says
+                pid, status = self.pid, 0
             if pid == self.pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
@@ -225,8 +270,6 @@ class ForkedRank:
             return self.returncode
         try:
             return self._collect(os.WNOHANG)
-        except ChildProcessError:
-            return self.returncode
         finally:
             self._lock.release()
 
@@ -258,6 +301,7 @@ def start(command: Sequence[str], parsed: PythonCommand, environ: Mapping[str, s
         try:
             prepare()
             inprocess.become_rank(environ, inherit, parsed.unbuffered)
+            sys.orig_argv = list(command)
             proctitle.show_as(command, environ)
             code = inprocess.run_command(parsed)
         except BaseException:  # noqa: BLE001 - before the rank's code ran: say why, never return to the guard
