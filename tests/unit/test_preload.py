@@ -31,10 +31,10 @@ def test_the_commands_a_preloaded_rank_can_run_and_why_others_cannot(command, ex
 
 
 @pytest.mark.parametrize(("choice", "source", "expected"), [
-    ("auto", TRAIN, ("torch", "torch._dynamo")),
+    ("auto", TRAIN, ("torch", "torch._dynamo", "hvdrun.torch")),
     ("auto", "import torch.distributed as dist\ndist.init_process_group('gloo')\n", ("torch",)),
-    ("auto", "def main():\n    import hvdrun.torch as hvd\n", ("torch",)),
-    ("auto", "from horovod.torch import allreduce\n", ("torch",)),
+    ("auto", "def main():\n    import hvdrun.torch as hvd\n", ("torch", "hvdrun.torch")),
+    ("auto", "from horovod.torch import allreduce\n", ("torch", "hvdrun.torch")),
     ("auto", "import os\nprint('torch is not imported here')\n", ()),
     ("auto", None, ()),
     ("none", TRAIN, ()),
@@ -131,7 +131,7 @@ def test_the_plan_names_the_modules_for_the_ranks_and_drops_an_inherited_choice(
         options = RunOptions(command=(command,), num_proc=1, hosts="localhost:1", preload=choice)
         return plan_job(options, inherited).base_env.get(PRELOAD)
 
-    assert modules("train.py") == "torch,torch._dynamo"
+    assert modules("train.py") == "torch,torch._dynamo,hvdrun.torch"
     assert modules("other.py") is None
     assert modules("train.py", "none") is None
     assert modules("other.py", "torch") == "torch"

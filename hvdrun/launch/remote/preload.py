@@ -52,21 +52,24 @@ _DEVICE_LIBRARIES = ("libcuda.so", "libamdhip64.so", "libze_loader.so", "libnvid
 
 
 _IMPORTS_TORCH = re.compile(r"^[ \t]*(?:import|from)[ \t]+(?:torch|hvdrun\.torch|horovod\.torch)\b", re.M)
+_IMPORTS_HVDRUN_TORCH = re.compile(r"^[ \t]*(?:import|from)[ \t]+(?:hvdrun\.torch|horovod\.torch)\b", re.M)
 _BUILDS_OPTIMIZER = re.compile(r"\boptim\b|Optimizer\b")
 AUTO, NONE = "auto", "none"
 
 
 def choose_modules(choice: str, source: str | None) -> tuple[str, ...]:
     """The modules to preload: ``choice`` (``auto``, ``none`` or ``mod,mod``); for ``auto``, torch when the rank's
-    source (``source``: its script or module, None when unknown) imports it, and ``torch._dynamo`` when it also
-    builds an optimizer (the first ``step()`` imports it)."""
+    source (``source``: its script or module, None when unknown) imports it, ``torch._dynamo`` when it also
+    builds an optimizer (the first ``step()`` imports it), and ``hvdrun.torch`` when it imports that (or Horovod's
+    ``horovod.torch``, which is hvdrun's under ``--horovod-compat``): hvdrun's runtime reads no variable at import."""
     if choice == NONE:
         return ()
     if choice != AUTO:
         return tuple(m.strip() for m in choice.split(",") if m.strip())
     if source is None or not _IMPORTS_TORCH.search(source):
         return ()
-    return ("torch", "torch._dynamo") if _BUILDS_OPTIMIZER.search(source) else ("torch",)
+    modules = ("torch", "torch._dynamo") if _BUILDS_OPTIMIZER.search(source) else ("torch",)
+    return (*modules, "hvdrun.torch") if _IMPORTS_HVDRUN_TORCH.search(source) else modules
 
 
 def rank_source(command: Sequence[str], module: bool = False, limit: int = 1 << 20) -> str | None:
