@@ -325,6 +325,8 @@ SSH_CONNECTION = "SSH_CONNECTION"  # sshd's "client_ip client_port server_ip ser
 # (launch/agent_forest.py)
 SSH_FANOUT = "HVDRUN_SSH_FANOUT"
 TASK = "HVDRUN_TASK"  # hvdrun.run(fn): the pickled call a rank runs (launch/remote/task.py)
+PRELOAD = "HVDRUN_PRELOAD"  # modules each host's fork server imports once, comma-separated (launch/remote/preload.py)
+PROC_ROOM = "HVDRUN_PROC_ROOM"  # blanks in the fork server's environment: room for a forked rank's (proctitle.py)
 
 # -- the worker side: who started us? -------------------------------------------------------
 

@@ -21,6 +21,7 @@ from hvdrun.envvars import (
     DEVICE_ORDINAL,
     GPU_LAYOUT,
     HOROVOD_COMPAT,
+    PRELOAD,
     START_TIMEOUT,
     TIMELINE,
     Rendezvous,
@@ -45,7 +46,7 @@ from hvdrun.launch.base import WorkerSpec
 from hvdrun.launch.elastic.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.elastic.driver import check_settings, make_discovery
 from hvdrun.launch.elastic.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, ElasticSettings
-from hvdrun.launch.remote.preload import AUTO, PRELOAD, choose_modules, rank_source
+from hvdrun.launch.remote.preload import AUTO, choose_modules, rank_source
 from hvdrun.launch.staging import DEFAULT_STAGE_DIR, StagePlan, check_stage_dir, plan_staging, staged_env
 from hvdrun.launch.supervision import DEFAULT_FORWARD_SIGNALS, parse_signal_list
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, parse_rank_list, total_slots

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from hvdrun.envvars import PRELOAD
 from hvdrun.launch.plan import RunOptions, plan_job
 from hvdrun.launch.remote import preload
 from hvdrun.launch.remote.inprocess import PythonCommand, parse_python_command
-from hvdrun.launch.remote.preload import PRELOAD, choose_modules, rank_source
+from hvdrun.launch.remote.preload import choose_modules, rank_source
 
 TRAIN = "import torch\nimport hvdrun.torch as hvd\nopt = hvd.DistributedOptimizer(torch.optim.SGD([], lr=1))\n"
 

@@ -33,10 +33,10 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from hvdrun.envvars import PRELOAD
 from hvdrun.launch.remote import inprocess, proctitle
 from hvdrun.launch.remote.inprocess import PythonCommand, parse_python_command
 
-PRELOAD = "HVDRUN_PRELOAD"  # the modules the fork server imports once, comma-separated
 _LATE_PREFIXES = ("HVDRUN_", "HOROVOD_", "TORCHELASTIC_", "NCCL_", "TORCH_NCCL_")
 _LATE_NAMES = frozenset({
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",

@@ -15,14 +15,15 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Mapping, Sequence
 
-ROOM_VARIABLE = "HVDRUN_PROC_ROOM"  # blank padding in the fork server's environment: room for a rank's
+from hvdrun.envvars import PROC_ROOM
+
 _FIRST = ("HVDRUN_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "HOROVOD_")  # environment entries written first
 
 
 def room(command_bytes: int = 1024, environ_bytes: int = 16384) -> tuple[str, dict[str, str]]:
     """An extra argument and environment entry of blanks, for a process whose strings :func:`show_as` will
     rewrite: room for a rank's command line and for what its environment adds to the process's."""
-    return " " * command_bytes, {ROOM_VARIABLE: " " * environ_bytes}
+    return " " * command_bytes, {PROC_ROOM: " " * environ_bytes}
 
 
 def _areas() -> tuple[int, int, int, int] | None:
