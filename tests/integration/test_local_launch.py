@@ -268,8 +268,11 @@ def test_the_rank_whose_failure_came_first_is_blamed_every_time(run_hvdrun, tmp_
         summary = done.stderr[done.stderr.index("hvdrun: error:"):]
         assert summary.startswith("hvdrun: error: rank 1 on host localhost exited with code 1"), summary
         assert "ValueError: rank 1's own bug" in summary
-        assert "[0]<stderr>:hvdrun.errors.CollectiveError: rank 1 failed with ValueError: rank 1's own bug" \
-            in done.stderr
+        # rank 0 either failed as a consequence (its runtime says so) or was stopped by hvdrun before it could: a
+        # loaded machine may not run it between rank 1's abort message and hvdrun's SIGTERM (seen once in CI)
+        consequence = "[0]<stderr>:hvdrun.errors.CollectiveError: rank 1 failed with ValueError: rank 1's own bug"
+        assert consequence in done.stderr or "rank 0 on localhost: stopped by hvdrun after the failure" in summary, \
+            summary
         assert "\x1ehvdrun" not in done.stderr + done.stdout
         assert b"\x1ehvdrun" not in (tmp_path / f"logs{attempt}" / "rank.0" / "stderr").read_bytes()
 
