@@ -21,18 +21,15 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from startup import _bin  # noqa: E402 - the benchmarks' own helpers
+from startup import _bin, _run  # noqa: E402 - the benchmarks' own helpers
 
 REPO = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 600
 STEP = """
 import torch
 model = torch.nn.Linear(64, 8)
@@ -47,7 +44,7 @@ import hvdrun.torch as hvd
 hvd.init()
 """ + STEP + """
 hvd.allreduce(torch.ones(1), name="past")
-print(f"PAST_STEP {time.time() - float(os.environ['BENCH_T0']):.3f}", flush=True)
+print(f"PAST_INIT {time.time() - float(os.environ['BENCH_T0']):.3f}", flush=True)
 """
 TORCHRUN_WORKER = """
 import os, time
@@ -56,7 +53,7 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 """ + STEP + """
 dist.all_reduce(torch.ones(1))
-print(f"PAST_STEP {time.time() - float(os.environ['BENCH_T0']):.3f}", flush=True)
+print(f"PAST_INIT {time.time() - float(os.environ['BENCH_T0']):.3f}", flush=True)
 dist.destroy_process_group()
 """
 MPI_WORKER = """
@@ -65,7 +62,7 @@ from mpi4py import MPI
 import torch
 """ + STEP + """
 MPI.COMM_WORLD.Barrier()
-print(f"PAST_STEP {time.time() - float(os.environ['BENCH_T0']):.3f}", flush=True)
+print(f"PAST_INIT {time.time() - float(os.environ['BENCH_T0']):.3f}", flush=True)
 """
 
 
@@ -75,16 +72,12 @@ def _children_cpu_s() -> float:
 
 
 def measure(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Run ``argv``: (seconds to the last ``PAST_STEP`` line, CPU seconds of the whole command)."""
-    env = {**env, "BENCH_T0": repr(time.time())}
+    """Run ``argv``: (seconds to the last rank past its first step, CPU seconds of the whole command)."""
     cpu = _children_cpu_s()
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[:5])} ... failed ({done.returncode}): {done.stderr[-2000:]}")
-    past = [float(line.split()[-1]) for line in done.stdout.splitlines() if "PAST_STEP" in line]
-    if not past:
-        raise RuntimeError(f"no rank printed PAST_STEP: {argv}")
-    return max(past), _children_cpu_s() - cpu
+    past = _run(argv, env)[1]  # the ranks print startup.py's PAST_INIT marker, here past their first step
+    if past is None:
+        raise RuntimeError(f"no rank printed PAST_INIT: {argv}")
+    return past, _children_cpu_s() - cpu
 
 
 def kinds(workdir: Path) -> dict[str, Callable[[int], tuple[float, float]]]:

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hvdrun.errors import LaunchError
-from hvdrun.launch.remote import proctitle
+from hvdrun.launch.remote import guard, proctitle
 from hvdrun.launch.remote.escapees import kill_rank_cgroups
-from hvdrun.launch.remote.guard import command_env
+from hvdrun.launch.remote.inprocess import flush_standard_streams
 from hvdrun.launch.remote.preload import preload
 
 MAX_MESSAGE_BYTES = 8 << 20  # one request at most (the socket's send buffer bounds it further, see request())
@@ -76,8 +76,6 @@ def _become_guard(sock: socket.socket, wakeup: tuple[int, int], fds: list[int], 
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        from hvdrun.launch.remote import guard  # noqa: PLC0415 - already imported by the server: no cost
-
         guard.main(list(guard_argv))
         code = 0
     except SystemExit as e:
@@ -85,11 +83,7 @@ def _become_guard(sock: socket.socket, wakeup: tuple[int, int], fds: list[int], 
     except BaseException:  # noqa: BLE001 - a guard must never fall back into the server's loop
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        flush_standard_streams()
         os._exit(code)
 
 
@@ -106,7 +100,7 @@ def _serve_request(sock: socket.socket, wakeup: tuple[int, int], number: int) ->
         if len(fds) != FDS_PER_REQUEST:
             raise ValueError(f"expected {FDS_PER_REQUEST} file descriptors, got {len(fds)}")
         request = marshal.loads(data)
-        preload(command_env(request[1]))  # the first rank's environment: import what the ranks will import, once
+        preload(guard.command_env(request[1]))  # the first rank's environment: import what the ranks will import, once
         pid = os.fork()
     except (OSError, ValueError, EOFError, TypeError) as e:
         _send(sock, ("failed", number, str(e)))
@@ -141,7 +135,6 @@ def _reap(sock: socket.socket) -> None:
 
 def serve(fd: int) -> None:
     """Serve requests on socket ``fd`` until the launcher closes it."""
-    from hvdrun.launch.remote import guard  # noqa: F401, PLC0415 - imported once here, inherited by every fork
 
     sock = socket.socket(fileno=fd)
     wake_read, wake_write = os.pipe()

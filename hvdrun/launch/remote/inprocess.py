@@ -112,20 +112,25 @@ def _unbuffer_c_stdio() -> None:
 
 
 def _close_fds_from(low: int, keep: set[int]) -> None:
-    for fd in sorted(keep | {1 << 20}):
+    for fd in sorted(keep | {os.sysconf("SC_OPEN_MAX")}):  # the bound subprocess closes up to, too
         if fd >= low:
             os.closerange(low, fd)
             low = fd + 1
 
 
+def flush_standard_streams() -> None:
+    """Flush ``sys.stdout`` and ``sys.stderr`` as far as they still can be (closed or gone: nothing to do)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
 def _reopen_streams(unbuffered: bool) -> None:
     """New ``sys.stdin``/``stdout``/``stderr`` on fds 0..2, buffered as the rank's interpreter would buffer them."""
     encoding, errors = sys.stdout.encoding, sys.stdout.errors
-    for old in (sys.stdout, sys.stderr):
-        try:
-            old.flush()
-        except (OSError, ValueError):
-            pass
+    flush_standard_streams()
     sys.stdin = io.TextIOWrapper(open(0, "rb", closefd=False), encoding=encoding, errors=errors)
     setattr(sys, "__stdin__", sys.stdin)  # noqa: B010 - typeshed calls it final; the interpreter sets it at start
     for fd, name in ((1, "stdout"), (2, "stderr")):

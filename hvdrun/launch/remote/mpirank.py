@@ -31,7 +31,7 @@ from collections.abc import Mapping
 
 from hvdrun import envvars
 from hvdrun.hosts import Host
-from hvdrun.launch.remote.forkserver import describe_status
+from hvdrun.launch.remote.forkserver import GuardStatus, describe_status
 from hvdrun.launch.remote.guard import forward_byte
 from hvdrun.launch.remote.lines import LineSplitter, tag
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_of, layout_value
@@ -103,16 +103,6 @@ def _stop(worker: subprocess.Popen[bytes], grace_s: float, signum: int) -> None:
         pass
 
 
-def _guard_reported(status_r: int) -> bool:
-    """Whether the guard wrote its rank's status before it ended (read without waiting: the rank, or what it left
-    outside its group, may still hold the pipe's other end)."""
-    os.set_blocking(status_r, False)
-    try:
-        return os.read(status_r, 64).endswith(b"\n")
-    except BlockingIOError:
-        return False
-
-
 def main(argv: list[str]) -> None:
     """Run one rank; ``argv`` is ``[GRACE_S, "--", COMMAND...]``."""
     if len(argv) < 3 or argv[1] != "--":
@@ -149,7 +139,7 @@ def main(argv: list[str]) -> None:
         pass
     for pump in pumps:
         pump.join()
-    if code < 0 and not _guard_reported(status_r):  # the guard itself was killed (its rank with it: PDEATHSIG)
+    if code < 0 and GuardStatus(status_r).read() is None:  # no status: the guard was killed (its rank by PDEATHSIG)
         _emit(slot.rank, "stderr", f"hvdrun: error: rank {slot.rank}'s guard (pid {worker.pid}) on {slot.hostname} "
                                    f"{describe_status(code)}; its rank was stopped\n".encode())
     _emit(slot.rank, "exit", f"{code}\n".encode())

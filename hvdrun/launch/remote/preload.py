@@ -33,17 +33,15 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from hvdrun import envvars
 from hvdrun.envvars import PRELOAD
 from hvdrun.launch.remote import inprocess, proctitle
 from hvdrun.launch.remote.inprocess import PythonCommand, parse_python_command
 
 _LATE_PREFIXES = ("HVDRUN_", "HOROVOD_", "TORCHELASTIC_", "NCCL_", "TORCH_NCCL_")
-_LATE_NAMES = frozenset({
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
-    "ROCR_VISIBLE_DEVICES", "ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY", "PYTHONUNBUFFERED",
-    "PMI_FD", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "PALS_RANKID", "PALS_LOCAL_RANKID",
-})
+# the rank's own ids and devices, but OMP_NUM_THREADS (numpy's BLAS, imported with torch, read it at its load)
+_LATE_NAMES = (envvars.rank_variable_names() - {envvars.OMP_NUM_THREADS}) | {
+    envvars.TORCH_MASTER_ADDR, envvars.TORCH_MASTER_PORT, envvars.PYTHONUNBUFFERED}
 _BINDING_NAMES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")  # read at libgomp's load
 # read when this process started (the loader, the interpreter, its site hooks): compared with its own start
 _EXEC_PREFIXES = ("LD_", "PYTHON", "LC_", "MALLOC_", "GLIBC_TUNABLES", "LANG", "COVERAGE_PROCESS_START")
@@ -127,8 +125,8 @@ def preload(environ: Mapping[str, str]) -> None:
     if _tried or not modules:
         return
     _tried = True
-    if environ.get("PYTHONPATH") != os.environ.get("PYTHONPATH"):
-        return  # sys.path was built from this process's PYTHONPATH: the ranks' would differ
+    if environment_difference(environ, environ, _STARTED_UNDER):
+        return  # the ranks' loader or interpreter would start otherwise than this one did: none of them could fork
     saved = dict(os.environ)
     try:
         os.environ.clear()
@@ -140,18 +138,10 @@ def preload(environ: Mapping[str, str]) -> None:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        _flush_standard_streams()  # what an import printed must not reach every rank's output from its buffer
+        inprocess.flush_standard_streams()  # what an import printed must not reach every rank's output from its buffer
     if not _device_runtime_started():
         gc.freeze()  # the preloaded objects stay out of the collector's passes: their pages stay shared
         _preloaded = Preloaded(modules, dict(environ))
-
-
-def _flush_standard_streams() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
 
 
 def _device_runtime_started() -> bool:
@@ -280,10 +270,7 @@ class ForkedRank:
         """Wait for the rank's end; its status as :attr:`subprocess.Popen.returncode`."""
         with self._lock:
             while self.returncode is None:
-                try:
-                    self._collect(0)
-                except InterruptedError:
-                    continue
+                self._collect(0)  # os.waitpid retries EINTR itself (PEP 475)
         return self.returncode
 
 
