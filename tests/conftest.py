@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.zygote import ForkedRank, Zygote
+
 REPO = Path(__file__).resolve().parent.parent
 TOKEN_VAR = "HVDRUN_TEST_TOKEN"
 # login shells of the suite's jobs (Slurm's bash -l inherits this environment) that run `pyenv init` wait 1 s, not
@@ -92,9 +94,20 @@ def run_hvdrun(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
     assert wait_until(lambda: not job_processes(token)), f"left behind: {job_processes(token)}"
 
 
+@pytest.fixture(scope="session")
+def zygote() -> Iterator[Zygote]:
+    """One process per pytest worker that imported torch and forks the ranks ``spawn_ranks`` starts."""
+    started = Zygote.start(Path(f"/tmp/hvdrun-zygote-{os.getpid()}.sock"))
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
 @pytest.fixture
-def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
-    """Start ranks of one job directly (hvdrun's env contract, no supervising launcher).
+def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path, zygote: Zygote):
+    """Start ranks of one job directly (hvdrun's env contract, no supervising launcher), forked from the
+    ``zygote`` as hvdrun's preload forks them (a new interpreter where it could not be).
 
     Returns ``start(script, size, ranks=None, env=None, hosts=None) -> {rank: Popen}``; afterwards every
     process is killed and the test fails if any was left running. ``hosts``: ``[(name, slots), ...]`` gives ranks
@@ -105,20 +118,22 @@ def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
     from hvdrun.launch.remote.hostfacts import free_ports
     from hvdrun.ranks import assign_slots
 
-    started: list[subprocess.Popen[str]] = []
+    started: list[subprocess.Popen[str] | ForkedRank] = []
     job_ids: set[str] = set()
 
     def start(script: str, size: int, ranks: list[int] | None = None, env: dict[str, str] | None = None,
               args: tuple[str, ...] = (), rendezvous: Rendezvous | None = None,
-              hosts: list[tuple[str, int]] | None = None) -> dict[int, subprocess.Popen[str]]:
+              hosts: list[tuple[str, int]] | None = None) -> dict[int, subprocess.Popen[str] | ForkedRank]:
         rendezvous = rendezvous or Rendezvous("127.0.0.1", *free_ports(2), uuid.uuid4().hex, "t" + token[:6])
         procs = {}
         for slot in assign_slots([Host(name, slots) for name, slots in hosts or [("localhost", size)]], size):
             if ranks is not None and slot.rank not in ranks:
                 continue
-            full_env = {**hvdrun_env, **worker_env(slot, rendezvous), "OMP_NUM_THREADS": "1", **(env or {})}
-            procs[slot.rank] = subprocess.Popen([sys.executable, script, *args], env=full_env, cwd=tmp_path,
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            job_env = worker_env(slot, rendezvous)
+            full_env = {**hvdrun_env, **job_env, "OMP_NUM_THREADS": "1", **(env or {})}
+            command = [sys.executable, script, *args]
+            procs[slot.rank] = zygote.spawn(command, full_env, tmp_path, job_env) or subprocess.Popen(
+                command, env=full_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             started.append(procs[slot.rank])
         start.rendezvous = rendezvous  # type: ignore[attr-defined]
         job_ids.add(rendezvous.job_id)
@@ -129,6 +144,9 @@ def spawn_ranks(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None and not stream.closed:
+                stream.close()
     for job_id in job_ids:  # no guard here: remove the rings of ranks this fixture killed
         for path in shm_files(job_id):
             path.unlink(missing_ok=True)

@@ -1,0 +1,300 @@
+"""Ranks that ``spawn_ranks`` starts, forked from one process per pytest worker that imported torch once.
+
+A rank started as ``python script.py`` spends about 2 CPU-s importing torch before it does anything; the suite
+starts hundreds of them. hvdrun's own launchers start ranks by fork from a preloaded fork server
+(``hvdrun/launch/remote/preload.py``); this is the same for the ranks the tests start without a launcher: a
+server (``python tests/zygote.py SOCKET PAD``) imports numpy and torch once, and for each request forks a child
+that runs the rank's command as a new interpreter would, through the preload's own ``start`` (fresh streams,
+signals, environment; its command line and environment shown in ``/proc``). :class:`Zygote` asks for a rank and
+gets a :class:`ForkedRank`, which behaves as the :class:`subprocess.Popen` the tests used before (``pid``,
+``poll``, ``wait``, ``kill``, ``communicate``, ``returncode``). A request whose command or environment a fresh
+interpreter would start otherwise (another Python, an interpreter option, ``PYTHON*``/``LD_*`` variables) is
+refused, and the caller starts the rank the ordinary way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import select
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
+_HEADER = 8  # bytes of a request's length, sent with the rank's stdout and stderr descriptors
+_IGNORED = {"PYTEST_CURRENT_TEST"}  # set per test by pytest; no import reads it
+
+
+class ForkedRank:
+    """A rank forked by the zygote: the parts of :class:`subprocess.Popen` the tests use."""
+
+    def __init__(self, args: Sequence[str], pid: int, control: socket.socket, pending: bytes, stdout: int,
+                 stderr: int) -> None:
+        self.args, self.pid, self.returncode = list(args), pid, None
+        self._control, self._pending = control, pending  # pending: what came after the pid line
+        self.stdout = open(stdout, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by communicate
+        self.stderr = open(stderr, encoding="utf-8", errors="replace")  # noqa: SIM115
+        self._readers: list[threading.Thread] = []
+        self._output: dict[str, str] = {}
+
+    def _collect(self, timeout: float | None) -> int | None:
+        """The exit status the zygote sends once it reaped the rank; None if it did not come within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None and b"\n" not in self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._control], [], [], left)[0]:
+                return None
+            chunk = self._control.recv(64)
+            if not chunk:
+                raise RuntimeError(f"the zygote ended before rank pid {self.pid} did")
+            self._pending += chunk
+        if self.returncode is None:
+            self.returncode = int(self._pending.split(b"\n", 1)[0].split()[1])
+            self._control.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        """The rank's exit status, or None while it runs."""
+        return self._collect(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the rank's end (:class:`subprocess.TimeoutExpired` after ``timeout`` seconds)."""
+        code = self._collect(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the rank unless it already ended."""
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL, as :meth:`subprocess.Popen.kill`."""
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        """SIGTERM, as :meth:`subprocess.Popen.terminate`."""
+        self.send_signal(signal.SIGTERM)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Everything the rank wrote to stdout and stderr, once it ended (as :meth:`subprocess.Popen.communicate`;
+        it may be called again after a :class:`subprocess.TimeoutExpired`)."""
+        if not self._readers:
+            for name in ("stdout", "stderr"):
+                reader = threading.Thread(target=self._read_all, args=(name,), daemon=True)
+                reader.start()
+                self._readers.append(reader)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self._output["stdout"], self._output["stderr"]
+
+    def _read_all(self, name: str) -> None:
+        stream = getattr(self, name)
+        with stream:
+            self._output[name] = stream.read()
+
+
+class Zygote:
+    """The client of one zygote server (see the module's doc)."""
+
+    def __init__(self, path: Path, process: subprocess.Popen[bytes]) -> None:
+        self.path, self.process = path, process
+
+    @classmethod
+    def start(cls, path: Path, timeout_s: float = 120) -> Zygote:
+        """Start a server at ``path`` and wait until it imported torch and listens."""
+        from hvdrun.launch.remote import proctitle
+
+        path.unlink(missing_ok=True)
+        pad, pad_env = proctitle.room()  # what /proc shows of a rank is written over these strings
+        process = subprocess.Popen([sys.executable, __file__, str(path), pad], stdin=subprocess.DEVNULL,
+                                   env={**os.environ, **pad_env, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"the zygote did not start (exit status {process.wait()})")
+            time.sleep(0.05)
+        return cls(path, process)
+
+    def stop(self) -> None:
+        """End the server (ranks it forked are the tests' to end)."""
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.path.unlink(missing_ok=True)
+
+    def spawn(self, command: Sequence[str], env: dict[str, str], cwd: str | os.PathLike[str],
+              job_names: Collection[str] = ()) -> ForkedRank | None:
+        """Fork ``command`` (``python [-u] SCRIPT ...``) with ``env`` in ``cwd``; None if the zygote cannot run it
+        as a new interpreter would (start it the ordinary way then). ``job_names``: the variables of ``env`` that
+        hvdrun's launcher would set for the job (``envvars.worker_env``), read after start-up, never at import."""
+        control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        try:
+            control.connect(str(self.path))
+            payload = json.dumps({"command": list(command), "env": env, "cwd": str(cwd),
+                                  "job_names": sorted(job_names)}).encode()
+            socket.send_fds(control, [len(payload).to_bytes(_HEADER, "big")], [out_write, err_write])
+            control.sendall(payload)
+            received = b""
+            while b"\n" not in received:
+                chunk = control.recv(4096)
+                if not chunk:
+                    break
+                received += chunk
+        except OSError:
+            received = b""
+        finally:
+            os.close(out_write)
+            os.close(err_write)
+        line, _, pending = received.partition(b"\n")
+        answer = line.decode().split(maxsplit=1)
+        if answer[:1] != ["pid"]:
+            control.close()
+            os.close(out_read)
+            os.close(err_read)
+            return None
+        return ForkedRank(command, int(answer[1]), control, pending, out_read, err_read)
+
+
+# -- the server -------------------------------------------------------------------------------------------
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    header, fds, _, _ = socket.recv_fds(conn, _HEADER, 2)
+    while len(header) < _HEADER:
+        header += conn.recv(_HEADER - len(header))
+    length, payload = int.from_bytes(header, "big"), b""
+    while len(payload) < length:
+        chunk = conn.recv(length - len(payload))
+        if not chunk:
+            raise OSError("request cut short")
+        payload += chunk
+    return json.loads(payload), fds
+
+
+def _fork(request: dict, fds: list[int], imported_under: dict[str, str]) -> int | str:
+    """The forked rank's pid, or why it cannot be forked."""
+    from hvdrun.launch.remote import preload
+    from hvdrun.launch.remote.inprocess import parse_python_command
+
+    command, env = request["command"], request["env"]
+    if command[0] != sys.executable:
+        return f"{command[0]} is not {sys.executable}"
+    parsed = parse_python_command(command)
+    if isinstance(parsed, str):
+        return parsed
+    different = set(preload.environment_difference(env, imported_under, imported_under)) - _IGNORED - set(
+        request["job_names"])
+    if different:
+        return f"environment differs: {sorted(different)[:5]}"
+
+    def prepare() -> None:
+        signal.set_wakeup_fd(-1)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        os.chdir(request["cwd"])
+
+    return preload.start(command, parsed, env, (), prepare).pid
+
+
+def _answer(conn: socket.socket, children: dict[int, socket.socket], imported_under: dict[str, str]) -> None:
+    fds: list[int] = []
+    try:
+        request, fds = _receive(conn)
+        forked = _fork(request, fds, imported_under) if len(fds) == 2 else "no stdout and stderr"
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        forked = f"bad request: {e}"
+    finally:
+        for fd in fds:
+            os.close(fd)
+    try:
+        if isinstance(forked, int):
+            children[forked] = conn
+            conn.sendall(f"pid {forked}\n".encode())
+        else:
+            conn.sendall(f"refused {forked}\n".encode())
+            conn.close()
+    except OSError:
+        pass
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:
+                pass
+            conn.close()
+
+
+def serve(path: str) -> None:
+    """Import torch, then fork a rank for each request on the Unix socket at ``path`` until SIGTERM."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with the pytest worker
+    except (OSError, AttributeError):
+        pass
+    import numpy  # noqa: F401 - what the ranks import, once
+    import torch  # noqa: F401
+
+    import hvdrun.launch.remote.preload  # noqa: F401 - and what forks them
+
+    gc.freeze()  # as the preload does: the imported objects stay out of the ranks' collections (and scans)
+    imported_under = dict(os.environ)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".new")
+    listener.listen(64)
+    os.rename(path + ".new", path)  # the client waits for the path: it appears once requests are taken
+    children: dict[int, socket.socket] = {}
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_read, selectors.EVENT_READ)
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is listener:
+                _answer(listener.accept()[0], children, imported_under)
+            else:
+                try:
+                    while len(os.read(wake_read, 512)) == 512:
+                        pass
+                except BlockingIOError:
+                    pass
+        _reap(children)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
