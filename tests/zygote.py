@@ -14,7 +14,6 @@ refused, and the caller starts the rank the ordinary way.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -113,35 +112,36 @@ class ForkedRank:
 class Zygote:
     """The client of one zygote server (see the module's doc)."""
 
-    def __init__(self, path: Path, process: subprocess.Popen[bytes]) -> None:
-        self.path, self.process = path, process
+    def __init__(self, path: Path, pid: int) -> None:
+        self.path, self.pid = path, pid
 
     @classmethod
     def start(cls, path: Path, timeout_s: float = 120) -> Zygote:
-        """Start a server at ``path`` and wait until it imported torch and listens."""
+        """Start a server at ``path`` and wait until it imported torch and listens. The server is no child of
+        this process (it forks away at once): a test that makes this process a subreaper and looks at its
+        children sees only its own."""
         from hvdrun.launch.remote import proctitle
 
-        path.unlink(missing_ok=True)
+        for stale in (path, _pid_file(path)):
+            stale.unlink(missing_ok=True)
         pad, pad_env = proctitle.room()  # what /proc shows of a rank is written over these strings
-        process = subprocess.Popen([sys.executable, __file__, str(path), pad], stdin=subprocess.DEVNULL,
-                                   env={**os.environ, **pad_env, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        subprocess.run([sys.executable, __file__, str(path), str(os.getpid()), pad], stdin=subprocess.DEVNULL,
+                       env={**os.environ, **pad_env, "OMP_NUM_THREADS": "1"}, start_new_session=True, check=True)
         deadline = time.monotonic() + timeout_s
         while not path.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"the zygote did not start (exit status {process.wait()})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the zygote did not start within {timeout_s} s")
             time.sleep(0.05)
-        return cls(path, process)
+        return cls(path, int(_pid_file(path).read_text()))
 
     def stop(self) -> None:
         """End the server (ranks it forked are the tests' to end)."""
-        self.process.terminate()
         try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.path.unlink(missing_ok=True)
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        for stale in (self.path, _pid_file(self.path)):
+            stale.unlink(missing_ok=True)
 
     def spawn(self, command: Sequence[str], env: dict[str, str], cwd: str | os.PathLike[str],
               job_names: Collection[str] = ()) -> ForkedRank | None:
@@ -179,6 +179,10 @@ class Zygote:
 
 
 # -- the server -------------------------------------------------------------------------------------------
+
+
+def _pid_file(path: Path) -> Path:
+    return path.with_name(path.name + ".pid")
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -257,12 +261,12 @@ def _reap(children: dict[int, socket.socket]) -> None:
             conn.close()
 
 
-def serve(path: str) -> None:
-    """Import torch, then fork a rank for each request on the Unix socket at ``path`` until SIGTERM."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: end with the pytest worker
-    except (OSError, AttributeError):
-        pass
+def serve(path: str, client_pid: int) -> None:
+    """Import torch, then fork a rank for each request on the Unix socket at ``path`` until SIGTERM or the end of
+    the process ``client_pid``."""
+    if os.fork():
+        os._exit(0)  # away from the client: the server's parent becomes init
+    client = os.pidfd_open(client_pid)
     import numpy  # noqa: F401 - what the ranks import, once
     import torch  # noqa: F401
 
@@ -276,15 +280,20 @@ def serve(path: str) -> None:
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    Path(path + ".new").unlink(missing_ok=True)
     listener.bind(path + ".new")
     listener.listen(64)
+    _pid_file(Path(path)).write_text(str(os.getpid()))
     os.rename(path + ".new", path)  # the client waits for the path: it appears once requests are taken
     children: dict[int, socket.socket] = {}
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_read, selectors.EVENT_READ)
+    selector.register(client, selectors.EVENT_READ)
     while True:
         for key, _ in selector.select():
+            if key.fileobj == client:
+                return  # the pytest worker ended
             if key.fileobj is listener:
                 _answer(listener.accept()[0], children, imported_under)
             else:
@@ -297,4 +306,4 @@ def serve(path: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], int(sys.argv[2]))
