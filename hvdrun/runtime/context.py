@@ -98,7 +98,7 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
         if name == "gloo":
             from hvdrun.runtime.backends.torchdist import TorchBackend
 
-            return TorchBackend.connect(launch, rendezvous, timeout_s, generation, store_port), rendezvous
+            return TorchBackend.connect(launch, rendezvous, timeout_s, generation, store_port, abort), rendezvous
         from hvdrun.runtime.backends.native import NativeBackend
 
         use_shm = environ.get(envvars.TRANSPORT, "").lower() != "tcp"

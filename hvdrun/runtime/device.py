@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
+import socket
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hvdrun.envvars import DEVICE_BACKEND, DEVICE_ORDINAL, RANK
-from hvdrun.errors import DeviceError, UsageError
+from hvdrun.errors import CollectiveError, DeviceError, UsageError
 from hvdrun.runtime.negotiation import Entry, Request
 from hvdrun.runtime.reduce import (
     AVERAGE,
@@ -113,33 +116,117 @@ def _new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime
                       f"process group; it needs {needs}, or set {DEVICE_BACKEND}=gloo")
 
 
+_ABANDONED: list[tuple[Any, Any]] = []  # gloo ops that outlived their connections, and their groups
+
+
+def _socket_fds() -> set[int]:
+    """This process's open socket descriptors (none where /proc cannot say)."""
+    found: set[int] = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                found.add(int(name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _connections(fds: set[int]) -> list[int]:
+    """The connected sockets among ``fds``: not gloo's listener, whose thread ends the process (std::terminate)
+    when its accept() fails."""
+    connected = []
+    for fd in sorted(fds):
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    connected.append(fd)
+        except OSError:
+            continue
+    return connected
+
+
 def _torch_version() -> str:
     torch = sys.modules.get("torch")
     return str(getattr(torch, "__version__", "?"))
 
 
-class TorchGroup:
-    """Tensor collectives on one torch.distributed process group (blocking)."""
+_POLL = datetime.timedelta(milliseconds=100)  # how often a rank blocked in a gloo op looks at the job's abort
 
-    def __init__(self, group: Any, rank: int, size: int) -> None:
+
+class TorchGroup:
+    """Tensor collectives on one torch.distributed process group (blocking).
+
+    A gloo op cannot be interrupted, and gloo notices a peer's end only on the connections the op is waiting on:
+    two ranks that wait on each other inside an op whose other ranks died or left wait out the group's whole
+    timeout. A group given ``abort_reason`` (the job's abort flag) waits in short steps instead; once the flag is
+    set it shuts down the group's own connections, which ends the op here and on every rank still in it, and
+    raises :class:`CollectiveError` with the flag's reason.
+    """
+
+    def __init__(self, group: Any, rank: int, size: int, abort_reason: Callable[[], str | None] | None = None,
+                 connections: Sequence[int] = ()) -> None:
         import torch.distributed as dist
 
         self.group, self.rank, self.size, self.dist = group, rank, size, dist
+        self.abort_reason, self.connections = abort_reason, list(connections)
         self.ops: dict[int, Any] = {SUM: dist.ReduceOp.SUM, AVERAGE: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN,
                     MAX: dist.ReduceOp.MAX, PRODUCT: dist.ReduceOp.PRODUCT}
 
     @classmethod
-    def create(cls, backend: str, store: Any, prefix: str, rank: int, size: int, timeout_s: float) -> TorchGroup:
-        """A new process group of ``backend`` on ``store`` (keys under ``prefix``)."""
+    def create(cls, backend: str, store: Any, prefix: str, rank: int, size: int, timeout_s: float,
+               abort_reason: Callable[[], str | None] | None = None) -> TorchGroup:
+        """A new process group of ``backend`` on ``store`` (keys under ``prefix``); ``abort_reason``: see the
+        class (gloo only: other backends' waits do not block on peers)."""
         import torch.distributed as dist
 
+        before = _socket_fds()
         group = _new_group(backend, dist.PrefixStore(prefix, store), rank, size, datetime.timedelta(seconds=timeout_s))
-        return cls(group, rank, size)
+        if backend != "gloo" or abort_reason is None:
+            return cls(group, rank, size)
+        return cls(group, rank, size, abort_reason, _connections(_socket_fds() - before))  # gloo connects them now
 
     def close(self) -> None:
         """Let go of the process group now, while the interpreter is whole: a gloo group destroyed during its
         exit may call std::terminate (SIGABRT) instead of returning."""
         self.group = None
+
+    def _finish(self, work: Any) -> None:
+        """Wait for ``work``; with ``abort_reason``, in steps, ending the op once the job aborts (also when it had
+        aborted before: peers that have not heard yet would go on with their ops, which complete among them)."""
+        if self.abort_reason is None:
+            work.wait()
+            return
+        while True:
+            reason = self.abort_reason()
+            if reason is not None:
+                self._end_connections(work)
+                raise CollectiveError(reason)
+            try:
+                work.wait(_POLL)
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    work.wait()  # the op's own outcome: its error, or done just after the step ran out
+                    return
+
+    def _end_connections(self, work: Any) -> None:
+        """Shut down the group's connections: the op fails here and on the peers still in it, and the group can be
+        let go of without waiting for it."""
+        for fd in self.connections:
+            try:
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not work.is_completed():
+            _ABANDONED.append((work, self.group))  # destroying it now would block until its timeout
 
     def allreduce(self, tensor: Any, op: int) -> None:
         """In place; int16, which neither NCCL nor gloo reduces, goes through int32 (wrapping the same way), and
@@ -161,12 +248,12 @@ class TorchGroup:
     def _allreduce(self, tensor: Any, op: int) -> None:
         options = self.dist.AllreduceOptions()
         options.reduceOp = self.ops[op]
-        self.group.allreduce([tensor], options).wait()
+        self._finish(self.group.allreduce([tensor], options))
 
     def broadcast(self, tensor: Any, root: int) -> None:
         options = self.dist.BroadcastOptions()
         options.rootRank = root
-        self.group.broadcast([tensor], options).wait()
+        self._finish(self.group.broadcast([tensor], options))
 
     def allgather(self, tensor: Any, rows: list[int]) -> Any:
         """Concatenate every rank's tensor along dim 0 (rows may differ: padded to the largest)."""
@@ -176,11 +263,11 @@ class TorchGroup:
         padded = torch.zeros((width,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         padded[:tensor.shape[0]] = tensor
         gathered = [torch.empty_like(padded) for _ in rows]
-        self.group.allgather([gathered], [padded]).wait()
+        self._finish(self.group.allgather([gathered], [padded]))
         return torch.cat([part[:count] for part, count in zip(gathered, rows, strict=True)])
 
     def alltoall(self, output: Any, tensor: Any, out_splits: list[int], in_splits: list[int]) -> None:
-        self.group.alltoall_base(output, tensor, out_splits, in_splits, self.dist.AllToAllOptions()).wait()
+        self._finish(self.group.alltoall_base(output, tensor, out_splits, in_splits, self.dist.AllToAllOptions()))
 
 
 class LocalGroup(TorchGroup):
@@ -216,9 +303,10 @@ def as_rows_of_bytes(tensor: Any) -> Any:
 class DeviceCollectives:
     """Executes negotiated ops whose tensors live on a device (or CPU, when routed here for tests)."""
 
-    def __init__(self, backend: str, store: Any, prefix: str, rank: int, size: int, timeout_s: float) -> None:
+    def __init__(self, backend: str, store: Any, prefix: str, rank: int, size: int, timeout_s: float,
+                 abort_reason: Callable[[], str | None] | None = None) -> None:
         self.backend, self._store, self.prefix = backend, store, prefix
-        self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self.rank, self.size, self.timeout_s, self.abort_reason = rank, size, timeout_s, abort_reason
         self._group: TorchGroup | None = None
 
     @property
@@ -230,7 +318,7 @@ class DeviceCollectives:
             if self.backend == "nccl" and self._shared_gpu():
                 self.backend = "gloo"
             self._group = TorchGroup.create(self.backend, self._store, self.prefix, self.rank, self.size,
-                                            self.timeout_s)
+                                            self.timeout_s, self.abort_reason)
         return self._group
 
     def _shared_gpu(self) -> bool:

@@ -233,8 +233,9 @@ class Engine:
         connection)."""
         if isinstance(error, CollectiveError):
             self.fail(self._explain(error))
-        else:
-            self.fail(f"the {self.backend.name} backend failed on rank {self.world.rank}: {error}")
+        else:  # gloo's "connection closed" is a consequence too, as a lost peer is
+            self.fail(self._with_root_cause(f"the {self.backend.name} backend failed on rank {self.world.rank}: "
+                                            f"{error}"))
 
     def _check_stalls(self) -> None:
         warning = self._stalls.check(self._cycle.table, self.world.rank)
@@ -251,12 +252,14 @@ class Engine:
     def _explain(self, error: CollectiveError) -> str:
         """The failure to report: a lost peer connection is usually a consequence (that peer failed because of
         another rank, and exited), so wait a moment for the control plane's verdict and name it first."""
-        if not isinstance(error, PeerLostError):
-            return str(error)
+        return self._with_root_cause(str(error)) if isinstance(error, PeerLostError) else str(error)
+
+    def _with_root_cause(self, here: str) -> str:
+        """``here``, after the job's root cause once the control plane names it (waited for a moment)."""
         deadline = time.monotonic() + PEER_LOST_GRACE_S
         while (cause := self._root_cause()) is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        return str(error) if cause is None or cause == str(error) else f"{cause} (here: {error})"
+        return here if cause is None or cause == here else f"{cause} (here: {here})"
 
     def fail(self, reason: str) -> None:
         """Fail this rank's engine: every pending op ends with ``reason`` and the other ranks are told."""

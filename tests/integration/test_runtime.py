@@ -149,6 +149,20 @@ def test_stalled_rank_is_named_then_every_rank_raises(run_hvdrun, hvdrun_env):
                                  "collective yet and waits in no collective (main thread at stall.py:"), report
 
 
+def test_a_failure_reported_while_ranks_wait_on_gloo_ends_their_wait(spawn_ranks):
+    """gloo cannot interrupt an op and sees a peer's end only on the connections the op waits on; an alive peer's
+    engine even keeps completing negotiation cycles with them. The job's abort must still end the wait on every
+    rank, naming the failure (the group's timeout is 300 s here)."""
+    procs = spawn_ranks(worker("gloo_abort.py"), 3, env={"HVDRUN_BACKEND": "gloo", "HVDRUN_START_TIMEOUT": "300"})
+    try:
+        for rank in (0, 1):
+            stdout, stderr = procs[rank].communicate(timeout=60)  # a bound against the hang, not a timing claim
+            assert procs[rank].returncode == 0, stderr[-2000:]
+            assert f"rank {rank} raised: rank 2 gave up on purpose" in stdout, (stdout, stderr[-2000:])
+    finally:
+        procs[2].kill()
+
+
 @pytest.mark.parametrize(("victim", "hosts"), [(1, None), (0, None), (1, [("a", 2), ("b", 2)]),
                                                (2, [("a", 2), ("b", 2)])],
                          ids=["rank-1-dies", "rank-0-dies", "2x2-local-peer-dies", "2x2-other-host-dies"])

@@ -22,7 +22,7 @@ from hvdrun.runtime.device import TorchGroup
 from hvdrun.runtime.peers import Peer
 from hvdrun.runtime.reduce import MAX, MIN, PRODUCT, SUM, ReduceFn
 from hvdrun.runtime.rendezvous import Rendezvous
-from hvdrun.runtime.transport.base import Message
+from hvdrun.runtime.transport.base import AbortFlag, Message
 
 _OP_OF: dict[Any, int] = {np.add: SUM, np.minimum: MIN, np.maximum: MAX, np.multiply: PRODUCT}
 
@@ -53,7 +53,7 @@ class TorchBackend(Backend):
 
     @classmethod
     def connect(cls, launch: LaunchInfo, rendezvous: Rendezvous, timeout_s: float, generation: int,
-                store_port: int = 0) -> TorchBackend:
+                store_port: int = 0, abort: AbortFlag | None = None) -> TorchBackend:
         """Open (rank 0) or join the store named in the rendezvous table, then create the group."""
         store = open_store(0, launch.size, timeout_s, rendezvous.addr) if launch.rank == 0 else None
         address = rendezvous.local_address(time.monotonic() + timeout_s)
@@ -62,7 +62,8 @@ class TorchBackend(Backend):
         peers = rendezvous.exchange(me, timeout_s)
         if store is None:
             store = open_store(launch.rank, launch.size, timeout_s, peers[0].data_addr, peers[0].data_port)
-        group = TorchGroup.create("gloo", store, f"hvdrun{generation}", launch.rank, launch.size, timeout_s)
+        group = TorchGroup.create("gloo", store, f"hvdrun{generation}", launch.rank, launch.size, timeout_s,
+                                  (lambda: abort.reason) if abort is not None else None)
         world = topology(launch.rank, peers.layout.rank_host_keys(), peers.layout.rank_hostnames())
         return cls(world, group, store, peers)
 
