@@ -134,7 +134,7 @@ def algorithm_choice(environ: Mapping[str, str]) -> AlgorithmChoice:
 
 
 def _device_collectives(name: str | None, store: Any, backend: Backend, launch: envvars.LaunchInfo,
-                        timeout_s: float, generation: int) -> DeviceCollectives | None:
+                        timeout_s: float, generation: int, abort: AbortFlag) -> DeviceCollectives | None:
     """The device path, joined to rank 0's store announced in the rendezvous table."""
     if launch.size == 1:
         return DeviceCollectives("local", None, "", 0, 1, timeout_s)
@@ -143,7 +143,8 @@ def _device_collectives(name: str | None, store: Any, backend: Backend, launch: 
         return None
     if store is None:
         store = open_store(launch.rank, launch.size, timeout_s, peers[0].data_addr, peers[0].store_port)
-    return DeviceCollectives(name, store, f"hvdrun-device{generation}", launch.rank, launch.size, timeout_s)
+    return DeviceCollectives(name, store, f"hvdrun-device{generation}", launch.rank, launch.size, timeout_s,
+                             lambda: abort.reason)
 
 
 _usage_hook_installed = False
@@ -221,7 +222,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         backend, rendezvous = _connect(launch, environ, abort, generation, store.port if store else 0, timeout_s)
         _tell_launcher(environ, envvars.JOINED_MARKER)
         select_current_device(environ, backend.world.local_rank)  # every script's set_device(local_rank), done
-        device = _device_collectives(device_backend, store, backend, launch, timeout_s, generation)
+        device = _device_collectives(device_backend, store, backend, launch, timeout_s, generation, abort)
         _generation += 1
         engine = Engine(backend, root_cause=lambda: abort.reason,
                         report_failure=rendezvous.report_failure if rendezvous else (lambda reason: None),
