@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
-import socket
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hvdrun.envvars import DEVICE_BACKEND, DEVICE_ORDINAL, RANK
-from hvdrun.errors import CollectiveError, DeviceError, UsageError
+from hvdrun.errors import DeviceError, UsageError
+from hvdrun.runtime import gloo_abort
 from hvdrun.runtime.negotiation import Entry, Request
 from hvdrun.runtime.reduce import (
     AVERAGE,
@@ -116,56 +114,14 @@ def _new_group(backend: str, store: Any, rank: int, size: int, timeout: datetime
                       f"process group; it needs {needs}, or set {DEVICE_BACKEND}=gloo")
 
 
-_ABANDONED: list[tuple[Any, Any]] = []  # gloo ops that outlived their connections, and their groups
-
-
-def _socket_fds() -> set[int]:
-    """This process's open socket descriptors (none where /proc cannot say)."""
-    found: set[int] = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for name in names:
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                found.add(int(name))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def _connections(fds: set[int]) -> list[int]:
-    """The connected sockets among ``fds``: not gloo's listener, whose thread ends the process (std::terminate)
-    when its accept() fails."""
-    connected = []
-    for fd in sorted(fds):
-        try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    connected.append(fd)
-        except OSError:
-            continue
-    return connected
-
-
 def _torch_version() -> str:
     torch = sys.modules.get("torch")
     return str(getattr(torch, "__version__", "?"))
 
 
-_POLL = datetime.timedelta(milliseconds=100)  # how often a rank blocked in a gloo op looks at the job's abort
-
-
 class TorchGroup:
-    """Tensor collectives on one torch.distributed process group (blocking).
-
-    A gloo op cannot be interrupted, and gloo notices a peer's end only on the connections the op is waiting on:
-    two ranks that wait on each other inside an op whose other ranks died or left wait out the group's whole
-    timeout. A group given ``abort_reason`` (the job's abort flag) waits in short steps instead; once the flag is
-    set it shuts down the group's own connections, which ends the op here and on every rank still in it, and
-    raises :class:`CollectiveError` with the flag's reason.
-    """
+    """Tensor collectives on one torch.distributed process group (blocking). A gloo group given ``abort_reason``
+    (the job's abort flag) ends its ops when the job aborts (:mod:`hvdrun.runtime.gloo_abort`)."""
 
     def __init__(self, group: Any, rank: int, size: int, abort_reason: Callable[[], str | None] | None = None,
                  connections: Sequence[int] = ()) -> None:
@@ -183,11 +139,11 @@ class TorchGroup:
         class (gloo only: other backends' waits do not block on peers)."""
         import torch.distributed as dist
 
-        before = _socket_fds()
-        group = _new_group(backend, dist.PrefixStore(prefix, store), rank, size, datetime.timedelta(seconds=timeout_s))
+        group, connections = gloo_abort.opened_connections(lambda: _new_group(
+            backend, dist.PrefixStore(prefix, store), rank, size, datetime.timedelta(seconds=timeout_s)))
         if backend != "gloo" or abort_reason is None:
             return cls(group, rank, size)
-        return cls(group, rank, size, abort_reason, _connections(_socket_fds() - before))  # gloo connects them now
+        return cls(group, rank, size, abort_reason, connections)
 
     def close(self) -> None:
         """Let go of the process group now, while the interpreter is whole: a gloo group destroyed during its
@@ -195,38 +151,11 @@ class TorchGroup:
         self.group = None
 
     def _finish(self, work: Any) -> None:
-        """Wait for ``work``; with ``abort_reason``, in steps, ending the op once the job aborts (also when it had
-        aborted before: peers that have not heard yet would go on with their ops, which complete among them)."""
+        """Wait for ``work`` (with ``abort_reason``: until done or the job aborts)."""
         if self.abort_reason is None:
             work.wait()
-            return
-        while True:
-            reason = self.abort_reason()
-            if reason is not None:
-                self._end_connections(work)
-                raise CollectiveError(reason)
-            try:
-                work.wait(_POLL)
-                return
-            except RuntimeError:
-                if work.is_completed():
-                    work.wait()  # the op's own outcome: its error, or done just after the step ran out
-                    return
-
-    def _end_connections(self, work: Any) -> None:
-        """Shut down the group's connections: the op fails here and on the peers still in it, and the group can be
-        let go of without waiting for it."""
-        for fd in self.connections:
-            try:
-                with socket.socket(fileno=os.dup(fd)) as sock:
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 5.0
-        while not work.is_completed() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not work.is_completed():
-            _ABANDONED.append((work, self.group))  # destroying it now would block until its timeout
+        else:
+            gloo_abort.wait_or_abort(work, self.abort_reason, self.connections, self.group)
 
     def allreduce(self, tensor: Any, op: int) -> None:
         """In place; int16, which neither NCCL nor gloo reduces, goes through int32 (wrapping the same way), and
