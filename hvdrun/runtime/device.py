@@ -139,10 +139,13 @@ class TorchGroup:
         class (gloo only: other backends' waits do not block on peers)."""
         import torch.distributed as dist
 
-        group, connections = gloo_abort.opened_connections(lambda: _new_group(
-            backend, dist.PrefixStore(prefix, store), rank, size, datetime.timedelta(seconds=timeout_s)))
+        def new_group() -> Any:
+            return _new_group(backend, dist.PrefixStore(prefix, store), rank, size,
+                              datetime.timedelta(seconds=timeout_s))
+
         if backend != "gloo" or abort_reason is None:
-            return cls(group, rank, size)
+            return cls(new_group(), rank, size)
+        group, connections = gloo_abort.opened_connections(new_group)
         return cls(group, rank, size, abort_reason, connections)
 
     def close(self) -> None:
