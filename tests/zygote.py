@@ -14,7 +14,6 @@ refused, and the caller starts the rank the ordinary way.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import select
@@ -199,20 +198,17 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _fork(request: dict, fds: list[int], imported_under: dict[str, str]) -> int | str:
-    """The forked rank's pid, or why it cannot be forked."""
+    """The forked rank's pid, or why it cannot be forked: hvdrun's own verdict (``preload.why_not``), on the
+    request's environment with the variables no import reads (the job's, pytest's) taken as imported."""
     from hvdrun.launch.remote import preload
-    from hvdrun.launch.remote.inprocess import parse_python_command
 
     command, env = request["command"], request["env"]
-    if command[0] != sys.executable:
-        return f"{command[0]} is not {sys.executable}"
-    parsed = parse_python_command(command)
+    exempt = _IGNORED | set(request["job_names"])
+    compared = {name: value for name, value in env.items() if name not in exempt}
+    compared.update({name: imported_under[name] for name in exempt if name in imported_under})
+    parsed = preload.why_not(command, compared, bound=False)
     if isinstance(parsed, str):
         return parsed
-    different = set(preload.environment_difference(env, imported_under, imported_under)) - _IGNORED - set(
-        request["job_names"])
-    if different:
-        return f"environment differs: {sorted(different)[:5]}"
 
     def prepare() -> None:
         signal.set_wakeup_fd(-1)
@@ -267,13 +263,11 @@ def serve(path: str, client_pid: int) -> None:
     if os.fork():
         os._exit(0)  # away from the client: the server's parent becomes init
     client = os.pidfd_open(client_pid)
-    import numpy  # noqa: F401 - what the ranks import, once
-    import torch  # noqa: F401
+    from hvdrun.envvars import PRELOAD
+    from hvdrun.launch.remote import preload
 
-    import hvdrun.launch.remote.preload  # noqa: F401 - and what forks them
-
-    gc.freeze()  # as the preload does: the imported objects stay out of the ranks' collections (and scans)
-    imported_under = dict(os.environ)
+    imported_under = {**os.environ, PRELOAD: "numpy,torch"}
+    preload.preload(imported_under)  # as a host's fork server does: imported once, then frozen out of the GC
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_read, False)
     os.set_blocking(wake_write, False)
