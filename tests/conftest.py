@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests import pbs_server as pbs
 from tests.zygote import ForkedRank, Zygote
 
 REPO = Path(__file__).resolve().parent.parent
@@ -191,7 +192,8 @@ def _fixture_command(action: str, directory: Path, *args: str, env: dict[str, st
     return done.stdout
 
 
-FIXTURES_PER_PROCESS = 4  # fixture_tag offsets: 0 ssh_hosts, 1 slurm_cluster, 2 and 3 hosts two tests start
+FIXTURES_PER_PROCESS = 5  # fixture_tag offsets: 0 ssh_hosts, 1 slurm_cluster, 2 and 3 hosts two tests start,
+# 4 pbs_server
 
 
 def fixture_tag(offset: int) -> int:
@@ -285,4 +287,25 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     finally:
         subprocess.run(["bash", str(SLURM_FIXTURE), "stop", "-d", str(slurm_dir)], capture_output=True, timeout=90)
         shutil.rmtree(slurm_dir, ignore_errors=True)
+        stop_ssh_hosts(ssh_dir, names)
+
+
+# -- PBS: a real OpenPBS server and a MOM per SSH host (tests/infra/pbs_cluster.sh, tests/pbs_server.py) --------
+
+@pytest.fixture(scope="session")
+def pbs_server() -> Iterator[tuple[pbs.PbsServer, SshHosts]]:
+    """OpenPBS on two SSH hosts named ``aurora-...`` with Aurora's queues, for the whole session. Its tests are in
+    test_pbs.py, given to one pytest-xdist worker (``--dist loadfile``): one server serves the run."""
+    if os.geteuid() != 0:
+        pytest.skip("the PBS server needs root (its daemons, network namespaces)")
+    if not (pbs.PBS_EXEC / "sbin" / "pbs_server").exists():
+        pytest.skip(f"OpenPBS is not built in {pbs.PBS_EXEC} (make test builds it)")
+    tag = fixture_tag(4)
+    names = {**fixture_names(tag), "HVD_FX_NAME_PREFIX": f"aurora-p{tag % 10_000}n"}
+    ssh_dir, pbs_dir = Path(f"/tmp/hvdrun-pq-{os.getpid()}"), Path(f"/var/spool/hvdrun-pbs-{os.getpid()}")
+    hosts = start_ssh_hosts(ssh_dir, 2, names, "--etc-hosts")
+    try:
+        yield pbs.start(ssh_dir, pbs_dir, datastore_port=20000 + tag % 5000), hosts
+    finally:
+        pbs.stop(pbs_dir)
         stop_ssh_hosts(ssh_dir, names)

@@ -1,7 +1,10 @@
 """PBS Pro / OpenPBS (ALCF Polaris, Aurora, Sophia): ``#PBS`` directives, ``qsub``, ``qstat``, ``qdel``.
 
-Status comes from ``qstat -x -f -F json`` (``job_state``, ``Exit_status``, ``comment``); a ``qstat``
-without JSON output (Torque's, or Slurm's Torque wrappers) is read through ``qstat -f`` text instead.
+Status comes from ``qstat -x -f -F json`` (``job_state``, ``Exit_status``, ``comment``). A server without job
+history (OpenPBS's default) answers every ``-x`` query with no job and "PBS is not configured to maintain job
+history", running jobs too: it is asked again without ``-x``, and a job that has ended is then unknown to it (its
+exit code comes from the file the job script wrote). A ``qstat`` without JSON output (Torque's, or Slurm's Torque
+wrappers) is read through ``qstat -f`` text instead.
 Queue limits come from ``qstat -Qf -F json`` (``queue_type``, ``resources_min``/``resources_max``
 ``nodect`` and ``walltime``, ``route_destinations``, ``from_route_only``, ``enabled``).
 """
@@ -37,6 +40,7 @@ _STATES = {"Q": QUEUED, "W": QUEUED, "T": QUEUED, "M": QUEUED, "H": HELD, "S": H
            "R": RUNNING, "B": RUNNING, "E": EXITING, "F": FINISHED, "X": FINISHED, "C": FINISHED}
 _JOB_ID = re.compile(r"([0-9]+(?:\[[0-9]*\])?(?:\.[A-Za-z0-9_.-]+)?)")
 _UNKNOWN_JOB = re.compile(r"unknown job id|job has finished|invalid job id", re.IGNORECASE)
+_NO_HISTORY = re.compile(r"not configured to maintain job history", re.IGNORECASE)
 _NO_JSON = re.compile(r"unknown option|invalid option|illegal option|usage:", re.IGNORECASE)
 _TEXT_FIELD = re.compile(r"\s+([A-Za-z_.]+)\s*=\s*(.*)")
 _DURATION = re.compile(r"(?:(?:([0-9]+):)?([0-9]+):)?([0-9]+)(?:\.[0-9]+)?")
@@ -79,6 +83,8 @@ class Pbs(Scheduler):
 
     def status(self, job_id: str) -> JobStatus:
         done = run_scheduler_command(["qstat", "-x", "-f", "-F", "json", job_id], ok_codes=range(256))
+        if _NO_HISTORY.search(done.stderr):
+            done = run_scheduler_command(["qstat", "-f", "-F", "json", job_id], ok_codes=range(256))
         if done.returncode == 0 and done.stdout.lstrip().startswith("{"):
             return _from_json(job_id, done.stdout)
         if _UNKNOWN_JOB.search(done.stderr + done.stdout):

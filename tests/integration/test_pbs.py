@@ -1,0 +1,147 @@
+"""hvdrun qsub / qstat / qdel against a real OpenPBS server (tests/pbs_server.py): a server and two MOM hosts named
+``aurora-...`` with Aurora's queues (cluster_configs/aurora.yaml) and ALCF's custom resources (``system``,
+``filesystems``). Jobs run hvdrun inside the allocation, which reads the real ``$PBS_NODEFILE`` and starts the ranks
+over SSH. Only Cray PALS ``mpiexec`` is still a fake (test_scheduler_jobs.py): no server here runs it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests import pbs_server as pbs
+from tests.conftest import wait_until
+from tests.integration.test_scheduler_jobs import WORKERS, hvdrun, job_output, submitted_id, wait_for_state
+
+ALLREDUCE = WORKERS / "allreduce_hosts.py"
+
+
+@pytest.fixture
+def server(pbs_server):
+    return pbs_server[0]
+
+
+@pytest.fixture
+def pbs_job(pbs_server, hvdrun_env, tmp_path):
+    """(environment, working directory, ``hvdrun qsub`` options) for a job on the test server: its cluster YAML,
+    and the SSH key and known hosts the job's hvdrun reaches the other MOM host with."""
+    server, hosts = pbs_server
+    shutil.copy(ALLREDUCE, tmp_path)
+    hvdrun_env.update(PBS_CONF_FILE=server.env["PBS_CONF_FILE"], PATH=server.env["PATH"],
+                      HVDRUN_JOBS_DIR=str(tmp_path / "registry"))
+    hvdrun_env.pop("SLURM_CONF", None)
+    config = pbs.job_config(tmp_path / "aurora-fixture.yaml")
+    options = ("--config", str(config), "--run-args", " ".join(hosts.args()))
+    return hvdrun_env, tmp_path, options
+
+
+def script_of(cwd: Path) -> str:
+    return next((cwd / "hvdrun-jobs").glob("*.pbs.sh")).read_text()
+
+
+def processes_with(word: str) -> list[psutil.Process]:
+    """Live processes whose command line has ``word``: on every MOM host (they share this machine's kernel)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and word in " ".join(proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
+
+
+def test_a_two_node_job_runs_an_allreduce_across_both_mom_hosts(pbs_server, pbs_job):
+    server, _ = pbs_server
+    env, cwd, options = pbs_job
+    result = hvdrun(env, cwd, "qsub", *options, "-n", "2", "--ranks-per-node", "2", "-t", "10", "--wait",
+                    "allreduce_hosts.py")
+    output = job_output(cwd)
+    assert result.returncode == 0, result.stderr + output
+    job_id = submitted_id(result)
+    assert re.fullmatch(rf"\d+\.{re.escape(server.nodes[0])}", job_id)
+    assert re.search(rf"job {job_id} RUNNING \[R\] on {re.escape(server.nodes[0])}", result.stderr), result.stderr
+    # OpenPBS keeps no job history by default: the exit code comes from the file the job script wrote
+    assert f"job {job_id} FINISHED, exit code 0" in result.stderr, result.stderr
+    oks = re.findall(r"\[(\d)\]<stdout>:rank \d/4 local \d on (\S+) sum=10 ok", output)
+    assert sorted(rank for rank, _ in oks) == ["0", "1", "2", "3"], output
+    assert {host for _, host in oks} == set(server.nodes), output  # both MOM hosts took part
+    script = script_of(cwd)
+    assert "#PBS -l select=2:system=fixture" in script and "#PBS -l filesystems=flare" in script
+    assert "#PBS -q debug" in script
+
+
+def test_a_failing_job_exits_with_its_code_with_job_history_on_and_off(server, pbs_job):
+    env, cwd, options = pbs_job
+    args = ("qsub", *options, "-n", "2", "--ranks-per-node", "1", "-t", "10", "--wait", "allreduce_hosts.py", "3", "1")
+    without = hvdrun(env, cwd, *args)
+    assert without.returncode == 3, without.stderr + job_output(cwd)
+    assert re.search(r"job \S+ FINISHED, exit code 3\n", without.stderr), without.stderr
+    with server.changed("set server job_history_enable = true", "unset server job_history_enable"):
+        kept = hvdrun(env, cwd, *args)
+        assert kept.returncode == 3, kept.stderr + job_output(cwd)
+        job_id = submitted_id(kept)
+        assert f"job {job_id} FINISHED [F], exit code 3" in kept.stderr, kept.stderr  # PBS's own Exit_status
+        later = hvdrun(env, cwd, "qstat", job_id)
+        assert later.returncode == 0 and "FINISHED [F], exit code 3" in later.stdout, later.stdout + later.stderr
+    assert "rank 1 on host" in job_output(cwd) and "exited with code 3" in job_output(cwd)
+
+
+def test_qdel_of_a_running_job_leaves_no_rank_on_any_host(server, pbs_job):
+    env, cwd, options = pbs_job
+    marker = f"{time.time_ns() % 10**9}.5"  # sleep's argument: a word no other process has
+    job_id = submitted_id(hvdrun(env, cwd, "qsub", *options, "-n", "2", "--ranks-per-node", "1", "-t", "10",
+                                 "--submit", "--", "sleep", marker))
+    running = wait_for_state(env, cwd, job_id, "RUNNING")
+    assert re.search(rf"job {job_id} \(pbs\): RUNNING \[R\] on \S+,\S+", running), running
+    assert wait_until(lambda: len(processes_with(f"sleep {marker}")) >= 2, 30), "the ranks never started"
+    ranks = processes_with(f"sleep {marker}")
+    assert len({Path(f"/proc/{p.pid}/ns/uts").readlink() for p in ranks}) == 2  # one on each MOM host
+    cancelled = hvdrun(env, cwd, "qdel", job_id)
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled.stdout + cancelled.stderr
+    assert wait_until(lambda: not processes_with(f"sleep {marker}"), 30), processes_with(f"sleep {marker}")
+    # no job history (OpenPBS's default) and no exit code written: the job is gone
+    assert wait_until(lambda: "UNKNOWN (qstat: unknown job id)" in hvdrun(env, cwd, "qstat", job_id).stdout, 30)
+
+
+def test_a_job_after_another_waits_held_and_runs_when_it_succeeded(server, pbs_job):
+    env, cwd, options = pbs_job
+    (cwd / "first.py").write_text("import time\ntime.sleep(4)\nprint('first done', time.time(), flush=True)\n")
+    (cwd / "second.py").write_text("import time\nprint('second start', time.time(), flush=True)\n")
+    common = (*options, "-n", "1", "--ranks-per-node", "1", "-t", "10")
+    first = submitted_id(hvdrun(env, cwd, "qsub", *common, "-o", "first/", "--submit", "first.py"))
+    second = hvdrun(env, cwd, "qsub", *common, "-o", "second/", "--after", first, "--wait", "second.py")
+    assert second.returncode == 0, second.stderr
+    assert re.search(r"job \S+ HELD \[H\]", second.stderr), second.stderr  # PBS holds it until the first ends
+    done = float(re.search(r"first done (\S+)", (cwd / "first").joinpath(
+        next(p.name for p in (cwd / "first").glob("*.output"))).read_text()).group(1))
+    started = float(re.search(r"second start (\S+)", "".join(
+        p.read_text() for p in (cwd / "second").glob("*.output"))).group(1))
+    assert started > done
+
+
+def test_max_restarts_inside_a_pbs_job_restarts_after_a_node_fault(pbs_job):
+    from tests.integration.test_restarts import FLAKY, ranks
+
+    env, cwd, options = pbs_job
+    (cwd / "flaky.py").write_text(FLAKY)
+    result = hvdrun(env, cwd, "qsub", *options, "-n", "2", "--ranks-per-node", "1", "-t", "10", "--max-restarts", "1",
+                    "--wait", "flaky.py", str(cwd / "mark"), "kill")
+    output = job_output(cwd)
+    assert result.returncode == 0, result.stderr + output
+    assert "hvdrun: restart 1 of 1: attempt 1 ended with a node fault (rank 1 on host " in output, output
+    assert [(rank, restart) for rank, _, restart in ranks(output)] == [(0, 0), (0, 1), (1, 0), (1, 1)], output
+
+
+def test_a_job_the_server_refuses_is_reported_in_one_line(pbs_job):
+    """Aurora's least walltime (5 minutes) is a limit only the server checks."""
+    env, cwd, options = pbs_job
+    result = hvdrun(env, cwd, "qsub", *options, "-n", "1", "-t", "2", "--submit", "allreduce_hosts.py")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("hvdrun: error: 'qsub -o ") and "failed with exit code" in lines[0], result.stderr
+    assert "qsub: Job violates queue and/or server resource limits" in result.stderr, result.stderr
