@@ -18,9 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,mpi,docs]" mpich
 	touch $@
 
-# Tests start real sshd servers in network namespaces and a real Slurm cluster on them: install
-# openssh-server, slurm-wlm (with its Torque-style qsub/qstat/qdel) and munge when missing (root + apt
-# only; elsewhere those tests skip with the reason).
+# Tests start real sshd servers in network namespaces, and a real Slurm cluster and a real OpenPBS on them: install
+# openssh-server, slurm-wlm (with its Torque-style qsub/qstat/qdel) and munge when missing, and build OpenPBS from
+# the source in tests/infra/openpbs/ into /opt/pbs once per machine (apt build deps, then about 2 minutes on 2
+# cores). Root + apt only; elsewhere those tests skip with the reason.
 system-deps:
 	@if { [ ! -x /usr/sbin/sshd ] || ! command -v slurmctld >/dev/null || ! command -v qsub >/dev/null; } \
 		&& [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -28,6 +29,7 @@ system-deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server iproute2 \
 			slurm-wlm slurm-wlm-torque munge >/dev/null; \
 	fi
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then bash tests/infra/pbs_cluster.sh build; fi
 
 demo: venv
 	$(HVDRUN) -np 2 examples/linear_regression.py --check

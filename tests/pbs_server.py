@@ -122,5 +122,5 @@ def job_config(path: Path) -> Path:
     scheduler = {**data["scheduler"], "system": SYSTEM, "setup": [], "required": ["walltime"],
                  "walltime": "00:10:00", "filesystem_mpi_args": {}}
     path.write_text(yaml.safe_dump({"name": SITE, "description": "hvdrun's test PBS server, as Aurora",
-                                    "launcher": "ssh", "scheduler": scheduler}))
+                                    "launcher": "ssh", "scheduler": scheduler}, sort_keys=False))
     return path

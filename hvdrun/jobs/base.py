@@ -160,8 +160,12 @@ def run_scheduler_command(argv: Sequence[str], *, ok_codes: Sequence[int] = (0,)
 
 
 def command_failure(command: str, done: subprocess.CompletedProcess[str]) -> str:
-    """The message for a failed scheduler command: the command, its exit code, stdout and stderr."""
+    """The message for a failed scheduler command: the command, its exit code, stdout and stderr; one line when
+    all it printed is one line of stderr (``qsub: Job violates queue and/or server resource limits``)."""
     parts = [f"'{command}' failed with exit code {done.returncode}"]
+    stderr_lines = done.stderr.strip().splitlines()
+    if not done.stdout.strip() and len(stderr_lines) == 1:
+        return f"{parts[0]}: {stderr_lines[0].strip()}"
     for name, text in (("stdout", done.stdout), ("stderr", done.stderr)):
         text = text.strip()
         parts.append(f"  {name}: " + (text.replace("\n", "\n    ") if text else "(empty)"))

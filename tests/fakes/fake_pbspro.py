@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """FAKE PBS Pro ``qsub`` / ``qstat`` / ``qdel`` for tests (usage: ``fake_pbspro.py qsub ARGS...``).
 
-PBS Pro cannot be installed here. This replays only what the PBS Pro man pages (qsub.1B, qstat.1B,
+This replays only what the PBS Pro man pages (qsub.1B, qstat.1B,
 pbs_job_attributes.7B) and ALCF's user guides document, as recorded in the project's reference notes:
 
 - ``qsub [-o PATH] [-e PATH] [-j oe] SCRIPT``: ``#PBS`` lines are read up to the first command; ALCF
@@ -13,16 +13,9 @@ pbs_job_attributes.7B) and ALCF's user guides document, as recorded in the proje
   an unknown id prints "qstat: Unknown Job Id ID" (exit 153);
 - ``qdel ID``: a finished job gives "qdel: Job has finished ID" (exit 35); a killed job's
   ``Exit_status`` is 271 (256 + SIGTERM);
-- ``qstat -Q -f -F json`` (or ``-Qf``): every queue of the site's server (``FAKE_PBS_SITE``: polaris, the
-  default, or aurora), in PBS Pro's own JSON as read from openpbs/openpbs: ``src/cmds/qstat.c`` (status_que,
-  prt_attr) and, for PBS Pro 2022 as ALCF runs it, ``src/lib/Libcmds/pbs_json.c`` before commit 74106a6a
-  (4-space indent, ``"key":value``): a prologue (``timestamp``, ``pbs_version``, ``pbs_server``), then
-  ``"Queue": {NAME: {...}}``, each ``resources_max.nodect``-style attribute nested as ``"resources_max":
-  {"nodect": ...}``, and every value that reads as a JSON number printed as a number (``"nodect":2``,
-  ``"walltime":"01:00:00"``, booleans as ``"True"``). The queues are the sites' as ALCF's guides describe them
-  (the cluster YAMLs' facts), set as ``qmgr`` would: ``FAKE_PBS_QUEUES`` names a JSON file
-  ``{QUEUE: {ATTRIBUTE: VALUE or null}}`` merged over them (a null drops the attribute, ``{QUEUE: null}`` the
-  queue); ``FAKE_PBS_QSTAT_DELAY_S`` makes ``qstat -Q`` answer that late (a server that does not answer).
+- ``qstat -Q``: not replayed (exit 2). Queues, job history, refusals and everything else PBS does are tested
+  against a real OpenPBS server (tests/pbs_server.py); this fake remains only for the jobs that run Cray PALS
+  ``mpiexec`` (Polaris's GPU order), which no server here can run.
 It is not PBS, and a test through it proves only hvdrun's side of the contract.
 """
 
@@ -37,47 +30,7 @@ from pathlib import Path
 
 import fake_batch
 
-SERVERS = {"polaris": "fakepbs-01.hsn.cm.polaris.alcf.anl.gov", "aurora": "fakepbs-01.hostmgmt.cm.aurora.alcf.anl.gov"}
-SERVER = SERVERS[os.environ.get("FAKE_PBS_SITE", "polaris")]
-_ENABLED = {"enabled": "True", "started": "True"}
-
-
-def _execution(low: int | None, high: int | None, walltime: str, **more: str) -> dict[str, str]:
-    """An execution queue as ``qmgr -c "set queue Q ..."`` would leave it."""
-    queue = {"queue_type": "Execution", "total_jobs": "0",
-             "state_count": "Transit:0 Queued:0 Held:0 Waiting:0 Running:0 Exiting:0 Begun:0 "}
-    queue.update({"resources_max.nodect": str(high)} if high else {})
-    queue.update({"resources_max.walltime": walltime, **({"resources_min.nodect": str(low)} if low else {})})
-    return {**queue, "resources_assigned.ncpus": "0", "resources_assigned.nodect": "0", **more, **_ENABLED}
-
-
-def _route(low: int, high: int, walltime: str, destinations: str) -> dict[str, str]:
-    return {"queue_type": "Route", "total_jobs": "0", "resources_max.nodect": str(high),
-            "resources_max.walltime": walltime, "resources_min.nodect": str(low),
-            "route_destinations": destinations, **_ENABLED}
-
-
-ROUTED = {"from_route_only": "True"}
-QUEUES = {
-    "polaris": {
-        "debug": _execution(1, 2, "01:00:00"), "debug-scaling": _execution(1, 10, "01:00:00"),
-        "prod": _route(10, 496, "24:00:00", "small,medium,large,backfill-small,backfill-medium,backfill-large"),
-        "small": _execution(10, 24, "03:00:00", **ROUTED), "medium": _execution(25, 99, "06:00:00", **ROUTED),
-        "large": _execution(100, 496, "24:00:00", **ROUTED),
-        "backfill-small": _execution(10, 24, "03:00:00", **ROUTED),
-        "backfill-medium": _execution(25, 99, "06:00:00", **ROUTED),
-        "backfill-large": _execution(100, 496, "24:00:00", **ROUTED),
-        "preemptable": _execution(1, 10, "72:00:00"), "demand": _execution(1, 56, "01:00:00"),
-        "capacity": _execution(1, 4, "168:00:00"),
-    },
-    "aurora": {
-        "debug": _execution(1, 2, "01:00:00"), "debug-scaling": _execution(2, 256, "01:00:00"),
-        "prod": _route(256, 10624, "24:00:00", "small,medium,large"),
-        "small": _execution(256, 1024, "12:00:00", **ROUTED), "medium": _execution(1025, 1999, "18:00:00", **ROUTED),
-        "large": _execution(2000, 10624, "24:00:00", **ROUTED),
-        "capacity": _execution(1, 16, "168:00:00"), "visualization": _execution(1, 32, "08:00:00"),
-    },
-}
+SERVER = "fakepbs-01.hsn.cm.polaris.alcf.anl.gov"
 
 
 def directives(script: str) -> list[str]:
@@ -134,57 +87,10 @@ def qsub(args: list[str]) -> int:
     return 0
 
 
-def queues() -> dict[str, dict[str, str]]:
-    """The site's queues, with the test's ``FAKE_PBS_QUEUES`` changes."""
-    site = {name: dict(attributes) for name, attributes in QUEUES[os.environ.get("FAKE_PBS_SITE", "polaris")].items()}
-    changes = os.environ.get("FAKE_PBS_QUEUES")
-    for name, attributes in (json.loads(Path(changes).read_text()) if changes else {}).items():
-        if attributes is None:
-            site.pop(name, None)
-            continue
-        queue = site.setdefault(name, {})
-        for key, value in attributes.items():
-            queue.pop(key, None) if value is None else queue.__setitem__(key, str(value))
-    return site
-
-
-def pbs_value(text: str) -> object:
-    """A value as PBS prints it in JSON: a number where the text reads as a JSON number, else the string."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text
-    return value if isinstance(value, int | float) and not isinstance(value, bool) else text
-
-
-def queue_json(attributes: dict[str, str]) -> dict[str, object]:
-    """``resources_max.nodect`` -> ``{"resources_max": {"nodect": ...}}``, as qstat's prt_attr nests them."""
-    shown: dict[str, object] = {}
-    for key, value in attributes.items():
-        name, _, resource = key.partition(".")
-        if resource:
-            group = shown.setdefault(name, {})
-            assert isinstance(group, dict)
-            group[resource] = pbs_value(value)
-        else:
-            shown[name] = pbs_value(value)
-    return shown
-
-
-def qstat_queues() -> int:
-    time.sleep(float(os.environ.get("FAKE_PBS_QSTAT_DELAY_S") or 0))
-    document = {"timestamp": int(time.time()), "pbs_version": "2022.1.3", "pbs_server": SERVER,
-                "Queue": {name: queue_json(attributes) for name, attributes in queues().items()}}
-    print(json.dumps(document, indent=4, separators=(",", ":")))  # PBS Pro 2022's printer: "key":value
-    return 0
-
-
 def qstat(args: list[str]) -> int:
     if "-Q" in args or "-Qf" in args:
-        if not {"-F", "json"} <= set(args):
-            print("fake qstat: only 'qstat -Q -f -F json' is replayed for queues", file=sys.stderr)
-            return 2
-        return qstat_queues()
+        print("fake qstat: queues are not replayed (tests ask a real OpenPBS server)", file=sys.stderr)
+        return 2
     if not {"-f", "-F", "json", "-x"} <= set(args):
         print("fake qstat: only 'qstat -x -f -F json ID' is replayed", file=sys.stderr)
         return 2

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2086  # word splitting of pid lists is intended
 # pbs_cluster.sh - a real OpenPBS (the open-source PBS Professional) on the hosts of a running ssh_hosts.sh, for the
-# PBS tests (the project's copy of the reference recipe in shared/reference/infra/openpbs/pbs_fixture.sh).
+# PBS tests (after the reference recipe pbs_fixture.sh of the team's shared notes).
 #
-#   pbs_cluster.sh build                                  apt build deps, then build and install into $PBS_EXEC
-#                                                         (default /opt/pbs; skipped when it is already there)
+#   pbs_cluster.sh build                                  apt build deps, then build tests/infra/openpbs/'s source
+#                                                         into $PBS_EXEC (default /opt/pbs; skipped when it is
+#                                                         already there)
 #   pbs_cluster.sh start --hosts-from SSH_FIXTURE_DIR -d DIR [--ds-port PORT]
 #   pbs_cluster.sh stop -d DIR
 #
@@ -28,7 +29,7 @@
 # Needs: root, the SSH fixture's hosts (network namespaces), and the build. Writes only under DIR and $PBS_EXEC.
 set -euo pipefail
 usage() { awk 'NR>2 && /^#/ {sub(/^# ?/, ""); print; next} NR>2 {exit}' "$0"; }
-REF=$(cd "$(dirname "$0")/../../../shared/reference/infra/openpbs" 2>/dev/null && pwd || true)
+SOURCE=$(cd "$(dirname "$0")/openpbs" && pwd)  # the upstream source snapshot (its README says which)
 PBS_EXEC=${PBS_EXEC:-/opt/pbs}
 TIMEOUT=${HVD_PBS_TIMEOUT:-60}
 
@@ -46,10 +47,15 @@ done
 die() { echo "pbs_cluster: $*" >&2; exit 1; }
 
 do_build() {
-  [ -x "$PBS_EXEC/sbin/pbs_server" ] && { echo "pbs_cluster: $PBS_EXEC already has OpenPBS"; return 0; }
+  [ -x "$PBS_EXEC/sbin/pbs_server" ] || compile_openpbs
+  chmod 4755 "$PBS_EXEC/sbin/pbs_iff" "$PBS_EXEC/sbin/pbs_rcp"    # clients authenticate from a reserved port
+  id pbsdata >/dev/null 2>&1 || useradd -r -m -s /bin/bash pbsdata   # owner of the server's PostgreSQL datastore
+}
+
+compile_openpbs() {
   [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || die "building OpenPBS needs root and apt-get"
-  local tarball; tarball=$(ls "$REF"/openpbs-*.tar.gz 2>/dev/null | head -n1)
-  [ -n "$tarball" ] || die "no OpenPBS source tarball under $REF"
+  local tarball; tarball=$(ls "$SOURCE"/openpbs-*.tar.gz 2>/dev/null | head -n1)
+  [ -n "$tarball" ] || die "no OpenPBS source tarball under $SOURCE"
   echo "pbs_cluster: building OpenPBS into $PBS_EXEC (apt build deps, then about 2 minutes)" >&2
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc make libtool libhwloc-dev libx11-dev libxt-dev \
@@ -62,8 +68,6 @@ do_build() {
     tail -n 20 "$src.log" >&2; die "build failed: $src.log"
   fi
   rm -rf "$src" "$src.log"
-  chmod 4755 "$PBS_EXEC/sbin/pbs_iff" "$PBS_EXEC/sbin/pbs_rcp"
-  id pbsdata >/dev/null 2>&1 || useradd -r -m -s /bin/bash pbsdata   # owner of the server's PostgreSQL datastore
 }
 
 # host_run K CMD...: run CMD in host K's network and UTS namespaces, with its PBS configuration
@@ -159,7 +163,7 @@ do_start() {
 do_stop() {
   [ -n "$DIR" ] && [ -d "$DIR" ] || return 0
   local conf pid victims=""
-  for conf in "$DIR"/*/pbs.conf; do
+  for conf in "$DIR"/*/pbs.conf "$DIR/client.conf"; do   # client.conf: the qsub daemon clients leave
     [ -f "$conf" ] || continue
     # every process whose configuration or PBS_HOME is ours: daemons, the datastore, jobs and their ranks
     for pid in $(grep -l -z -F "PBS_CONF_FILE=$conf" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do

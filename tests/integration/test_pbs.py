@@ -6,17 +6,20 @@ over SSH. Only Cray PALS ``mpiexec`` is still a fake (test_scheduler_jobs.py): n
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
-import subprocess
+import signal
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from hvdrun.jobs import queue_limits
+from hvdrun.jobs.spec import JobRequest, build_spec
 from tests import pbs_server as pbs
-from tests.conftest import wait_until
+from tests.conftest import REPO, host_processes, wait_until
 from tests.integration.test_scheduler_jobs import WORKERS, hvdrun, job_output, submitted_id, wait_for_state
 
 ALLREDUCE = WORKERS / "allreduce_hosts.py"
@@ -38,7 +41,21 @@ def pbs_job(pbs_server, hvdrun_env, tmp_path):
     hvdrun_env.pop("SLURM_CONF", None)
     config = pbs.job_config(tmp_path / "aurora-fixture.yaml")
     options = ("--config", str(config), "--run-args", " ".join(hosts.args()))
-    return hvdrun_env, tmp_path, options
+    yield hvdrun_env, tmp_path, options
+    assert wait_until(lambda: not leftovers(tmp_path, hosts.addrs), 30), leftovers(tmp_path, hosts.addrs)
+
+
+def leftovers(workdir: Path, addrs: list[str]) -> list[psutil.Process]:
+    """Processes of this test's jobs still alive on a MOM host: the job scripts and launchers PBS started (their
+    working directory is the job's) and whatever hvdrun started over SSH. Not OpenPBS's qsub daemon, which the
+    first ``qsub`` leaves in the background to speed up the next (the fixture stops it with the server)."""
+    found = host_processes(addrs)
+    for proc in psutil.process_iter(["cwd", "status", "name"]):
+        cwd = proc.info["cwd"]
+        if proc.pid != os.getpid() and proc.info["status"] != psutil.STATUS_ZOMBIE and proc.info["name"] != "qsub" \
+                and cwd and Path(cwd).is_relative_to(workdir):
+            found.append(proc)
+    return found
 
 
 def script_of(cwd: Path) -> str:
@@ -90,7 +107,8 @@ def test_a_failing_job_exits_with_its_code_with_job_history_on_and_off(server, p
     assert "rank 1 on host" in job_output(cwd) and "exited with code 3" in job_output(cwd)
 
 
-def test_qdel_of_a_running_job_leaves_no_rank_on_any_host(server, pbs_job):
+def test_qdel_of_a_running_job_leaves_no_rank_on_any_host(pbs_server, pbs_job):
+    _, hosts = pbs_server
     env, cwd, options = pbs_job
     marker = f"{time.time_ns() % 10**9}.5"  # sleep's argument: a word no other process has
     job_id = submitted_id(hvdrun(env, cwd, "qsub", *options, "-n", "2", "--ranks-per-node", "1", "-t", "10",
@@ -103,6 +121,7 @@ def test_qdel_of_a_running_job_leaves_no_rank_on_any_host(server, pbs_job):
     cancelled = hvdrun(env, cwd, "qdel", job_id)
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled.stdout + cancelled.stderr
     assert wait_until(lambda: not processes_with(f"sleep {marker}"), 30), processes_with(f"sleep {marker}")
+    assert wait_until(lambda: not leftovers(cwd, hosts.addrs), 30), leftovers(cwd, hosts.addrs)
     # no job history (OpenPBS's default) and no exit code written: the job is gone
     assert wait_until(lambda: "UNKNOWN (qstat: unknown job id)" in hvdrun(env, cwd, "qstat", job_id).stdout, 30)
 
@@ -142,6 +161,91 @@ def test_a_job_the_server_refuses_is_reported_in_one_line(pbs_job):
     result = hvdrun(env, cwd, "qsub", *options, "-n", "1", "-t", "2", "--submit", "allreduce_hosts.py")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert lines[0].startswith("hvdrun: error: 'qsub -o ") and "failed with exit code" in lines[0], result.stderr
-    assert "qsub: Job violates queue and/or server resource limits" in result.stderr, result.stderr
+    assert re.fullmatch(r"hvdrun: error: 'qsub -o \S+ -j oe \S+\.pbs\.sh' failed with exit code \d+: "
+                        r"qsub: Job violates queue and/or server resource limits\n", result.stderr), result.stderr
+
+
+def test_a_job_larger_than_the_cluster_waits_with_the_schedulers_reason_and_qdel_cancels_it(pbs_job):
+    env, cwd, options = pbs_job
+    job_id = submitted_id(hvdrun(env, cwd, "qsub", *options, "-n", "3", "-q", "capacity", "--submit",
+                                 "allreduce_hosts.py"))
+    waiting = wait_for_state(env, cwd, job_id, "Not enough total nodes")
+    assert f"job {job_id} (pbs): QUEUED [Q] (Can Never Run: Not enough total nodes available)" in waiting
+    cancelled = hvdrun(env, cwd, "qdel", job_id)
+    assert cancelled.returncode == 0 and f"cancelled job {job_id}" in cancelled.stdout, cancelled.stderr
+    again = hvdrun(env, cwd, "qdel", job_id)
+    assert again.returncode == 0 and "had already ended" in again.stdout, again.stdout + again.stderr
+
+
+
+# -- ask the scheduler, then the YAML: this server's `qstat -Qf -F json` -------------------------------------
+
+PBS_SERVER = "(from the PBS server: qstat -Qf -F json)"
+
+
+@pytest.fixture
+def asked(pbs_job, monkeypatch):
+    """In-process ``build_spec`` sees the server as ``hvdrun qsub`` does; returns the job's cluster YAML."""
+    env, cwd, options = pbs_job
+    for name in ("PBS_CONF_FILE", "PATH"):
+        monkeypatch.setenv(name, env[name])
+    monkeypatch.chdir(cwd)
+    return options[1]
+
+
+def usage_error(result) -> str:
+    """The one line of a usage error (exit code 2)."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("hvdrun: error: ") and result.stderr.count("\n") == 1, result.stderr
+    return result.stderr.removeprefix("hvdrun: error: ").rstrip("\n")
+
+
+def test_a_routing_queue_is_checked_against_the_servers_destinations(server, pbs_job, asked):
+    env, cwd, _ = pbs_job
+    args = ("qsub", "--config", asked, "-q", "prod", "-n", "300")
+    with server.changed("set queue small resources_max.walltime = 06:00:00",
+                        "set queue small resources_max.walltime = 12:00:00"):
+        assert usage_error(hvdrun(env, cwd, *args, "-t", "08:00:00", "allreduce_hosts.py")) == (
+            f"-t/--walltime 08:00:00: queue 'prod' on aurora {PBS_SERVER} sends 300 nodes to 'small' (256-1024 "
+            f"nodes), which allows at most 06:00:00; the YAML ({asked}) would allow it")
+        within = hvdrun(env, cwd, *args, "-t", "05:00:00", "--dry-run", "allreduce_hosts.py")
+        assert within.returncode == 0 and "#PBS -q prod" in within.stdout, within.stderr
+    assert usage_error(hvdrun(env, cwd, *args[:3], "-q", "small", "-n", "300", "allreduce_hosts.py")) == (
+        f"-q/--queue 'small': queue 'small' on aurora {PBS_SERVER} takes jobs only from a routing queue; "
+        "submit to prod")
+    refused = usage_error(hvdrun(env, cwd, *args[:3], "-q", "nosuch", "allreduce_hosts.py"))
+    assert refused.startswith("-q/--queue 'nosuch': the PBS server (qstat -Qf -F json) has no queue 'nosuch'; "
+                              "its queues: "), refused
+    assert set(refused.split("its queues: ")[1].split(", ")) == {  # not the ones taking jobs only from prod
+        "debug", "debug-scaling", "prod", "capacity", "visualization"}
+
+
+def test_where_the_server_and_the_yaml_disagree_the_server_decides_with_a_notice(server, asked):
+    with server.changed("set queue small resources_max.walltime = 06:00:00",
+                        "set queue small resources_max.walltime = 12:00:00"):
+        spec = build_spec(JobRequest(command=("allreduce_hosts.py",), config_file=asked, queue="prod", nodes=300,
+                                     walltime="05:00:00"))
+    assert spec.notices == (f"queue 'prod' on aurora: the PBS server (qstat -Qf -F json) states 'small' (256-1024 "
+                            f"nodes, at most 06:00:00); the YAML ({asked}) says 'small' (256-1024 nodes, at most "
+                            "12:00:00); the server's limits decided",)
+
+
+def test_a_server_that_does_not_answer_leaves_the_yaml_to_decide(server, asked, monkeypatch):
+    monkeypatch.setattr(queue_limits, "ASK_TIMEOUT_S", 1.0)
+    pid = server.daemon_pid("pbs_server.bin")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        spec = build_spec(JobRequest(command=("allreduce_hosts.py",), config_file=asked, queue="prod", nodes=300,
+                                     walltime="08:00:00"))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert spec.notices == ("could not ask the scheduler for queue limits ('qstat -Q -f -F json' did not answer "
+                            f"within 1 s); checked against the YAML ({asked}) only",)
+
+
+def test_the_server_of_another_machine_is_not_believed(server, asked):
+    """A dry run for Polaris on an Aurora login node: Aurora's server does not decide Polaris's queues."""
+    spec = build_spec(JobRequest(command=("allreduce_hosts.py",), cluster="polaris", queue="prod", nodes=20,
+                                 walltime="01:00:00", account="MyProject"))
+    assert spec.notices == (f"the PBS server here ({server.nodes[0]}) is not polaris's: queue limits come from the "
+                            f"YAML ({REPO / 'cluster_configs' / 'polaris.yaml'}) only",)

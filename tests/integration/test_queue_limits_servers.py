@@ -1,13 +1,10 @@
 """``hvdrun qsub`` asks the scheduler for its queue limits, then the YAML: a real slurmctld whose partitions have
 limits (tests/infra/slurm_cluster.sh: ``short`` MaxTime=00:10:00 MaxNodes=1, ``wide`` MinNodes=2
-MaxTime=1-00:00:00), and a FAKE PBS Pro ``qstat -Qf -F json`` in PBS's own JSON (tests/fakes/fake_pbspro.py;
-PBS cannot be installed here, so those tests are named "fake").
+MaxTime=1-00:00:00). A real PBS server's queues are asked in test_pbs.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -140,72 +137,3 @@ def test_without_an_answering_slurm_the_yaml_decides(workdir, hvdrun_env, monkey
                             f"did not answer within 1 s); checked against the YAML ({yaml}) only",)
     with pytest.raises(UsageError, match=r"^-n/--nodes 3: queue 'short' on myslurm takes 1 to 2 nodes$"):
         build_spec(JobRequest(command=("train.py",), config_file=yaml, queue="short", nodes=3))
-
-
-# -- FAKE PBS Pro --------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def fake_pbs(tmp_path, hvdrun_env, workdir, monkeypatch):
-    """FAKE PBS Pro qsub/qstat/qdel first on PATH, as an Aurora-like server whose 'small' queue allows 6 hours (the
-    YAML says 12), here and in the environment of hvdrun processes."""
-    bin_dir = tmp_path / "fake-pbspro-bin"
-    bin_dir.mkdir()
-    for command in ("qsub", "qstat", "qdel"):
-        wrapper = bin_dir / command
-        wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKES / "fake_pbspro.py"} {command} "$@"\n')
-        wrapper.chmod(0o755)
-    changes = tmp_path / "qmgr.json"
-    changes.write_text(json.dumps({"small": {"resources_max.walltime": "06:00:00"}}))
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SCHED_DIR": str(tmp_path / "fake-state"),
-           "FAKE_PBS_SITE": "aurora", "FAKE_PBS_QUEUES": str(changes)}
-    hvdrun_env.update(env)
-    hvdrun_env.pop("SLURM_CONF", None)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    return hvdrun_env
-
-
-def test_fake_pbspro_routing_queue_is_checked_against_the_servers_destinations(fake_pbs, workdir):
-    yaml = str(workdir / "aurora.yaml")
-    args = ("--config", yaml, "-q", "prod", "-n", "300")
-    assert usage_error(qsub(fake_pbs, workdir, *args, "-t", "08:00:00", "train.py")) == (
-        f"-t/--walltime 08:00:00: queue 'prod' on aurora {PBS_SERVER} sends 300 nodes to 'small' (256-1024 nodes), "
-        f"which allows at most 06:00:00; the YAML ({yaml}) would allow it")
-    within = qsub(fake_pbs, workdir, *args, "-t", "05:00:00", "--dry-run", "train.py")
-    assert within.returncode == 0 and "#PBS -q prod" in within.stdout, within.stderr
-    assert usage_error(qsub(fake_pbs, workdir, *args[:2], "-q", "small", "-n", "300", "train.py")) == (
-        f"-q/--queue 'small': queue 'small' on aurora {PBS_SERVER} takes jobs only from a routing queue; "
-        "submit to prod")
-    assert usage_error(qsub(fake_pbs, workdir, *args[:2], "-q", "nosuch", "train.py")) == (
-        "-q/--queue 'nosuch': the PBS server (qstat -Qf -F json) has no queue 'nosuch'; its queues: debug, "
-        "debug-scaling, prod, capacity, visualization")
-
-
-def test_fake_pbspro_disagreements_are_notices_naming_the_server(fake_pbs, workdir):
-    yaml = str(workdir / "aurora.yaml")
-    spec = build_spec(JobRequest(command=("train.py",), config_file=yaml, queue="prod", nodes=300,
-                                 walltime="05:00:00"))
-    assert spec.notices == (f"queue 'prod' on aurora: the PBS server (qstat -Qf -F json) states 'small' (256-1024 "
-                            f"nodes, at most 06:00:00); the YAML ({yaml}) says 'small' (256-1024 nodes, at most "
-                            "12:00:00); the server's limits decided",)
-    assert spec.queue == "prod" and spec.nodes == 300
-
-
-def test_fake_pbspro_that_does_not_answer_leaves_the_yaml(fake_pbs, workdir, monkeypatch):
-    yaml = str(workdir / "aurora.yaml")
-    monkeypatch.setenv("FAKE_PBS_QSTAT_DELAY_S", "20")
-    monkeypatch.setattr(queue_limits, "ASK_TIMEOUT_S", 1.0)
-    spec = build_spec(JobRequest(command=("train.py",), config_file=yaml, queue="prod", nodes=300,
-                                 walltime="08:00:00"))  # 'small' allows 6 hours on the server, 12 in the YAML
-    assert spec.notices == ("could not ask the scheduler for queue limits ('qstat -Q -f -F json' did not answer "
-                            f"within 1 s); checked against the YAML ({yaml}) only",)
-
-
-def test_fake_pbspro_of_another_machine_is_not_believed(fake_pbs, workdir, monkeypatch):
-    """A dry run for Aurora on a Polaris login node: Polaris's server does not decide Aurora's queues."""
-    monkeypatch.setenv("FAKE_PBS_SITE", "polaris")
-    yaml = str(workdir / "aurora.yaml")
-    spec = build_spec(JobRequest(command=("train.py",), config_file=yaml, queue="prod", nodes=300,
-                                 walltime="08:00:00"))
-    assert spec.notices == ("the PBS server here (fakepbs-01.hsn.cm.polaris.alcf.anl.gov) is not aurora's: queue "
-                            f"limits come from the YAML ({yaml}) only",)

@@ -1,6 +1,7 @@
 """hvdrun qsub / qstat / qdel against a real Slurm (2 nodes on SSH hosts), Slurm's Torque-style
-qsub/qstat/qdel, and FAKE PBS Pro / FAKE Cobalt commands (tests/fakes: they replay documented
-behaviour because neither scheduler can be installed here; those tests are named "fake").
+qsub/qstat/qdel, and FAKE PBS Pro / FAKE Cobalt commands (tests/fakes, tests named "fake"): PBS Pro only for a job
+that runs Cray PALS mpiexec (no server here runs it; everything else of PBS is tested against a real OpenPBS in
+test_pbs.py), Cobalt because it is retired and has no source.
 """
 
 from __future__ import annotations
@@ -227,31 +228,6 @@ def test_fake_pbspro_polaris_job_pins_gpus_in_polaris_order(fake_scheduler, job_
     assert status.returncode == 0 and "FINISHED [F], exit code 0" in status.stdout
     again = hvdrun(env, job_dir, "qdel", job_id)
     assert again.returncode == 0 and "had already ended" in again.stdout
-
-
-def test_fake_pbspro_failing_job_and_a_queued_one_cancelled(fake_scheduler, job_dir):
-    env = fake_scheduler("pbspro")
-    result = hvdrun(env, job_dir, "qsub", *POLARIS_IN_TEST, "-n", "1", "--ranks-per-node", "2", "--wait",
-                    "pinned.py", "5", "1")
-    assert result.returncode == 5, result.stderr + job_output(job_dir)
-    assert "exit code 5" in result.stderr
-
-    env["FAKE_SCHED_HOLD_S"] = "60"
-    job_id = submitted_id(hvdrun(env, job_dir, "qsub", *POLARIS_IN_TEST, "-n", "1", "--submit", "pinned.py"))
-    waiting = hvdrun(env, job_dir, "qstat", job_id)
-    assert "QUEUED [Q] (Not Running: Insufficient amount of resource: ncpus" in waiting.stdout
-    assert "cancelled" in hvdrun(env, job_dir, "qdel", job_id).stdout
-    assert "FINISHED [F], exit code 143" in hvdrun(env, job_dir, "qstat", job_id).stdout  # Exit_status 271
-
-
-def test_fake_pbspro_rejection_reports_command_exit_code_and_output(fake_scheduler, job_dir):
-    env = fake_scheduler("pbspro")
-    result = hvdrun(env, job_dir, "qsub", "--scheduler", "pbs", "--filesystems", "home", "--submit", "pinned.py")
-    assert result.returncode == 1, result.stderr
-    assert re.search(r"hvdrun: error: 'qsub -o \S+ -j oe \S+\.pbs\.sh' failed with exit code 2\n", result.stderr)
-    assert "stdout: (empty)" in result.stderr
-    assert "stderr: qsub: Account_Name is required to be set." in result.stderr
-    assert "Traceback" not in result.stderr
 
 
 def test_fake_cobalt_thetagpu_job(fake_scheduler, job_dir):
