@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -72,12 +73,21 @@ def processes_with(word: str) -> list[psutil.Process]:
 
 
 def test_a_two_node_job_runs_an_allreduce_across_both_mom_hosts(pbs_server, pbs_job):
+    """``-- python allreduce_hosts.py`` as a user writes it, with the site's setup putting an interpreter without
+    hvdrun (and without torch) first on the job's PATH: every rank still runs with the Python that runs hvdrun."""
     server, _ = pbs_server
     env, cwd, options = pbs_job
-    result = hvdrun(env, cwd, "qsub", *options, "-n", "2", "--ranks-per-node", "2", "-t", "10", "--wait",
-                    "allreduce_hosts.py")
+    site = cwd / "site-bin"
+    site.mkdir()
+    (site / "python").write_text(f"#!/bin/sh\nexec {shutil.which('python3') or '/usr/bin/python3'} -I \"$@\"\n")
+    (site / "python").chmod(0o755)
+    assert subprocess.run([str(site / "python"), "-c", "import hvdrun"], capture_output=True).returncode != 0
+    result = hvdrun(env, cwd, "qsub", *options, "-n", "2", "--ranks-per-node", "2", "-t", "10",
+                    "--setup", f"export PATH={site}:$PATH", "--setup", 'echo "python on PATH: $(command -v python)"',
+                    "--wait", "--", "python", "allreduce_hosts.py")
     output = job_output(cwd)
     assert result.returncode == 0, result.stderr + output
+    assert f"python on PATH: {site}/python" in output  # the site's interpreter was first
     job_id = submitted_id(result)
     assert re.fullmatch(rf"\d+\.{re.escape(server.nodes[0])}", job_id)
     assert re.search(rf"job {job_id} RUNNING \[R\] on {re.escape(server.nodes[0])}", result.stderr), result.stderr
@@ -88,7 +98,7 @@ def test_a_two_node_job_runs_an_allreduce_across_both_mom_hosts(pbs_server, pbs_
     assert {host for _, host in oks} == set(server.nodes), output  # both MOM hosts took part
     script = script_of(cwd)
     assert "#PBS -l select=2:system=fixture" in script and "#PBS -l filesystems=flare" in script
-    assert "#PBS -q debug" in script
+    assert "#PBS -q debug" in script and "#PBS -N allreduce_hosts" in script
 
 
 def test_a_failing_job_exits_with_its_code_with_job_history_on_and_off(server, pbs_job):
