@@ -35,12 +35,13 @@ _DIR_EXIT, _UNPACK_EXIT, _SPACE_EXIT = 3, 4, 5  # the unpack line's exit codes (
 # copy is there) or "NEED PATH". Then with SOURCE (the environment itself: hvdrun's own machine) it copies it;
 # without, it reads "KIB BYTES TARFILE" from stdin and answers "FILE" when it sees TARFILE (the packed
 # environment in the job's working directory on the shared file system) whole, else "STREAM", and reads the tar
-# stream from stdin. It ends with "DONE PATH KIB". Errors go to stderr; exit 3: the directory, 4: the unpack,
-# 5: space. One command per line, the lines joined with "; " (csh and tcsh, the login shell on some clusters,
+# stream from stdin. It ends with "DONE PATH KIB". Its errors go to stderr after "hvdrun-stage: " (the user's
+# login shell may write there too: module systems, pyenv); exit 3: the directory, 4: the unpack, 5: space.
+# One command per line, the lines joined with "; " (csh and tcsh, the login shell on some clusters,
 # refuse line breaks inside quotes): no line may end with "then", "else", "{" or "|".
 _SCRIPT_LINES = r"""
 dir=$1; fp=$2; src=${3:-}; base="$dir/hvdrun-$(id -u)"; final="$base/env-$fp"; tmp="$base/.env-$fp.partial.$$"
-fail() { echo "$2" >&2; exit "$1"; }
+fail() { printf '%s\n' "$2" | sed 's/^/@FAIL@/' >&2; exit "$1"; }
 err=$(mkdir -p -- "$dir" 2>&1) || fail 3 "$err"
 if [ -L "$base" ]; then fail 3 "$base is a symbolic link; remove it"; fi
 if [ -d "$base" ] || err=$(mkdir -m 700 -- "$base" 2>&1); then :; else fail 3 "$err"; fi
@@ -66,7 +67,8 @@ if [ "$ok" != 0 ]; then rm -rf -- "$tmp" "$tmp.unread"; fail 4 "$(printf '%s\n' 
 : > "$tmp/@MARKER@" && mv -- "$tmp" "$final" || fail 4 "cannot move $tmp to $final"
 echo "DONE $final $kib"
 """
-_SCRIPT = "; ".join(_SCRIPT_LINES.strip().splitlines()).replace("@MARKER@", MARKER)
+_FAIL_PREFIX = "hvdrun-stage: "  # the unpack line's own errors, told from a login shell's noise on the same stderr
+_SCRIPT = "; ".join(_SCRIPT_LINES.strip().splitlines()).replace("@MARKER@", MARKER).replace("@FAIL@", _FAIL_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -337,8 +339,11 @@ def _deliver(session: _Session, tarball: Tarball) -> str:
 
 
 def _failure(name: str, directory: str, status: int, error: str) -> UsageError | LaunchError:
-    """The error of a host whose unpack line failed: the directory (a usage error) or the unpack itself."""
-    why = " ".join(line.strip() for line in error.strip().splitlines() if line.strip()) or (
+    """The error of a host whose unpack line failed: the directory (a usage error) or the unpack itself. The line's
+    own messages are quoted, not what the host's login shell wrote around them; all of stderr when it wrote none."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    own = [line.removeprefix(_FAIL_PREFIX) for line in lines if line.startswith(_FAIL_PREFIX)]
+    why = " ".join(own or lines) or (
         f"the unpack exited with code {status}" if status > 0 else "the connection was lost")
     if status == _DIR_EXIT:
         return UsageError(f"--stage-env: cannot use {directory} on {name}: {why}; give a writable directory on "

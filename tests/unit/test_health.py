@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import stat
 import sys
 from dataclasses import replace
@@ -214,3 +215,16 @@ def test_the_launchers_torch_version_is_read_without_importing_torch(tmp_path, m
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "torch")
     assert installed_torch_version() == "9.1.0a0+git1234"
+
+
+def test_free_ports_are_bindable_and_below_the_ephemeral_range():
+    """Rank 0 binds the port later: no outgoing connection may take it meanwhile as its own end."""
+    from hvdrun.launch.remote import hostfacts
+
+    low = hostfacts._ephemeral_low()
+    ports = hostfacts.free_ports(3)
+    assert len(set(ports)) == 3
+    if low - hostfacts._PORT_FLOOR >= 1_000:
+        assert all(hostfacts._PORT_FLOOR <= port < low for port in ports), (ports, low)
+    for port in ports:
+        socket.create_server(("", port)).close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -15,7 +16,7 @@ import pytest
 from hvdrun.config import load_config
 from hvdrun.errors import ConfigError, UsageError
 from hvdrun.hosts import Host
-from hvdrun.launch.envcopy import MARKER, Environment, HostStaged, unpack_command
+from hvdrun.launch.envcopy import MARKER, Environment, HostStaged, _failure, unpack_command
 from hvdrun.launch.plan import RunOptions, plan_job
 from hvdrun.launch.staging import (
     StagePlan,
@@ -229,3 +230,18 @@ def test_stage_on_this_machine_copies_the_environment(tmp_path, venv):
     with pytest.raises(UsageError, match=r"cannot use /proc/hvdrun-nowhere on this machine: mkdir"):
         stage(StagePlan("/proc/hvdrun-nowhere", plan.environments), hosts, ThisMachine())
 
+
+
+def test_a_login_shells_noise_on_stderr_is_left_out_of_the_error(tmp_path):
+    """A login shell may write to the same stderr before the unpack line runs (pyenv's rehash lock, a module
+    system): only the line's own messages are quoted."""
+    (tmp_path / "file").write_text("")
+    noise = "pyenv: cannot rehash: couldn't acquire lock /root/.pyenv/shims/.pyenv-shim for 1 seconds."
+    argv = unpack_command(str(tmp_path / "file" / "sub"), Environment("/unused/bin/python", "/unused", "f00d"))
+    done = subprocess.run(["sh", "-c", f'echo "{noise}" >&2; exec "$@"', "login", *argv], capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert done.returncode == 3 and noise in done.stderr
+    error = _failure("h2", str(tmp_path / "file" / "sub"), done.returncode, done.stderr)
+    assert isinstance(error, UsageError) and "pyenv" not in str(error)
+    assert re.search(r"cannot use \S+ on h2: mkdir: .*Not a directory; give a writable directory", str(error))
+    assert "cannot rehash" in str(_failure("h2", "/d", 4, noise + "\n"))  # nothing of its own: all of stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import sys
 from collections.abc import Mapping
@@ -54,14 +55,49 @@ def interface_address(name: str) -> str | None:
     return None
 
 
+_PORT_FLOOR = 10_000  # the least port free_ports picks below the ephemeral range
+_PORT_TRIES = 200
+
+
 def free_ports(count: int) -> tuple[int, ...]:
-    """``count`` distinct TCP ports that were free on every interface a moment ago."""
+    """``count`` distinct TCP ports that were free on every interface a moment ago.
+
+    A port is bound later, by another process (rank 0, once it has started): in between, any outgoing connection
+    on the host may take a port of the kernel's ephemeral range (``ip_local_port_range``) as its own end. So the
+    ports are picked at random below that range, where only an explicit bind can take them; where the range leaves
+    no room below it, the kernel picks them (port 0).
+    """
+    low = _ephemeral_low()
+    if low - _PORT_FLOOR < 1_000:
+        return _kernel_ports(count)
+    chosen: list[int] = []
+    for port in random.sample(range(_PORT_FLOOR, low), min(_PORT_TRIES, low - _PORT_FLOOR)):
+        if len(chosen) == count:
+            break
+        try:
+            socket.create_server(("", port)).close()
+        except OSError:
+            continue
+        chosen.append(port)
+    return tuple(chosen) if len(chosen) == count else _kernel_ports(count)
+
+
+def _kernel_ports(count: int) -> tuple[int, ...]:
     sockets = [socket.create_server(("", 0)) for _ in range(count)]
     try:
         return tuple(int(s.getsockname()[1]) for s in sockets)
     finally:
         for s in sockets:
             s.close()
+
+
+def _ephemeral_low() -> int:
+    """The first port of this host's ephemeral range (Linux's default: 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _version(package: str) -> str | None:
