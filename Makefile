@@ -34,17 +34,16 @@ system-deps:
 demo: venv
 	$(HVDRUN) -np 2 examples/linear_regression.py --check
 
-# Two pytest-xdist workers: much of the suite waits (sshd, timeouts, subprocesses). A third fills more of those waits
-# (measured: 639 s with two, 579-614 s with three), but it also runs more SSH logins at once, and on this machine
-# image a login's `pyenv rehash` then misses its lock and writes a warning into what a test compares (seen once in
-# test_stage_env.py): two until a remote command's output leaves login-shell noise out. --dist loadfile gives all of a
-# file's tests to one worker: the Slurm tests (test_scheduler_jobs.py) start one cluster. (Not loadgroup: with
-# pytest 9.2 it silently ignores xdist_group marks, pytest-xdist issue #1386.)
+# Three pytest-xdist workers on 2 cores: much of the suite waits (sshd, schedulers, timeouts, subprocesses), and a
+# third worker fills those waits (measured with the PBS tests: 606 s and 96 % of the CPU busy with three, 694-708 s
+# and 84 % with two). --dist loadfile gives all of a file's tests to one worker: the Slurm tests
+# (test_scheduler_jobs.py) and the PBS tests (test_pbs.py) start one cluster each. (Not loadgroup: with pytest 9.2
+# it silently ignores xdist_group marks, pytest-xdist issue #1386.)
 # Byte-compiled first: with PYTHONDONTWRITEBYTECODE set (as in some CI images) no import writes a .pyc, and every
 # rank, launcher and probe the suite starts (about 1,600) would compile the checkout's modules again.
 test: venv system-deps
 	PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -q -j 2 hvdrun tests examples benchmarks >/dev/null
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 3 --dist loadfile
 
 lint: venv
 	$(VENV)/bin/ruff check hvdrun tests examples benchmarks
