@@ -83,12 +83,14 @@ class Pbs(Scheduler):
 
     def status(self, job_id: str) -> JobStatus:
         done = run_scheduler_command(["qstat", "-x", "-f", "-F", "json", job_id], ok_codes=range(256))
+        unknown = "qstat: unknown job id"
         if _NO_HISTORY.search(done.stderr):
             done = run_scheduler_command(["qstat", "-f", "-F", "json", job_id], ok_codes=range(256))
+            unknown += "; the server keeps no job history, so it forgets a job that ended"
         if done.returncode == 0 and done.stdout.lstrip().startswith("{"):
             return _from_json(job_id, done.stdout)
         if _UNKNOWN_JOB.search(done.stderr + done.stdout):
-            return JobStatus(job_id, UNKNOWN, reason="qstat: unknown job id")
+            return JobStatus(job_id, UNKNOWN, reason=unknown)
         if not _NO_JSON.search(done.stderr + done.stdout):
             raise JobError(command_failure(f"qstat -x -f -F json {job_id}", done))
         text = run_scheduler_command(["qstat", "-f", job_id], ok_codes=range(256))

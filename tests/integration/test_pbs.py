@@ -6,6 +6,7 @@ over SSH. Only Cray PALS ``mpiexec`` is still a fake (test_scheduler_jobs.py): n
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -43,6 +44,9 @@ def pbs_job(pbs_server, hvdrun_env, tmp_path):
     config = pbs.job_config(tmp_path / "aurora-fixture.yaml")
     options = ("--config", str(config), "--run-args", " ".join(hosts.args()))
     yield hvdrun_env, tmp_path, options
+    for record in (tmp_path / "registry").glob("*.json"):  # a failed test's jobs must not hold the nodes
+        subprocess.run(["qdel", json.loads(record.read_text())["job_id"]], env=server.env, capture_output=True,
+                       timeout=30)
     assert wait_until(lambda: not leftovers(tmp_path, hosts.addrs), 30), leftovers(tmp_path, hosts.addrs)
 
 
@@ -63,13 +67,19 @@ def script_of(cwd: Path) -> str:
     return next((cwd / "hvdrun-jobs").glob("*.pbs.sh")).read_text()
 
 
-def processes_with(word: str) -> list[psutil.Process]:
-    """Live processes whose command line has ``word``: on every MOM host (they share this machine's kernel)."""
+def sleepers(argument: str) -> list[psutil.Process]:
+    """Live ``sleep ARGUMENT`` processes: the job's ranks, on every MOM host (they share this machine's kernel)."""
     found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        if proc.info["status"] != psutil.STATUS_ZOMBIE and word in " ".join(proc.info["cmdline"] or ()):
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
+        if proc.info["name"] == "sleep" and proc.info["cmdline"] == ["sleep", argument] and \
+                proc.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(proc)
     return found
+
+
+def hosts_of(processes: list[psutil.Process]) -> set[str]:
+    """The UTS namespaces (the netns hosts) ``processes`` run in."""
+    return {os.readlink(f"/proc/{proc.pid}/ns/uts") for proc in processes}
 
 
 def test_a_two_node_job_runs_an_allreduce_across_both_mom_hosts(pbs_server, pbs_job):
@@ -125,15 +135,14 @@ def test_qdel_of_a_running_job_leaves_no_rank_on_any_host(pbs_server, pbs_job):
                                  "--submit", "--", "sleep", marker))
     running = wait_for_state(env, cwd, job_id, "RUNNING")
     assert re.search(rf"job {job_id} \(pbs\): RUNNING \[R\] on \S+,\S+", running), running
-    assert wait_until(lambda: len(processes_with(f"sleep {marker}")) >= 2, 30), "the ranks never started"
-    ranks = processes_with(f"sleep {marker}")
-    assert len({Path(f"/proc/{p.pid}/ns/uts").readlink() for p in ranks}) == 2  # one on each MOM host
+    assert wait_until(lambda: len(hosts_of(sleepers(marker))) == 2, 30), "no rank on each MOM host"
     cancelled = hvdrun(env, cwd, "qdel", job_id)
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled.stdout + cancelled.stderr
-    assert wait_until(lambda: not processes_with(f"sleep {marker}"), 30), processes_with(f"sleep {marker}")
+    assert wait_until(lambda: not sleepers(marker), 30), sleepers(marker)
     assert wait_until(lambda: not leftovers(cwd, hosts.addrs), 30), leftovers(cwd, hosts.addrs)
     # no job history (OpenPBS's default) and no exit code written: the job is gone
-    assert wait_until(lambda: "UNKNOWN (qstat: unknown job id)" in hvdrun(env, cwd, "qstat", job_id).stdout, 30)
+    gone = "UNKNOWN (qstat: unknown job id; the server keeps no job history, so it forgets a job that ended)"
+    assert wait_until(lambda: gone in hvdrun(env, cwd, "qstat", job_id).stdout, 30)
 
 
 def test_a_job_after_another_waits_held_and_runs_when_it_succeeded(server, pbs_job):
