@@ -147,7 +147,7 @@ def test_qdel_of_a_running_job_leaves_no_rank_on_any_host(pbs_server, pbs_job):
 
 def test_a_job_after_another_waits_held_and_runs_when_it_succeeded(server, pbs_job):
     env, cwd, options = pbs_job
-    (cwd / "first.py").write_text("import time\ntime.sleep(4)\nprint('first done', time.time(), flush=True)\n")
+    (cwd / "first.py").write_text("import time\ntime.sleep(6)\nprint('first done', time.time(), flush=True)\n")
     (cwd / "second.py").write_text("import time\nprint('second start', time.time(), flush=True)\n")
     common = (*options, "-n", "1", "--ranks-per-node", "1", "-t", "10")
     first = submitted_id(hvdrun(env, cwd, "qsub", *common, "-o", "first/", "--submit", "first.py"))
