@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import re
 import sys
 from pathlib import Path
@@ -93,6 +94,7 @@ def test_a_late_rank_gives_the_rendezvous_timeout_not_a_bad_descriptor(run_hvdru
 def test_the_mpi_backend_needs_ranks_that_mpi_started(run_hvdrun, hvdrun_env, tmp_path):
     program = script(tmp_path, "mpi.py", """
         import os
+        print("pid", os.getpid(), flush=True)
         os.environ["HVDRUN_BACKEND"] = "mpi"
         import hvdrun.torch as hvd
         hvd.init()
@@ -102,6 +104,9 @@ def test_the_mpi_backend_needs_ranks_that_mpi_started(run_hvdrun, hvdrun_env, tm
     assert inside.returncode == 1 and "size 1" not in inside.stdout
     assert "HVDRUN_BACKEND=mpi, but MPI sees 1 rank(s) where the job has 2" in inside.stderr
     assert "Traceback" not in inside.stderr
+    pids = [int(pid) for pid in re.findall(r"<stdout>:pid (\d+)", inside.stdout)]
+    assert len(pids) == 2, inside.stdout  # each rank's MPI was a singleton: its segment is gone with it
+    assert not [path for pid in pids for path in glob.glob(f"/dev/shm/mpich_shm_{pid:x}_*")]
     hvdrun_env["HVDRUN_BACKEND"] = "mpi"  # set for the launch: refused before anything starts
     outside = run_hvdrun("-np", "2", program)
     assert outside.returncode == 2 and outside.stdout == ""

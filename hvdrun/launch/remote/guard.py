@@ -26,7 +26,9 @@ worker starts. Its standard input is a *lifeline* from hvdrun (a pipe, or an SSH
 * if the guard itself dies (even by SIGKILL), the kernel SIGKILLs the worker (its parent-death
   signal); the rest of the group is the fork server's to kill (``forkserver.py``);
 * when the worker ends, whatever it left in the group (or tracked by environment) is killed and
-  the ``--remove`` files are deleted; the guard exits with the worker's exit code, or dies of the
+  the ``--remove`` files are deleted, and so is MPICH's shared-memory segment of the worker
+  (``/dev/shm/mpich_shm_<pid in hex>_N``: MPICH removes it in ``MPI_Finalize``, which a rank that
+  failed or was killed never reaches); the guard exits with the worker's exit code, or dies of the
   same signal the worker died of. With ``--signal-as-code`` it exits with ``128 + N`` instead
   (SSH clients lose exit signals).
 
@@ -177,6 +179,15 @@ def _remove_files(options: _Options) -> None:
                 os.unlink(path)
             except OSError:
                 pass
+
+
+def _remove_mpi_segments(pid: int) -> None:
+    """MPICH's shared-memory segments of the ended process ``pid`` (see the module docstring)."""
+    for path in glob.glob(f"/dev/shm/mpich_shm_{pid:x}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _watch_lifeline(options: _Options, worker: _Worker) -> None:
@@ -357,6 +368,7 @@ def main(argv: list[str]) -> None:
         _kill_others(options)
     _containment.close()
     _remove_files(options)
+    _remove_mpi_segments(worker.pid)
     _report_status(options.status_fd, returncode)
     _exit_like(returncode, options.signal_as_code)
 
