@@ -10,6 +10,7 @@ allreduces fused) and executed; ops that can never complete get their verdict
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,6 +24,7 @@ from hvdrun.runtime.executors import EXECUTORS, allreduce_flat, reduce_contribut
 from hvdrun.runtime.handles import LocalOp
 from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY, Entry, Request, ResponseCache, Table, plan
 from hvdrun.runtime.reduce import final_factor, scale
+from hvdrun.runtime.stragglers import StragglerWatch
 from hvdrun.runtime.timeline import Timeline
 from hvdrun.runtime.transport.base import Message
 
@@ -72,6 +74,9 @@ class Cycle:
         self._announcements = Announcements(backend, self.world.rank, self.world.size, self.cache.decode)
         self.timeline: Timeline | None = None
         self._fusion: dict[str, np.ndarray] = {}
+        # rank 0 names the rank or host the others keep waiting for (every rank's table sees the same arrivals)
+        hostnames = self.world.hostnames or tuple("?" for _ in range(self.world.size))
+        self.stragglers = StragglerWatch(hostnames) if self.world.rank == 0 and self.world.size > 1 else None
 
     def run(self, new: list[LocalOp], waiting: list[str]) -> None:
         """One round: every rank's new requests and the names it is blocked on, then whatever became ready."""
@@ -137,12 +142,17 @@ class Cycle:
     def apply(self, decoded: list[Any]) -> None:
         """The rest of a cycle: every rank's announcement into the table, then whatever became ready."""
         cache = self.cache
+        self.table.now = time.monotonic()
         for rank, (items, _) in enumerate(decoded):
             for values, payload in items:
                 self.table.add(rank, Request.from_wire(cache.decode(values)), payload)
         for entry, error in verdicts.departed(self.table):
             self.ledger.finish_local(entry.name, error)
         ready = self.table.pop_ready()
+        if self.stragglers is not None and ready:
+            now = self.table.now  # requests that all arrived in this cycle had no one last: only counted
+            late = [entry.arrived for entry in ready if not entry.error and entry.arrived[entry.order[0]] != now]
+            self.stragglers.observe(late, even=len(ready) - len(late))
         cache.remember(ready)
         self._catch_up_names_others_took(ready)  # before any op completes: a joined caller may name its next one
         for batch in plan(ready, self.fusion_threshold):

@@ -74,6 +74,7 @@ class Entry:
     warned: bool = False
     error: str | None = None
     order: list[int] = field(default_factory=list)  # ranks in the order their requests arrived
+    arrived: dict[int, float] = field(default_factory=dict)  # rank -> when its request's cycle ran here
     members: tuple[int, ...] = ()  # the ranks of the op's process set (set when ready)
     absent: frozenset[int] = frozenset()  # ranks that take part without a request: joined or not in the set
 
@@ -203,12 +204,14 @@ class Table:
         self.size = size
         self.entries: dict[str, Entry] = {}
         self.sets: dict[int, tuple[int, ...]] = {GLOBAL_SET: tuple(range(size))}  # process set id -> ranks
+        self.now = 0.0  # when the cycle whose announcements are being added ran (monotonic seconds)
 
     def add(self, rank: int, request: Request, payload: bytes | None = None) -> None:
         """Record ``rank``'s request and, for eager ops, its data."""
         entry = self.entries.setdefault(request.name, Entry(request.name))
         if rank not in entry.requests:
             entry.order.append(rank)
+            entry.arrived[rank] = self.now
         entry.requests[rank] = request
         if payload is not None:
             entry.payloads[rank] = payload

@@ -1,0 +1,151 @@
+"""Stragglers named from the negotiation alone: which rank (or host) the others keep waiting for.
+
+Every rank's table sees, for each collective, the cycle in which each rank's request arrived (a cycle's
+announcements reach every rank together, so every rank sees the same). When a collective becomes ready, the
+ranks whose request came last are the ones the others waited for, and each other rank waited from its own
+arrival to theirs. Rank 0 keeps these facts over a sliding window of collectives and, when one rank (or all
+the late ranks of one host) came last in most of them, well after the median, says so in one line, at most once
+a minute while it lasts::
+
+    hvdrun: straggler: rank 3 on node7 arrived last at 94% of the last 500 collectives, 31 ms after the
+    median; the other 3 ranks spent 28% of their time waiting for it
+
+Collectives that every rank requested in the same cycle (an even job's steady state) count as arrivals with no
+one last, so jitter that moves the last place around, a first step's warm-up or a checkpoint every rank takes
+does not add up to a verdict. Collectives of a process set, or with ranks that joined, are left out.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import repeat
+from typing import NamedTuple
+
+WINDOW = 500  # collectives kept
+MIN_COLLECTIVES = 32  # a verdict needs at least this many in the window
+LAST_SHARE = 0.75  # the straggler came last in at least this share of them
+MIN_LAG_S = 0.005  # ... on average at least this long after the median
+MIN_WAIT_SHARE = 0.05  # ... and the others spent at least this share of their time waiting for it
+REPEAT_S = 60.0  # a straggler that persists is named again at most this often
+JUDGE_S = 0.25  # the window is judged at most this often (a judgement reads the whole window)
+
+
+class Arrival(NamedTuple):
+    """One collective: who came last (empty: everyone in the same cycle), how long after the median arrival,
+    how long the others waited for them in all, and when it became ready."""
+
+    last: tuple[int, ...]
+    lag_s: float
+    waited_s: float
+    at: float
+
+
+def arrival(times: Mapping[int, float], now: float) -> Arrival:
+    """The :class:`Arrival` of one collective from each rank's arrival time."""
+    latest = max(times.values())
+    if min(times.values()) == latest:
+        return Arrival((), 0.0, 0.0, now)
+    last = tuple(sorted(rank for rank, t in times.items() if t == latest))
+    median = statistics.median(times.values())
+    return Arrival(last, latest - median, sum(latest - t for t in times.values()), now)
+
+
+class StragglerWatch:
+    """Rank 0's sliding window of arrivals and its verdict.
+
+    Args:
+        hostnames: the host of every rank.
+        say: where a verdict goes (rank 0's stderr, which the launcher prefixes with the rank).
+        clock: seconds, monotonic.
+    """
+
+    def __init__(self, hostnames: Sequence[str], say: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, window: int = WINDOW) -> None:
+        self.hostnames, self.size = list(hostnames), len(hostnames)
+        self._say = say or _to_stderr
+        self._clock = clock
+        self._window: deque[Arrival] = deque(maxlen=window)
+        self._named: dict[str, float] = {}  # who was named last, and when
+        self._judged = -JUDGE_S
+
+    def observe(self, late: Iterable[Mapping[int, float]], even: int = 0) -> None:
+        """Count the collectives that became ready now and name a straggler: ``late``, each rank's arrival time
+        of those whose requests arrived in more than one cycle; ``even``, how many arrived in one (the cheap
+        common case: the caller need not look at their ranks)."""
+        now, size, window = self._clock(), self.size, self._window
+        if even:
+            window.extend(repeat(Arrival((), 0.0, 0.0, now), min(even, window.maxlen or even)))
+        for times in late:
+            if len(times) == size:
+                window.append(arrival(times, now))
+        if now - self._judged >= JUDGE_S and len(window) >= MIN_COLLECTIVES:
+            self._judged = now
+            line = self.verdict()
+            if line is not None:
+                self._name(line, now)
+
+    def verdict(self) -> str | None:
+        """The line that names the straggler of the window, or None when there is none."""
+        window = list(self._window)
+        for who, ranks_of in (("rank", self._by_rank), ("host", self._by_host)):
+            found = _most_often_last(window, ranks_of)
+            if found is None:
+                continue
+            key, late = found
+            line = self._line(who, key, late, window)
+            if line is not None:
+                return line
+        return None
+
+    def _by_rank(self, last: tuple[int, ...]) -> str | None:
+        return str(last[0]) if len(last) == 1 else None
+
+    def _by_host(self, last: tuple[int, ...]) -> str | None:
+        hosts = {self.hostnames[rank] for rank in last}
+        return hosts.pop() if len(hosts) == 1 and len(set(self.hostnames)) > 1 else None
+
+    def _line(self, who: str, key: str, late: list[Arrival], window: list[Arrival]) -> str | None:
+        if len(late) < LAST_SHARE * len(window):
+            return None
+        lag = statistics.fmean(a.lag_s for a in late)
+        elapsed = window[-1].at - window[0].at
+        waiting = sum(a.waited_s for a in late)
+        if lag < MIN_LAG_S or elapsed <= 0:
+            return None
+        others = self.size - (1 if who == "rank" else self.hostnames.count(key))
+        share = waiting / (max(others, 1) * elapsed)
+        if share < MIN_WAIT_SHARE:
+            return None
+        name = f"rank {key} on {self.hostnames[int(key)]}" if who == "rank" else f"host {key} (its ranks)"
+        return (f"hvdrun: straggler: {name} arrived last at {len(late) / len(window):.0%} of the last "
+                f"{len(window)} collectives, {lag * 1e3:.0f} ms after the median; the other {others} ranks spent "
+                f"{min(share, 1.0):.0%} of their time waiting for it")
+
+    def _name(self, line: str, now: float) -> None:
+        subject = line.split(" arrived ")[0]
+        if now - self._named.get(subject, -REPEAT_S) >= REPEAT_S:
+            self._named[subject] = now
+            self._say(line)
+
+
+def _most_often_last(window: list[Arrival], key_of: Callable[[tuple[int, ...]], str | None]
+                     ) -> tuple[str, list[Arrival]] | None:
+    """The key most often last in ``window`` and its collectives, or None when no collective had one last."""
+    by_key: dict[str, list[Arrival]] = {}
+    for item in window:
+        key = key_of(item.last) if item.last else None
+        if key is not None:
+            by_key.setdefault(key, []).append(item)
+    if not by_key:
+        return None
+    key = max(by_key, key=lambda k: len(by_key[k]))
+    return key, by_key[key]
+
+
+def _to_stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
