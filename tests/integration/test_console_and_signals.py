@@ -116,6 +116,14 @@ def test_sigusr1_not_forwarded_is_noted_and_the_job_goes_on(hvdrun_env, tmp_path
     assert b"hvdrun: received SIGUSR1; not passed to the ranks" in err
 
 
+def _is_named(proc: psutil.Process, name: str) -> bool:
+    """``proc`` is ``name`` (False once it has ended: a child may exit while the test looks at it)."""
+    try:
+        return proc.name() == name
+    except psutil.Error:
+        return False
+
+
 def test_sigterm_during_stage_env_leaves_no_copy_running(hvdrun_env, small_env, tmp_path, token):  # noqa: F811
     (small_env / "big").mkdir(exist_ok=True)
     for index in range(4):  # enough for tar | tar to run for a while
@@ -126,7 +134,7 @@ def test_sigterm_during_stage_env_leaves_no_copy_running(hvdrun_env, small_env, 
                                  "true"], env=hvdrun_env, cwd=tmp_path, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
         try:
-            assert wait_until(lambda: any(p.name() == "tar" for p in _children(proc.pid)), 60)
+            assert wait_until(lambda: any(_is_named(p, "tar") for p in _children(proc.pid)), 60)
             proc.send_signal(signal.SIGTERM)
             out, err = proc.communicate(timeout=30)
         finally:
