@@ -151,8 +151,8 @@ class Cycle:
         ready = self.table.pop_ready()
         if self.stragglers is not None and ready:
             now = self.table.now  # requests that all arrived in this cycle had no one last: only counted
-            late = [entry.arrived for entry in ready if not entry.error and entry.arrived[entry.order[0]] != now]
-            self.stragglers.observe(late, even=len(ready) - len(late))
+            late = [entry.arrived for entry in ready if not entry.error and entry.first_arrival != now]
+            self.stragglers.observe(late, even=len(ready) - len(late), now=now)
         cache.remember(ready)
         self._catch_up_names_others_took(ready)  # before any op completes: a joined caller may name its next one
         for batch in plan(ready, self.fusion_threshold):

@@ -73,10 +73,19 @@ class Entry:
     first_seen: float = field(default_factory=time.monotonic)
     warned: bool = False
     error: str | None = None
-    order: list[int] = field(default_factory=list)  # ranks in the order their requests arrived
-    arrived: dict[int, float] = field(default_factory=dict)  # rank -> when its request's cycle ran here
+    arrived: dict[int, float] = field(default_factory=dict)  # rank -> when its request's cycle ran here, in order
     members: tuple[int, ...] = ()  # the ranks of the op's process set (set when ready)
     absent: frozenset[int] = frozenset()  # ranks that take part without a request: joined or not in the set
+
+    @property
+    def order(self) -> list[int]:
+        """The ranks in the order their requests arrived."""
+        return list(self.arrived)
+
+    @property
+    def first_arrival(self) -> float:
+        """When the first request arrived (the cycle's time, as :attr:`arrived` records it)."""
+        return next(iter(self.arrived.values()))
 
     @property
     def first(self) -> Request:
@@ -210,7 +219,6 @@ class Table:
         """Record ``rank``'s request and, for eager ops, its data."""
         entry = self.entries.setdefault(request.name, Entry(request.name))
         if rank not in entry.requests:
-            entry.order.append(rank)
             entry.arrived[rank] = self.now
         entry.requests[rank] = request
         if payload is not None:

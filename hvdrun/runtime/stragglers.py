@@ -72,11 +72,13 @@ class StragglerWatch:
         self._named: dict[str, float] = {}  # who was named last, and when
         self._judged = -JUDGE_S
 
-    def observe(self, late: Iterable[Mapping[int, float]], even: int = 0) -> None:
+    def observe(self, late: Iterable[Mapping[int, float]], even: int = 0, now: float | None = None) -> None:
         """Count the collectives that became ready now and name a straggler: ``late``, each rank's arrival time
         of those whose requests arrived in more than one cycle; ``even``, how many arrived in one (the cheap
-        common case: the caller need not look at their ranks)."""
-        now, size, window = self._clock(), self.size, self._window
+        common case: the caller need not look at their ranks); ``now``, the cycle's time when the caller has
+        read the clock already."""
+        now = self._clock() if now is None else now
+        size, window = self.size, self._window
         if even:
             window.extend(repeat(Arrival((), 0.0, 0.0, now), min(even, window.maxlen or even)))
         for times in late:

@@ -106,7 +106,7 @@ def _kill_group(options: _Options, worker: _Worker) -> None:
     while worker.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     _kill_others(options)
-    _remove_files(options)
+    _remove_files(options.remove)
     if _containment is not None:
         _containment.close(0.2)
     returncode = worker.poll()
@@ -169,8 +169,8 @@ def _signal_others(signum: int, track: list[bytes] | None = None) -> None:
                 pass
 
 
-def _remove_files(options: _Options) -> None:
-    for pattern in options.remove:
+def _remove_files(patterns: list[str]) -> None:
+    for pattern in patterns:
         for path in glob.glob(pattern):
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
@@ -181,13 +181,9 @@ def _remove_files(options: _Options) -> None:
                 pass
 
 
-def _remove_mpi_segments(pid: int) -> None:
-    """MPICH's shared-memory segments of the ended process ``pid`` (see the module docstring)."""
-    for path in glob.glob(f"/dev/shm/mpich_shm_{pid:x}_*"):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+def _mpi_segments(pid: int) -> str:
+    """The pattern of MPICH's shared-memory segments of process ``pid`` (see the module docstring)."""
+    return f"/dev/shm/mpich_shm_{pid:x}_*"
 
 
 def _watch_lifeline(options: _Options, worker: _Worker) -> None:
@@ -367,8 +363,7 @@ def main(argv: list[str]) -> None:
     if not _containment.holds_nothing():
         _kill_others(options)
     _containment.close()
-    _remove_files(options)
-    _remove_mpi_segments(worker.pid)
+    _remove_files([*options.remove, _mpi_segments(worker.pid)])
     _report_status(options.status_fd, returncode)
     _exit_like(returncode, options.signal_as_code)
 
