@@ -22,7 +22,15 @@ from hvdrun.jobs import queue_limits
 from hvdrun.jobs.spec import JobRequest, build_spec
 from tests import pbs_server as pbs
 from tests.conftest import REPO, host_processes, wait_until
-from tests.integration.test_scheduler_jobs import WORKERS, hvdrun, job_output, submitted_id, wait_for_state
+from tests.integration.test_queue_limits_servers import usage_error
+from tests.integration.test_scheduler_jobs import (
+    WORKERS,
+    hvdrun,
+    job_output,
+    site_python_without_hvdrun,
+    submitted_id,
+    wait_for_state,
+)
 
 ALLREDUCE = WORKERS / "allreduce_hosts.py"
 
@@ -87,11 +95,7 @@ def test_a_two_node_job_runs_an_allreduce_across_both_mom_hosts(pbs_server, pbs_
     hvdrun (and without torch) first on the job's PATH: every rank still runs with the Python that runs hvdrun."""
     server, _ = pbs_server
     env, cwd, options = pbs_job
-    site = cwd / "site-bin"
-    site.mkdir()
-    (site / "python").write_text(f"#!/bin/sh\nexec {shutil.which('python3') or '/usr/bin/python3'} -I \"$@\"\n")
-    (site / "python").chmod(0o755)
-    assert subprocess.run([str(site / "python"), "-c", "import hvdrun"], capture_output=True).returncode != 0
+    site = site_python_without_hvdrun(cwd)
     result = hvdrun(env, cwd, "qsub", *options, "-n", "2", "--ranks-per-node", "2", "-t", "10",
                     "--setup", f"export PATH={site}:$PATH", "--setup", 'echo "python on PATH: $(command -v python)"',
                     "--wait", "--", "python", "allreduce_hosts.py")
@@ -210,13 +214,6 @@ def asked(pbs_job, monkeypatch):
         monkeypatch.setenv(name, env[name])
     monkeypatch.chdir(cwd)
     return options[1]
-
-
-def usage_error(result) -> str:
-    """The one line of a usage error (exit code 2)."""
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.startswith("hvdrun: error: ") and result.stderr.count("\n") == 1, result.stderr
-    return result.stderr.removeprefix("hvdrun: error: ").rstrip("\n")
 
 
 def test_a_routing_queue_is_checked_against_the_servers_destinations(server, pbs_job, asked):

@@ -16,9 +16,7 @@ from hvdrun.jobs import queue_limits
 from hvdrun.jobs.spec import JobRequest, build_spec
 from tests.conftest import REPO
 
-FAKES = REPO / "tests" / "fakes"
 CONTROLLER = "(from the Slurm controller: scontrol show partition)"
-PBS_SERVER = "(from the PBS server: qstat -Qf -F json)"
 SLURM_YAML = """\
 name: myslurm
 scheduler:
@@ -29,33 +27,13 @@ scheduler:
     short: {max_nodes: 2, max_walltime: "00:05:00"}
     wide: {min_nodes: 2}
 """
-AURORA_YAML = """\
-name: aurora
-scheduler:
-  kind: pbs
-  queue: debug
-  walltime: "01:00:00"
-  queues:
-    debug: {min_nodes: 1, max_nodes: 2, max_walltime: "01:00:00"}
-    debug-scaling: {min_nodes: 2, max_nodes: 256, max_walltime: "01:00:00"}
-    prod:
-      min_nodes: 256
-      max_nodes: 10624
-      max_walltime: "24:00:00"
-      routes:
-        small: {min_nodes: 256, max_nodes: 1024, max_walltime: "12:00:00"}
-        medium: {min_nodes: 1025, max_nodes: 1999, max_walltime: "18:00:00"}
-        large: {min_nodes: 2000, max_nodes: 10624, max_walltime: "24:00:00"}
-    capacity: {min_nodes: 1, max_nodes: 16, max_walltime: "168:00:00"}
-"""
 
 
 @pytest.fixture
 def workdir(tmp_path, hvdrun_env, monkeypatch):
-    """A directory with train.py and the two YAMLs, which is the working directory of in-process calls too."""
+    """A directory with train.py and the Slurm YAML, which is the working directory of in-process calls too."""
     (tmp_path / "train.py").write_text("print('hi')\n")
     (tmp_path / "myslurm.yaml").write_text(SLURM_YAML)
-    (tmp_path / "aurora.yaml").write_text(AURORA_YAML)
     hvdrun_env.update(PYTHONPATH=str(REPO), HVDRUN_JOBS_DIR=str(tmp_path / "registry"))
     monkeypatch.chdir(tmp_path)
     return tmp_path

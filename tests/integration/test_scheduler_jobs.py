@@ -65,6 +65,17 @@ def wait_for_state(env, cwd, job_id, word, timeout_s=30.0) -> str:
     return seen[-1]
 
 
+def site_python_without_hvdrun(directory: Path) -> Path:
+    """``DIRECTORY/site-bin`` holding a ``python`` that cannot import hvdrun (isolated mode), as a site's setup
+    would put first on a job's PATH."""
+    site = directory / "site-bin"
+    site.mkdir()
+    (site / "python").write_text(f"#!/bin/sh\nexec {shutil.which('python3') or '/usr/bin/python3'} -I \"$@\"\n")
+    (site / "python").chmod(0o755)
+    assert subprocess.run([str(site / "python"), "-c", "import hvdrun"], capture_output=True).returncode != 0
+    return site
+
+
 # -- real Slurm ------------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -109,11 +120,7 @@ def test_a_bare_python_command_runs_the_jobs_python_when_setup_puts_another_firs
     """The site's setup lines (``module load conda; conda activate``) put an interpreter without hvdrun first
     on PATH: ``-- python pinned.py`` still runs every rank with the Python that runs hvdrun, and the job is
     named after the script, not ``python``."""
-    site = job_dir / "site-bin"
-    site.mkdir()
-    (site / "python").write_text(f"#!/bin/sh\nexec {shutil.which('python3') or '/usr/bin/python3'} -I \"$@\"\n")
-    (site / "python").chmod(0o755)
-    assert subprocess.run([str(site / "python"), "-c", "import hvdrun"], capture_output=True).returncode != 0
+    site = site_python_without_hvdrun(job_dir)
     result = hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "1", "--ranks-per-node", "2", "-t", "5",
                     "--setup", f"export PATH={site}:$PATH", "--setup", 'echo "python on PATH: $(command -v python)"',
                     "--wait", "--", "python", "pinned.py")
