@@ -267,7 +267,9 @@ def test_interrupting_hvdrun_stops_every_remote_rank(ssh_hosts, hvdrun_env, tmp_
 def test_sigkill_of_hvdrun_leaves_nothing_on_any_host(ssh_hosts, hvdrun_env, tmp_path, token):
     proc = start_and_wait_ready(ssh_hosts, hvdrun_env, tmp_path, "--grace-period", "1")
     assert wait_until(lambda: len(job_processes(token)) >= 1 + 4 * 2)
-    assert len(host_processes(ssh_hosts.addrs[:2])) >= 2 * 2 + 4 * 3  # (agent, fork server) x 2 + (guard, ...) x 4
+    # (agent, fork server) x 2 + (guard, ...) x 4, each started a moment after the rank its job counts
+    assert wait_until(lambda: len(host_processes(ssh_hosts.addrs[:2])) >= 2 * 2 + 4 * 3), \
+        host_processes(ssh_hosts.addrs[:2])
     proc.kill()
     proc.wait(timeout=10)
     assert wait_until(lambda: not job_processes(token) and not host_processes(ssh_hosts.addrs), 10), \
