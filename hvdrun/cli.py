@@ -671,23 +671,71 @@ def stacks(job: str | None) -> int:
     """Print where every rank of a running job is: each thread's Python stack, the collective it waits in,
     its last collectives (ranks alike folded together). JOB: the job id or hvdrun's pid (default: the only
     job of this user that is running). Ctrl-\\ to a running hvdrun prints the same."""
-    from hvdrun.launch.registry import ask_secret, choose_job
     from hvdrun.launch.stacks import NO_ANSWER, fetch_report
 
-    chosen = choose_job(job)
-    try:
-        secret = ask_secret(chosen)
-    except OSError as e:
-        click.echo(f"hvdrun: error: job {chosen['job_id']}: its hvdrun (pid {chosen['pid']}) did not hand over the "
-                   f"job's secret ({e}); the job may have just ended", err=True)
-        return 1
+    chosen, secret = _running_job(job)
     try:
         click.echo(fetch_report(chosen["addr"], int(chosen["port"]), secret))
     except NO_ANSWER as e:
-        click.echo(f"hvdrun: error: job {chosen['job_id']}: rank 0 at {chosen['addr']}:{chosen['port']} did not "
-                   f"answer ({e}); its ranks may not have reached init() yet", err=True)
-        return 1
+        raise _no_answer(chosen, e) from None
     return 0
+
+
+@cli.command()
+@click.argument("job", required=False)
+@click.option("--once", is_flag=True, help="Print one view and exit.")
+@click.option("--json", "as_json", is_flag=True, help="Print each view as one line of JSON (schema hvdrun-top/1).")
+@click.option("--interval", "interval_s", type=_Seconds(positive=True), default=2.0, show_default=True,
+              help="Seconds between two views (each rate is measured over it).")
+def top(job: str | None, once: bool, as_json: bool, interval_s: float) -> int:
+    """Show every rank's progress live: collectives and bytes per second, the share of time it waits for the
+    others, optimizer steps per second, the collective it is in, memory, straggler marks (jobs of more than 16
+    ranks folded into hosts plus the ten worst ranks). JOB: the job id or hvdrun's pid (default: the only job of
+    this user that is running)."""
+    import json
+
+    from hvdrun.launch.stacks import NO_ANSWER
+    from hvdrun.observe.top import job_sampler, render, watch
+
+    chosen, secret = _running_job(job)
+    live = sys.stdout.isatty() and not (once or as_json)
+
+    def show(view: dict[str, Any]) -> None:
+        text = json.dumps(view) if as_json else render(view)
+        click.echo(("\x1b[H\x1b[2J" if live else "") + text + ("" if as_json or live else "\n"))
+
+    try:
+        watch(chosen["job_id"], job_sampler(chosen, secret), show, interval_s, once)
+    except NO_ANSWER as e:
+        raise _no_answer(chosen, e) from None
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _running_job(job: str | None) -> tuple[dict[str, Any], str]:
+    """The running job ``job`` names (or the only one) and its secret, from its hvdrun.
+
+    Raises:
+        UsageError: no such job (or several and none named).
+        InspectionError: its hvdrun did not hand over the secret.
+    """
+    from hvdrun.errors import InspectionError
+    from hvdrun.launch.registry import ask_secret, choose_job
+
+    chosen = choose_job(job)
+    try:
+        return chosen, ask_secret(chosen)
+    except OSError as e:
+        raise InspectionError(f"job {chosen['job_id']}: its hvdrun (pid {chosen['pid']}) did not hand over the "
+                              f"job's secret ({e}); the job may have just ended") from None
+
+
+def _no_answer(job: dict[str, Any], error: Exception) -> Exception:
+    from hvdrun.errors import InspectionError
+
+    return InspectionError(f"job {job['job_id']}: rank 0 at {job['addr']}:{job['port']} did not answer ({error}); "
+                           "its ranks may not have reached init() yet, or the job has no rendezvous (--mpi, elastic)")
 
 
 def main() -> None:

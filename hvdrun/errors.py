@@ -61,6 +61,11 @@ class JobInterrupted(HvdrunError):
         self.exit_code = exit_code
 
 
+class InspectionError(HvdrunError):
+    """A running job could not be inspected (``hvdrun stacks``, ``hvdrun top``): its hvdrun or its rank 0 did not
+    answer."""
+
+
 class JobError(HvdrunError):
     """A scheduler command (qsub, sbatch, qstat, ...) failed."""
 

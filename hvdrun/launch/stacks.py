@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,10 +17,8 @@ from typing import Any
 from hvdrun.envvars import Rendezvous
 from hvdrun.errors import RendezvousError
 from hvdrun.launch.registry import register, unregister
-from hvdrun.protocol.inspection import INSPECT, REPORT_TIMEOUT_S, SIGNAL, format_reports
-from hvdrun.protocol.wire import authenticate_server, recv_frame, send_frame
+from hvdrun.protocol.inspection import INSPECT, SIGNAL, STACKS, ask_rank0, format_reports
 
-_CONNECT_TIMEOUT_S = 5.0
 # rank 0 did not answer: the job ended or has not reached init(), a port now served by another job
 NO_ANSWER = (OSError, ValueError, EOFError, RendezvousError)
 
@@ -33,24 +30,15 @@ def fetch_report(addr: str, port: int, secret: str) -> str:
         OSError: rank 0 cannot be reached (the job ended, or has not started its rendezvous yet).
         RendezvousError: rank 0 refused the secret (another job now serves that port).
     """
-    _, reports, absent, size = _ask_rank0(addr, port, secret, (INSPECT, None))
+    _, reports, absent, size = ask_rank0(addr, port, secret, (INSPECT, STACKS))
     return format_reports(reports, size, dict(absent))
-
-
-def _ask_rank0(addr: str, port: int, secret: str, request: tuple[str, Any]) -> Any:
-    """One authenticated request to rank 0's rendezvous, and its answer."""
-    with socket.create_connection((addr, port), timeout=_CONNECT_TIMEOUT_S) as sock:
-        sock.settimeout(_CONNECT_TIMEOUT_S + REPORT_TIMEOUT_S)
-        authenticate_server(sock, secret.encode(), f"rank 0 at {addr}:{port}")
-        send_frame(sock, request)
-        return recv_frame(sock)
 
 
 def signal_ranks(rendezvous: Rendezvous, signum: int) -> int:
     """Have rank 0 pass ``signum`` to every rank's process over the control connections (where the launcher
     cannot: MPICH's mpiexec dies of SIGUSR1); the number of ranks reached, 0 when rank 0 does not answer."""
     try:
-        _, reached = _ask_rank0(rendezvous.addr, rendezvous.port, rendezvous.secret, (SIGNAL, signum))
+        _, reached = ask_rank0(rendezvous.addr, rendezvous.port, rendezvous.secret, (SIGNAL, signum))
         return int(reached)
     except NO_ANSWER:
         return 0

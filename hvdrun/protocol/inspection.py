@@ -1,8 +1,9 @@
 """What an inspector asks rank 0 for, and the job's report it prints: one home for the launcher and the ranks.
 
 An inspector that knows the job's secret (``hvdrun stacks``, or hvdrun on Ctrl-\\) connects to rank 0's
-rendezvous (:mod:`hvdrun.runtime.rendezvous`) and sends ``(INSPECT, None)`` for every rank's report, or
-``(SIGNAL, N)`` to pass signal N to every rank's process. Each rank's report
+rendezvous (:mod:`hvdrun.runtime.rendezvous`) and sends ``(INSPECT, STACKS)`` (or ``(INSPECT, None)``) for every
+rank's report, ``(INSPECT, VITALS)`` for every rank's vitals (``hvdrun top``, :mod:`hvdrun.runtime.vitals`), or
+``(SIGNAL, N)`` to pass signal N to every rank's process (:func:`ask_rank0` sends one). Each rank's report
 (:func:`hvdrun.runtime.forensics.rank_report`) is a plain dict: its host, pid, threads' stacks, the
 collectives it waits in and its recent ones (rows ``[seq, name, kind, nbytes, started, ended]``).
 
@@ -14,16 +15,34 @@ for ``hvdrun stacks``, rank 0 for its stall check.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
+from hvdrun.protocol.wire import authenticate_server, recv_frame, send_frame
 from hvdrun.ranks import format_ranks
 
 INSPECT = "inspect"
+STACKS, VITALS = "stacks", "vitals"  # what an INSPECT asks every rank for
 SIGNAL = "signal"  # an inspector's request: pass signal N to every rank's process (hvdrun --forward-signals)
 MOMENT_S = 0.5  # reports taken further apart than this may show ranks at different moments of the job
 REPORT_TIMEOUT_S = 3.0  # how long rank 0 waits for the ranks' reports (a rank stuck holding the GIL never answers)
+CONNECT_TIMEOUT_S = 5.0
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../hvdrun: frames inside it are ours
+
+
+def ask_rank0(addr: str, port: int, secret: str, request: tuple[str, Any]) -> Any:
+    """One authenticated request to the rank 0 that serves ``addr:port``, and its answer.
+
+    Raises:
+        OSError: rank 0 cannot be reached (the job ended, or has not started its rendezvous yet).
+        RendezvousError: rank 0 refused the secret (another job now serves that port).
+    """
+    with socket.create_connection((addr, port), timeout=CONNECT_TIMEOUT_S) as sock:
+        sock.settimeout(CONNECT_TIMEOUT_S + REPORT_TIMEOUT_S)
+        authenticate_server(sock, secret.encode(), f"rank 0 at {addr}:{port}")
+        send_frame(sock, request)
+        return recv_frame(sock)
 
 
 def format_reports(reports: list[dict[str, Any]], size: int, absent: dict[int, str] | None = None,

@@ -8,6 +8,7 @@ runtime (``hvdrun.torch``) calls this one function and never chooses between the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +37,10 @@ def allreduce_unqueued(engine: Engine, buffer: Any, name: str, op: int, prescale
     Returns:
         True: ``buffer`` holds the result. False: no path took it; queue it under the same ``name``.
     """
+    started = time.perf_counter()
     if isinstance(buffer, np.ndarray) and try_allreduce(engine, buffer, name, op, prescale, postscale):
+        engine.recorder.waited(time.perf_counter() - started)
         return True
     if express_request is None or not engine.express:
         return False
-    return engine.express_allreduce(express_request(buffer, name, op, prescale, postscale), buffer)
+    return engine.express_allreduce(express_request(buffer, name, op, prescale, postscale), buffer, started)

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from hvdrun import envvars
 from hvdrun.errors import CollectiveError, NotInitializedError, UsageError
-from hvdrun.protocol.inspection import format_reports
+from hvdrun.protocol.inspection import VITALS, format_reports
 from hvdrun.protocol.rounds import Assignment
 from hvdrun.runtime.backends.base import Backend, World
 from hvdrun.runtime.backends.torchdist import open_store
@@ -30,6 +32,7 @@ from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY
 from hvdrun.runtime.rendezvous import Rendezvous
 from hvdrun.runtime.timeline import Timeline
 from hvdrun.runtime.transport.base import AbortFlag
+from hvdrun.runtime.vitals import rank_vitals
 
 BACKENDS = ("ring", "mpi", "gloo")
 DEFAULT_FUSION_BYTES = 64 << 20
@@ -93,7 +96,7 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
     local_size = None if is_elastic(environ) else _local_size(environ)  # elastic: a host's ranks change
     rendezvous = Rendezvous(launch.rank, launch.size, launch.rendezvous_addr, launch.rendezvous_port,
                             launch.secret.encode(), abort, generation, local_size)
-    rendezvous.set_reporter(lambda: rank_report(launch.rank, launch.hostname, None))  # until the engine runs
+    rendezvous.set_reporter(functools.partial(_report, launch, None, time.time()))  # until the engine runs
     try:
         if name == "gloo":
             from hvdrun.runtime.backends.torchdist import TorchBackend
@@ -205,6 +208,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
             sys.excepthook = usage_error_hook(sys.excepthook)
             _usage_hook_installed = True
         environ = os.environ if environ is None else environ
+        started_s = time.time()
         _tell_launcher(environ, envvars.INIT_MARKER)
         launch = envvars.read_launch_info(environ)
         generation, assignment = _generation, None
@@ -229,7 +233,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
                         device=device, **tuning)
         _runtime = Runtime(launch, backend, engine, rendezvous, device, assignment=assignment)
         if rendezvous is not None:
-            _answer_reports(rendezvous, engine, launch)
+            _answer_reports(rendezvous, engine, launch, started_s)
         if assignment is not None and environ is os.environ:  # scripts that read RANK etc. see this round's
             os.environ.update(envvars.topology_env(backend.world))
         _start_configured_timeline(_runtime, environ)
@@ -240,10 +244,19 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         return _runtime
 
 
-def _answer_reports(rendezvous: Rendezvous, engine: Engine, launch: envvars.LaunchInfo) -> None:
-    """This rank answers report requests with its stacks and flight recorder; rank 0 also prints every rank's
-    report when the stall check warns or fails (:mod:`hvdrun.runtime.forensics`)."""
-    rendezvous.set_reporter(lambda: rank_report(launch.rank, launch.hostname, engine.recorder))
+def _report(launch: envvars.LaunchInfo, engine: Engine | None, started_s: float, what: str) -> dict[str, Any]:
+    """This rank's answer to a report request: its stacks and flight recorder, or its vitals."""
+    if what == VITALS:
+        return rank_vitals(launch.rank, launch.hostname, engine.recorder if engine else None,
+                           engine.stragglers if engine else None, started_s)
+    return rank_report(launch.rank, launch.hostname, engine.recorder if engine else None)
+
+
+def _answer_reports(rendezvous: Rendezvous, engine: Engine, launch: envvars.LaunchInfo, started_s: float) -> None:
+    """This rank answers report requests with its stacks and flight recorder, or its vitals (``started_s``: when
+    its ``init()`` began); rank 0 also prints every rank's report when the stall check warns or fails
+    (:mod:`hvdrun.runtime.forensics`)."""
+    rendezvous.set_reporter(functools.partial(_report, launch, engine, started_s))
     if launch.rank != 0:
         return
 
@@ -353,6 +366,11 @@ def shutdown() -> None:
 def is_initialized() -> bool:
     """True between ``init()`` and ``shutdown()``."""
     return _runtime is not None
+
+
+def current_or_none() -> Runtime | None:
+    """The runtime, or None before ``init()`` and after ``shutdown()``."""
+    return _runtime
 
 
 def current() -> Runtime:

@@ -36,6 +36,7 @@ from hvdrun.runtime.handles import Handle, LocalOp
 from hvdrun.runtime.lane import lane_enabled
 from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY, JOIN, Request, Table
 from hvdrun.runtime.progress import ProgressLoop
+from hvdrun.runtime.stragglers import StragglerWatch
 from hvdrun.runtime.submissions import Submissions
 from hvdrun.runtime.timeline import Timeline
 from hvdrun.runtime.verdicts import SHUTDOWN, StallWatch
@@ -165,11 +166,21 @@ class Engine:
         """Submit and wait on the calling thread: the blocking collectives."""
         return self.submit(request, array, wake=False).wait()
 
-    def drive_until(self, handle: Handle, timeout_s: float | None) -> None:
-        """Run cycles on the caller's thread until ``handle`` is done (:meth:`Handle.wait` calls it)."""
-        self._loop.drive_until(handle, timeout_s)
+    @property
+    def stragglers(self) -> StragglerWatch | None:
+        """Rank 0's straggler watch (None on the other ranks and in a job of one rank)."""
+        return self._cycle.stragglers
 
-    def express_allreduce(self, request: Request, array: np.ndarray) -> bool:
+    def drive_until(self, handle: Handle, timeout_s: float | None) -> None:
+        """Run cycles on the caller's thread until ``handle`` is done (:meth:`Handle.wait` calls it); the time it
+        takes counts as this rank's wait (``hvdrun top``)."""
+        started = time.perf_counter()
+        try:
+            self._loop.drive_until(handle, timeout_s)
+        finally:
+            self.recorder.waited(time.perf_counter() - started)
+
+    def express_allreduce(self, request: Request, array: np.ndarray, started: float | None = None) -> bool:
         """A blocking allreduce of a rank with nothing else in flight, as one cycle on the caller's thread without
         the queue, the handle, the progress loop and the table (about half of a small op's Python across hosts).
 
@@ -177,7 +188,8 @@ class Engine:
         when every rank announced it alone the op runs at once, into ``array`` (True). Otherwise the op joins the
         ledger and the cycles that follow finish it, with every check of the usual path (mismatch, stall,
         deadlock). False: not taken (something else in flight on this rank, another thread driving, the name in
-        flight); the caller takes the usual path.
+        flight); the caller takes the usual path. ``started``: when the caller began to wait (``perf_counter``),
+        so that the op's time counts as this rank's wait.
         """
         if not self.express or not self.quiet():
             return False
@@ -200,6 +212,8 @@ class Engine:
                 flight.land()
                 self.ledger.release_name(name)
                 self.express_used += 1
+                if started is not None:
+                    self.recorder.waited(time.perf_counter() - started)
                 return True
             op = self.ledger.adopt(request, array, payload)
             op.handle.flight = flight
@@ -209,6 +223,8 @@ class Engine:
                 self._fail_from(e)
         finally:
             self._loop.stop_driving()  # as after drive_until: the background thread stands down a while
+        if started is not None:
+            self.recorder.waited(time.perf_counter() - started)  # the wait that follows counts itself
         op.handle.wait()
         return True
 

@@ -51,14 +51,27 @@ class FlightRecorder:
         self._flights: collections.deque[Flight] = collections.deque(maxlen=_KEPT)
         self._seq = 0
         self._lock = threading.Lock()
+        self.bytes = 0  # of every collective submitted
+        self.waited_s = 0.0  # time the program's threads spent blocked waiting for collectives
+        self.steps = 0  # optimizer steps (``hvdrun.torch`` counts them)
+
+    @property
+    def count(self) -> int:
+        """How many collectives this rank submitted."""
+        return self._seq
 
     def take_off(self, name: str, kind: str, nbytes: int) -> Flight:
         """Record that this rank submitted ``name``; call :meth:`Flight.land` when it ends."""
         with self._lock:
             self._seq += 1
+            self.bytes += nbytes
             flight = Flight(self._seq, name, kind, nbytes)
             self._flights.append(flight)
         return flight
+
+    def waited(self, seconds: float) -> None:
+        """A thread of the program was blocked ``seconds`` waiting for a collective (unlocked: a statistic)."""
+        self.waited_s += seconds
 
     def scrub(self, flight: Flight) -> None:
         """Forget ``flight`` (a fast-lane attempt that fell back to the engine, which records it again), wherever
@@ -70,6 +83,9 @@ class FlightRecorder:
                 self._seq -= 1
             elif flight in self._flights:
                 self._flights.remove(flight)
+            else:
+                return
+            self.bytes -= flight.nbytes
 
     def snapshot(self) -> list[Flight]:
         """The recorded collectives, oldest first."""

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 WINDOW = 500  # collectives kept
 MIN_COLLECTIVES = 32  # a verdict needs at least this many in the window
@@ -32,6 +32,7 @@ MIN_LAG_S = 0.005  # ... on average at least this long after the median
 MIN_WAIT_SHARE = 0.05  # ... and the others spent at least this share of their time waiting for it
 REPEAT_S = 60.0  # a straggler that persists is named again at most this often
 JUDGE_S = 0.25  # the window is judged at most this often (a judgement reads the whole window)
+NAMED_KEPT = 20  # lines kept for the live view and the report
 
 
 class Arrival(NamedTuple):
@@ -70,6 +71,7 @@ class StragglerWatch:
         self._clock = clock
         self._window: deque[Arrival] = deque(maxlen=window)
         self._named: dict[str, float] = {}  # who was named last, and when
+        self.said: deque[tuple[float, str]] = deque(maxlen=NAMED_KEPT)  # the lines said (wall clock, line)
         self._judged = -JUDGE_S
 
     def observe(self, late: Iterable[Mapping[int, float]], even: int = 0, now: float | None = None) -> None:
@@ -103,6 +105,25 @@ class StragglerWatch:
                 return line
         return None
 
+    def scores(self) -> dict[str, Any]:
+        """The window as numbers, for the live view: for each rank that came last at least once, the share of the
+        window's collectives it came last in, its mean lag after the median (seconds) and whether both pass the
+        verdict's bounds; the window's length; the lines said so far (``[wall clock, line]``, the latest last)."""
+        try:
+            window = list(self._window)  # the engine's thread appends meanwhile
+        except RuntimeError:
+            window = []
+        lags: dict[int, list[float]] = {}
+        for item in window:
+            for rank in item.last:
+                lags.setdefault(rank, []).append(item.lag_s)
+        enough = len(window) >= MIN_COLLECTIVES
+        ranks = {}
+        for rank, lag in lags.items():
+            share, mean_lag = len(lag) / len(window), statistics.fmean(lag)
+            ranks[rank] = [share, mean_lag, enough and share >= LAST_SHARE and mean_lag >= MIN_LAG_S]
+        return {"window": len(window), "said": [list(entry) for entry in self.said], "ranks": ranks}
+
     def _by_rank(self, last: tuple[int, ...]) -> str | None:
         return str(last[0]) if len(last) == 1 else None
 
@@ -131,6 +152,7 @@ class StragglerWatch:
         subject = line.split(" arrived ")[0]
         if now - self._named.get(subject, -REPEAT_S) >= REPEAT_S:
             self._named[subject] = now
+            self.said.append((time.time(), line))
             self._say(line)
 
 

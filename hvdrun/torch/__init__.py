@@ -71,6 +71,7 @@ from hvdrun.torch.ops import (
 )
 from hvdrun.torch.optimizer import DistributedOptimizer
 from hvdrun.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from hvdrun.torch.steps import count_optimizer_steps
 from hvdrun.torch.sync_batch_norm import SyncBatchNorm
 
 
@@ -82,6 +83,7 @@ def init(comm: object = None, process_sets: object = None) -> None:
         process_sets: ``ProcessSet`` objects to register now, on every rank in the same order.
     """
     context.init()
+    count_optimizer_steps()
     if isinstance(process_sets, (list, tuple)):
         for process_set in process_sets:
             add_process_set(process_set)

@@ -16,11 +16,12 @@ from typing import Any
 
 from hvdrun import envvars
 from hvdrun.errors import RendezvousError
+from hvdrun.protocol.inspection import STACKS
 from hvdrun.protocol.sockets import MIN_BACKLOG, listen
 from hvdrun.runtime.transport.base import AbortFlag
 
 HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this, whatever it sends
-Reporter = Callable[[], dict[str, Any]]
+Reporter = Callable[[str], dict[str, Any]]  # what (STACKS or VITALS) -> this rank's report
 # Rank 0 keeps its listening socket for the life of the process: between a shutdown() and the
 # next init() the kernel could otherwise hand the port to another socket (an ephemeral port).
 _listeners: dict[tuple[str, int], socket.socket] = {}
@@ -41,12 +42,14 @@ def listener_for(addr: str, port: int, size: int) -> socket.socket:
     return sock
 
 
-def report_or_none(reporter: Reporter | None) -> dict[str, Any] | None:
-    """The reporter's report, or None when there is none or it failed: a report never breaks the control plane."""
+def report_or_none(reporter: Reporter | None, what: str = STACKS) -> dict[str, Any] | None:
+    """The reporter's report of ``what`` (:data:`~hvdrun.protocol.inspection.STACKS` or
+    :data:`~hvdrun.protocol.inspection.VITALS`), or None when there is none or it failed: a report never breaks the
+    control plane."""
     if reporter is None:
         return None
     try:
-        report = reporter()
+        report = reporter(what)
         marshal.dumps(report)  # what travels must marshal
         return report
     except Exception:  # noqa: BLE001

@@ -22,7 +22,7 @@ from dataclasses import astuple
 from typing import Any
 
 from hvdrun.errors import RendezvousError
-from hvdrun.protocol.inspection import REPORT_TIMEOUT_S, SIGNAL
+from hvdrun.protocol.inspection import REPORT_TIMEOUT_S, SIGNAL, STACKS
 from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
 from hvdrun.runtime.peers import Peer, PeerTable
 from hvdrun.runtime.readiness import readable
@@ -214,7 +214,8 @@ class HostLeader:
             self._to_locals(message)
             signal_self(message[1])
         elif kind == "report?":
-            self._ask_reports(int(message[1]), float(message[2]) if len(message) > 2 else REPORT_TIMEOUT_S)
+            self._ask_reports(int(message[1]), float(message[2]) if len(message) > 2 else REPORT_TIMEOUT_S,
+                              message[3] if len(message) > 3 else STACKS)
         elif kind == "go":
             self._to_locals(message)
             self.barriers.release(message[1])
@@ -243,18 +244,18 @@ class HostLeader:
             self._abort_all(reason)
             self._up_send(("abort", reason))
 
-    def _ask_reports(self, request: int, timeout_s: float) -> None:
+    def _ask_reports(self, request: int, timeout_s: float, what: str) -> None:
         live = {sock: peer for sock, peer in self.locals.items() if sock not in self._said_bye}
         # answer rank 0 before its own wait ends
         pending = _Pending(request, {peer.rank for peer in live.values()}, timeout_s * 0.8)
         pending.absent.update({peer.rank: "it left the job" for sock, peer in self.locals.items()
                                if sock in self._said_bye})
-        own = report_or_none(self.reporter)
+        own = report_or_none(self.reporter, what)
         if own is not None and self.me is not None:
             pending.reports[self.me.rank] = own
         for sock, peer in live.items():
             try:
-                self._send(sock, ("report?", request))
+                self._send(sock, ("report?", request, timeout_s, what))
             except OSError as e:
                 pending.absent[peer.rank] = f"its control connection failed: {e}"
         self._pending[request] = pending

@@ -11,7 +11,7 @@ from typing import Any
 
 from hvdrun.envvars import START_TIMEOUT
 from hvdrun.errors import RENDEZVOUS_TIMED_OUT, RendezvousError
-from hvdrun.protocol.inspection import INSPECT, REPORT_TIMEOUT_S, SIGNAL, format_reports
+from hvdrun.protocol.inspection import INSPECT, REPORT_TIMEOUT_S, SIGNAL, STACKS, VITALS, format_reports
 from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
 from hvdrun.runtime.peers import Layout, NeedsPlan, Peer, PeerTable
 from hvdrun.runtime.readiness import readable
@@ -63,8 +63,9 @@ class RootServer:
     def _live(self) -> list[_Conn]:
         return [conn for conn in list(self.conns.values()) if not conn.said_bye]
 
-    def gather_reports(self, timeout_s: float = REPORT_TIMEOUT_S) -> tuple[list[dict[str, Any]], dict[int, str]]:
-        """Every rank's report (rank 0's own included) and why the others have none."""
+    def gather_reports(self, timeout_s: float = REPORT_TIMEOUT_S, what: str = STACKS
+                       ) -> tuple[list[dict[str, Any]], dict[int, str]]:
+        """Every rank's report of ``what`` (stacks or vitals; rank 0's own included) and why the others have none."""
         with self._reported:
             self._requests += 1
             request = self._requests
@@ -76,7 +77,7 @@ class RootServer:
             live = []
         for conn in live:
             try:
-                self._send(conn.sock, ("report?", request, timeout_s))
+                self._send(conn.sock, ("report?", request, timeout_s, what))
             except OSError as e:
                 absent.update({rank: f"its control connection failed: {e}" for rank in conn.ranks})
         expected = {rank for conn in live for rank in conn.ranks} - set(absent)
@@ -86,10 +87,10 @@ class RootServer:
                 self._reported.wait(deadline - time.monotonic())
             replies, absent_there = self._reports.pop(request), self._absent.pop(request)
         absent.update(absent_there)
-        return self._reports_and_absent(replies, absent, expected, timeout_s)
+        return self._reports_and_absent(replies, absent, expected, timeout_s, what)
 
     def _reports_and_absent(self, replies: dict[int, Any], absent: dict[int, str], expected: set[int],
-                            timeout_s: float) -> tuple[list[dict[str, Any]], dict[int, str]]:
+                            timeout_s: float, what: str) -> tuple[list[dict[str, Any]], dict[int, str]]:
         for rank in [rank for rank, report in replies.items() if "rank" not in report]:
             del replies[rank]
             absent[rank] = "its runtime had no report to give"
@@ -97,7 +98,7 @@ class RootServer:
             absent[rank] = f"did not answer within {timeout_s:g} s (busy in code that holds Python's lock?)"
         for rank in set(range(1, self.size)) - set(self.members) - set(absent):
             absent[rank] = "has not joined rank 0 (not in init() yet, or cannot reach rank 0)"
-        own = report_or_none(self.reporter)
+        own = report_or_none(self.reporter, what)
         if own is None:
             absent[0] = "its report failed"
         return sorted([*replies.values(), *([own] if own else [])], key=lambda r: r["rank"]), absent
@@ -117,9 +118,9 @@ class RootServer:
         with self._send_lock:
             send_frame(sock, message)
 
-    def _serve_inspector(self, sock: socket.socket) -> None:
-        """Answer an inspector (see the module docstring) with every rank's report."""
-        reports, absent = self.gather_reports()
+    def _serve_inspector(self, sock: socket.socket, what: str) -> None:
+        """Answer an inspector (see the module docstring) with every rank's report of ``what``."""
+        reports, absent = self.gather_reports(what=what)
         send_frame(sock, ("reports", reports, sorted(absent.items()), self.size))
         sock.close()
 
@@ -199,7 +200,7 @@ class RootServer:
             authenticate_client(sock, self.secret)
             generation, row = recv_frame(sock)
             if generation == INSPECT:
-                self._serve_inspector(sock)
+                self._serve_inspector(sock, row if row in (STACKS, VITALS) else STACKS)
                 return
             if generation == SIGNAL:
                 signum = int(row)
