@@ -321,6 +321,25 @@ def _stage_options(command: Any) -> Any:
     return click.option("--stage-env", is_flag=True, help=_STAGE_ENV_HELP)(command)
 
 
+def _observe_options(command: Any) -> Any:
+    """Metrics and the job report (observe/): sampled from the ranks while the job runs."""
+    options = [
+        click.option("--metrics-port", metavar="[ADDR:]PORT",
+                     help="Serve the ranks' live numbers (those of 'hvdrun top') in Prometheus' text format at "
+                          "http://ADDR:PORT/metrics (ADDR default 127.0.0.1; 0.0.0.0 for every interface)."),
+        click.option("--metrics-file", type=click.Path(dir_okay=False),
+                     help="Append the same numbers to this file as one JSON line per sample."),
+        click.option("--metrics-interval", "metrics_interval_s", type=_Seconds(positive=True),
+                     help="Seconds between two samples of the ranks (default 5)."),
+        click.option("--report", type=click.Path(dir_okay=False),
+                     help="Write a self-contained HTML report of the job here when it ends (succeeded, failed or "
+                          "stopped): hosts, ranks, start-up per host, rates over time, stragglers, the failure."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def _restart_options(command: Any) -> Any:
     """Restarts of the whole job (torchrun's --max-restarts), routed around the host that failed."""
     options = [
@@ -387,6 +406,7 @@ def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[
               help="Modules each host imports once, its ranks then starting by fork (local and ssh launchers): "
                    "'auto' (torch when the script imports it), 'none' (every rank starts a new Python), or a "
                    "comma-separated list. A rank whose Python or environment differs starts a new Python.")
+@_observe_options
 @_stage_options
 @_elastic_options
 @_restart_options

@@ -144,6 +144,7 @@ class AgentForest:
     def __init__(self, roots: Sequence[Node], clients: Sequence[paramiko.SSHClient]) -> None:
         self._changed = threading.Condition()
         self.facts: dict[int, HostFacts] = {}
+        self.reached: dict[int, float] = {}  # host index -> when its facts came (wall clock: the job report)
         self.failed: dict[int, dict[str, Any]] = {}
         self._lost: dict[int, dict[str, Any]] = {}
         self._names = {below["index"]: below["name"] for root in roots for below in subtree(root)}
@@ -245,6 +246,7 @@ class AgentForest:
                 return
             if tagged.kind == FACTS:
                 self.facts[tagged.number] = HostFacts.from_json(tagged.text.decode())
+                self.reached[tagged.number] = time.time()
             elif tagged.kind == FAILED:
                 self.failed.setdefault(tagged.number, json.loads(tagged.text))
             else:

@@ -113,6 +113,11 @@ class Launcher(abc.ABC):
         """
         return {}
 
+    def reached_at(self) -> dict[str, float]:
+        """When each host was reached and answered (host name -> wall clock), for the job report; launchers that
+        reach no host of their own (local, mpiexec): none."""
+        return {}
+
     def close(self) -> None:
         """Release connections; called once after the job ended (or failed to start)."""
         return None

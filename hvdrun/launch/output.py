@@ -76,9 +76,9 @@ class OutputRouter:
         self._rank_pumps: dict[int, list[threading.Thread]] = {}
         self._rank_logs: dict[tuple[int, str], BinaryIO | None] = {}  # None: could not be opened (warned)
         self._logs_lock = threading.Lock()
-        self._consequences: set[int] = set()
-        self.entered_init: set[int] = set()  # ranks that said they entered init()
-        self.joined: set[int] = set()  # ranks whose init() rendezvous completed
+        self._consequences: dict[int, float] = {}
+        self.entered_init: dict[int, float] = {}  # ranks that said they entered init(), and when (wall clock)
+        self.joined: dict[int, float] = {}  # ranks whose init() rendezvous completed, and when
         self._markers = {CONSEQUENCE_MARKER: self._consequences, INIT_MARKER: self.entered_init,
                          JOINED_MARKER: self.joined}
         self._disk_warned = False
@@ -263,8 +263,11 @@ class OutputRouter:
     def _deliver(self, rank: int, stream: str, lines: list[bytes], log: BinaryIO | None) -> None:
         """One rank's lines to its log file and the console; the runtime's control lines are taken out."""
         if stream == "stderr" and any(line in self._markers for line in lines):
+            now = time.time()
             for line in lines:
-                self._markers.get(line, set()).add(rank)
+                marked = self._markers.get(line)
+                if marked is not None:
+                    marked.setdefault(rank, now)
             lines = [line for line in lines if line not in self._markers]
         if log and not log.closed and lines:
             self._write_log(rank, log, b"".join(lines))

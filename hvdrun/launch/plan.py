@@ -107,6 +107,10 @@ class RunOptions:
     stage_env: bool = False  # copy the ranks' environment to every host's disk first (launch/staging.py)
     stage_dir: str | None = None  # where on each host (implies stage_env); default: the YAML's local_dir, else /tmp
     preload: str = AUTO  # auto | none | mod,mod: what each host's fork server imports once (launch/remote/preload.py)
+    metrics_port: str | None = None  # [ADDR:]PORT: the job's metrics in Prometheus' format (observe/metrics.py)
+    metrics_file: str | None = None  # append the job's metrics as JSON lines
+    metrics_interval_s: float | None = None  # seconds between two samples of the ranks' vitals
+    report: str | None = None  # write the job report (HTML) here when the job ends (observe/report.py)
 
     @property
     def elastic(self) -> bool:
@@ -306,6 +310,9 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     if elastic and (options.max_restarts or options.spares):
         raise UsageError("--max-restarts/--spares restart a whole job; an elastic job (--min-np/--max-np/"
                          "--host-discovery-script) recovers by itself: give one or the other")
+    if elastic and (options.metrics_port or options.metrics_file or options.report):
+        raise UsageError("--metrics-port/--metrics-file/--report watch a job of fixed ranks through its rank 0; an "
+                         "elastic job (--min-np/--max-np/--host-discovery-script) has none yet")
     slots = () if elastic else assign_slots(hosts, _num_proc(options, hosts), layout)
     launcher = _choose_launcher(options, config, hosts, source)
     if elastic:

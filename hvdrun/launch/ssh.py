@@ -269,6 +269,11 @@ class SshLauncher(Launcher):
     def _local_interface_addr(self) -> str | None:
         return interface_address(self.network_interface) if self.network_interface else None
 
+    def reached_at(self) -> dict[str, float]:
+        """When each remote host's agent answered with its facts (wall clock)."""
+        return {host.name: remote.forest.reached[remote.index] for host, remote in self._remote.items()
+                if remote.index in remote.forest.reached}
+
     def endpoint(self, host: Host) -> Endpoint:
         remote = self._remote.get(host)
         if remote is not None:
