@@ -607,6 +607,8 @@ def _job_options(command: Any) -> Any:
                      help="The job's hvdrun starts the whole job again up to N times when a rank fails."),
         click.option("--spares", type=click.IntRange(min=0),
                      help="Of the -n nodes, the last K take over from a failed one at a restart."),
+        click.option("--report", type=click.Path(dir_okay=False),
+                     help="The job's hvdrun writes its HTML report here when the job ends (as 'hvdrun --report')."),
     ]
     for option in reversed(options):
         command = option(command)

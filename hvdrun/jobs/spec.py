@@ -73,6 +73,7 @@ class JobRequest:
     spares: int | None = None
     stage_env: bool = False
     stage_dir: str | None = None
+    report: str | None = None  # the job's hvdrun writes its HTML report here (observe/report.py)
 
 
 def load_job_config(request: JobRequest) -> tuple[ClusterConfig | None, list[str]]:
@@ -283,6 +284,11 @@ def _restart_args(request: JobRequest, nodes: int, unit: str) -> list[str]:
     return args + (["--spares", str(spares)] if spares else [])
 
 
+def _report_args(request: JobRequest) -> list[str]:
+    """``--report PATH`` for the job's hvdrun, the path made absolute here (the job may start elsewhere)."""
+    return ["--report", str(Path(request.report).expanduser().resolve())] if request.report else []
+
+
 def _run_args(request: JobRequest) -> list[str]:
     """``--run-args``, split as the shell would."""
     try:
@@ -390,7 +396,7 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
         config.ranks_per_node if config else None) or max(gpus // per_rank, 1)
     _check_cpu_bind(config, ranks_per_node)
     run_options = [*_restart_args(request, nodes, unit), *_stage_args(request, config, kind, nodes),
-                   *_filesystem_args(request, config, defaults, kind, nodes, filesystems)]
+                   *_filesystem_args(request, config, defaults, kind, nodes, filesystems), *_report_args(request)]
     name = _job_name(request)
     output, error, exit_file, script_path = _output_paths(request, name, kind, time.time() if now is None else now)
     setup = _setup_lines(request, defaults)

@@ -7,6 +7,7 @@ and name the divergence from the flight recorders; the job goes on and ends norm
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -54,6 +55,21 @@ def assert_report(text: str) -> None:
     assert "last collectives: #1 'grad.step0', #2 'grad.step1', #3 'grad.step2'" in rank_2
 
 
+def assert_top(kind: str, env: dict[str, str]) -> None:
+    """``hvdrun top --once --json`` on the same job (issue #35): every rank's vitals, ranks 0,1,3 in 'grad.fc2'
+    and rank 2 in none, the hosts folded."""
+    shown = subprocess.run([sys.executable, "-m", "hvdrun", "top", "--once", "--json", "--interval", "0.3"], env=env,
+                           capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    view = json.loads(shown.stdout)
+    ranks = {row["rank"]: row for row in view["ranks"]}
+    assert view["size"] == 4 and sorted(ranks) == [0, 1, 2, 3] and view["absent"] == {}, view
+    assert all(ranks[r]["current"].startswith("allreduce 'grad.fc2' (") for r in (0, 1, 3)), ranks
+    assert ranks[2]["current"] is None and all(row["collectives"] >= 3 and row["rss"] > 0 for row in ranks.values())
+    assert len(view["hosts"]) == (2 if kind == "ssh" else 1), view["hosts"]
+    assert sorted(r for host in view["hosts"] for r in host["ranks"]) == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("kind", ["local", "ssh", "mpiexec"])
 def test_stacks_on_demand_ctrl_backslash_and_the_stall_report(kind, request, hvdrun_env, token, tmp_path):
     release, jobs = tmp_path / "release", tmp_path / "jobs"
@@ -81,6 +97,7 @@ def test_stacks_on_demand_ctrl_backslash_and_the_stall_report(kind, request, hvd
         assert asked.returncode == 0, asked.stderr
         assert asked.stdout.startswith("hvdrun: stacks of 4 of 4 rank(s)\n")
         assert_report(asked.stdout)
+        assert_top(kind, env)
         # Ctrl-\ to hvdrun: the same report on hvdrun's stderr, and the job goes on
         before = stderr().count("hvdrun: stacks of 4 of 4 rank(s)")
         job.send_signal(signal.SIGQUIT)
@@ -204,10 +221,15 @@ def test_a_rendezvous_that_times_out_says_where_every_rank_is(run_hvdrun, tmp_pa
 
 
 def test_an_idle_job_prints_where_every_rank_is_before_it_stops(run_hvdrun, tmp_path):
-    """--idle-timeout: nothing printed for 6 s -> the report, then the job stops with exit 124."""
-    done = run_hvdrun("-np", "4", "--idle-timeout", "6", sys.executable, str(WORKER), str(tmp_path / "never"),
-                      timeout=120)
+    """--idle-timeout: nothing printed for 6 s -> the report, then the job stops with exit 124; the job report
+    (--report, issue #35) says it was stopped, why, and holds the same stacks report."""
+    done = run_hvdrun("-np", "4", "--idle-timeout", "6", "--report", "idle.html", sys.executable, str(WORKER),
+                      str(tmp_path / "never"), timeout=120)
     assert done.returncode == 124, done.stderr
     assert_report(done.stderr)
     assert done.stderr.strip().splitlines()[-1] == ("hvdrun: error: no rank printed for 6 s (--idle-timeout); "
                                                     "stopped all 4 workers")
+    page = html.unescape((tmp_path / "idle.html").read_text())
+    assert ": stopped</title>" in page and "stopped (exit code 124)" in page
+    assert "no rank printed for 6 s (--idle-timeout); stopped all 4 workers" in page.split("<h2>Failure</h2>")[1]
+    assert_report(page.split("<h2>Last stacks report</h2>")[1])
