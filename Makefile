@@ -21,13 +21,16 @@ $(VENV)/.installed: pyproject.toml
 # Tests start real sshd servers in network namespaces, and a real Slurm cluster and a real OpenPBS on them: install
 # openssh-server, slurm-wlm (with its Torque-style qsub/qstat/qdel) and munge when missing, and build OpenPBS from
 # the source in tests/infra/openpbs/ into /opt/pbs once per machine (apt build deps, then about 2 minutes on 2
-# cores). Root + apt only; elsewhere those tests skip with the reason.
+# cores). Headless Chromium opens the job report (--report) in its test. Root + apt only; elsewhere those tests
+# skip with the reason.
 system-deps:
-	@if { [ ! -x /usr/sbin/sshd ] || ! command -v slurmctld >/dev/null || ! command -v qsub >/dev/null; } \
-		&& [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing openssh-server, slurm-wlm, slurm-wlm-torque and munge for the SSH and Slurm tests"; \
+	@if { [ ! -x /usr/sbin/sshd ] || ! command -v slurmctld >/dev/null || ! command -v qsub >/dev/null \
+			|| ! command -v chromium >/dev/null; } && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing openssh-server, slurm-wlm, slurm-wlm-torque, munge and chromium for the SSH, Slurm and" \
+			"report tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server iproute2 \
-			slurm-wlm slurm-wlm-torque munge >/dev/null; \
+			slurm-wlm slurm-wlm-torque munge >/dev/null \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
 	fi
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then bash tests/infra/pbs_cluster.sh build; fi
 

@@ -1,7 +1,7 @@
-"""A training loop that runs until the test releases it: a small model under DistributedOptimizer and a metric
-allreduce each step (the vote to stop). Arguments: SLOW (ranks that sleep 30 ms before each step, comma-separated, or 'none'), the
-release file, FAIL (``RANK:STEP``: that rank exits with code 3 at that step, or 'none'). Each rank prints 'ready'
-after 40 steps."""
+"""A training loop that runs until the test releases it: a small model under DistributedOptimizer and, each step,
+an allreduce that is the vote to stop. Arguments: SLOW (ranks that sleep 30 ms before each step, comma-separated,
+or 'none'), the release file, FAIL (``RANK:STEP``: that rank exits with code 3 at that step, or 'none'). Each rank
+prints 'ready' after 40 steps."""
 
 import os
 import sys
