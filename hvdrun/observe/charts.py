@@ -120,4 +120,4 @@ def _nice_ceiling(value: float) -> float:
 
 
 def _short(value: float) -> str:
-    return f"{value / 1e3:.1f}k" if value >= 1e4 else (f"{value:.0f}" if value >= 10 else f"{value:.2g}")
+    return f"{value / 1e3:.1f}k" if value >= 1e4 else f"{value:.4g}"

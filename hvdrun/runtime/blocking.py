@@ -37,10 +37,9 @@ def allreduce_unqueued(engine: Engine, buffer: Any, name: str, op: int, prescale
     Returns:
         True: ``buffer`` holds the result. False: no path took it; queue it under the same ``name``.
     """
-    started = time.perf_counter()
     if isinstance(buffer, np.ndarray) and try_allreduce(engine, buffer, name, op, prescale, postscale):
-        engine.recorder.waited(time.perf_counter() - started)
         return True
     if express_request is None or not engine.express:
         return False
+    started = time.perf_counter()
     return engine.express_allreduce(express_request(buffer, name, op, prescale, postscale), buffer, started)

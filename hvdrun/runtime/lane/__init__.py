@@ -122,5 +122,6 @@ def try_allreduce(host: LaneHost, array: np.ndarray, name: str, op: int, prescal
         lane.leave()
         if done:
             flight.land()
+            host.recorder.waited_s += flight.ended - flight.started  # the caller waited all along (no clock read)
         else:
             host.recorder.scrub(flight)  # the engine's path takes the op and records it itself
