@@ -3,9 +3,9 @@
 Every rank's table sees, for each collective, the cycle in which each rank's request arrived (a cycle's
 announcements reach every rank together, so every rank sees the same). When a collective becomes ready, the
 ranks whose request came last are the ones the others waited for, and each other rank waited from its own
-arrival to theirs. Rank 0 keeps these facts over a sliding window of collectives and, when one rank (or all
-the late ranks of one host) came last in most of them, well after the median, says so in one line, at most once
-a minute while it lasts::
+arrival to theirs. Rank 0 keeps these facts over a sliding window of collectives and, when one rank stands out
+among the last of most of them (or the late ranks are all of one host), well after the median, says so in one
+line, at most once a minute while it lasts::
 
     hvdrun: straggler: rank 3 on node7 arrived last at 94% of the last 500 collectives, 31 ms after the
     median; the other 3 ranks spent 28% of their time waiting for it
@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
 from typing import Any, NamedTuple
@@ -93,10 +93,11 @@ class StragglerWatch:
                 self._name(line, now)
 
     def verdict(self) -> str | None:
-        """The line that names the straggler of the window, or None when there is none."""
+        """The line that names the straggler of the window, or None when there is none: a rank that stands out
+        (among the last far more often than any other), else a host whose ranks come last (by turns, or
+        together)."""
         window = list(self._window)
-        for who, ranks_of in (("rank", self._by_rank), ("host", self._by_host)):
-            found = _most_often_last(window, ranks_of)
+        for who, found in (("rank", _distinct_rank(window)), ("host", _most_often_last(window, self._by_host))):
             if found is None:
                 continue
             key, late = found
@@ -123,9 +124,6 @@ class StragglerWatch:
             share, mean_lag = len(lag) / len(window), statistics.fmean(lag)
             ranks[rank] = [share, mean_lag, enough and share >= LAST_SHARE and mean_lag >= MIN_LAG_S]
         return {"window": len(window), "said": [list(entry) for entry in self.said], "ranks": ranks}
-
-    def _by_rank(self, last: tuple[int, ...]) -> str | None:
-        return str(last[0]) if len(last) == 1 else None
 
     def _by_host(self, last: tuple[int, ...]) -> str | None:
         hosts = {self.hostnames[rank] for rank in last}
@@ -154,6 +152,19 @@ class StragglerWatch:
             self._named[subject] = now
             self.said.append((time.time(), line))
             self._say(line)
+
+
+def _distinct_rank(window: list[Arrival]) -> tuple[str, list[Arrival]] | None:
+    """The rank among the last most often and its collectives, when it stands out: no other rank was among the last
+    in even half the verdict's share of the window (others that came last with it in the same cycle, descheduled
+    a moment on a busy host, do not hide it; several ranks late alike point at their host, or at the job)."""
+    counts = Counter(rank for item in window for rank in item.last)
+    if not counts:
+        return None
+    (rank, _), *rest = counts.most_common(2)
+    if rest and rest[0][1] >= LAST_SHARE / 2 * len(window):
+        return None
+    return str(rank), [item for item in window if rank in item.last]
 
 
 def _most_often_last(window: list[Arrival], key_of: Callable[[tuple[int, ...]], str | None]
