@@ -98,7 +98,7 @@ def test_a_two_node_job_runs_an_allreduce_across_both_mom_hosts(pbs_server, pbs_
     site = site_python_without_hvdrun(cwd)
     result = hvdrun(env, cwd, "qsub", *options, "-n", "2", "--ranks-per-node", "2", "-t", "10",
                     "--setup", f"export PATH={site}:$PATH", "--setup", 'echo "python on PATH: $(command -v python)"',
-                    "--wait", "--", "python", "allreduce_hosts.py")
+                    "--report", "job.html", "--wait", "--", "python", "allreduce_hosts.py")
     output = job_output(cwd)
     assert result.returncode == 0, result.stderr + output
     assert f"python on PATH: {site}/python" in output  # the site's interpreter was first
@@ -113,6 +113,11 @@ def test_a_two_node_job_runs_an_allreduce_across_both_mom_hosts(pbs_server, pbs_
     script = script_of(cwd)
     assert "#PBS -l select=2:system=fixture" in script and "#PBS -l filesystems=flare" in script
     assert "#PBS -q debug" in script and "#PBS -N allreduce_hosts" in script
+    # the job's hvdrun wrote its report (qsub --report, issue #35): every rank on its MOM host, each host reached
+    report = (Path(cwd) / "job.html").read_text()
+    assert ": succeeded</title>" in report and f" --report {Path(cwd) / 'job.html'} " in script
+    hosts = [node for node in server.nodes for _ in range(2)]  # 2 ranks a node, in the node file's order
+    assert all(f"<td>{rank}</td><td>{host}</td><td>{rank % 2}</td>" in report for rank, host in enumerate(hosts))
 
 
 def test_a_failing_job_exits_with_its_code_with_job_history_on_and_off(server, pbs_job):

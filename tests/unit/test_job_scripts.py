@@ -119,6 +119,13 @@ def test_restarts_reach_the_hvdrun_line_of_every_scheduler(fields):
     assert "--max-restarts" not in launch() and "--spares" not in launch()
 
 
+def test_report_reaches_the_hvdrun_line_as_an_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = next(line for line in render(nodes=2, account="P", cluster="polaris", report="reports/job.html")
+                .splitlines() if " -m hvdrun " in line)
+    assert f" --report {tmp_path / 'reports' / 'job.html'} -- train.py " in line
+
+
 def test_stage_env_reaches_the_hvdrun_line_when_its_launcher_can_stage():
     def launch(**fields):
         return next(line for line in render(nodes=2, account="P", **fields).splitlines() if " -m hvdrun " in line)
