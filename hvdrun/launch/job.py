@@ -126,22 +126,22 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
                           console=console, timestamp=options.prefix_timestamp, console_ranks=plan.console_ranks)
     launcher = make_launcher(plan)
     secret, job_id = secrets.token_hex(32), secrets.token_hex(4)
-    observation = Observation(time.time(), _console_writer(console))
+    observation = Observation(plan, job_id, router, _console_writer(console), attempt)
     write = observation.write
     try:
-        launcher.prepare(plan.slots, time.monotonic() + start_timeout_s(options))
-        plan = stage_environment(plan, launcher, write)
-        observation.reached = launcher.reached_at()
-        endpoint = launcher.endpoint(plan.slots[0].host)
-        rendezvous = Rendezvous(endpoint.addr, endpoint.port, endpoint.master_port, secret, job_id, attempt,
-                                options.max_restarts, run_id or job_id)
-        specs = plan.specs(rendezvous, launcher.cpus)
-        with stacks_on_demand(rendezvous, len(plan.slots), write), \
-                observed(plan, rendezvous, specs, router, observation, attempt):
-            WorkerGroup(launcher, router, idle_timeout_s=options.idle_timeout_s,
-                        on_idle=lambda: print_stacks(rendezvous, write),
-                        signal_ranks=functools.partial(signal_ranks, rendezvous),
-                        forward_signals=plan.forward_signals).run(specs)
+        with observed(observation):
+            launcher.prepare(plan.slots, time.monotonic() + start_timeout_s(options))
+            plan = stage_environment(plan, launcher, write)
+            endpoint = launcher.endpoint(plan.slots[0].host)
+            rendezvous = Rendezvous(endpoint.addr, endpoint.port, endpoint.master_port, secret, job_id, attempt,
+                                    options.max_restarts, run_id or job_id)
+            specs = plan.specs(rendezvous, launcher.cpus)
+            observation.ranks_starting(rendezvous, specs, launcher.reached_at())
+            with stacks_on_demand(rendezvous, len(plan.slots), write):
+                WorkerGroup(launcher, router, idle_timeout_s=options.idle_timeout_s,
+                            on_idle=lambda: print_stacks(rendezvous, write),
+                            signal_ranks=functools.partial(signal_ranks, rendezvous),
+                            forward_signals=plan.forward_signals).run(specs)
     except KeyboardInterrupt as e:  # reaching the hosts, staging: no rank was started
         signum = signal_number(e)
         raise JobInterrupted(f"received {signal.Signals(signum).name} while reaching the hosts; nothing was started",

@@ -1,44 +1,61 @@
-"""What the launcher watches of a running job for tools and for afterwards: ``--metrics-port``, ``--metrics-file``
-and ``--report`` (:mod:`hvdrun.observe`).
+"""What the launcher watches of a job for tools and for afterwards: ``--metrics-port``, ``--metrics-file`` and
+``--report`` (:mod:`hvdrun.observe`).
 
-:func:`observed` wraps the supervision of one attempt: it opens the sinks before any rank starts (a port that
-cannot be served is a usage error, nothing started), samples the ranks' vitals while they run, and writes the
-report when the attempt ends, whichever way it ends.
+:func:`observed` wraps one attempt from its start: it opens the metrics sinks before any host is reached (a port
+that cannot be served is a usage error, nothing started), :meth:`Observation.ranks_starting` starts sampling the
+ranks' vitals once rank 0's address is known, and the report is written when the attempt ends, whichever way it
+ends (a host that cannot be reached included).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hvdrun.envvars import CPU_BIND, OMP_NUM_THREADS, Rendezvous
-from hvdrun.errors import HvdrunError, JobInterrupted, WorkerFailed
+from hvdrun.errors import HvdrunError, JobInterrupted
 from hvdrun.launch.base import WorkerSpec
 
 if TYPE_CHECKING:
     from hvdrun.launch.output import OutputRouter
     from hvdrun.launch.plan import JobPlan
     from hvdrun.observe.report import Binding, JobRecord
-    from hvdrun.observe.sampler import History, Sink
+    from hvdrun.observe.sampler import History, Sink, VitalsSampler
+    from hvdrun.ranks import Slot
 
 STACKS_HEADER = "hvdrun: stacks of "
 
 
 class Observation:
-    """One attempt as the launcher saw it: when it started, the last stacks report it printed.
+    """One attempt as the launcher saw it: when it started, reached each host and started the ranks, the last stacks
+    report it printed, and the sampling of the ranks' vitals.
 
     Args:
-        started: when hvdrun began the attempt (wall clock).
+        plan: the attempt's plan (its options say what to watch).
+        job_id: the job's id (a label of every metric).
+        router: the ranks' output (it notes when each rank entered ``init()`` and joined).
         write: where hvdrun's own reports go.
     """
 
-    def __init__(self, started: float, write: Callable[[str], None]) -> None:
-        self.started = started
+    def __init__(self, plan: JobPlan, job_id: str, router: OutputRouter, write: Callable[[str], None],
+                 attempt: int = 0) -> None:
+        self.plan, self.job_id, self.router, self.attempt = plan, job_id, router, attempt
+        self.started, self.spawned = time.time(), 0.0
         self.reached: dict[str, float] = {}  # host -> when the launcher reached it (SSH)
         self.stacks: str | None = None
+        self.specs: Sequence[WorkerSpec] = ()
+        self.sinks: list[Sink] = []
+        self.history: History | None = None
+        self._sampler: VitalsSampler | None = None
         self._write = write
+
+    @property
+    def wanted(self) -> bool:
+        """Whether the plan asks for metrics or a report."""
+        options = self.plan.options
+        return bool(options.metrics_port or options.metrics_file or options.report)
 
     def write(self, text: str) -> None:
         """Write one of hvdrun's reports, keeping it when it is a stacks report (for the job report)."""
@@ -46,64 +63,72 @@ class Observation:
             self.stacks = text.rstrip("\n")
         self._write(text)
 
+    def ranks_starting(self, rendezvous: Rendezvous, specs: Sequence[WorkerSpec], reached: dict[str, float]) -> None:
+        """The ranks are about to start (rank 0 will serve ``rendezvous``): sample them from now on."""
+        self.specs, self.reached, self.spawned = specs, reached, time.time()
+        if not self.wanted:
+            return
+        from hvdrun.observe.sampler import DEFAULT_INTERVAL_S, VitalsSampler
+
+        self._sampler = VitalsSampler(rendezvous.addr, rendezvous.port, rendezvous.secret,
+                                      self.plan.options.metrics_interval_s or DEFAULT_INTERVAL_S, self.sinks,
+                                      self.history)
+        self._sampler.start()
+
+    def stop_sampling(self) -> None:
+        """The attempt ended: no more samples."""
+        if self._sampler is not None:
+            self._sampler.stop()
+
 
 @contextlib.contextmanager
-def observed(plan: JobPlan, rendezvous: Rendezvous, specs: Sequence[WorkerSpec], router: OutputRouter,
-             observation: Observation, attempt: int = 0) -> Iterator[None]:
-    """Sample the job's vitals into the metrics sinks and the report's history while the ranks run; write the
-    report when they end.
+def observed(observation: Observation) -> Iterator[None]:
+    """Open the metrics sinks the plan asks for, and write the report when the attempt ends.
 
     Raises:
-        UsageError: a metrics port or file that cannot be used (before any rank starts).
+        UsageError: a metrics port or file that cannot be used (before anything starts).
     """
-    options = plan.options
-    if not (options.metrics_port or options.metrics_file or options.report):
+    if not observation.wanted:
         yield
         return
-    from hvdrun.observe.sampler import DEFAULT_INTERVAL_S, History, VitalsSampler
-
+    report = observation.plan.options.report
     with contextlib.ExitStack() as sinks:
-        sampler = VitalsSampler(rendezvous.addr, rendezvous.port, rendezvous.secret,
-                                options.metrics_interval_s or DEFAULT_INTERVAL_S,
-                                _open_sinks(plan, rendezvous.job_id, sinks, observation.write),
-                                History() if options.report else None)
-        spawned = time.time()
-        sampler.start()
+        observation.sinks.extend(_open_sinks(observation, sinks))
+        if report:
+            from hvdrun.observe.sampler import History
+
+            observation.history = History()
         outcome, summary, code = "succeeded", "", 0
         try:
             yield
-        except WorkerFailed as e:
-            outcome, summary, code = "failed", str(e), e.exit_code
-            raise
         except JobInterrupted as e:
             outcome, summary, code = "stopped", str(e), e.exit_code
             raise
-        except HvdrunError as e:
+        except HvdrunError as e:  # a failed rank, a host that cannot run ranks
             outcome, summary, code = "failed", str(e), e.exit_code
             raise
-        except BaseException as e:
-            outcome, summary, code = "stopped", f"{type(e).__name__}: {e}", 1
+        except BaseException as e:  # Ctrl-C while reaching the hosts, and what hvdrun did not foresee
+            outcome, summary, code = "stopped", f"{type(e).__name__}: {e}".rstrip(": "), 1
             raise
         finally:
-            sampler.stop()
-            if options.report and sampler.history is not None:
-
-                record = _record(plan, rendezvous, specs, router, observation, spawned, attempt, sampler.history)
+            observation.stop_sampling()
+            if report:
+                record = _record(observation)
                 record.outcome, record.summary, record.exit_code, record.ended = outcome, summary, code, time.time()
-                _write_report(options.report, record, observation.write)
+                _write_report(report, record, observation.write)
 
 
-def _open_sinks(plan: JobPlan, job_id: str, stack: contextlib.ExitStack, warn: Callable[[str], None]) -> list[Sink]:
-    """The metrics sinks ``plan`` asks for, closed with ``stack``."""
+def _open_sinks(observation: Observation, stack: contextlib.ExitStack) -> list[Sink]:
+    """The metrics sinks the plan asks for, closed with ``stack``."""
     from hvdrun.observe.metrics import JsonLinesFile, MetricsServer, parse_address
 
-    options = plan.options
+    options, job_id, warn = observation.plan.options, observation.job_id, observation.write
     sinks: list[Sink] = []
     if options.metrics_port:
-        server = MetricsServer(*parse_address(options.metrics_port), job_id)
+        addr, port = parse_address(options.metrics_port)
+        server = MetricsServer(addr, port, job_id)
         stack.callback(server.close)
-        warn(f"hvdrun: metrics of job {job_id} at http://{parse_address(options.metrics_port)[0]}:{server.port}"
-             "/metrics\n")
+        warn(f"hvdrun: metrics of job {job_id} at http://{addr}:{server.port}/metrics\n")
         sinks.append(server)
     if options.metrics_file:
         lines = JsonLinesFile(options.metrics_file, job_id, lambda text: warn(text + "\n"))
@@ -112,25 +137,30 @@ def _open_sinks(plan: JobPlan, job_id: str, stack: contextlib.ExitStack, warn: C
     return sinks
 
 
-def _record(plan: JobPlan, rendezvous: Rendezvous, specs: Sequence[WorkerSpec], router: OutputRouter,
-            observation: Observation, spawned: float, attempt: int, history: History) -> JobRecord:
+def _record(observation: Observation) -> JobRecord:
     from hvdrun.observe.report import JobRecord, StartupTimes
+    from hvdrun.observe.sampler import History
 
+    plan, router = observation.plan, observation.router
+    history = observation.history or History()
     first = history.first
     process_start = {rank: float(v["process_start"]) for rank, v in (first.ranks.items() if first else ())
                      if v.get("process_start")}
-    startup = StartupTimes(observation.started, spawned, {s.slot.rank: s.slot.hostname for s in specs},
+    spawned = observation.spawned or observation.started  # never started: no phase after reaching the hosts
+    startup = StartupTimes(observation.started, spawned, {slot.rank: slot.hostname for slot in plan.slots},
                            dict(observation.reached), dict(router.entered_init), dict(router.joined), process_start)
-    return JobRecord(" ".join(plan.command), rendezvous.job_id, plan.launcher, attempt,
-                     [_binding(spec) for spec in specs], startup, history, stacks=observation.stacks)
+    bindings = ([_binding(spec.slot, spec.env) for spec in observation.specs] if observation.specs
+                else [_binding(slot, {}) for slot in plan.slots])  # never started: where they would have run
+    return JobRecord(" ".join(plan.command), observation.job_id, plan.launcher, observation.attempt, bindings,
+                     startup, history, stacks=observation.stacks)
 
 
-def _binding(spec: WorkerSpec) -> Binding:
+def _binding(slot: Slot, env: Mapping[str, str]) -> Binding:
+    """Where a rank ran: its host, GPUs and, from its environment, its CPU binding and threads."""
     from hvdrun.observe.report import Binding
 
-    slot = spec.slot
-    threads = spec.env.get(OMP_NUM_THREADS)
-    cpus = ", ".join(part for part in (f"bind {spec.env[CPU_BIND]}" if spec.env.get(CPU_BIND) else "",
+    threads = env.get(OMP_NUM_THREADS)
+    cpus = ", ".join(part for part in (f"bind {env[CPU_BIND]}" if env.get(CPU_BIND) else "",
                                        f"OMP_NUM_THREADS={threads}" if threads else "") if part)
     return Binding(slot.rank, slot.hostname, slot.local_rank, ",".join(slot.visible_devices or slot.devices), cpus)
 

@@ -7,6 +7,7 @@ of a job stopped by ``--idle-timeout`` (with its stacks report) there too.
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -174,3 +175,11 @@ def test_a_metrics_port_in_use_is_a_usage_error_before_any_rank_starts(run_hvdru
     assert done.stderr.strip().startswith(f"hvdrun: error: --metrics-port: cannot serve metrics on 127.0.0.1:{port}:")
     bad = run_hvdrun("-np", "2", "--metrics-port", "localhost:http", "true")
     assert bad.returncode == 2 and "expected PORT or ADDR:PORT" in bad.stderr, bad.stderr
+
+
+def test_a_job_that_cannot_reach_a_host_still_gets_its_report(run_hvdrun, tmp_path):
+    done = run_hvdrun("-np", "2", "-H", "localhost:1,nosuchhost.invalid:1", "--report", "unreached.html", "true")
+    assert done.returncode == 1 and "cannot resolve host name 'nosuchhost.invalid'" in done.stderr, done.stderr
+    page = html.unescape((tmp_path / "unreached.html").read_text())
+    assert ": failed</title>" in page and "<td>1</td><td>nosuchhost.invalid</td><td>0</td>" in page
+    assert "cannot resolve host name 'nosuchhost.invalid'" in page.split("<h2>Failure</h2>")[1]
