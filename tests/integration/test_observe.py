@@ -175,6 +175,8 @@ def test_a_metrics_port_in_use_is_a_usage_error_before_any_rank_starts(run_hvdru
     assert done.stderr.strip().startswith(f"hvdrun: error: --metrics-port: cannot serve metrics on 127.0.0.1:{port}:")
     bad = run_hvdrun("-np", "2", "--metrics-port", "localhost:http", "true")
     assert bad.returncode == 2 and "expected PORT or ADDR:PORT" in bad.stderr, bad.stderr
+    elastic = run_hvdrun("-np", "2", "--min-np", "1", "--max-np", "2", "--report", "r.html", "true")
+    assert elastic.returncode == 2 and "an elastic job" in elastic.stderr and not (tmp_path / "r.html").exists()
 
 
 def test_a_job_that_cannot_reach_a_host_still_gets_its_report(run_hvdrun, tmp_path):
