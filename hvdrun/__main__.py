@@ -2,9 +2,8 @@
 
 from hvdrun.interrupts import exit_if_interrupted, own_signals
 
-own_signals()  # before click and the rest are imported: a signal during start-up ends hvdrun with one line
-
-with exit_if_interrupted():
+with exit_if_interrupted():  # from before the signals are hvdrun's: a signal during start-up ends it with one line
+    own_signals()  # before click and the rest are imported
     from hvdrun.cli import main
 
-main()
+    main()

@@ -126,7 +126,7 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
                           console=console, timestamp=options.prefix_timestamp, console_ranks=plan.console_ranks)
     launcher = make_launcher(plan)
     secret, job_id = secrets.token_hex(32), secrets.token_hex(4)
-    observation = Observation(plan, job_id, router, _console_writer(console), attempt)
+    observation = Observation(plan, job_id, router, _console_writer(console), attempt, run_id)
     write = observation.write
     try:
         with observed(observation):

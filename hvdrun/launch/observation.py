@@ -10,12 +10,14 @@ ends (a host that cannot be reached included).
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hvdrun.envvars import CPU_BIND, OMP_NUM_THREADS, Rendezvous
 from hvdrun.errors import HvdrunError, JobInterrupted
+from hvdrun.interrupts import signal_number
 from hvdrun.launch.base import WorkerSpec
 
 if TYPE_CHECKING:
@@ -34,14 +36,16 @@ class Observation:
 
     Args:
         plan: the attempt's plan (its options say what to watch).
-        job_id: the job's id (a label of every metric).
+        job_id: the attempt's id (names the report).
+        run_id: the job's id across restarts (the ``job`` label of every metric).
         router: the ranks' output (it notes when each rank entered ``init()`` and joined).
         write: where hvdrun's own reports go.
     """
 
     def __init__(self, plan: JobPlan, job_id: str, router: OutputRouter, write: Callable[[str], None],
-                 attempt: int = 0) -> None:
+                 attempt: int = 0, run_id: str = "") -> None:
         self.plan, self.job_id, self.router, self.attempt = plan, job_id, router, attempt
+        self.run_id = run_id or job_id
         self.started, self.spawned = time.time(), 0.0
         self.reached: dict[str, float] = {}  # host -> when the launcher reached it (SSH)
         self.stacks: str | None = None
@@ -72,7 +76,7 @@ class Observation:
 
         self._sampler = VitalsSampler(rendezvous.addr, rendezvous.port, rendezvous.secret,
                                       self.plan.options.metrics_interval_s or DEFAULT_INTERVAL_S, self.sinks,
-                                      self.history)
+                                      self.history, self.write)
         self._sampler.start()
 
     def stop_sampling(self) -> None:
@@ -107,22 +111,25 @@ def observed(observation: Observation) -> Iterator[None]:
         except HvdrunError as e:  # a failed rank, a host that cannot run ranks
             outcome, summary, code = "failed", str(e), e.exit_code
             raise
-        except BaseException as e:  # Ctrl-C while reaching the hosts, and what hvdrun did not foresee
-            outcome, summary, code = "stopped", f"{type(e).__name__}: {e}".rstrip(": "), 1
+        except KeyboardInterrupt as e:  # a stop signal while reaching the hosts (job.py says the same)
+            signum = signal_number(e)
+            outcome, summary, code = "stopped", f"received {signal.Signals(signum).name} while reaching the hosts; " \
+                "nothing was started", 128 + signum
+            raise
+        except BaseException as e:  # what hvdrun did not foresee
+            outcome, summary, code = "failed", f"{type(e).__name__}: {e}", 1
             raise
         finally:
             observation.stop_sampling()
             if report:
-                record = _record(observation)
-                record.outcome, record.summary, record.exit_code, record.ended = outcome, summary, code, time.time()
-                _write_report(report, record, observation.write)
+                _write_report(report, observation, (outcome, summary, code))
 
 
 def _open_sinks(observation: Observation, stack: contextlib.ExitStack) -> list[Sink]:
     """The metrics sinks the plan asks for, closed with ``stack``."""
     from hvdrun.observe.metrics import JsonLinesFile, MetricsServer, parse_address
 
-    options, job_id, warn = observation.plan.options, observation.job_id, observation.write
+    options, job_id, warn = observation.plan.options, observation.run_id, observation.write
     sinks: list[Sink] = []
     if options.metrics_port:
         addr, port = parse_address(options.metrics_port)
@@ -165,12 +172,19 @@ def _binding(slot: Slot, env: Mapping[str, str]) -> Binding:
     return Binding(slot.rank, slot.hostname, slot.local_rank, ",".join(slot.visible_devices or slot.devices), cpus)
 
 
-def _write_report(path: str, record: JobRecord, write: Callable[[str], None]) -> None:
+def _write_report(path: str, observation: Observation, ending: tuple[str, str, int]) -> None:
+    """Write the report of the attempt that ended as ``ending`` (outcome, summary, exit code); a report that cannot
+    be written is a warning, never an error that would hide the job's own."""
     from hvdrun.observe.report import write_report
 
     try:
+        record = _record(observation)
+        (record.outcome, record.summary, record.exit_code), record.ended = ending, time.time()
         write_report(path, record)
     except OSError as e:
-        write(f"hvdrun: warning: cannot write the report {path}: {e.strerror or e}\n")
+        observation.write(f"hvdrun: warning: cannot write the report {path}: {e.strerror or e}\n")
         return
-    write(f"hvdrun: report of job {record.job_id}: {path}\n")
+    except Exception as e:  # noqa: BLE001 - the job's outcome, not the report's failure, is hvdrun's error
+        observation.write(f"hvdrun: warning: the report {path} failed ({type(e).__name__}: {e})\n")
+        return
+    observation.write(f"hvdrun: report of job {observation.job_id}: {path}\n")

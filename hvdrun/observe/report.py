@@ -4,7 +4,9 @@ succeeded, failed or was stopped.
 It holds the command, the hosts, ranks and bindings; each host's start-up phases (connect, stage, spawn, import,
 rendezvous); every rank's (or, past 64 ranks, every host's) collectives per second and wait share over the job,
 as plots (:mod:`hvdrun.observe.charts`); the straggler table; the failure summary and the last stacks report.
-No script is needed to read it, nothing is fetched: it opens on a login node's browser or copied home.
+Nothing is fetched and no script is needed to read it (one small script only marks how many plots were drawn, for
+a headless browser's check): it opens on a login node's browser or copied home. It shows the command line as
+given, arguments included.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ class History:
             for row in rows:
                 _append(self.ranks.setdefault(row.rank, []), (sample.time, row.collectives_per_s, row.wait_share))
         for host in fold_hosts(rows):
-            _append(self.hosts.setdefault(host.host, []), (sample.time, host.collectives_per_s, host.wait_share))
+            _append(self.hosts.setdefault(host.host, []),
+                    (sample.time, host.collectives_per_s_per_rank, host.mean_wait_share))
 
 
 def _append(series: list[tuple[float, float, float]], point: tuple[float, float, float]) -> None:
@@ -59,9 +60,10 @@ class VitalsSampler:
     """
 
     def __init__(self, addr: str, port: int, secret: str, interval_s: float, sinks: Sequence[Sink],
-                 history: History | None = None) -> None:
+                 history: History | None = None, warn: Callable[[str], None] = lambda text: None) -> None:
         self._target = (addr, port, secret)
         self._interval_s, self._sinks, self.history = interval_s, list(sinks), history
+        self._warn, self._warned = warn, False
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hvdrun-vitals", daemon=True)
 
@@ -79,13 +81,24 @@ class VitalsSampler:
         before: Sample | None = None
         while not self._stopped.wait(self._interval_s if before else min(self._interval_s, 1.0)):
             try:
-                after = take_sample(*self._target)
+                before = self._sample(before)
             except (OSError, ValueError, EOFError, RendezvousError):
-                continue
-            if after.ranks and before is not None:
-                rows = rates(before, after)
-                for sink in self._sinks:
-                    sink(after, rows)
-                if self.history is not None:
-                    self.history.add(after, rows)
-            before = after if after.ranks else before
+                continue  # rank 0 not there (yet, or any more)
+            except Exception as e:  # noqa: BLE001 - an odd answer or a sink's failure: say it once, go on
+                if not self._warned:
+                    self._warned = True
+                    self._warn(f"hvdrun: warning: a sample of the ranks' vitals failed ({type(e).__name__}: {e}); "
+                               "the job goes on\n")
+
+    def _sample(self, before: Sample | None) -> Sample | None:
+        """Take one sample; hand its rates to the sinks and the history; the sample the next rates start from."""
+        after = take_sample(*self._target)
+        if not after.ranks:
+            return before
+        if before is not None:
+            rows = rates(before, after)
+            for sink in self._sinks:
+                sink(after, rows)
+            if self.history is not None:
+                self.history.add(after, rows)
+        return after

@@ -55,9 +55,9 @@ def render(shown: dict[str, Any]) -> str:
 
 def _host_line(host: HostRates) -> str:
     mark = f"  {STRAGGLER_MARK} (rank {','.join(map(str, host.stragglers))})" if host.stragglers else ""
-    return (f"{host.host[:24]:<24} {len(host.ranks):>5} {host.collectives_per_s:>8.1f} {host.bytes_per_s / 1e6:>9.2f} "
-            f"{host.wait_share:>5.0%} {host.max_wait_share:>5.0%} {host.steps_per_s:>7.2f} {host.rss / 1e6:>8.0f} "
-            f"{_mb(host.gpu_bytes):>8}{mark}")
+    return (f"{host.host[:24]:<24} {len(host.ranks):>5} {host.collectives_per_s_per_rank:>8.1f} "
+            f"{host.bytes_per_s / 1e6:>9.2f} {host.mean_wait_share:>5.0%} {host.max_wait_share:>5.0%} "
+            f"{host.steps_per_s_per_rank:>7.2f} {host.rss / 1e6:>8.0f} {_mb(host.gpu_bytes):>8}{mark}")
 
 
 def _rank_line(rank: RankRates) -> str:

@@ -75,15 +75,16 @@ class RankRates:
 
 @dataclass(frozen=True)
 class HostRates:
-    """A host's ranks folded: rates per rank averaged, bytes and memory summed, the worst wait share."""
+    """A host's ranks folded: collectives and steps per second and the wait share of its ranks on average (and the
+    worst wait share), its bytes per second and memory summed."""
 
     host: str
     ranks: list[int]
-    collectives_per_s: float
+    collectives_per_s_per_rank: float
     bytes_per_s: float
-    wait_share: float
+    mean_wait_share: float
     max_wait_share: float
-    steps_per_s: float
+    steps_per_s_per_rank: float
     rss: int
     gpu_bytes: int | None
     stragglers: list[int] = field(default_factory=list)

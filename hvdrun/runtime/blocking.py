@@ -8,7 +8,6 @@ runtime (``hvdrun.torch``) calls this one function and never chooses between the
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,5 +40,8 @@ def allreduce_unqueued(engine: Engine, buffer: Any, name: str, op: int, prescale
         return True
     if express_request is None or not engine.express:
         return False
-    started = time.perf_counter()
-    return engine.express_allreduce(express_request(buffer, name, op, prescale, postscale), buffer, started)
+    waiting = engine.recorder.wait_begins()
+    try:
+        return engine.express_allreduce(express_request(buffer, name, op, prescale, postscale), buffer)
+    finally:
+        engine.recorder.wait_ends(waiting)

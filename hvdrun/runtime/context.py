@@ -8,7 +8,6 @@ import math
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -96,7 +95,7 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
     local_size = None if is_elastic(environ) else _local_size(environ)  # elastic: a host's ranks change
     rendezvous = Rendezvous(launch.rank, launch.size, launch.rendezvous_addr, launch.rendezvous_port,
                             launch.secret.encode(), abort, generation, local_size)
-    rendezvous.set_reporter(functools.partial(_report, launch, None, time.time()))  # until the engine runs
+    rendezvous.set_reporter(functools.partial(_report, launch, None))  # until the engine runs
     try:
         if name == "gloo":
             from hvdrun.runtime.backends.torchdist import TorchBackend
@@ -208,7 +207,6 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
             sys.excepthook = usage_error_hook(sys.excepthook)
             _usage_hook_installed = True
         environ = os.environ if environ is None else environ
-        started_s = time.time()
         _tell_launcher(environ, envvars.INIT_MARKER)
         launch = envvars.read_launch_info(environ)
         generation, assignment = _generation, None
@@ -233,7 +231,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
                         device=device, **tuning)
         _runtime = Runtime(launch, backend, engine, rendezvous, device, assignment=assignment)
         if rendezvous is not None:
-            _answer_reports(rendezvous, engine, launch, started_s)
+            _answer_reports(rendezvous, engine, launch)
         if assignment is not None and environ is os.environ:  # scripts that read RANK etc. see this round's
             os.environ.update(envvars.topology_env(backend.world))
         _start_configured_timeline(_runtime, environ)
@@ -244,19 +242,18 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
         return _runtime
 
 
-def _report(launch: envvars.LaunchInfo, engine: Engine | None, started_s: float, what: str) -> dict[str, Any]:
+def _report(launch: envvars.LaunchInfo, engine: Engine | None, what: str) -> dict[str, Any]:
     """This rank's answer to a report request: its stacks and flight recorder, or its vitals."""
     if what == VITALS:
-        return rank_vitals(launch.rank, launch.hostname, engine.recorder if engine else None,
-                           engine.stragglers if engine else None, started_s)
+        return rank_vitals(launch.rank, launch.hostname, engine.world.local_rank if engine else 0,
+                           engine.recorder if engine else None, engine.stragglers if engine else None)
     return rank_report(launch.rank, launch.hostname, engine.recorder if engine else None)
 
 
-def _answer_reports(rendezvous: Rendezvous, engine: Engine, launch: envvars.LaunchInfo, started_s: float) -> None:
-    """This rank answers report requests with its stacks and flight recorder, or its vitals (``started_s``: when
-    its ``init()`` began); rank 0 also prints every rank's report when the stall check warns or fails
-    (:mod:`hvdrun.runtime.forensics`)."""
-    rendezvous.set_reporter(functools.partial(_report, launch, engine, started_s))
+def _answer_reports(rendezvous: Rendezvous, engine: Engine, launch: envvars.LaunchInfo) -> None:
+    """This rank answers report requests with its stacks and flight recorder, or its vitals; rank 0 also prints
+    every rank's report when the stall check warns or fails (:mod:`hvdrun.runtime.forensics`)."""
+    rendezvous.set_reporter(functools.partial(_report, launch, engine))
     if launch.rank != 0:
         return
 

@@ -174,13 +174,13 @@ class Engine:
     def drive_until(self, handle: Handle, timeout_s: float | None) -> None:
         """Run cycles on the caller's thread until ``handle`` is done (:meth:`Handle.wait` calls it); the time it
         takes counts as this rank's wait (``hvdrun top``)."""
-        started = time.perf_counter()
+        waiting = self.recorder.wait_begins()
         try:
             self._loop.drive_until(handle, timeout_s)
         finally:
-            self.recorder.waited(time.perf_counter() - started)
+            self.recorder.wait_ends(waiting)
 
-    def express_allreduce(self, request: Request, array: np.ndarray, started: float | None = None) -> bool:
+    def express_allreduce(self, request: Request, array: np.ndarray) -> bool:
         """A blocking allreduce of a rank with nothing else in flight, as one cycle on the caller's thread without
         the queue, the handle, the progress loop and the table (about half of a small op's Python across hosts).
 
@@ -188,8 +188,7 @@ class Engine:
         when every rank announced it alone the op runs at once, into ``array`` (True). Otherwise the op joins the
         ledger and the cycles that follow finish it, with every check of the usual path (mismatch, stall,
         deadlock). False: not taken (something else in flight on this rank, another thread driving, the name in
-        flight); the caller takes the usual path. ``started``: when the caller began to wait (``perf_counter``),
-        so that the op's time counts as this rank's wait.
+        flight); the caller takes the usual path. The caller's thread waits all along (this rank's wait).
         """
         if not self.express or not self.quiet():
             return False
@@ -212,8 +211,6 @@ class Engine:
                 flight.land()
                 self.ledger.release_name(name)
                 self.express_used += 1
-                if started is not None:
-                    self.recorder.waited(time.perf_counter() - started)
                 return True
             op = self.ledger.adopt(request, array, payload)
             op.handle.flight = flight
@@ -223,8 +220,6 @@ class Engine:
                 self._fail_from(e)
         finally:
             self._loop.stop_driving()  # as after drive_until: the background thread stands down a while
-        if started is not None:
-            self.recorder.waited(time.perf_counter() - started)  # the wait that follows counts itself
         op.handle.wait()
         return True
 

@@ -52,8 +52,9 @@ class FlightRecorder:
         self._seq = 0
         self._lock = threading.Lock()
         self.bytes = 0  # of every collective submitted
-        self.waited_s = 0.0  # time the program's threads spent blocked waiting for collectives
         self.steps = 0  # optimizer steps (``hvdrun.torch`` counts them)
+        self._waited_s = 0.0  # time the program's threads spent blocked waiting for collectives, waits that ended
+        self._waits: dict[int, list[float]] = {}  # thread -> [when its wait began (wall clock), nesting depth]
 
     @property
     def count(self) -> int:
@@ -69,9 +70,35 @@ class FlightRecorder:
             self._flights.append(flight)
         return flight
 
-    def waited(self, seconds: float) -> None:
-        """A thread of the program was blocked ``seconds`` waiting for a collective (unlocked: a statistic)."""
-        self.waited_s += seconds
+    def wait_begins(self, at: float | None = None) -> int:
+        """The calling thread blocks until a collective finishes (from ``at``, wall clock, default now); returns
+        the token for :meth:`wait_ends`. A wait inside a wait of the same thread counts once."""
+        thread = threading.get_ident()
+        with self._lock:
+            began = self._waits.get(thread)
+            if began is None:
+                self._waits[thread] = [time.time() if at is None else at, 1]
+            else:
+                began[1] += 1
+        return thread
+
+    def wait_ends(self, thread: int, at: float | None = None) -> None:
+        """The wait that :meth:`wait_begins` returned ``thread`` for ended (at ``at``, default now)."""
+        with self._lock:
+            began = self._waits.get(thread)
+            if began is None:
+                return
+            began[1] -= 1
+            if began[1] == 0:
+                del self._waits[thread]
+                self._waited_s += max((time.time() if at is None else at) - began[0], 0.0)
+
+    def waited_s(self) -> float:
+        """Seconds the program's threads spent blocked waiting for collectives, the waits in progress included
+        (a rank stuck in a collective shows as waiting, not as idle)."""
+        now = time.time()
+        with self._lock:
+            return self._waited_s + sum(max(now - began, 0.0) for began, _ in self._waits.values())
 
     def scrub(self, flight: Flight) -> None:
         """Forget ``flight`` (a fast-lane attempt that fell back to the engine, which records it again), wherever

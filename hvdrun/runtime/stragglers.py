@@ -72,6 +72,7 @@ class StragglerWatch:
         self._window: deque[Arrival] = deque(maxlen=window)
         self._named: dict[str, float] = {}  # who was named last, and when
         self.said: deque[tuple[float, str]] = deque(maxlen=NAMED_KEPT)  # the lines said (wall clock, line)
+        self.flagged: tuple[int, ...] = ()  # the ranks of the latest judgement's verdict (the live view's marks)
         self._judged = -JUDGE_S
 
     def observe(self, late: Iterable[Mapping[int, float]], even: int = 0, now: float | None = None) -> None:
@@ -88,14 +89,20 @@ class StragglerWatch:
                 window.append(arrival(times, now))
         if now - self._judged >= JUDGE_S and len(window) >= MIN_COLLECTIVES:
             self._judged = now
-            line = self.verdict()
-            if line is not None:
-                self._name(line, now)
+            found = self._judge()
+            self.flagged = found[1] if found else ()
+            if found is not None:
+                self._name(found[0], now)
 
     def verdict(self) -> str | None:
         """The line that names the straggler of the window, or None when there is none: a rank that stands out
         (among the last far more often than any other), else a host whose ranks come last (by turns, or
         together)."""
+        found = self._judge()
+        return found[0] if found else None
+
+    def _judge(self) -> tuple[str, tuple[int, ...]] | None:
+        """The verdict's line and the ranks it names (a rank, or every rank of a host), or None."""
         window = list(self._window)
         for who, found in (("rank", _distinct_rank(window)), ("host", _most_often_last(window, self._by_host))):
             if found is None:
@@ -103,27 +110,23 @@ class StragglerWatch:
             key, late = found
             line = self._line(who, key, late, window)
             if line is not None:
-                return line
+                named = (int(key),) if who == "rank" else tuple(r for r, h in enumerate(self.hostnames) if h == key)
+                return line, named
         return None
 
     def scores(self) -> dict[str, Any]:
         """The window as numbers, for the live view: for each rank that came last at least once, the share of the
-        window's collectives it came last in, its mean lag after the median (seconds) and whether both pass the
-        verdict's bounds; the window's length; the lines said so far (``[wall clock, line]``, the latest last)."""
-        try:
-            window = list(self._window)  # the engine's thread appends meanwhile
-        except RuntimeError:
-            window = []
+        window's collectives it was among the last in, its mean lag after the median (seconds) and whether the
+        latest judgement's verdict names it (or its host); the window's length; the lines said so far
+        (``[wall clock, line]``, the latest last). Read on another thread than the engine's, which appends."""
+        window, said, flagged = list(self._window), list(self.said), set(self.flagged)
         lags: dict[int, list[float]] = {}
         for item in window:
             for rank in item.last:
                 lags.setdefault(rank, []).append(item.lag_s)
-        enough = len(window) >= MIN_COLLECTIVES
-        ranks = {}
-        for rank, lag in lags.items():
-            share, mean_lag = len(lag) / len(window), statistics.fmean(lag)
-            ranks[rank] = [share, mean_lag, enough and share >= LAST_SHARE and mean_lag >= MIN_LAG_S]
-        return {"window": len(window), "said": [list(entry) for entry in self.said], "ranks": ranks}
+        ranks = {rank: [len(lag) / len(window), statistics.fmean(lag), rank in flagged] for rank, lag in lags.items()}
+        ranks.update({rank: [0.0, 0.0, True] for rank in flagged - set(ranks)})  # a named host's punctual ranks
+        return {"window": len(window), "said": [list(entry) for entry in said], "ranks": ranks}
 
     def _by_host(self, last: tuple[int, ...]) -> str | None:
         hosts = {self.hostnames[rank] for rank in last}

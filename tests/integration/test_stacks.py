@@ -66,6 +66,8 @@ def assert_top(kind: str, env: dict[str, str]) -> None:
     assert view["size"] == 4 and sorted(ranks) == [0, 1, 2, 3] and view["absent"] == {}, view
     assert all(ranks[r]["current"].startswith("allreduce 'grad.fc2' (") for r in (0, 1, 3)), ranks
     assert ranks[2]["current"] is None and all(row["collectives"] >= 3 and row["rss"] > 0 for row in ranks.values())
+    # a rank blocked in a collective waits all along (its wait counted while in progress); rank 2 does not wait
+    assert all(ranks[r]["wait_share"] > 0.9 for r in (0, 1, 3)) and ranks[2]["wait_share"] < 0.1, ranks
     assert len(view["hosts"]) == (2 if kind == "ssh" else 1), view["hosts"]
     assert sorted(r for host in view["hosts"] for r in host["ranks"]) == [0, 1, 2, 3]
 

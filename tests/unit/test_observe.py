@@ -5,6 +5,7 @@ Prometheus' own parser reads it, and optimizer steps counted once each."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from hvdrun.observe.top import STRAGGLER_MARK, view
 from hvdrun.observe.top import render as render_top
 from hvdrun.observe.vitals import Sample, fold_hosts, rates, worst
 from hvdrun.runtime import context
+from hvdrun.runtime.forensics import FlightRecorder
 
 
 def vitals(rank: int, at: float, collectives: int, waited: float, steps: int, host: str = "n0") -> dict:
@@ -65,7 +67,8 @@ def test_a_large_job_is_folded_into_hosts_and_its_worst_ranks():
     hosts = fold_hosts(rows)
     assert [h.host for h in hosts] == ["x3000c0s0b0n0", "x3000c0s1b0n0"] and hosts[1].stragglers == [13]
     assert hosts[0].ranks == list(range(12)) and hosts[0].bytes_per_s == 12 * 50_000
-    assert hosts[1].wait_share == pytest.approx((11 * 0.6 + 0.1) / 12) and hosts[1].max_wait_share == 0.6
+    assert hosts[1].mean_wait_share == pytest.approx((11 * 0.6 + 0.1) / 12) and hosts[1].max_wait_share == 0.6
+    assert hosts[1].collectives_per_s_per_rank == 50 and hosts[1].steps_per_s_per_rank == 20
     shown = view("abcd", before, after)
     assert shown["folded"] and len(shown["ranks"]) == 10 and shown["ranks"][0]["rank"] == 13
     text = render_top(shown)
@@ -182,3 +185,17 @@ def test_an_optimizer_step_counts_once_wrapped_or_not_and_after_a_step_that_rais
     assert recorder.steps == 3
     wrapped.step()
     assert recorder.steps == 4
+
+
+def test_a_wait_in_progress_counts_and_a_wait_inside_a_wait_counts_once():
+    recorder = FlightRecorder()
+    outer = recorder.wait_begins(at=time.time() - 2.0)  # a thread blocked for 2 s already: not idle
+    assert 1.9 < recorder.waited_s() < 3.0
+    inner = recorder.wait_begins()  # the same thread drives the op it waits for
+    recorder.wait_ends(inner)
+    assert 1.9 < recorder.waited_s()
+    recorder.wait_ends(outer, at=time.time())
+    done = recorder.waited_s()
+    assert 1.9 < done < 3.0 and recorder.waited_s() == done  # ended: no longer grows
+    recorder.wait_ends(recorder.wait_begins(at=time.time() + 5.0))  # a clock that stepped back: never negative
+    assert recorder.waited_s() == done

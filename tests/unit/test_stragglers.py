@@ -60,6 +60,9 @@ def test_the_late_ranks_of_one_host_name_the_host():
     for i in range(MIN_COLLECTIVES + 5):
         step(w, clock, {2 + i % 2: 0.030, 3 - i % 2: 0.020}, period=0.010)  # rank 2 or 3 last, by turns
     assert len(said) == 1 and said[0].startswith("hvdrun: straggler: host b (its ranks) arrived last at 100%"), said
+    scores = w.scores()  # the live view marks every rank of the host named, as the line names it
+    assert w.flagged == (2, 3) and [rank for rank, (_, _, flag) in scores["ranks"].items() if flag] == [2, 3]
+    assert scores["said"][0][1] == said[0]
 
 
 def test_an_even_job_with_jitter_a_warm_up_and_a_checkpoint_names_no_one():

@@ -110,6 +110,7 @@ def try_allreduce(host: LaneHost, array: np.ndarray, name: str, op: int, prescal
         return False
     cycles = host.cycles
     flight = host.recorder.take_off(name, "allreduce", array.nbytes)
+    waiting = host.recorder.wait_begins(flight.started)  # the flight's own times: no clock read for the wait
     done = False
     try:
         done = lane.allreduce(array, name, op, float(prescale), float(postscale), lambda: host.cycles != cycles)
@@ -122,6 +123,7 @@ def try_allreduce(host: LaneHost, array: np.ndarray, name: str, op: int, prescal
         lane.leave()
         if done:
             flight.land()
-            host.recorder.waited_s += flight.ended - flight.started  # the caller waited all along (no clock read)
+            host.recorder.wait_ends(waiting, flight.ended)
         else:
+            host.recorder.wait_ends(waiting)
             host.recorder.scrub(flight)  # the engine's path takes the op and records it itself

@@ -9,7 +9,7 @@ from dataclasses import astuple
 from typing import Any
 
 from hvdrun.errors import RendezvousError
-from hvdrun.protocol.inspection import SIGNAL, STACKS
+from hvdrun.protocol.inspection import SIGNAL
 from hvdrun.protocol.wire import AuthError, authenticate_server, recv_frame, send_frame
 from hvdrun.runtime.peers import Peer, PeerTable
 from hvdrun.runtime.rendezvous.common import (
@@ -18,6 +18,7 @@ from hvdrun.runtime.rendezvous.common import (
     Reporter,
     Upstream,
     report_or_none,
+    report_request,
     signal_self,
 )
 from hvdrun.runtime.transport.base import AbortFlag
@@ -130,8 +131,8 @@ class Client:
                     signal_self(message[1])
                     continue
                 if kind == "report?":
-                    what = message[3] if len(message) > 3 else STACKS
-                    self.send(("report", message[1], report_or_none(self.reporter, what) or {}))
+                    request, _, what = report_request(message)
+                    self.send(("report", request, report_or_none(self.reporter, what) or {}))
                 elif kind == "go":
                     self.barriers.release(message[1])
         except (OSError, ConnectionError, EOFError, ValueError, IndexError, TypeError):

@@ -16,7 +16,7 @@ from typing import Any
 
 from hvdrun import envvars
 from hvdrun.errors import RendezvousError
-from hvdrun.protocol.inspection import STACKS
+from hvdrun.protocol.inspection import REPORT_TIMEOUT_S, STACKS
 from hvdrun.protocol.sockets import MIN_BACKLOG, listen
 from hvdrun.runtime.transport.base import AbortFlag
 
@@ -40,6 +40,13 @@ def listener_for(addr: str, port: int, size: int) -> socket.socket:
     else:
         sock.listen(max(size, MIN_BACKLOG))  # a larger job than last time: room for all its ranks at once
     return sock
+
+
+def report_request(message: tuple[Any, ...]) -> tuple[int, float, str]:
+    """A ``("report?", request, timeout_s, what)`` message's request number, how long its asker waits, and what it
+    asks for (older peers send neither of the last two: stacks, within :data:`REPORT_TIMEOUT_S`)."""
+    timeout_s = float(message[2]) if len(message) > 2 else REPORT_TIMEOUT_S
+    return int(message[1]), timeout_s, str(message[3]) if len(message) > 3 else STACKS
 
 
 def report_or_none(reporter: Reporter | None, what: str = STACKS) -> dict[str, Any] | None:

@@ -22,7 +22,7 @@ from dataclasses import astuple
 from typing import Any
 
 from hvdrun.errors import RendezvousError
-from hvdrun.protocol.inspection import REPORT_TIMEOUT_S, SIGNAL, STACKS
+from hvdrun.protocol.inspection import SIGNAL
 from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
 from hvdrun.runtime.peers import Peer, PeerTable
 from hvdrun.runtime.readiness import readable
@@ -32,6 +32,7 @@ from hvdrun.runtime.rendezvous.common import (
     Barriers,
     Reporter,
     report_or_none,
+    report_request,
     same_user,
     signal_self,
 )
@@ -214,8 +215,7 @@ class HostLeader:
             self._to_locals(message)
             signal_self(message[1])
         elif kind == "report?":
-            self._ask_reports(int(message[1]), float(message[2]) if len(message) > 2 else REPORT_TIMEOUT_S,
-                              message[3] if len(message) > 3 else STACKS)
+            self._ask_reports(*report_request(message))
         elif kind == "go":
             self._to_locals(message)
             self.barriers.release(message[1])
