@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+from threading import get_ident
 from typing import Any
 
 from hvdrun.protocol.inspection import PACKAGE_DIR
@@ -54,7 +55,7 @@ class FlightRecorder:
         self.bytes = 0  # of every collective submitted
         self.steps = 0  # optimizer steps (``hvdrun.torch`` counts them)
         self._waited_s = 0.0  # time the program's threads spent blocked waiting for collectives, waits that ended
-        self._waits: dict[int, list[float]] = {}  # thread -> [when its wait began (wall clock), nesting depth]
+        self._waits: dict[int, float] = {}  # thread -> when its wait (the outermost) began, wall clock
 
     @property
     def count(self) -> int:
@@ -72,33 +73,36 @@ class FlightRecorder:
 
     def wait_begins(self, at: float | None = None) -> int:
         """The calling thread blocks until a collective finishes (from ``at``, wall clock, default now); returns
-        the token for :meth:`wait_ends`. A wait inside a wait of the same thread counts once."""
-        thread = threading.get_ident()
-        with self._lock:
-            began = self._waits.get(thread)
-            if began is None:
-                self._waits[thread] = [time.time() if at is None else at, 1]
-            else:
-                began[1] += 1
+        the token for :meth:`wait_ends` (0 for a wait inside a wait of the same thread: it counts once). No lock:
+        each thread touches its own entry (a dict's item operations are atomic), and the sum is a statistic."""
+        thread = get_ident()
+        waits = self._waits
+        if thread in waits:
+            return 0
+        waits[thread] = time.time() if at is None else at
         return thread
 
     def wait_ends(self, thread: int, at: float | None = None) -> None:
         """The wait that :meth:`wait_begins` returned ``thread`` for ended (at ``at``, default now)."""
-        with self._lock:
-            began = self._waits.get(thread)
-            if began is None:
-                return
-            began[1] -= 1
-            if began[1] == 0:
-                del self._waits[thread]
-                self._waited_s += max((time.time() if at is None else at) - began[0], 0.0)
+        if thread:
+            waits = self._waits
+            elapsed = (time.time() if at is None else at) - waits[thread]
+            if elapsed > 0:  # a clock stepped back: nothing
+                self._waited_s += elapsed
+            del waits[thread]  # after the sum: a reader in between counts it twice, never not at all
+
+    def waited(self, seconds: float) -> None:
+        """A wait of ``seconds`` that ended, not registered while in progress (the fast lane's: a few microseconds
+        unless a peer is late, and the lane withdraws within milliseconds then)."""
+        if seconds > 0:
+            self._waited_s += seconds
 
     def waited_s(self) -> float:
         """Seconds the program's threads spent blocked waiting for collectives, the waits in progress included
         (a rank stuck in a collective shows as waiting, not as idle)."""
         now = time.time()
-        with self._lock:
-            return self._waited_s + sum(max(now - began, 0.0) for began, _ in self._waits.values())
+        in_progress = list(self._waits.values())
+        return self._waited_s + sum(max(now - began, 0.0) for began in in_progress)
 
     def scrub(self, flight: Flight) -> None:
         """Forget ``flight`` (a fast-lane attempt that fell back to the engine, which records it again), wherever

@@ -110,7 +110,6 @@ def try_allreduce(host: LaneHost, array: np.ndarray, name: str, op: int, prescal
         return False
     cycles = host.cycles
     flight = host.recorder.take_off(name, "allreduce", array.nbytes)
-    waiting = host.recorder.wait_begins(flight.started)  # the flight's own times: no clock read for the wait
     done = False
     try:
         done = lane.allreduce(array, name, op, float(prescale), float(postscale), lambda: host.cycles != cycles)
@@ -123,7 +122,6 @@ def try_allreduce(host: LaneHost, array: np.ndarray, name: str, op: int, prescal
         lane.leave()
         if done:
             flight.land()
-            host.recorder.wait_ends(waiting, flight.ended)
+            host.recorder.waited(flight.ended - flight.started)  # the caller waited all along; no clock read
         else:
-            host.recorder.wait_ends(waiting)
             host.recorder.scrub(flight)  # the engine's path takes the op and records it itself
