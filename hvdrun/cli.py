@@ -91,7 +91,8 @@ class _DefaultRunGroup(click.Group):
         from hvdrun.envvars import HELP
 
         formatter.write_usage("hvdrun", "[RUN OPTIONS] COMMAND [ARGS]...")
-        formatter.write_usage("hvdrun", "check|bench|qsub|qstat|qdel|stacks|top|run [OPTIONS] [ARGS]...", prefix="   or: ")
+        formatter.write_usage("hvdrun", "check|bench|qsub|qstat|qdel|stacks|top|run [OPTIONS] [ARGS]...",
+                              prefix="   or: ")
         self.format_help_text(ctx, formatter)
         run_command = self.commands["run"]
         records = [r for p in run_command.get_params(ctx) if (r := p.get_help_record(ctx)) is not None]
