@@ -17,11 +17,11 @@ outlives the hosts' repair.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
+from hvdrun.atomic_files import write_text_atomically
 from hvdrun.errors import UsageError
 
 COMMENT = "#"
@@ -63,23 +63,11 @@ def write_excludes(path: str | os.PathLike[str], failed: Mapping[str, Sequence[s
     Raises:
         UsageError: ``path`` cannot be written (a directory, no permission, a parent that cannot be made).
     """
-    target = Path(path)
     text = exclude_text(failed, written_at or datetime.now(timezone.utc))
-    temp: str | None = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.chmod(temp, 0o644)  # mkstemp's 0600 would hide the list from the other users of the allocation
-        os.replace(temp, target)
-        temp = None
+    try:  # readable by the other users of the allocation, whatever this user's umask
+        return write_text_atomically(path, text, mode=0o644)
     except OSError as e:
         raise _unwritable(path, e) from e
-    finally:
-        if temp is not None:
-            Path(temp).unlink(missing_ok=True)  # the write or the rename failed
-    return target
 
 
 def describe_written(path: Path, hosts: Sequence[str], all_passed: bool) -> str:

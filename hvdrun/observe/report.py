@@ -12,12 +12,12 @@ given, arguments included.
 from __future__ import annotations
 
 import html
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hvdrun.atomic_files import write_text_atomically
 from hvdrun.observe.charts import line_chart, phase_bars
 from hvdrun.observe.sampler import History
 
@@ -88,16 +88,8 @@ class JobRecord:
 
 
 def write_report(path: str | Path, job: JobRecord) -> None:
-    """Write the report atomically (a reader never sees half a file)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")  # created under the user's umask
-    try:
-        temporary.write_text(render(job), encoding="utf-8")
-        os.replace(temporary, target)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    """Write the report atomically (a reader never sees half a file), under the user's umask."""
+    write_text_atomically(path, render(job))
 
 
 def render(job: JobRecord) -> str:

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hvdrun.atomic_files import write_text_atomically
+
 
 class Timeline:
     """Collects trace events in memory and writes them to ``path`` on :meth:`close`."""
@@ -60,7 +62,4 @@ class Timeline:
         """Write the trace (temp file, then rename)."""
         with self._lock:
             events = list(self._events)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temp = self.path.with_name(f".{self.path.name}.tmp")
-        temp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-        os.replace(temp, self.path)
+        write_text_atomically(self.path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
