@@ -18,6 +18,8 @@ import sys
 from collections.abc import Iterator
 from types import FrameType
 
+from hvdrun.errors import JobInterrupted
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 NOTED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
@@ -71,6 +73,13 @@ def _note_ignored(signum: int, _frame: FrameType | None) -> None:
         os.write(2, line.encode())  # one short line; a signal handler does no buffered I/O
     except OSError:
         pass
+
+
+def interrupted_before_ranks(error: BaseException) -> JobInterrupted:
+    """The error of a stop signal that came while hvdrun reached the hosts or staged, before any rank started."""
+    signum = signal_number(error)
+    return JobInterrupted(f"received {signal.Signals(signum).name} while reaching the hosts; nothing was started",
+                          128 + signum)
 
 
 @contextlib.contextmanager

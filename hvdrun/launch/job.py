@@ -10,7 +10,6 @@ import functools
 import glob
 import secrets
 import shlex
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -19,9 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from hvdrun.envvars import ELASTIC_ADDR, ELASTIC_PORT, Rendezvous, shm_files_glob
-from hvdrun.errors import JobInterrupted
 from hvdrun.hosts import Host
-from hvdrun.interrupts import signal_number
+from hvdrun.interrupts import interrupted_before_ranks
 from hvdrun.launch.base import Launcher, WorkerSpec
 from hvdrun.launch.elastic.driver import ElasticDriver
 from hvdrun.launch.observation import Observation, observed
@@ -143,9 +141,7 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
                             signal_ranks=functools.partial(signal_ranks, rendezvous),
                             forward_signals=plan.forward_signals).run(specs)
     except KeyboardInterrupt as e:  # reaching the hosts, staging: no rank was started
-        signum = signal_number(e)
-        raise JobInterrupted(f"received {signal.Signals(signum).name} while reaching the hosts; nothing was started",
-                             128 + signum) from None
+        raise interrupted_before_ranks(e) from None
     finally:
         launcher.close()
         remove_files(shm_files_glob(job_id))  # left by ranks killed during init() (their guards remove them too)

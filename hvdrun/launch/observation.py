@@ -10,14 +10,13 @@ ends (a host that cannot be reached included).
 from __future__ import annotations
 
 import contextlib
-import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hvdrun.envvars import CPU_BIND, OMP_NUM_THREADS, Rendezvous
 from hvdrun.errors import HvdrunError, JobInterrupted
-from hvdrun.interrupts import signal_number
+from hvdrun.interrupts import interrupted_before_ranks
 from hvdrun.launch.base import WorkerSpec
 
 if TYPE_CHECKING:
@@ -111,10 +110,9 @@ def observed(observation: Observation) -> Iterator[None]:
         except HvdrunError as e:  # a failed rank, a host that cannot run ranks
             outcome, summary, code = "failed", str(e), e.exit_code
             raise
-        except KeyboardInterrupt as e:  # a stop signal while reaching the hosts (job.py says the same)
-            signum = signal_number(e)
-            outcome, summary, code = "stopped", f"received {signal.Signals(signum).name} while reaching the hosts; " \
-                "nothing was started", 128 + signum
+        except KeyboardInterrupt as e:  # a stop signal while reaching the hosts (job.py raises the same error)
+            stopped = interrupted_before_ranks(e)
+            outcome, summary, code = "stopped", str(stopped), stopped.exit_code
             raise
         except BaseException as e:  # what hvdrun did not foresee
             outcome, summary, code = "failed", f"{type(e).__name__}: {e}", 1
