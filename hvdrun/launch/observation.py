@@ -18,6 +18,7 @@ from hvdrun.envvars import CPU_BIND, OMP_NUM_THREADS, Rendezvous
 from hvdrun.errors import HvdrunError, JobInterrupted
 from hvdrun.interrupts import interrupted_before_ranks
 from hvdrun.launch.base import WorkerSpec
+from hvdrun.protocol.inspection import STACKS_HEADER
 
 if TYPE_CHECKING:
     from hvdrun.launch.output import OutputRouter
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
     from hvdrun.observe.report import Binding, JobRecord
     from hvdrun.observe.sampler import History, Sink, VitalsSampler
     from hvdrun.ranks import Slot
-
-STACKS_HEADER = "hvdrun: stacks of "
 
 
 class Observation:

@@ -28,6 +28,7 @@ SIGNAL = "signal"  # an inspector's request: pass signal N to every rank's proce
 MOMENT_S = 0.5  # reports taken further apart than this may show ranks at different moments of the job
 REPORT_TIMEOUT_S = 3.0  # how long rank 0 waits for the ranks' reports (a rank stuck holding the GIL never answers)
 CONNECT_TIMEOUT_S = 5.0
+STACKS_HEADER = "hvdrun: stacks of "  # how the job's report begins (the job report keeps the last one printed)
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../hvdrun: frames inside it are ours
 
 
@@ -50,7 +51,7 @@ def format_reports(reports: list[dict[str, Any]], size: int, absent: dict[int, s
     """The job's report: the first divergence, then one entry per group of ranks with identical stacks and
     collectives, then the ranks that did not answer (``absent``: rank -> why)."""
     now = time.time() if now is None else now
-    lines = [f"hvdrun: stacks of {len(reports)} of {size} rank(s)"]
+    lines = [f"{STACKS_HEADER}{len(reports)} of {size} rank(s)"]
     divergence = first_divergence(reports, now)
     if divergence:
         lines.append(f"first divergence: {divergence}")
