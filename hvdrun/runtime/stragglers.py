@@ -70,7 +70,7 @@ class StragglerWatch:
         self._say = say or _to_stderr
         self._clock = clock
         self._window: deque[Arrival] = deque(maxlen=window)
-        self._named: dict[str, float] = {}  # who was named last, and when
+        self._named: dict[tuple[int, ...], float] = {}  # the ranks of each verdict said, and when
         self.said: deque[tuple[float, str]] = deque(maxlen=NAMED_KEPT)  # the lines said (wall clock, line)
         self.flagged: tuple[int, ...] = ()  # the ranks of the latest judgement's verdict (the live view's marks)
         self._judged = -JUDGE_S
@@ -92,7 +92,7 @@ class StragglerWatch:
             found = self._judge()
             self.flagged = found[1] if found else ()
             if found is not None:
-                self._name(found[0], now)
+                self._name(*found, now)
 
     def verdict(self) -> str | None:
         """The line that names the straggler of the window, or None when there is none: a rank that stands out
@@ -149,10 +149,9 @@ class StragglerWatch:
                 f"{len(window)} collectives, {lag * 1e3:.0f} ms after the median; the other {others} ranks spent "
                 f"{min(share, 1.0):.0%} of their time waiting for it")
 
-    def _name(self, line: str, now: float) -> None:
-        subject = line.split(" arrived ")[0]
-        if now - self._named.get(subject, -REPEAT_S) >= REPEAT_S:
-            self._named[subject] = now
+    def _name(self, line: str, named: tuple[int, ...], now: float) -> None:
+        if now - self._named.get(named, -REPEAT_S) >= REPEAT_S:
+            self._named[named] = now
             self.said.append((time.time(), line))
             self._say(line)
 
