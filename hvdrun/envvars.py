@@ -327,6 +327,9 @@ SSH_FANOUT = "HVDRUN_SSH_FANOUT"
 TASK = "HVDRUN_TASK"  # hvdrun.run(fn): the pickled call a rank runs (launch/remote/task.py)
 PRELOAD = "HVDRUN_PRELOAD"  # modules each host's fork server imports once, comma-separated (launch/remote/preload.py)
 PROC_ROOM = "HVDRUN_PROC_ROOM"  # blanks in the fork server's environment: room for a forked rank's (proctitle.py)
+# a zygote's Unix socket: it forks the local fork server instead of a new interpreter (launch/remote/zygote.py;
+# for test suites, never for a job a scheduler starts)
+FORK_SERVER_FROM = "HVDRUN_FORK_SERVER_FROM"
 
 # -- the worker side: who started us? -------------------------------------------------------
 

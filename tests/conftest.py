@@ -17,6 +17,7 @@ from typing import NoReturn
 import psutil
 import pytest
 
+from hvdrun.envvars import FORK_SERVER_FROM
 from tests import pbs_server as pbs
 from tests.zygote import ForkedRank, Zygote
 
@@ -85,9 +86,11 @@ def token() -> str:
 
 
 @pytest.fixture
-def hvdrun_env(token: str) -> dict[str, str]:
-    """Environment for an hvdrun process whose job can be traced by ``token``."""
-    return {**os.environ, TOKEN_VAR: token, "PYTHONUNBUFFERED": "1"}
+def hvdrun_env(token: str, zygote: Zygote) -> dict[str, str]:
+    """Environment for an hvdrun process whose job can be traced by ``token``. A local job's fork server is forked
+    by the ``zygote``, which already imported torch (``hvdrun/launch/remote/zygote.py``); a test of the fork
+    server's own start, or of a job a scheduler starts, removes ``HVDRUN_FORK_SERVER_FROM``."""
+    return {**os.environ, TOKEN_VAR: token, "PYTHONUNBUFFERED": "1", FORK_SERVER_FROM: str(zygote.path)}
 
 
 @pytest.fixture

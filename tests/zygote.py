@@ -185,7 +185,7 @@ def _pid_file(path: Path) -> Path:
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
-    header, fds, _, _ = socket.recv_fds(conn, _HEADER, 2)
+    header, fds, _, _ = socket.recv_fds(conn, _HEADER, 3)
     while len(header) < _HEADER:
         header += conn.recv(_HEADER - len(header))
     length, payload = int.from_bytes(header, "big"), b""
@@ -219,11 +219,46 @@ def _fork(request: dict, fds: list[int], imported_under: dict[str, str]) -> int 
     return preload.start(command, parsed, env, (), prepare).pid
 
 
+def _fork_server(request: dict, fds: list[int], imported_under: dict[str, str], keep: int) -> int:
+    """Fork a child that becomes a job's local fork server (``hvdrun/launch/remote/zygote.py``): in a session of
+    its own, with the launcher's environment, working directory, stdout and stderr, shown in /proc as ``python
+    forkserver.py FD``, its preload taken as this process's (with pytest's variables as the launcher's)."""
+    from hvdrun.launch.remote import forkserver, preload, proctitle
+
+    env = request["env"]
+    imported = {name: value for name, value in imported_under.items() if name not in _IGNORED}
+    imported.update({name: env[name] for name in _IGNORED if name in env})
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # the child: never returns
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sock, out, err = fds
+        null = os.open(os.devnull, os.O_RDONLY)
+        for fd, target in ((null, 0), (out, 1), (err, 2)):
+            os.dup2(fd, target)
+        os.closerange(3, sock)
+        os.closerange(sock + 1, keep)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(env)
+        preload.adopt(("numpy", "torch"), imported)
+        proctitle.show_as([sys.executable, forkserver.__file__, str(sock)], env)
+        forkserver.serve(sock)
+    finally:
+        os._exit(0)
+
+
 def _answer(conn: socket.socket, children: dict[int, socket.socket], imported_under: dict[str, str]) -> None:
     fds: list[int] = []
     try:
         request, fds = _receive(conn)
-        forked = _fork(request, fds, imported_under) if len(fds) == 2 else "no stdout and stderr"
+        if request.get("kind") == "forkserver":
+            forked = _fork_server(request, fds, imported_under, _open_limit()) if len(fds) == 3 else "bad fds"
+        else:
+            forked = _fork(request, fds, imported_under) if len(fds) == 2 else "no stdout and stderr"
     except (OSError, ValueError, KeyError, IndexError) as e:
         forked = f"bad request: {e}"
     finally:
@@ -238,6 +273,10 @@ def _answer(conn: socket.socket, children: dict[int, socket.socket], imported_un
             conn.close()
     except OSError:
         pass
+
+
+def _open_limit() -> int:
+    return os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 1 << 16
 
 
 def _reap(children: dict[int, socket.socket]) -> None:

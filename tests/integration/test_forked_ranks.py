@@ -10,9 +10,16 @@ import zipapp
 
 import pytest
 
+from hvdrun.envvars import FORK_SERVER_FROM
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def spawned_fork_server(hvdrun_env):
+    """These are tests of the fork server hvdrun spawns itself: a new interpreter that imports torch."""
+    hvdrun_env.pop(FORK_SERVER_FROM)
 
 WORKER = REPO / "tests" / "integration" / "workers" / "rank_facts.py"
 
@@ -28,22 +35,35 @@ def worker(tmp_path):
     return "rank_facts.py"
 
 
-def test_a_forked_rank_starts_and_ends_as_a_new_interpreter_would(run_hvdrun, worker):
+def test_a_forked_rank_starts_and_ends_as_a_new_interpreter_would(run_hvdrun, hvdrun_env, worker, zygote):
     runs = {choice: run_hvdrun("-np", "2", "--preload", choice, worker, "ok") for choice in ("auto", "none")}
+    hvdrun_env[FORK_SERVER_FROM] = str(zygote.path)  # the fork server forked by a process that imported torch
+    runs["zygote"] = run_hvdrun("-np", "2", worker, "ok")
     for choice, done in runs.items():
         assert done.returncode == 0, done.stderr
         for rank in (0, 1):
             lines = [line for line in done.stdout.splitlines() if line.startswith(f"[{rank}]<stdout>:")]
             assert lines[-3:] == [f"[{rank}]<stdout>:{text}" for text in (
                 "written without a flush", "the non-daemon thread ended", "atexit ran")], (choice, done.stdout)
-    forked, fresh = (rank_facts(runs[choice].stdout) for choice in ("auto", "none"))
-    assert [f.pop("preloaded") for f in forked] == [True, True] and [f.pop("preloaded") for f in fresh] == [False] * 2
+    forked, fresh, adopted = (rank_facts(runs[choice].stdout) for choice in ("auto", "none", "zygote"))
+    assert [f.pop("preloaded") for f in forked + adopted] == [True] * 4
+    assert [f.pop("preloaded") for f in fresh] == [False] * 2
     assert forked[0].pop("random") != forked[1].pop("random")  # each rank its own random state
+    assert adopted[0].pop("random") != adopted[1].pop("random")
     for f in fresh:
         f.pop("random")
     assert forked == fresh
+    assert adopted == fresh
     assert forked[0]["argv"] == ["rank_facts.py", "ok"] and forked[0]["stdin"] == ""
     assert forked[0]["ps"] == ["-u", "rank_facts.py", "ok"] and forked[0]["environ_is_own"]
+
+
+def test_a_zygote_that_cannot_be_reached_leaves_hvdrun_to_spawn_its_fork_server(run_hvdrun, hvdrun_env, worker,
+                                                                                 tmp_path):
+    hvdrun_env[FORK_SERVER_FROM] = str(tmp_path / "no-zygote.sock")
+    done = run_hvdrun("-np", "2", worker, "ok")
+    assert done.returncode == 0, done.stderr
+    assert [facts["preloaded"] for facts in rank_facts(done.stdout)] == [True, True]
 
 
 @pytest.mark.parametrize(("end", "code", "says"), [

@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 
+from hvdrun.envvars import FORK_SERVER_FROM
 from tests.conftest import host_processes, job_processes, wait_until
 from tests.integration.test_local_launch import script
 
@@ -94,6 +95,7 @@ def test_a_rank_dies_with_its_guard_and_the_failure_names_the_guard(hvdrun_env, 
 
 
 def test_a_killed_fork_server_is_named_at_once_and_running_ranks_still_count(hvdrun_env, tmp_path, token):
+    hvdrun_env.pop(FORK_SERVER_FROM)  # the server hvdrun spawns itself, its child
     job = Job(hvdrun_env, tmp_path, "-np", "2", script(tmp_path, "w.py", WORKER), "run", "12")
     job.pids(2)
     [server] = [p for p in psutil.Process(job.proc.pid).children() if "forkserver.py" in " ".join(p.cmdline())]

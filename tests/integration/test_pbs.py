@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hvdrun.envvars import FORK_SERVER_FROM
 from hvdrun.jobs import queue_limits
 from hvdrun.jobs.spec import JobRequest, build_spec
 from tests import pbs_server as pbs
@@ -49,6 +50,7 @@ def pbs_job(pbs_server, hvdrun_env, tmp_path):
     hvdrun_env.update(PBS_CONF_FILE=server.env["PBS_CONF_FILE"], PATH=server.env["PATH"],
                       HVDRUN_JOBS_DIR=str(tmp_path / "registry"))
     hvdrun_env.pop("SLURM_CONF", None)
+    hvdrun_env.pop(FORK_SERVER_FROM)  # a job's fork server stays inside the scheduler's hold on the job
     config = pbs.job_config(tmp_path / "aurora-fixture.yaml")
     options = ("--config", str(config), "--run-args", " ".join(hosts.args()))
     yield hvdrun_env, tmp_path, options

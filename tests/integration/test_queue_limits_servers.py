@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from hvdrun.envvars import FORK_SERVER_FROM
 from hvdrun.errors import UsageError
 from hvdrun.jobs import queue_limits
 from hvdrun.jobs.spec import JobRequest, build_spec
@@ -35,6 +36,7 @@ def workdir(tmp_path, hvdrun_env, monkeypatch):
     (tmp_path / "train.py").write_text("print('hi')\n")
     (tmp_path / "myslurm.yaml").write_text(SLURM_YAML)
     hvdrun_env.update(PYTHONPATH=str(REPO), HVDRUN_JOBS_DIR=str(tmp_path / "registry"))
+    hvdrun_env.pop(FORK_SERVER_FROM)  # a job's fork server stays inside the scheduler's hold on the job
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from hvdrun.envvars import FORK_SERVER_FROM
 from tests.conftest import REPO, wait_until
 
 WORKERS = Path(__file__).parent / "workers"
@@ -36,6 +37,7 @@ def job_dir(tmp_path, hvdrun_env):
     shutil.copy(WORKERS / "allreduce_hosts.py", tmp_path)
     (tmp_path / "pinned.py").write_text(PINNED)
     hvdrun_env["HVDRUN_JOBS_DIR"] = str(tmp_path / "registry")
+    hvdrun_env.pop(FORK_SERVER_FROM)  # a job's fork server stays inside the scheduler's hold on the job
     hvdrun_env["PYTHONPATH"] = str(REPO)
     return tmp_path
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hvdrun.errors import LaunchError
-from hvdrun.launch.remote import guard, proctitle
+from hvdrun.launch.remote import guard, proctitle, zygote
 from hvdrun.launch.remote.escapees import kill_rank_cgroups
 from hvdrun.launch.remote.inprocess import flush_standard_streams
 from hvdrun.launch.remote.preload import preload
@@ -232,15 +232,15 @@ class ForkServer:
 
     Args:
         sock: our end of the server's socket.
-        server: the server, our child: its process, or its pid.
+        server: the server: our child (its process, or its pid), or a zygote's (``zygote.py``).
         where: the host, for error messages (``this machine``, ``h3``).
         on_exit: called with ``(pid, returncode)`` when a guard ends, from the thread that reads the answers.
         on_gone: called once with what happened (``hvdrun's fork server on h3 (pid 12) was killed by signal 9
             (SIGKILL)``) if the server ends before :meth:`close`, from that thread.
     """
 
-    def __init__(self, sock: socket.socket, server: subprocess.Popen[bytes] | int, where: str,
-                 on_exit: Callable[[int, int], None] | None = None,
+    def __init__(self, sock: socket.socket, server: subprocess.Popen[bytes] | zygote.AdoptedServer | int,
+                 where: str, on_exit: Callable[[int, int], None] | None = None,
                  on_gone: Callable[[str], None] | None = None) -> None:
         self._sock, self._server, self.where, self._on_exit = sock, server, where, on_exit
         self.on_gone = on_gone
@@ -256,12 +256,17 @@ class ForkServer:
     @classmethod
     def spawn(cls, where: str = "this machine", on_exit: Callable[[int, int], None] | None = None,
               on_gone: Callable[[str], None] | None = None) -> ForkServer:
-        """Start the server as ``python forkserver.py FD`` in a session of its own.
+        """Start the server as ``python forkserver.py FD`` in a session of its own (or have the zygote at
+        ``HVDRUN_FORK_SERVER_FROM`` fork it, see ``zygote.py``).
 
         Raises:
             LaunchError: it could not be started.
         """
         ours, theirs = _socket_pair()
+        adopted = zygote.adopt(theirs)
+        if adopted is not None:
+            theirs.close()
+            return cls(ours, adopted, where, on_exit, on_gone)
         try:
             pad, pad_env = proctitle.room()  # what ps shows of a forked rank is written over these strings
             process = subprocess.Popen([sys.executable, __file__, str(theirs.fileno()), pad],
@@ -389,7 +394,7 @@ class ForkServer:
 
     def _end(self, wait_s: float = 2.0) -> str:
         """How the server ended, as :func:`describe_status` says it (its socket closes just before it ends)."""
-        if isinstance(self._server, subprocess.Popen):
+        if not isinstance(self._server, int):
             try:
                 return describe_status(self._server.wait(wait_s))
             except subprocess.TimeoutExpired:

@@ -41,7 +41,7 @@ from hvdrun.launch.remote.inprocess import PythonCommand, parse_python_command
 _LATE_PREFIXES = ("HVDRUN_", "HOROVOD_", "TORCHELASTIC_", "NCCL_", "TORCH_NCCL_")
 # the rank's own ids and devices, but OMP_NUM_THREADS (numpy's BLAS, imported with torch, read it at its load)
 _LATE_NAMES = (envvars.rank_variable_names() - {envvars.OMP_NUM_THREADS}) | {
-    envvars.TORCH_MASTER_ADDR, envvars.TORCH_MASTER_PORT, envvars.PYTHONUNBUFFERED}
+    envvars.TORCH_MASTER_ADDR, envvars.TORCH_MASTER_PORT, envvars.PYTHONUNBUFFERED, *envvars.TORCHELASTIC}
 _BINDING_NAMES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")  # read at libgomp's load
 # read when this process started (the loader, the interpreter, its site hooks): compared with its own start
 _EXEC_PREFIXES = ("LD_", "PYTHON", "LC_", "MALLOC_", "GLIBC_TUNABLES", "LANG", "COVERAGE_PROCESS_START")
@@ -142,6 +142,15 @@ def preload(environ: Mapping[str, str]) -> None:
     if not _device_runtime_started():
         gc.freeze()  # the preloaded objects stay out of the collector's passes: their pages stay shared
         _preloaded = Preloaded(modules, dict(environ))
+
+
+def adopt(modules: Sequence[str], environ: Mapping[str, str]) -> None:
+    """Take ``modules`` as preloaded under ``environ``: this process was forked from one that imported them (a
+    zygote, ``zygote.py``), so :func:`preload` imports nothing more and :func:`why_not` compares each rank's
+    environment with ``environ``. Nothing is taken where a GPU runtime already started (see :func:`preload`)."""
+    global _preloaded, _tried
+    _tried = True
+    _preloaded = None if _device_runtime_started() else Preloaded(tuple(modules), dict(environ))
 
 
 def _device_runtime_started() -> bool:
