@@ -29,6 +29,10 @@ from pathlib import Path
 
 _HEADER = 8  # bytes of a request's length, sent with the rank's stdout and stderr descriptors
 _IGNORED = {"PYTEST_CURRENT_TEST"}  # set per test by pytest; no import reads it
+# families of variables that torch, numpy, their thread pools or the interpreter read when they load: one a test
+# adds keeps a job's fork server from the zygote; any other it adds is a parameter its workers read after start-up
+_READ_AT_IMPORT = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "NUMPY_", "CUDA_", "LD_",
+                   "PYTHON", "MALLOC_", "LC_", "LANG")
 
 
 class ForkedRank:
@@ -219,15 +223,23 @@ def _fork(request: dict, fds: list[int], imported_under: dict[str, str]) -> int 
     return preload.start(command, parsed, env, (), prepare).pid
 
 
-def _fork_server(request: dict, fds: list[int], imported_under: dict[str, str], keep: int) -> int:
+def _fork_server(request: dict, fds: list[int], imported_under: dict[str, str], keep: int) -> int | str:
     """Fork a child that becomes a job's local fork server (``hvdrun/launch/remote/zygote.py``): in a session of
     its own, with the launcher's environment, working directory, stdout and stderr, shown in /proc as ``python
-    forkserver.py FD``, its preload taken as this process's (with pytest's variables as the launcher's)."""
+    forkserver.py FD``, its preload taken as this process's (with pytest's variables and those the test added as
+    the launcher's, see ``_READ_AT_IMPORT``). Its pid, or why not: the launcher's environment differs from the one
+    torch was imported under here, so the ranks would start as new interpreters; hvdrun then spawns a server that
+    imports torch under the job's environment."""
     from hvdrun.launch.remote import forkserver, preload, proctitle
 
     env = request["env"]
     imported = {name: value for name, value in imported_under.items() if name not in _IGNORED}
     imported.update({name: env[name] for name in _IGNORED if name in env})
+    imported.update({name: value for name, value in env.items()  # a test's parameters to its workers
+                     if name not in imported_under and not name.startswith(_READ_AT_IMPORT)})
+    different = preload.environment_difference(env, imported)
+    if different:  # the job's ranks could not be forked from what this process imported: hvdrun spawns its own
+        return f"environment differs from the zygote's: {', '.join(different[:5])}"
     pid = os.fork()
     if pid:
         return pid
