@@ -230,6 +230,7 @@ def _fork_server(request: dict, fds: list[int], imported_under: dict[str, str], 
     the launcher's, see ``_READ_AT_IMPORT``). Its pid, or why not: the launcher's environment differs from the one
     torch was imported under here, so the ranks would start as new interpreters; hvdrun then spawns a server that
     imports torch under the job's environment."""
+    from hvdrun.envvars import OMP_NUM_THREADS
     from hvdrun.launch.remote import forkserver, preload, proctitle
 
     env = request["env"]
@@ -237,7 +238,10 @@ def _fork_server(request: dict, fds: list[int], imported_under: dict[str, str], 
     imported.update({name: env[name] for name in _IGNORED if name in env})
     imported.update({name: value for name, value in env.items()  # a test's parameters to its workers
                      if name not in imported_under and not name.startswith(_READ_AT_IMPORT)})
-    different = preload.environment_difference(env, imported)
+    launcher = dict(env)
+    if OMP_NUM_THREADS in imported:  # hvdrun sets each rank's unless the launcher has one: the server compares those
+        launcher.setdefault(OMP_NUM_THREADS, imported[OMP_NUM_THREADS])
+    different = preload.environment_difference(launcher, imported)
     if different:  # the job's ranks could not be forked from what this process imported: hvdrun spawns its own
         return f"environment differs from the zygote's: {', '.join(different[:5])}"
     pid = os.fork()
