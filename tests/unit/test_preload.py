@@ -172,3 +172,18 @@ def test_nothing_is_preloaded_when_a_forked_rank_could_not_be_what_a_new_one_is(
         sys.modules["torch"].cuda = Runtime  # type: ignore[attr-defined]
     fresh_preload.preload(environ)
     assert fresh_preload._preloaded is None
+
+
+def test_a_server_forked_by_a_zygote_compares_each_rank_with_what_the_zygote_imported_under(fresh_preload,
+                                                                                           tmp_path):
+    imported_under = {**os.environ, "OMP_NUM_THREADS": "1"}
+    fresh_preload.adopt(("json",), imported_under)
+    fresh_preload.preload({**imported_under, PRELOAD: "csv"})  # the job's first request imports nothing more
+    assert fresh_preload._preloaded == preload.Preloaded(("json",), imported_under)
+    script = tmp_path / "train.py"
+    script.write_text("print(1)\n")
+    command = [sys.executable, str(script)]
+    rank = {**imported_under, "HVDRUN_RANK": "3", "ROLE_NAME": "default", "MASTER_PORT": "29500"}
+    assert isinstance(fresh_preload.why_not(command, rank, bound=False), PythonCommand)  # only late variables
+    assert fresh_preload.why_not(command, {**rank, "OMP_NUM_THREADS": "2"}, bound=False) == \
+        "environment differs from the preload's: OMP_NUM_THREADS"  # read when torch's thread pools load

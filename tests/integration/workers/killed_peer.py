@@ -11,11 +11,13 @@ import hvdrun.torch as hvd
 
 hvd.init()
 rank = hvd.rank()
-hvd.allreduce(torch.ones(1000))
-if rank == int(sys.argv[1]):
-    os.kill(os.getpid(), signal.SIGKILL)
 start = time.monotonic()
 try:
+    # the victim dies once this op returned to it: a peer still finishing it (waiting on its host's leader for the
+    # result) may see the death already here
+    hvd.allreduce(torch.ones(1000))
+    if rank == int(sys.argv[1]):
+        os.kill(os.getpid(), signal.SIGKILL)
     for i in range(10_000):
         hvd.allreduce(torch.ones(100_000), name=f"step.{i}")
 except hvd.HorovodInternalError as e:
