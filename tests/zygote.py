@@ -27,7 +27,8 @@ import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-_HEADER = 8  # bytes of a request's length, sent with the rank's stdout and stderr descriptors
+from hvdrun.launch.remote.zygote import HEADER_BYTES, ask_for_pid
+
 _IGNORED = {"PYTEST_CURRENT_TEST"}  # set per test by pytest; no import reads it
 # families of variables that torch, numpy, their thread pools or the interpreter read when they load: one a test
 # adds keeps a job's fork server from the zygote; any other it adds is a parameter its workers read after start-up
@@ -151,34 +152,20 @@ class Zygote:
         """Fork ``command`` (``python [-u] SCRIPT ...``) with ``env`` in ``cwd``; None if the zygote cannot run it
         as a new interpreter would (start it the ordinary way then). ``job_names``: the variables of ``env`` that
         hvdrun's launcher would set for the job (``envvars.worker_env``), read after start-up, never at import."""
-        control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
         try:
-            control.connect(str(self.path))
-            payload = json.dumps({"command": list(command), "env": env, "cwd": str(cwd),
-                                  "job_names": sorted(job_names)}).encode()
-            socket.send_fds(control, [len(payload).to_bytes(_HEADER, "big")], [out_write, err_write])
-            control.sendall(payload)
-            received = b""
-            while b"\n" not in received:
-                chunk = control.recv(4096)
-                if not chunk:
-                    break
-                received += chunk
-        except OSError:
-            received = b""
+            answer = ask_for_pid(str(self.path), {"command": list(command), "env": env, "cwd": str(cwd),
+                                                  "job_names": sorted(job_names)}, [out_write, err_write])
         finally:
             os.close(out_write)
             os.close(err_write)
-        line, _, pending = received.partition(b"\n")
-        answer = line.decode().split(maxsplit=1)
-        if answer[:1] != ["pid"]:
-            control.close()
+        if answer is None:
             os.close(out_read)
             os.close(err_read)
             return None
-        return ForkedRank(command, int(answer[1]), control, pending, out_read, err_read)
+        pid, control, pending = answer
+        return ForkedRank(command, pid, control, pending, out_read, err_read)
 
 
 # -- the server -------------------------------------------------------------------------------------------
@@ -189,9 +176,9 @@ def _pid_file(path: Path) -> Path:
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
-    header, fds, _, _ = socket.recv_fds(conn, _HEADER, 3)
-    while len(header) < _HEADER:
-        header += conn.recv(_HEADER - len(header))
+    header, fds, _, _ = socket.recv_fds(conn, HEADER_BYTES, 3)
+    while len(header) < HEADER_BYTES:
+        header += conn.recv(HEADER_BYTES - len(header))
     length, payload = int.from_bytes(header, "big"), b""
     while len(payload) < length:
         chunk = conn.recv(length - len(payload))

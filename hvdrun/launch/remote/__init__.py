@@ -6,6 +6,7 @@
   processes that leave the rank's process group and environment are still stopped with it;
 * ``cpubind.py``: which cores ``--cpu-bind`` gives each local rank (the launcher checks it, the guard applies it);
 * ``forkserver.py``: forks each rank's guard (one Python start per host, not per rank), and its client;
+* ``zygote.py``: a local fork server forked by a process that already imported torch (a test suite's), not spawned;
 * ``host_agent/``: a host's agent under one SSH channel (``python -m hvdrun.launch.remote.host_agent.main``): runs
   the host's ranks, reaches the hosts beneath it, speaks hvdrun's frames and tagged lines;
 * ``connections.py``: SSH connections with verified host keys, for hvdrun and for the agents alike;

@@ -28,6 +28,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from hvdrun.envvars import FORK_SERVER_FROM
 
@@ -82,17 +84,15 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def adopt(server_end: socket.socket) -> AdoptedServer | None:
-    """Ask the zygote at ``HVDRUN_FORK_SERVER_FROM`` for a fork server serving ``server_end``; None when the
-    variable is unset, or the zygote cannot be reached or refuses (then spawn the server the ordinary way)."""
-    path = os.environ.get(FORK_SERVER_FROM)
-    if not path:
-        return None
+def ask_for_pid(path: str, request: dict[str, Any], fds: Sequence[int]) -> tuple[int, socket.socket, bytes] | None:
+    """Send ``request`` with ``fds`` to the zygote at ``path`` and read its first answer: the pid it forked, the
+    connection (its ``exit CODE`` line comes there) and what came after the pid's line; None when it cannot be
+    reached or refused."""
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         control.connect(path)
-        payload = json.dumps({"kind": FORK_SERVER, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
-        socket.send_fds(control, [len(payload).to_bytes(HEADER_BYTES, "big")], [server_end.fileno(), 1, 2])
+        payload = json.dumps(request).encode()
+        socket.send_fds(control, [len(payload).to_bytes(HEADER_BYTES, "big")], list(fds))
         control.sendall(payload)
         received = b""
         while b"\n" not in received:
@@ -107,4 +107,15 @@ def adopt(server_end: socket.socket) -> AdoptedServer | None:
     if words[:1] != ["pid"] or len(words) != 2 or not words[1].isdigit():
         control.close()
         return None
-    return AdoptedServer(int(words[1]), control, pending)
+    return int(words[1]), control, pending
+
+
+def adopt(server_end: socket.socket) -> AdoptedServer | None:
+    """Ask the zygote at ``HVDRUN_FORK_SERVER_FROM`` for a fork server serving ``server_end``; None when the
+    variable is unset, or the zygote cannot be reached or refuses (then spawn the server the ordinary way)."""
+    path = os.environ.get(FORK_SERVER_FROM)
+    if not path:
+        return None
+    answer = ask_for_pid(path, {"kind": FORK_SERVER, "env": dict(os.environ), "cwd": os.getcwd()},
+                         [server_end.fileno(), 1, 2])
+    return None if answer is None else AdoptedServer(*answer)
