@@ -27,7 +27,7 @@ import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-from hvdrun.launch.remote.zygote import HEADER_BYTES, ask_for_pid
+from hvdrun.launch.remote.zygote import FORK_SERVER, HEADER_BYTES, ask_for_pid
 
 _IGNORED = {"PYTEST_CURRENT_TEST"}  # set per test by pytest; no import reads it
 # families of variables that torch, numpy, their thread pools or the interpreter read when they load: one a test
@@ -210,7 +210,7 @@ def _fork(request: dict, fds: list[int], imported_under: dict[str, str]) -> int 
     return preload.start(command, parsed, env, (), prepare).pid
 
 
-def _fork_server(request: dict, fds: list[int], imported_under: dict[str, str], keep: int) -> int | str:
+def _fork_server(request: dict, fds: list[int], imported_under: dict[str, str]) -> int | str:
     """Fork a child that becomes a job's local fork server (``hvdrun/launch/remote/zygote.py``): in a session of
     its own, with the launcher's environment, working directory, stdout and stderr, shown in /proc as ``python
     forkserver.py FD``, its preload taken as this process's (with pytest's variables and those the test added as
@@ -243,7 +243,7 @@ def _fork_server(request: dict, fds: list[int], imported_under: dict[str, str], 
         for fd, target in ((null, 0), (out, 1), (err, 2)):
             os.dup2(fd, target)
         os.closerange(3, sock)
-        os.closerange(sock + 1, keep)
+        os.closerange(sock + 1, _open_limit())
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(env)
@@ -258,8 +258,8 @@ def _answer(conn: socket.socket, children: dict[int, socket.socket], imported_un
     fds: list[int] = []
     try:
         request, fds = _receive(conn)
-        if request.get("kind") == "forkserver":
-            forked = _fork_server(request, fds, imported_under, _open_limit()) if len(fds) == 3 else "bad fds"
+        if request.get("kind") == FORK_SERVER:
+            forked = _fork_server(request, fds, imported_under) if len(fds) == 3 else "no socket, stdout and stderr"
         else:
             forked = _fork(request, fds, imported_under) if len(fds) == 2 else "no stdout and stderr"
     except (OSError, ValueError, KeyError, IndexError) as e:
@@ -279,7 +279,9 @@ def _answer(conn: socket.socket, children: dict[int, socket.socket], imported_un
 
 
 def _open_limit() -> int:
-    return os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 1 << 16
+    """One past the highest descriptor this process may have open."""
+    limit = os.sysconf("SC_OPEN_MAX")
+    return limit if limit > 0 else 1 << 16
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
