@@ -175,11 +175,15 @@ def test_nothing_is_preloaded_when_a_forked_rank_could_not_be_what_a_new_one_is(
 
 
 def test_a_server_forked_by_a_zygote_compares_each_rank_with_what_the_zygote_imported_under(fresh_preload,
-                                                                                           tmp_path):
+                                                                                           tmp_path, monkeypatch):
     imported_under = {**os.environ, "OMP_NUM_THREADS": "1"}
     fresh_preload.adopt(("json",), imported_under)
-    fresh_preload.preload({**imported_under, PRELOAD: "csv"})  # the job's first request imports nothing more
-    assert fresh_preload._preloaded == preload.Preloaded(("json",), imported_under)
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    fresh_preload.preload({**imported_under, PRELOAD: "json,colorsys"})  # the job's first request: what is missing
+    assert "colorsys" in sys.modules
+    assert fresh_preload._preloaded == preload.Preloaded(("json", "colorsys"), imported_under)
+    fresh_preload.preload({**imported_under, PRELOAD: "json,colorsys,csv"})  # once per server
+    assert fresh_preload._preloaded == preload.Preloaded(("json", "colorsys"), imported_under)
     script = tmp_path / "train.py"
     script.write_text("print(1)\n")
     command = [sys.executable, str(script)]

@@ -118,20 +118,22 @@ _tried = False
 
 def preload(environ: Mapping[str, str]) -> None:
     """Import the modules ``environ`` names in ``HVDRUN_PRELOAD`` (once per process; the fork server calls it
-    with its first request's environment). A module that fails to import is left to the ranks, which then
-    start the ordinary way and show the error themselves."""
+    with its first request's environment), those a zygote imported already (:func:`adopt`) excepted. A module
+    that fails to import is left to the ranks, which then start the ordinary way and show the error themselves."""
     global _preloaded, _tried
     modules = tuple(m for m in environ.get(PRELOAD, "").split(",") if m)
     if _tried or not modules:
         return
     _tried = True
-    if environment_difference(environ, environ, _STARTED_UNDER):
+    base = _preloaded or Preloaded((), dict(environ))
+    if environment_difference(environ, base.environ, _STARTED_UNDER):
         return  # the ranks' loader or interpreter would start otherwise than this one did: none of them could fork
+    missing = tuple(m for m in modules if m not in base.modules)
     saved = dict(os.environ)
     try:
         os.environ.clear()
         os.environ.update(environ)
-        for module in modules:
+        for module in missing:
             importlib.import_module(module)
     except BaseException:  # noqa: BLE001 - even SystemExit: the ranks import it themselves and report it
         return
@@ -139,17 +141,20 @@ def preload(environ: Mapping[str, str]) -> None:
         os.environ.clear()
         os.environ.update(saved)
         inprocess.flush_standard_streams()  # what an import printed must not reach every rank's output from its buffer
-    if not _device_runtime_started():
+    if _device_runtime_started():
+        _preloaded = None
+    else:
         gc.freeze()  # the preloaded objects stay out of the collector's passes: their pages stay shared
-        _preloaded = Preloaded(modules, dict(environ))
+        _preloaded = Preloaded(base.modules + missing, base.environ)
 
 
 def adopt(modules: Sequence[str], environ: Mapping[str, str]) -> None:
     """Take ``modules`` as preloaded under ``environ``: this process was forked from one that imported them (a
-    zygote, ``zygote.py``), so :func:`preload` imports nothing more and :func:`why_not` compares each rank's
-    environment with ``environ``. Nothing is taken where a GPU runtime already started (see :func:`preload`)."""
+    zygote, ``zygote.py``), so :func:`preload` imports only the job's other modules (``torch._dynamo``,
+    ``hvdrun.torch``), once, and :func:`why_not` compares each rank's environment with ``environ``. Nothing is
+    taken where a GPU runtime already started (see :func:`preload`)."""
     global _preloaded, _tried
-    _tried = True
+    _tried = False
     _preloaded = None if _device_runtime_started() else Preloaded(tuple(modules), dict(environ))
 
 
