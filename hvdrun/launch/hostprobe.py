@@ -7,7 +7,9 @@ when one is missing, so that :func:`explain_probe_failure` can name what to fix 
 
 from __future__ import annotations
 
+import re
 import shlex
+from collections.abc import Mapping
 
 # exit codes of the shell prelude of module_command
 NO_WORKDIR, NO_PYTHON = 97, 98
@@ -19,12 +21,19 @@ def probe_command(workdir: str, python: str, interface: str | None, ports: int) 
     return module_command(workdir, python, "hvdrun.launch.remote.hostfacts", args)
 
 
-def module_command(workdir: str, python: str, module: str, args: list[str]) -> str:
-    """``python -m module args`` in ``workdir`` on a host; a missing directory or Python exits with
-    :data:`NO_WORKDIR` or :data:`NO_PYTHON`. Every value is quoted."""
+def module_command(workdir: str, python: str, module: str, args: list[str],
+                   env: Mapping[str, str] | None = None) -> str:
+    """``python -m module args`` in ``workdir`` on a host, with ``env`` exported on top of the login's; a missing
+    directory or Python exits with :data:`NO_WORKDIR` or :data:`NO_PYTHON`. Every value is quoted; a variable
+    whose name a shell cannot assign is left out."""
+    exports = "".join(f"export {name}={shlex.quote(value)}; " for name, value in sorted((env or {}).items())
+                      if _SHELL_NAME.fullmatch(name))
     return (f"cd -- {shlex.quote(workdir)} 2>/dev/null || exit {NO_WORKDIR}; "
             f"command -v -- {shlex.quote(python)} >/dev/null 2>&1 || exit {NO_PYTHON}; "
-            f"exec {shlex.join([python, '-m', module, *args])}")
+            f"{exports}exec {shlex.join([python, '-m', module, *args])}")
+
+
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def explain_probe_failure(where: str, status: int, stderr: str, workdir: str, python: str) -> str:

@@ -50,10 +50,12 @@ def make_launcher(plan: JobPlan) -> Launcher:
         flavour = SRUN if plan.launcher == "srun" else plan.mpi_flavour
         return MpiexecLauncher(options.grace_s, ssh, plan.layout, flavour, options.network_interface,
                                shlex.split(options.mpi_args or ""))
+    from hvdrun.launch.remote.preload import start_up_variables
     from hvdrun.launch.ssh import SshLauncher
 
     return SshLauncher(options.grace_s, ssh, plan.cwd, plan.python_for, options.network_interface,
-                       everywhere=options.launcher == "ssh", fanout=options.ssh_fanout)
+                       everywhere=options.launcher == "ssh", fanout=options.ssh_fanout,
+                       agent_env=start_up_variables(plan.base_env))
 
 
 def ssh_options(plan: JobPlan) -> SshOptions:

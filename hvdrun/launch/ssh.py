@@ -35,7 +35,7 @@ import shlex
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -117,12 +117,17 @@ class SshLauncher(Launcher):
         network_interface: advertise rank 0 on this interface's address.
         everywhere: use SSH for hosts that are this machine too.
         fanout: hosts hvdrun reaches itself; the agents reach the others (default: ``HVDRUN_SSH_FANOUT``, 32).
+        agent_env: exported on top of the login's environment for each host's agent: the variables the ranks'
+            interpreters read at their start (``preload.start_up_variables``), so that its fork server, started
+            as they are, can fork them from its preload.
     """
 
     def __init__(self, grace_s: float, ssh: SshOptions, workdir: str, python_for: Callable[[Host], str],
-                 network_interface: str | None = None, everywhere: bool = False, fanout: int | None = None) -> None:
+                 network_interface: str | None = None, everywhere: bool = False, fanout: int | None = None,
+                 agent_env: Mapping[str, str] | None = None) -> None:
         super().__init__(grace_s)
         self.ssh, self.workdir, self.python_for = ssh, workdir, python_for
+        self.agent_env = dict(agent_env or {})
         self.network_interface, self.everywhere = network_interface, everywhere
         self.fanout = fanout if fanout is not None else envvars.env_int(os.environ, envvars.SSH_FANOUT,
                                                                          DEFAULT_FANOUT)
@@ -152,7 +157,8 @@ class SshLauncher(Launcher):
             LaunchError: a host could not be reached or cannot run ranks; names the first such host.
         """
         targets = resolve_targets(hosts, self.ssh)
-        agents = [AgentHost(host.name, target, module_command(self.workdir, self.python_for(host), AGENT_MODULE, []),
+        agents = [AgentHost(host.name, target, module_command(self.workdir, self.python_for(host), AGENT_MODULE, [],
+                                                          self.agent_env),
                             2 if host == rank0_host else 0) for host, target in zip(hosts, targets, strict=True)]
         roots = tree_nodes(agents, self.fanout)
         clients = connect_all([targets[root["index"]] for root in roots], self.ssh, deadline)

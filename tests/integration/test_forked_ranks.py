@@ -58,6 +58,16 @@ def test_a_forked_rank_starts_and_ends_as_a_new_interpreter_would(run_hvdrun, hv
     assert forked[0]["ps"] == ["-u", "rank_facts.py", "ok"] and forked[0]["environ_is_own"]
 
 
+def test_ranks_on_ssh_hosts_fork_from_their_hosts_preload(run_hvdrun, hvdrun_env, ssh_hosts, worker):
+    """A host's agent starts under the variables the ranks' interpreters read at their start (the launcher's, not
+    the SSH login's): its fork server's preload serves them, as a local job's does."""
+    hvdrun_env["LC_HVDRUN_TEST"] = "the launcher's"  # read at an interpreter's start (locale); no login sets it
+    done = run_hvdrun("-H", ssh_hosts.hosts(2, 2), *ssh_hosts.args(), worker, "ok", timeout=120)
+    assert done.returncode == 0, done.stderr
+    facts = rank_facts(done.stdout)
+    assert [(f["rank"], f["preloaded"]) for f in facts] == [(str(rank), True) for rank in range(4)], done.stdout
+
+
 def test_a_zygote_that_cannot_be_reached_leaves_hvdrun_to_spawn_its_fork_server(run_hvdrun, hvdrun_env, worker,
                                                                                  tmp_path):
     hvdrun_env[FORK_SERVER_FROM] = str(tmp_path / "no-zygote.sock")

@@ -7,6 +7,7 @@ import sys
 
 from hvdrun.hosts import Host
 from hvdrun.launch.base import WorkerSpec
+from hvdrun.launch.hostprobe import module_command
 from hvdrun.launch.ssh import stdin_preamble, worker_command
 from hvdrun.ranks import Slot
 
@@ -38,3 +39,14 @@ def test_the_guard_reads_the_secret_from_its_lifeline_and_leaves_the_rest_to_it(
     assert guard.stdout.readline() == f"{SECRET}\n"
     guard.stdin.close()  # the lifeline ends: the guard stops the worker
     assert guard.wait(timeout=30) != 0
+
+
+def test_a_hosts_module_command_exports_its_variables_quoted_on_top_of_the_login(tmp_path):
+    (tmp_path / "show_env.py").write_text("import os; print(os.environ['LC_HVDRUN'], os.environ.get('HOME'))\n")
+    value = "it's $(touch pwned); `touch pwned`"
+    command = module_command(str(tmp_path), sys.executable, "show_env", [], {"LC_HVDRUN": value, "BAD-NAME": "x"})
+    assert "BAD-NAME" not in command
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=30,
+                          env={"HOME": "/login-home", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{value} /login-home\n" and not (tmp_path / "pwned").exists()

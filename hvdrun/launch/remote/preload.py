@@ -200,6 +200,13 @@ def environment_difference(environ: Mapping[str, str], imported_under: Mapping[s
     return sorted(different)
 
 
+def start_up_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``environ`` that a new interpreter reads at its start (the loader's ``LD_*``, ``PYTHON*``,
+    locale, malloc): a process that is to fork ranks with ``environ`` must itself start under these, or none of
+    its ranks can fork (an SSH host's agent starts under the login's environment, not the launcher's)."""
+    return {name: value for name, value in environ.items() if name.startswith(_EXEC_PREFIXES) and not _is_late(name)}
+
+
 def why_not(command: Sequence[str], environ: Mapping[str, str], bound: bool) -> PythonCommand | str:
     """The parsed command when this process can run it as a preloaded rank, else the reason it cannot.
 
