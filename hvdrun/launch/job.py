@@ -21,7 +21,6 @@ from hvdrun.envvars import ELASTIC_ADDR, ELASTIC_PORT, Rendezvous, shm_files_glo
 from hvdrun.hosts import Host
 from hvdrun.interrupts import interrupted_before_ranks
 from hvdrun.launch.base import Launcher, WorkerSpec
-from hvdrun.launch.elastic.driver import ElasticDriver
 from hvdrun.launch.observation import Observation, observed
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.plan import ElasticPlan, JobPlan, start_timeout_s
@@ -200,6 +199,8 @@ def run_elastic_job(plan: JobPlan, elastic: ElasticPlan, console: dict[str, Text
     def spec_for(slot: Slot, extra_env: dict[str, str]) -> WorkerSpec:
         service = Rendezvous(extra_env[ELASTIC_ADDR], int(extra_env[ELASTIC_PORT]), 0, secret, job_id)
         return plan.spec(slot, service, launcher.cpus, extra_env)
+
+    from hvdrun.launch.elastic.driver import ElasticDriver  # 25 ms that a job of fixed ranks does not pay
 
     driver = ElasticDriver(launcher, router, elastic.discovery(), elastic.settings, spec_for, secret, plan.layout,
                            log=router.say)  # never held up by a console that stopped reading

@@ -43,9 +43,13 @@ from hvdrun.hosts import (
     without_excluded,
 )
 from hvdrun.launch.base import WorkerSpec
-from hvdrun.launch.elastic.discovery import FixedHosts, ScriptDiscovery
-from hvdrun.launch.elastic.driver import check_settings, make_discovery
-from hvdrun.launch.elastic.worker_pool import DEFAULT_COOLDOWN_S, DEFAULT_ELASTIC_TIMEOUT_S, ElasticSettings
+from hvdrun.launch.elastic.discovery import FixedHosts, ScriptDiscovery, make_discovery
+from hvdrun.launch.elastic.worker_pool import (
+    DEFAULT_COOLDOWN_S,
+    DEFAULT_ELASTIC_TIMEOUT_S,
+    ElasticSettings,
+    check_settings,
+)
 from hvdrun.launch.remote.preload import AUTO, choose_modules, rank_source
 from hvdrun.launch.staging import DEFAULT_STAGE_DIR, StagePlan, check_stage_dir, plan_staging, staged_env
 from hvdrun.launch.supervision import DEFAULT_FORWARD_SIGNALS, parse_signal_list

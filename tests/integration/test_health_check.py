@@ -84,12 +84,6 @@ def test_healthy_hosts_pass_every_check_and_the_allreduce(run_hvdrun, ssh_hosts)
     assert all(link["bandwidth"] > 0 for link in job["links"])
 
 
-def test_the_check_table_names_every_link(run_hvdrun, ssh_hosts):
-    table = run_hvdrun("check", *SMALL, "-H", ssh_hosts.hosts(1, 2), *ssh_hosts.args(), timeout=120)
-    assert table.returncode == 0, table.stderr
-    assert "hvdrun check: all checks passed" in table.stdout and "link 1->0" in table.stdout
-
-
 def test_a_cpu_binding_that_does_not_fit_a_host_fails_its_check(run_hvdrun):
     done, report = check_json(run_hvdrun, "-H", "localhost:1", "--cpu-bind", "list:4096")
     assert done.returncode == 1 and not report["ok"] and not report["job"]["ran"]
@@ -97,42 +91,46 @@ def test_a_cpu_binding_that_does_not_fit_a_host_fails_its_check(run_hvdrun):
     assert not binding["ok"] and "local rank 0 gets cores 4096, but 4096 are not allowed here" in binding["found"]
 
 
-def test_a_host_that_is_down_is_named_while_the_others_are_checked(run_hvdrun, ssh_hosts):
-    down = ssh_hosts.unused_addr()
+def excluded(path: Path) -> list[str]:
+    """The hosts of an exclude file, as ``hvdrun --exclude-hosts-file`` reads them."""
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_a_host_that_is_down_is_named_and_written_to_exclude_while_the_others_are_checked(run_hvdrun, ssh_hosts,
+                                                                                          tmp_path):
+    down, path = ssh_hosts.unused_addr(), tmp_path / "lists" / "bad-hosts"
     # the default --timeout (30 s) also bounds the healthy hosts' probe (SSH, then Python importing torch): about
     # 1.5 s on an idle machine, and past 10 s once on two cores that other tests' ranks kept busy; the down host
     # fails on its own much sooner (the bridge's ARP gives up: "No route to host")
     done, report = check_json(run_hvdrun, "-H", f"{ssh_hosts.addrs[0]}:1,{down}:1,{ssh_hosts.addrs[1]}:1",
-                              *ssh_hosts.args())
+                              "--write-excludes", str(path), *ssh_hosts.args())
     assert done.returncode == 1 and not report["ok"]
     reach = checks_of(report, down)["reach"]
     assert not reach["ok"] and f"root@{down}" in reach["found"] and reach["fix"]
     assert [h["ok"] for h in report["hosts"]] == [True, False, True]  # the others were fully checked
     assert report["job"] == {"ran": False, "ok": False, "skipped": f"host checks failed on {down}", "error": None,
                              "checks": [], "result": None}
+    assert excluded(path) == [down]  # and stdout stays the JSON document alone (check_json parsed it)
+    text = path.read_text()
+    assert text.startswith("# written by hvdrun check at ") and f"# {down} failed: reach\n" in text
+    assert f"hvdrun check: wrote 1 host to exclude to {path} ({down})" in done.stderr
     table = run_hvdrun("check", "-H", f"{ssh_hosts.addrs[0]}:1,{down}:1", "--timeout", "3", *ssh_hosts.args())
     assert table.returncode == 1
     assert f"{down}: reach: expected ssh root@{down}" in table.stdout
     assert "fix: check that the host is up" in table.stdout
 
 
-def excluded(path: Path) -> list[str]:
-    """The hosts of an exclude file, as ``hvdrun --exclude-hosts-file`` reads them."""
-    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
-
-
-def test_write_excludes_lists_the_hosts_that_failed_and_a_clean_check_empties_it(run_hvdrun, ssh_hosts, tmp_path):
-    down, path = ssh_hosts.unused_addr(), tmp_path / "lists" / "bad-hosts"
-    done, report = check_json(run_hvdrun, "-H", f"{ssh_hosts.addrs[0]}:1,{down}:1",  # h1 passes (30 s to probe)
-                              "--write-excludes", str(path), *ssh_hosts.args())
-    assert done.returncode == 1 and excluded(path) == [down]  # stdout stays the JSON document alone
-    text = path.read_text()
-    assert text.startswith("# written by hvdrun check at ") and f"# {down} failed: reach\n" in text
-    assert f"hvdrun check: wrote 1 host to exclude to {path} ({down})" in done.stderr
-    done, report = check_json(run_hvdrun, "-H", ssh_hosts.hosts(1, 2), "--write-excludes", str(path),
-                              *ssh_hosts.args())
-    assert done.returncode == 0 and report["ok"] and excluded(path) == [] and len(path.read_text().splitlines()) == 1
-    assert f"wrote 0 hosts to exclude to {path} (every host passed)" in done.stderr
+def test_the_check_table_names_every_link_and_a_clean_check_empties_the_exclude_list(run_hvdrun, ssh_hosts,
+                                                                                     tmp_path):
+    path = tmp_path / "lists" / "bad-hosts"
+    path.parent.mkdir()
+    path.write_text("# written by hvdrun check at an earlier run\n# h9 failed: reach\nh9\n")
+    table = run_hvdrun("check", *SMALL, "-H", ssh_hosts.hosts(1, 2), "--write-excludes", str(path),
+                       *ssh_hosts.args(), timeout=120)
+    assert table.returncode == 0, table.stderr
+    assert "hvdrun check: all checks passed" in table.stdout and "link 1->0" in table.stdout
+    assert excluded(path) == [] and len(path.read_text().splitlines()) == 1
+    assert f"wrote 0 hosts to exclude to {path} (every host passed)" in table.stderr
     assert sorted(p.name for p in path.parent.iterdir()) == ["bad-hosts"]
 
 

@@ -85,3 +85,11 @@ def parse_discovery_output(text: str, script: str, default_slots: int) -> tuple[
         return merge_duplicates(hosts, f"--host-discovery-script {script}")
     except HostSpecError as e:
         raise DiscoveryError(str(e)) from e
+
+
+def make_discovery(script: str | None, slots_per_host: int | None, hosts: Sequence[Host]) -> FixedHosts | \
+        ScriptDiscovery:
+    """The discovery of an elastic job: the script when given, else the fixed hosts."""
+    if script is None:
+        return FixedHosts(hosts)
+    return ScriptDiscovery(script, slots_per_host)

@@ -27,14 +27,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from hvdrun.errors import JobInterrupted, UsageError, WorkerFailed
+from hvdrun.errors import JobInterrupted, WorkerFailed
 from hvdrun.hosts import Host
 from hvdrun.launch.base import Launcher, WorkerSpec
 from hvdrun.launch.elastic.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.elastic.membership_service import MembershipService
-from hvdrun.launch.elastic.worker_pool import BLACKLIST_SCOPES, ElasticSettings, Member, WorkerPool
+from hvdrun.launch.elastic.worker_pool import ElasticSettings, Member, WorkerPool
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.supervision import Failure, stop_signals_handled, stop_workers
 from hvdrun.ranks import GpuLayout, Slot
@@ -226,29 +226,3 @@ class ElasticDriver:
             member = self.pool.members.get(number)
             if member is not None and member.removed:
                 self.service.send_leave(number, member.removed)
-
-
-def make_discovery(script: str | None, slots_per_host: int | None, hosts: Sequence[Host]) -> FixedHosts | \
-        ScriptDiscovery:
-    """The discovery of an elastic job: the script when given, else the fixed hosts."""
-    if script is None:
-        return FixedHosts(hosts)
-    return ScriptDiscovery(script, slots_per_host)
-
-
-def check_settings(settings: ElasticSettings, launcher: str) -> None:
-    """Usage errors of the elastic options, before anything starts."""
-    if launcher not in ("local", "ssh"):
-        raise UsageError(f"elastic jobs (--min-np/--max-np/--host-discovery-script) run with the local or ssh "
-                         f"launcher, not {launcher}: ranks of an mpiexec job cannot change")
-    if settings.min_np < 1:
-        raise UsageError(f"--min-np must be at least 1, got {settings.min_np}")
-    if settings.max_np is not None and settings.max_np < settings.min_np:
-        raise UsageError(f"--max-np {settings.max_np} is below --min-np {settings.min_np}")
-    low, high = settings.cooldown_s
-    if not 0 <= low <= high:
-        raise UsageError(f"--blacklist-cooldown-range {low:g} {high:g}: expected 0 <= MIN <= MAX")
-    if settings.blacklist_scope is not None and settings.blacklist_scope not in BLACKLIST_SCOPES:
-        raise UsageError(f"--blacklist-scope {settings.blacklist_scope!r}: expected one of "
-                         f"{', '.join(BLACKLIST_SCOPES)}")
-

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hvdrun import envvars
-from hvdrun.errors import LaunchError
+from hvdrun.errors import LaunchError, UsageError
 from hvdrun.hosts import Host
 from hvdrun.launch.base import Launcher, Worker, WorkerSpec
 from hvdrun.launch.elastic.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
@@ -233,3 +233,20 @@ class WorkerPool:
                         break
                     started += 1
         return started > 0
+
+
+def check_settings(settings: ElasticSettings, launcher: str) -> None:
+    """Usage errors of the elastic options, before anything starts."""
+    if launcher not in ("local", "ssh"):
+        raise UsageError(f"elastic jobs (--min-np/--max-np/--host-discovery-script) run with the local or ssh "
+                         f"launcher, not {launcher}: ranks of an mpiexec job cannot change")
+    if settings.min_np < 1:
+        raise UsageError(f"--min-np must be at least 1, got {settings.min_np}")
+    if settings.max_np is not None and settings.max_np < settings.min_np:
+        raise UsageError(f"--max-np {settings.max_np} is below --min-np {settings.min_np}")
+    low, high = settings.cooldown_s
+    if not 0 <= low <= high:
+        raise UsageError(f"--blacklist-cooldown-range {low:g} {high:g}: expected 0 <= MIN <= MAX")
+    if settings.blacklist_scope is not None and settings.blacklist_scope not in BLACKLIST_SCOPES:
+        raise UsageError(f"--blacklist-scope {settings.blacklist_scope!r}: expected one of "
+                         f"{', '.join(BLACKLIST_SCOPES)}")
