@@ -26,11 +26,11 @@ assert flooded >= 1, "no cycle was too long for the board"
 
 # 2. steady state: blocking allreduces, each one round of the board
 before = board.round
-for step in range(200):
+for step in range(60):
     t = torch.full((1024,), float(rank * step), dtype=torch.float64)
     hvd.allreduce_(t, name="steady", op=hvd.Sum)
     assert torch.all(t == float(step * sum(range(size)))), (step, t[:3])
-assert board.round - before >= 200, (before, board.round)
+assert board.round - before >= 60, (before, board.round)
 
 # 3. a late local rank: its peers post, wait, sleep on their bells and are woken by its post; meanwhile the late
 # rank's engine, idle, sees their posts and joins their cycles (announcing nothing), as it would on ring bytes
