@@ -10,6 +10,11 @@ gets a :class:`ForkedRank`, which behaves as the :class:`subprocess.Popen` the t
 ``poll``, ``wait``, ``kill``, ``communicate``, ``returncode``). A request whose command or environment a fresh
 interpreter would start otherwise (another Python, an interpreter option, ``PYTHON*``/``LD_*`` variables) is
 refused, and the caller starts the rank the ordinary way.
+
+It also forks the fork servers of hvdrun's local jobs (``hvdrun/launch/remote/zygote.py``): a job whose ranks
+want ``torch._dynamo`` and ``hvdrun.torch`` preloaded too (a script that builds an optimizer) gets its server
+from the zygote's template, a child that imported those as well (:class:`_Template`), never one with a module
+its ranks did not ask for.
 """
 
 from __future__ import annotations
@@ -34,6 +39,12 @@ _IGNORED = {"PYTEST_CURRENT_TEST"}  # set per test by pytest; no import reads it
 # adds keeps a job's fork server from the zygote; any other it adds is a parameter its workers read after start-up
 _READ_AT_IMPORT = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "NUMPY_", "CUDA_", "LD_",
                    "PYTHON", "MALLOC_", "LC_", "LANG")
+
+
+_BASE = ("numpy", "torch")  # what the zygote imports
+# what a job whose script builds an optimizer and imports hvdrun.torch preloads beyond them (1.5 CPU-s): its fork
+# server is forked by the zygote's template, a child that imported these too (see _Template)
+_FULL = ("torch._dynamo", "hvdrun.torch")
 
 
 class ForkedRank:
@@ -210,7 +221,8 @@ def _fork(request: dict, fds: list[int], imported_under: dict[str, str]) -> int 
     return preload.start(command, parsed, env, (), prepare).pid
 
 
-def _fork_server(request: dict, fds: list[int], imported_under: dict[str, str]) -> int | str:
+def _fork_server(request: dict, fds: list[int], imported_under: dict[str, str],
+                 modules: tuple[str, ...] = _BASE) -> int | str:
     """Fork a child that becomes a job's local fork server (``hvdrun/launch/remote/zygote.py``): in a session of
     its own, with the launcher's environment, working directory, stdout and stderr, shown in /proc as ``python
     forkserver.py FD``, its preload taken as this process's (with pytest's variables and those the test added as
@@ -247,19 +259,133 @@ def _fork_server(request: dict, fds: list[int], imported_under: dict[str, str]) 
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(env)
-        preload.adopt(("numpy", "torch"), imported)
+        preload.adopt(modules, imported)
         proctitle.show_as([sys.executable, forkserver.__file__, str(sock)], env)
         forkserver.serve(sock)
     finally:
         os._exit(0)
 
 
-def _answer(conn: socket.socket, children: dict[int, socket.socket], imported_under: dict[str, str]) -> None:
+class _Template:
+    """A child of the zygote that also imported :data:`_FULL`: it forks the fork servers of jobs whose ranks want
+    those preloaded, so that each such job does not import them again. The zygote hands it a request with its
+    descriptors and relays the answers; ``pid N`` or ``refused WHY`` comes back, later ``exit PID CODE``."""
+
+    def __init__(self, imported_under: dict[str, str]) -> None:
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for end in (self.sock, theirs):
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                self.sock.close()
+                _serve_template(theirs, imported_under)
+            finally:
+                os._exit(0)
+        theirs.close()
+        self.relayed: dict[int, socket.socket] = {}  # pid of a server it forked -> the client's connection
+
+    def wants(self, request: dict) -> bool:
+        """The request's ranks want every module of :data:`_FULL` preloaded, and none the template did not import
+        (a rank must not find a module imported that a new interpreter would not have)."""
+        wanted = set(request.get("modules", ()))
+        return set(_FULL) <= wanted <= {*_BASE, *_FULL}
+
+    def fork_server(self, request: dict, fds: list[int]) -> int | str:
+        """Have the template fork the server; its pid or why not."""
+        try:
+            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+            while True:
+                words = self.sock.recv(1 << 16).decode().split(" ", 1)
+                if words[0] != "exit":
+                    return int(words[1]) if words[0] == "pid" else words[-1]
+                self._relay_exit(words[1])
+        except (OSError, ValueError, IndexError) as e:
+            return f"the template failed: {e}"
+
+    def relay(self) -> None:
+        """Pass on every end of a server the template reported."""
+        try:
+            while True:
+                words = self.sock.recv(1 << 16, socket.MSG_DONTWAIT).decode().split(" ", 1)
+                if words[0] == "exit":
+                    self._relay_exit(words[1])
+        except BlockingIOError:
+            return
+
+    def _relay_exit(self, text: str) -> None:
+        pid, code = text.split()
+        conn = self.relayed.pop(int(pid), None)
+        if conn is not None:
+            try:
+                conn.sendall(f"exit {code}\n".encode())
+            except OSError:
+                pass
+            conn.close()
+
+
+def _serve_template(sock: socket.socket, imported_under: dict[str, str]) -> None:
+    """The template's life: import :data:`_FULL`, then fork a server for each request until the zygote ends."""
+    import gc
+    import importlib
+
+    for module in _FULL:
+        importlib.import_module(module)
+    gc.freeze()
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    while True:
+        ready = select.select([sock, wake_read], [], [])[0]
+        if wake_read in ready:
+            try:
+                while os.read(wake_read, 512):
+                    pass
+            except BlockingIOError:
+                pass
+            for pid, code in _ended_children():
+                sock.send(f"exit {pid} {code}".encode())
+        if sock in ready:
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 22, 3)
+            if not data:
+                return  # the zygote ended
+            try:
+                forked = _fork_server(json.loads(data), fds, imported_under, (*_BASE, *_FULL))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            sock.send((f"pid {forked}" if isinstance(forked, int) else f"refused {forked}").encode())
+
+
+def _ended_children() -> list[tuple[int, int]]:
+    """(pid, exit code) of every child that ended, reaped."""
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return ended
+        if pid == 0:
+            return ended
+        ended.append((pid, os.waitstatus_to_exitcode(status)))
+
+
+def _answer(conn: socket.socket, children: dict[int, socket.socket], imported_under: dict[str, str],
+            template: _Template) -> None:
     fds: list[int] = []
     try:
         request, fds = _receive(conn)
-        if request.get("kind") == FORK_SERVER:
-            forked = _fork_server(request, fds, imported_under) if len(fds) == 3 else "no socket, stdout and stderr"
+        if request.get("kind") == FORK_SERVER and len(fds) != 3:
+            forked: int | str = "no socket, stdout and stderr"
+        elif request.get("kind") == FORK_SERVER and template.wants(request):
+            forked = template.fork_server(request, fds)
+            if isinstance(forked, int):
+                template.relayed[forked] = conn
+        elif request.get("kind") == FORK_SERVER:
+            forked = _fork_server(request, fds, imported_under)
         else:
             forked = _fork(request, fds, imported_under) if len(fds) == 2 else "no stdout and stderr"
     except (OSError, ValueError, KeyError, IndexError) as e:
@@ -269,7 +395,8 @@ def _answer(conn: socket.socket, children: dict[int, socket.socket], imported_un
             os.close(fd)
     try:
         if isinstance(forked, int):
-            children[forked] = conn
+            if forked not in template.relayed:
+                children[forked] = conn
             conn.sendall(f"pid {forked}\n".encode())
         else:
             conn.sendall(f"refused {forked}\n".encode())
@@ -285,17 +412,11 @@ def _open_limit() -> int:
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    for pid, code in _ended_children():
         conn = children.pop(pid, None)
         if conn is not None:
             try:
-                conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+                conn.sendall(f"exit {code}\n".encode())
             except OSError:
                 pass
             conn.close()
@@ -312,6 +433,7 @@ def serve(path: str, client_pid: int) -> None:
 
     imported_under = {**os.environ, PRELOAD: "numpy,torch"}
     preload.preload(imported_under)  # as a host's fork server does: imported once, then frozen out of the GC
+    template = _Template(imported_under)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_read, False)
     os.set_blocking(wake_write, False)
@@ -328,12 +450,15 @@ def serve(path: str, client_pid: int) -> None:
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_read, selectors.EVENT_READ)
     selector.register(client, selectors.EVENT_READ)
+    selector.register(template.sock, selectors.EVENT_READ)
     while True:
         for key, _ in selector.select():
             if key.fileobj == client:
                 return  # the pytest worker ended
             if key.fileobj is listener:
-                _answer(listener.accept()[0], children, imported_under)
+                _answer(listener.accept()[0], children, imported_under, template)
+            elif key.fileobj is template.sock:
+                template.relay()
             else:
                 try:
                     while len(os.read(wake_read, 512)) == 512:

@@ -24,6 +24,7 @@ from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.remote.forkserver import ForkServer, GuardPipes, GuardStatus, describe_status
 from hvdrun.launch.remote.guard import forward_byte
 from hvdrun.launch.remote.hostfacts import free_ports
+from hvdrun.launch.remote.preload import wanted_modules
 from hvdrun.ranks import Slot
 
 LOOPBACK = "127.0.0.1"
@@ -171,7 +172,8 @@ class LocalLauncher(Launcher):
             self._server = None
         if self._server is None:
             self._server = ForkServer.spawn(on_gone=lambda death: router.say(
-                f"hvdrun: warning: {death}; the running ranks go on (their guards report how they end)"))
+                f"hvdrun: warning: {death}; the running ranks go on (their guards report how they end)"),
+                modules=wanted_modules(specs[0].env) if specs else ())
         server = self._server
         requested: list[tuple[WorkerSpec, GuardPipes]] = []
         try:

@@ -68,6 +68,30 @@ def test_ranks_on_ssh_hosts_fork_from_their_hosts_preload(run_hvdrun, hvdrun_env
     assert [(f["rank"], f["preloaded"]) for f in facts] == [(str(rank), True) for rank in range(4)], done.stdout
 
 
+MODULES_SEEN = """import sys
+SEEN = sorted(m for m in ("torch", "torch._dynamo", "hvdrun.torch") if m in sys.modules)
+import torch
+import hvdrun.torch as hvd
+{body}
+print("SEEN", SEEN)
+"""
+
+
+def test_a_zygote_forks_each_job_with_the_modules_its_ranks_want_and_no_other(run_hvdrun, hvdrun_env, zygote,
+                                                                               tmp_path):
+    """A job whose script builds an optimizer preloads torch._dynamo too: its fork server comes from the zygote's
+    template, which imported it; a job that does not want it gets a server without it."""
+    hvdrun_env[FORK_SERVER_FROM] = str(zygote.path)
+    for name, body, seen in (("plain.py", "", "['hvdrun.torch', 'torch']"),
+                             ("trains.py", "torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)",
+                              "['hvdrun.torch', 'torch', 'torch._dynamo']")):
+        (tmp_path / name).write_text(MODULES_SEEN.format(body=body))
+        done = run_hvdrun("-np", "2", name)
+        assert done.returncode == 0, done.stderr
+        assert sorted(line.split(":", 1)[1] for line in done.stdout.splitlines() if "SEEN" in line) == \
+            [f"SEEN {seen}"] * 2, (name, done.stdout)
+
+
 def test_a_zygote_that_cannot_be_reached_leaves_hvdrun_to_spawn_its_fork_server(run_hvdrun, hvdrun_env, worker,
                                                                                  tmp_path):
     hvdrun_env[FORK_SERVER_FROM] = str(tmp_path / "no-zygote.sock")

@@ -255,15 +255,15 @@ class ForkServer:
 
     @classmethod
     def spawn(cls, where: str = "this machine", on_exit: Callable[[int, int], None] | None = None,
-              on_gone: Callable[[str], None] | None = None) -> ForkServer:
+              on_gone: Callable[[str], None] | None = None, modules: Sequence[str] = ()) -> ForkServer:
         """Start the server as ``python forkserver.py FD`` in a session of its own (or have the zygote at
-        ``HVDRUN_FORK_SERVER_FROM`` fork it, see ``zygote.py``).
+        ``HVDRUN_FORK_SERVER_FROM`` fork it, see ``zygote.py``; ``modules``: what its ranks want preloaded).
 
         Raises:
             LaunchError: it could not be started.
         """
         ours, theirs = _socket_pair()
-        adopted = zygote.adopt(theirs)
+        adopted = zygote.adopt(theirs, modules)
         if adopted is not None:
             theirs.close()
             return cls(ours, adopted, where, on_exit, on_gone)

@@ -116,12 +116,17 @@ _preloaded: Preloaded | None = None
 _tried = False
 
 
+def wanted_modules(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The modules ``environ`` names in ``HVDRUN_PRELOAD``, in order."""
+    return tuple(m for m in environ.get(PRELOAD, "").split(",") if m)
+
+
 def preload(environ: Mapping[str, str]) -> None:
     """Import the modules ``environ`` names in ``HVDRUN_PRELOAD`` (once per process; the fork server calls it
     with its first request's environment), those a zygote imported already (:func:`adopt`) excepted. A module
     that fails to import is left to the ranks, which then start the ordinary way and show the error themselves."""
     global _preloaded, _tried
-    modules = tuple(m for m in environ.get(PRELOAD, "").split(",") if m)
+    modules = wanted_modules(environ)
     if _tried or not modules:
         return
     _tried = True

@@ -15,8 +15,9 @@ scheduler has on the launcher (a Slurm step, a PBS job): never set it for a job 
 
 The protocol, one request per connection: an 8-byte big-endian length sent with three descriptors (the
 server's socket, its stdout and its stderr), then that many bytes of JSON ``{"kind": "forkserver", "env": ...,
-"cwd": ...}``. Answers, one line each: ``pid N`` or ``refused WHY``; then ``exit CODE`` when the server ended
-(``CODE`` as :attr:`subprocess.Popen.returncode`). Standard library only.
+"cwd": ..., "modules": [...]}`` (``modules``: what the job's ranks want preloaded, ``HVDRUN_PRELOAD``).
+Answers, one line each: ``pid N`` or ``refused WHY``; then ``exit CODE`` when the server ended (``CODE`` as
+:attr:`subprocess.Popen.returncode`). Standard library only.
 """
 
 from __future__ import annotations
@@ -110,12 +111,13 @@ def ask_for_pid(path: str, request: dict[str, Any], fds: Sequence[int]) -> tuple
     return int(words[1]), control, pending
 
 
-def adopt(server_end: socket.socket) -> AdoptedServer | None:
-    """Ask the zygote at ``HVDRUN_FORK_SERVER_FROM`` for a fork server serving ``server_end``; None when the
-    variable is unset, or the zygote cannot be reached or refuses (then spawn the server the ordinary way)."""
+def adopt(server_end: socket.socket, modules: Sequence[str] = ()) -> AdoptedServer | None:
+    """Ask the zygote at ``HVDRUN_FORK_SERVER_FROM`` for a fork server serving ``server_end``, whose ranks want
+    ``modules`` preloaded (a zygote that imported them too may fork it from there); None when the variable is
+    unset, or the zygote cannot be reached or refuses (then spawn the server the ordinary way)."""
     path = os.environ.get(FORK_SERVER_FROM)
     if not path:
         return None
-    answer = ask_for_pid(path, {"kind": FORK_SERVER, "env": dict(os.environ), "cwd": os.getcwd()},
-                         [server_end.fileno(), 1, 2])
+    answer = ask_for_pid(path, {"kind": FORK_SERVER, "env": dict(os.environ), "cwd": os.getcwd(),
+                                "modules": list(modules)}, [server_end.fileno(), 1, 2])
     return None if answer is None else AdoptedServer(*answer)
