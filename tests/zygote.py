@@ -12,9 +12,9 @@ interpreter would start otherwise (another Python, an interpreter option, ``PYTH
 refused, and the caller starts the rank the ordinary way.
 
 It also forks the fork servers of hvdrun's local jobs (``hvdrun/launch/remote/zygote.py``): a job whose ranks
-want ``torch._dynamo`` and ``hvdrun.torch`` preloaded too (a script that builds an optimizer) gets its server
-from the zygote's template, a child that imported those as well (:class:`_Template`), never one with a module
-its ranks did not ask for.
+want ``torch._dynamo`` preloaded too (a script that builds an optimizer) gets its server from the zygote's
+template, a child that imported it as well (:class:`_Template`), never one with a module its ranks did not ask
+for.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ _READ_AT_IMPORT = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTOR
 
 
 _BASE = ("numpy", "torch")  # what the zygote imports
-# what a job whose script builds an optimizer and imports hvdrun.torch preloads beyond them (1.5 CPU-s): its fork
-# server is forked by the zygote's template, a child that imported these too (see _Template)
-_FULL = ("torch._dynamo", "hvdrun.torch")
+# what a job whose script builds an optimizer preloads beyond them (1.9 CPU-s): its fork server is forked by the
+# zygote's template, a child that imported these too (see _Template)
+_FULL = ("torch._dynamo",)
 
 
 class ForkedRank:
@@ -287,10 +287,9 @@ class _Template:
         self.relayed: dict[int, socket.socket] = {}  # pid of a server it forked -> the client's connection
 
     def wants(self, request: dict) -> bool:
-        """The request's ranks want every module of :data:`_FULL` preloaded, and none the template did not import
-        (a rank must not find a module imported that a new interpreter would not have)."""
-        wanted = set(request.get("modules", ()))
-        return set(_FULL) <= wanted <= {*_BASE, *_FULL}
+        """The request's ranks want every module of :data:`_FULL` preloaded (a rank must not find a module
+        imported that a new interpreter would not have); the server imports any other they want itself."""
+        return set(_FULL) <= set(request.get("modules", ()))
 
     def fork_server(self, request: dict, fds: list[int]) -> int | str:
         """Have the template fork the server; its pid or why not."""

@@ -71,10 +71,10 @@ def test_ranks_on_ssh_hosts_fork_from_their_hosts_preload(run_hvdrun, hvdrun_env
 MODULES_SEEN = """import sys
 SEEN = sorted(m for m in ("torch", "torch._dynamo", "hvdrun.torch") if m in sys.modules)
 import torch
-import hvdrun.torch as hvd
 {body}
 print("SEEN", SEEN)
 """
+OPTIMIZER = "torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)"
 
 
 def test_a_zygote_forks_each_job_with_the_modules_its_ranks_want_and_no_other(run_hvdrun, hvdrun_env, zygote,
@@ -82,9 +82,10 @@ def test_a_zygote_forks_each_job_with_the_modules_its_ranks_want_and_no_other(ru
     """A job whose script builds an optimizer preloads torch._dynamo too: its fork server comes from the zygote's
     template, which imported it; a job that does not want it gets a server without it."""
     hvdrun_env[FORK_SERVER_FROM] = str(zygote.path)
-    for name, body, seen in (("plain.py", "", "['hvdrun.torch', 'torch']"),
-                             ("trains.py", "torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)",
-                              "['hvdrun.torch', 'torch', 'torch._dynamo']")):
+    for name, body, seen in (("plain.py", "import hvdrun.torch", "['hvdrun.torch', 'torch']"),
+                             ("trains.py", f"import hvdrun.torch\n{OPTIMIZER}",
+                              "['hvdrun.torch', 'torch', 'torch._dynamo']"),
+                             ("torch_only.py", OPTIMIZER, "['torch', 'torch._dynamo']")):
         (tmp_path / name).write_text(MODULES_SEEN.format(body=body))
         done = run_hvdrun("-np", "2", name)
         assert done.returncode == 0, done.stderr
