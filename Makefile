@@ -40,9 +40,9 @@ demo: venv
 # Two pytest-xdist workers on 2 cores. A third fills more of the suite's waits (measured with the PBS tests: 606-627
 # s and 96 % of the CPU busy, against 694-708 s and 84 % with two; with the zygote-forked fork servers 581 s and 97 %
 # against 680 s and 88 %), but the suite is now CPU-bound either way (fresh clone, with the dynamo template and the
-# SSH hosts' preload: 522 s with two, 515 s and 975 CPU-s with three), and it overloads the machine: in two of four
-# fresh-clone runs with three,
-# timing-sensitive tests failed (a 2 s SSH handshake, a 3 s start timeout, a registration wait). --dist loadfile gives all of a file's tests to one worker: the Slurm tests
+# SSH hosts' preload: 509-522 s with two, 515 s and 975 CPU-s with three), and three overload the machine: in two of
+# four earlier fresh-clone runs with three, timing-sensitive tests failed (a 2 s SSH handshake, a 3 s start
+# timeout, a registration wait). --dist loadfile gives all of a file's tests to one worker: the Slurm tests
 # (test_scheduler_jobs.py) and the PBS tests (test_pbs.py) start one cluster each. (Not loadgroup: with pytest 9.2
 # it silently ignores xdist_group marks, pytest-xdist issue #1386.)
 # Byte-compiled first: with PYTHONDONTWRITEBYTECODE set (as in some CI images) no import writes a .pyc, and every
