@@ -315,13 +315,7 @@ class _Template:
 
     def _relay_exit(self, text: str) -> None:
         pid, code = text.split()
-        conn = self.relayed.pop(int(pid), None)
-        if conn is not None:
-            try:
-                conn.sendall(f"exit {code}\n".encode())
-            except OSError:
-                pass
-            conn.close()
+        _report_exit(self.relayed.pop(int(pid), None), int(code))
 
 
 def _serve_template(sock: socket.socket, imported_under: dict[str, str]) -> None:
@@ -412,13 +406,18 @@ def _open_limit() -> int:
 
 def _reap(children: dict[int, socket.socket]) -> None:
     for pid, code in _ended_children():
-        conn = children.pop(pid, None)
-        if conn is not None:
-            try:
-                conn.sendall(f"exit {code}\n".encode())
-            except OSError:
-                pass
-            conn.close()
+        _report_exit(children.pop(pid, None), code)
+
+
+def _report_exit(conn: socket.socket | None, code: int) -> None:
+    """Tell the client on ``conn`` (if any) that what it asked for ended with ``code``, and close it."""
+    if conn is None:
+        return
+    try:
+        conn.sendall(f"exit {code}\n".encode())
+    except OSError:
+        pass
+    conn.close()
 
 
 def serve(path: str, client_pid: int) -> None:
