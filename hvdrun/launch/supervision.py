@@ -64,16 +64,25 @@ class Failure:
         return self.note or describe_status(self.status)
 
 
+_HANDLING = "During handling of the above exception, another exception occurred:"
+
+
 def hvdrun_error(stderr_tail: Sequence[str]) -> str | None:
     """The last error hvdrun reported in a rank's stderr, ``hvdrun: error: ...`` or an uncaught
-    ``hvdrun.errors.RendezvousError: ...`` (a traceback's last line), without its prefix; None if there is none."""
-    for line in reversed(stderr_tail):
+    ``hvdrun.errors.RendezvousError: ...`` (a traceback's last line), without its prefix; None if there is none.
+    Where another exception occurred while one of hvdrun's was being handled, the first one's: the root cause."""
+    last = root = current = None
+    for line in stderr_tail:
         text = line.strip()
-        if text.startswith("hvdrun: error: "):
-            return text.removeprefix("hvdrun: error: ")
-        if text.startswith("hvdrun.errors.") and ": " in text:
-            return text.split(": ", 1)[1]
-    return None
+        if text.startswith("Traceback (most recent call last):"):
+            current = None
+        elif text == _HANDLING and root is None:
+            root = current
+        elif text.startswith("hvdrun: error: "):
+            last = current = text.removeprefix("hvdrun: error: ")
+        elif text.startswith("hvdrun.errors.") and ": " in text:
+            last = current = text.split(": ", 1)[1]
+    return root or last
 
 
 class WorkerGroup:
