@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from hvdrun.launch.supervision import hvdrun_error
 
 TIMED_OUT = "hvdrun.errors.RendezvousError: rendezvous timed out after 3 s: ranks 1 never joined rank 0"
@@ -21,3 +23,20 @@ def test_an_exception_raised_while_handling_hvdruns_leaves_hvdruns_as_the_cause(
     assert hvdrun_error(tail) == "rendezvous timed out after 3 s: ranks 1 never joined rank 0"
     assert hvdrun_error(tail[-3:]) == "rank 0 closed the connection"  # no chain in view: the last one
     assert hvdrun_error(tail[-3:] + tail) == "rendezvous timed out after 3 s: ranks 1 never joined rank 0"
+
+
+def test_a_failure_reported_to_a_rank_0_that_is_gone_raises_nothing_more():
+    """A rank whose rendezvous timed out reports it to rank 0; rank 0, timed out too, may have exited already: the
+    report must not raise while the timeout is being handled (a second traceback would bury the first)."""
+    import socket
+
+    from hvdrun.runtime.rendezvous.client import Client
+
+    ours, theirs = socket.socketpair()
+    theirs.close()  # rank 0 exited
+    client = Client.__new__(Client)  # only what report_failure uses: its socket and send lock
+    client.sock = ours
+    client._send_lock = threading.Lock()
+    for _ in range(3):  # the first send may still be taken by the kernel; a later one meets the closed end
+        client.report_failure("rank 2 failed while joining the job: rendezvous timed out")
+    ours.close()

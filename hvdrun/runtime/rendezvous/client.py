@@ -151,9 +151,13 @@ class Client:
         self.barriers.wait(number, deadline)
 
     def report_failure(self, reason: str) -> None:
-        """Ask rank 0 to abort every rank with ``reason``."""
+        """Ask rank 0 to abort every rank with ``reason``; where rank 0 is gone already (its own rendezvous timed
+        out and it exited), nothing: the report must never hide the error it reports."""
         if self.sock is not None:
-            self.send(("abort", reason))
+            try:
+                self.send(("abort", reason))
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Say goodbye so rank 0 does not report us as crashed."""
