@@ -285,18 +285,22 @@ class _Template:
                 os._exit(0)
         theirs.close()
         self.relayed: dict[int, socket.socket] = {}  # pid of a server it forked -> the client's connection
+        self.ended = False
 
     def wants(self, request: dict) -> bool:
         """The request's ranks want every module of :data:`_FULL` preloaded (a rank must not find a module
-        imported that a new interpreter would not have); the server imports any other they want itself."""
-        return set(_FULL) <= set(request.get("modules", ()))
+        imported that a new interpreter would not have), and the template still serves; the server imports any
+        other module they want itself."""
+        return not self.ended and set(_FULL) <= set(request.get("modules", ()))
 
     def fork_server(self, request: dict, fds: list[int]) -> int | str:
         """Have the template fork the server; its pid or why not."""
         try:
             socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
             while True:
-                words = self.sock.recv(1 << 16).decode().split(" ", 1)
+                words = self._message(0)
+                if words is None:
+                    return "the template ended"
                 if words[0] != "exit":
                     return int(words[1]) if words[0] == "pid" else words[-1]
                 self._relay_exit(words[1])
@@ -304,14 +308,26 @@ class _Template:
             return f"the template failed: {e}"
 
     def relay(self) -> None:
-        """Pass on every end of a server the template reported."""
+        """Pass on every end of a server the template reported (the zygote's loop calls it while :attr:`ended`
+        is False: the template's socket is readable)."""
         try:
-            while True:
-                words = self.sock.recv(1 << 16, socket.MSG_DONTWAIT).decode().split(" ", 1)
+            while (words := self._message(socket.MSG_DONTWAIT)) is not None:
                 if words[0] == "exit":
                     self._relay_exit(words[1])
         except BlockingIOError:
             return
+
+    def _message(self, flags: int) -> list[str] | None:
+        """The template's next message, split in its word and the rest; None once it ended (then every client
+        whose server it forked is told by the end of its connection, as by a zygote that ended)."""
+        data = self.sock.recv(1 << 16, flags)
+        if data:
+            return data.decode().split(" ", 1)
+        self.ended = True
+        for conn in self.relayed.values():
+            conn.close()
+        self.relayed.clear()
+        return None
 
     def _relay_exit(self, text: str) -> None:
         pid, code = text.split()
@@ -326,19 +342,11 @@ def _serve_template(sock: socket.socket, imported_under: dict[str, str]) -> None
     for module in _FULL:
         importlib.import_module(module)
     gc.freeze()
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_read, False)
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    wake_read = _wake_on_child_end()
     while True:
         ready = select.select([sock, wake_read], [], [])[0]
         if wake_read in ready:
-            try:
-                while os.read(wake_read, 512):
-                    pass
-            except BlockingIOError:
-                pass
+            _drain(wake_read)
             for pid, code in _ended_children():
                 sock.send(f"exit {pid} {code}".encode())
         if sock in ready:
@@ -351,6 +359,25 @@ def _serve_template(sock: socket.socket, imported_under: dict[str, str]) -> None
                 for fd in fds:
                     os.close(fd)
             sock.send((f"pid {forked}" if isinstance(forked, int) else f"refused {forked}").encode())
+
+
+def _wake_on_child_end() -> int:
+    """A pipe that SIGCHLD writes to (for select); its read end."""
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    return wake_read
+
+
+def _drain(fd: int) -> None:
+    """Read everything ``fd`` (non-blocking) holds."""
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _ended_children() -> list[tuple[int, int]]:
@@ -432,11 +459,7 @@ def serve(path: str, client_pid: int) -> None:
     imported_under = {**os.environ, PRELOAD: "numpy,torch"}
     preload.preload(imported_under)  # as a host's fork server does: imported once, then frozen out of the GC
     template = _Template(imported_under)
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_read, False)
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    wake_read = _wake_on_child_end()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     Path(path + ".new").unlink(missing_ok=True)
     listener.bind(path + ".new")
@@ -457,12 +480,10 @@ def serve(path: str, client_pid: int) -> None:
                 _answer(listener.accept()[0], children, imported_under, template)
             elif key.fileobj is template.sock:
                 template.relay()
+                if template.ended:
+                    selector.unregister(template.sock)
             else:
-                try:
-                    while len(os.read(wake_read, 512)) == 512:
-                        pass
-                except BlockingIOError:
-                    pass
+                _drain(wake_read)
         _reap(children)
 
 

@@ -72,12 +72,14 @@ def hvdrun_error(stderr_tail: Sequence[str]) -> str | None:
     ``hvdrun.errors.RendezvousError: ...`` (a traceback's last line), without its prefix; None if there is none.
     Where another exception occurred while one of hvdrun's was being handled, the first one's: the root cause."""
     last = root = current = None
+    chained = False  # the next traceback continues this one's chain
     for line in stderr_tail:
         text = line.strip()
         if text.startswith("Traceback (most recent call last):"):
-            current = None
-        elif text == _HANDLING and root is None:
-            root = current
+            root = root if chained else None  # a new chain: its root is its own
+            current, chained = None, False
+        elif text == _HANDLING:
+            root, chained = root or current, True
         elif text.startswith("hvdrun: error: "):
             last = current = text.removeprefix("hvdrun: error: ")
         elif text.startswith("hvdrun.errors.") and ": " in text:

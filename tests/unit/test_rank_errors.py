@@ -23,6 +23,8 @@ def test_an_exception_raised_while_handling_hvdruns_leaves_hvdruns_as_the_cause(
     assert hvdrun_error(tail) == "rendezvous timed out after 3 s: ranks 1 never joined rank 0"
     assert hvdrun_error(tail[-3:]) == "rank 0 closed the connection"  # no chain in view: the last one
     assert hvdrun_error(tail[-3:] + tail) == "rendezvous timed out after 3 s: ranks 1 never joined rank 0"
+    later = ["Traceback (most recent call last):", '  File "x.py", line 3', "hvdrun.errors.PeerLost: rank 3 is gone"]
+    assert hvdrun_error(tail + later) == "rank 3 is gone"  # a traceback of its own after the chain: the last
 
 
 def test_a_failure_reported_to_a_rank_0_that_is_gone_raises_nothing_more():
