@@ -37,19 +37,18 @@ system-deps:
 demo: venv
 	$(HVDRUN) -np 2 examples/linear_regression.py --check
 
-# Two pytest-xdist workers on 2 cores. A third fills more of the suite's waits (measured with the PBS tests: 606-627
-# s and 96 % of the CPU busy, against 694-708 s and 84 % with two; with the zygote-forked fork servers 581 s and 97 %
-# against 680 s and 88 %), but the suite is now CPU-bound either way (fresh clone, with the dynamo template and the
-# SSH hosts' preload: 509-522 s with two, 515 s and 975 CPU-s with three), and three overload the machine: in two of
-# four earlier fresh-clone runs with three, timing-sensitive tests failed (a 2 s SSH handshake, a 3 s start
-# timeout, a registration wait). --dist loadfile gives all of a file's tests to one worker: the Slurm tests
+# Three pytest-xdist workers on 2 cores: a test waits for part of its time (a rank's start, a timeout it provokes,
+# a scheduler's poll), and the third worker fills those waits. Measured on this 2-core VM with the zygote-forked
+# and preloaded ranks: two workers 502 s with 780 CPU-s busy (78 % of the cores), three 399 s with 716 CPU-s
+# (90 %). Earlier, with about 1,000 CPU-s of work, three overloaded the machine and timing-sensitive tests failed.
+# --dist loadfile gives all of a file's tests to one worker: the Slurm tests
 # (test_scheduler_jobs.py) and the PBS tests (test_pbs.py) start one cluster each. (Not loadgroup: with pytest 9.2
 # it silently ignores xdist_group marks, pytest-xdist issue #1386.)
 # Byte-compiled first: with PYTHONDONTWRITEBYTECODE set (as in some CI images) no import writes a .pyc, and every
 # rank, launcher and probe the suite starts (about 1,600) would compile the checkout's modules again.
 test: venv system-deps
 	PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -q -j 2 hvdrun tests examples benchmarks >/dev/null
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 3 --dist loadfile
 
 lint: venv
 	$(VENV)/bin/ruff check hvdrun tests examples benchmarks
