@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import wait_until, where_it_hangs
 from tests.integration.test_local_launch import script
 
 pytestmark = pytest.mark.integration
@@ -50,7 +50,11 @@ def signal_when_ready(process: subprocess.Popen[str], ranks: int, signum: int) -
         assert line is not None, f"hvdrun ended before every rank was ready: {''.join(seen)}"
         seen.append(line)
     process.send_signal(signum)
-    process.wait(timeout=60)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"hvdrun did not end within 60 s of {signal.Signals(signum).name}; the ranks' output: "
+                    f"{''.join(seen)}\n{where_it_hangs(process)}")
     while (line := lines.get(timeout=10)) is not None:
         seen.append(line)
     assert wait_until(lambda: bool(errors), 10)

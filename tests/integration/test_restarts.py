@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.conftest import job_processes, wait_until
+from tests.conftest import job_processes, wait_until, where_it_hangs
 from tests.integration.test_local_launch import script
 
 pytestmark = pytest.mark.integration
@@ -230,7 +230,9 @@ def test_ctrl_c_during_restarts_leaves_nothing(hvdrun_env, tmp_path, token):
                              str(tmp_path / "mark"), "hang"], env=hvdrun_env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    seen: list[str] = []
+    threading.Thread(target=lambda: [(lines.put(line), seen.append(line)) for line in proc.stderr],
+                     daemon=True).start()
     threading.Thread(target=proc.stdout.read, daemon=True).start()
     try:
         deadline = time.monotonic() + 90
@@ -238,7 +240,10 @@ def test_ctrl_c_during_restarts_leaves_nothing(hvdrun_env, tmp_path, token):
             pass
         assert wait_until(lambda: len(job_processes(token)) >= 3, 60)  # attempt 2 under way
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 130
+        try:
+            assert proc.wait(timeout=30) == 130
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"hvdrun did not end within 30 s of SIGINT\n{where_it_hangs(proc, ''.join(seen))}")
         assert wait_until(lambda: not job_processes(token), 10), job_processes(token)
     finally:
         proc.kill()
