@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import sys
 from collections.abc import Iterator
@@ -93,3 +94,52 @@ def exit_if_interrupted() -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.write(2, f"hvdrun: error: received {signal.Signals(signum).name}; nothing is running\n".encode())
         sys.exit(128 + signum)
+
+
+class Wakeup:
+    """An event that a signal handler may set: a pipe, not a lock. (:class:`threading.Event`'s ``set()`` in a
+    handler deadlocks when the signal lands while the main thread is inside that event's ``wait()``, which holds
+    the event's lock at that moment: the handler runs on the main thread and waits for it forever.)"""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def set(self) -> None:
+        """Wake the waiter (any thread, or a signal handler); a no-op once closed."""
+        if self._write < 0:
+            return
+        try:
+            os.write(self._write, b"\0")
+        except OSError:  # full: a wake is pending anyway
+            pass
+
+    def wait(self, timeout_s: float) -> bool:
+        """Until set (then cleared) or ``timeout_s``: whether it was set."""
+        if self._read < 0:
+            return False
+        try:
+            readable = select.select([self._read], [], [], timeout_s)[0]
+        except (OSError, ValueError):  # closed meanwhile
+            return False
+        return bool(readable) and self.clear()
+
+    def clear(self) -> bool:
+        """Forget the wakes so far: whether there was one."""
+        woken = False
+        try:
+            while self._read >= 0 and os.read(self._read, 64):
+                woken = True
+        except OSError:  # empty (or closed)
+            pass
+        return woken
+
+    def close(self) -> None:
+        """Close the pipe; later calls do nothing (its descriptors' numbers may name other files by then)."""
+        fds, self._read, self._write = (self._read, self._write), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+

@@ -12,10 +12,10 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from hvdrun.envvars import Rendezvous
 from hvdrun.errors import RendezvousError
+from hvdrun.interrupts import Wakeup
 from hvdrun.launch.registry import register, unregister
 from hvdrun.protocol.inspection import INSPECT, SIGNAL, STACKS, ask_rank0, format_reports
 
@@ -58,16 +58,27 @@ def print_stacks(rendezvous: Rendezvous, write: Callable[[str], None]) -> None:
 def stacks_on_demand(rendezvous: Rendezvous, size: int, write: Callable[[str], None]) -> Iterator[None]:
     """While the job runs: Ctrl-\\ prints every rank's stacks (in a thread: supervision goes on), and the job
     is registered for ``hvdrun stacks``."""
-    def on_quit(signum: int, frame: Any) -> None:
-        threading.Thread(target=print_stacks, args=(rendezvous, write), name="hvdrun-stacks",
-                         daemon=True).start()
+    asked, done = Wakeup(), threading.Event()  # the handler only wakes the printer: no lock, no thread start
+
+    def printer() -> None:
+        while not done.is_set():
+            if asked.wait(0.5) and not done.is_set():
+                print_stacks(rendezvous, write)
 
     registered = register(rendezvous, size)
-    previous = signal.signal(signal.SIGQUIT, on_quit) if threading.current_thread() is threading.main_thread() \
-        else None
+    thread, previous = threading.Thread(target=printer, name="hvdrun-stacks", daemon=True), None
+    if threading.current_thread() is threading.main_thread():
+        thread.start()
+        previous = signal.signal(signal.SIGQUIT, lambda signum, frame: asked.set())
     try:
         yield
     finally:
         if previous is not None:
             signal.signal(signal.SIGQUIT, previous)
+        done.set()
+        asked.set()
+        if thread.is_alive():
+            thread.join(1.0)
+        if not thread.is_alive():  # else it is still printing: its pipe stays open with it
+            asked.close()
         unregister(registered)

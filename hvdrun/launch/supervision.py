@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from hvdrun.errors import RENDEZVOUS_TIMED_OUT, JobInterrupted, UsageError, WorkerFailed
+from hvdrun.interrupts import Wakeup
 from hvdrun.launch.base import Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.remote.forkserver import describe_status
@@ -113,7 +114,7 @@ class WorkerGroup:
         self._forward_pending: list[int] = []
         self._ended: dict[int, tuple[int, float]] = {}  # rank -> (status, seconds after start)
         self._never_joined: list[Failure] = []  # ranks that exited 0 without entering init()
-        self._wakeup = threading.Event()
+        self._wakeup = Wakeup()  # set by the signal handlers: never a lock there (see Wakeup)
 
     def run(self, specs: Sequence[WorkerSpec]) -> None:
         """Start every spec and supervise them.
@@ -133,6 +134,7 @@ class WorkerGroup:
                 failure = self._supervise(started)
             finally:
                 self._teardown()
+        self._wakeup.close()
         self.router.drain(_DRAIN_TIMEOUT_S)
         self._raise_for(failure, len(specs))
 

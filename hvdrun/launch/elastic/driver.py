@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 
 from hvdrun.errors import JobInterrupted, WorkerFailed
 from hvdrun.hosts import Host
+from hvdrun.interrupts import Wakeup
 from hvdrun.launch.base import Launcher, WorkerSpec
 from hvdrun.launch.elastic.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.elastic.membership_service import MembershipService
@@ -62,7 +62,7 @@ class ElasticDriver:
                  log: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True)) -> None:
         self.launcher, self.discovery, self.settings, self.log = launcher, discovery, settings, log
         self.pool = WorkerPool(launcher, router, discovery, settings, spec_for, layout or GpuLayout(), log)
-        self._wakeup = threading.Event()
+        self._wakeup = Wakeup()  # set by the signal handler: never a lock there (see Wakeup)
         self.service = MembershipService(secret, self.pool.is_member, self._wakeup.set)
         self._failures: list[tuple[Member, Failure]] = []
         self._finished = False  # a worker ended its training (exit 0): no new workers, no new rounds wait
@@ -91,6 +91,7 @@ class ElasticDriver:
                 self.service.stop_admitting()
                 stop_workers([m.worker for m in self.pool.members.values()], self.launcher.grace_s)
                 self.service.close()
+                self._wakeup.close()
         if self._interrupt is not None:
             raise JobInterrupted(f"received {signal.Signals(self._interrupt).name}; stopped every worker",
                                  128 + self._interrupt)
