@@ -13,6 +13,7 @@ from hvdrun.envvars import START_TIMEOUT
 from hvdrun.errors import RENDEZVOUS_TIMED_OUT, RendezvousError
 from hvdrun.protocol.inspection import INSPECT, REPORT_TIMEOUT_S, SIGNAL, STACKS, VITALS, format_reports
 from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
+from hvdrun.ranks import format_ranks
 from hvdrun.runtime.peers import Layout, NeedsPlan, Peer, PeerTable
 from hvdrun.runtime.readiness import readable
 from hvdrun.runtime.rendezvous.common import (
@@ -47,6 +48,7 @@ class RootServer:
         self.local_listener: socket.socket | None = None  # this host's ranks, when rank 0 leads its host
         self._handshakes = threading.BoundedSemaphore(max(2 * size, 16))
         self.members: dict[int, Peer] = {}  # every rank that joined, rank 0 aside
+        self._reached: dict[int, set[int]] = {}  # set-up barrier -> the ranks rank 0 heard reached it
         self.conns: dict[socket.socket, _Conn] = {}
         self._lock = threading.Lock()
         self._closing = self._closed = False
@@ -283,6 +285,8 @@ class RootServer:
         if kind in ("report", "reports"):
             self._take_reports(conn, message)
         elif kind == "ready":
+            with self._lock:
+                self._reached.setdefault(message[1], set()).update(conn.ranks)
             self.barriers.add(message[1], message[2])
         elif kind == "abort":
             self.broadcast_abort(str(message[1]))
@@ -305,9 +309,25 @@ class RootServer:
     def barrier(self, number: int, deadline: float) -> None:
         """Set-up barrier ``number``: wait until every other rank reached it (a leader counts for its host), then
         release them all."""
-        self.barriers.wait(number, deadline, reached=self.size - 1)
+        try:
+            self.barriers.wait(number, deadline, reached=self.size - 1)
+        except RendezvousError as e:
+            raise RendezvousError(f"{e}; {self._not_reached(number)}") from None
         for conn in self._live():
             self._send(conn.sock, ("go", number))
+
+    def _not_reached(self, number: int) -> str:
+        """Who rank 0 had not heard reach set-up barrier ``number``, by host (a host's leader speaks for all
+        the ranks of its host at once, when the last of them reached it)."""
+        with self._lock:
+            missing = sorted(set(range(1, self.size)) - self._reached.get(number, set()))
+        by_host: dict[str, list[int]] = {}
+        for rank in missing:
+            peer = self.members.get(rank)
+            by_host.setdefault(peer.hostname if peer is not None else "an unknown host", []).append(rank)
+        where = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} on {host}"
+                          for host, ranks in by_host.items())
+        return f"not reached (as rank 0 heard): {where}"
 
     def broadcast_abort(self, reason: str) -> None:
         """Set our abort flag and tell every other rank why."""
