@@ -65,8 +65,10 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 PARAMETERS = ("alpha", "beta", "gamma", "alpha_local", "beta_local")
@@ -508,9 +510,12 @@ def negotiation_line(params: dict[str, float], setting: Setting, hosts: int, per
             f"{fmt_time(hier.seconds(per_byte))} moving bytes ({human(int(hier.get('beta', 0)))} over a host's link)")
 
 
-def plot(path: Path, params: dict[str, float], setting: Setting, per_host: int, sizes: list[int],
+PLOT_RANKS_PER_HOST = (4, 12)  # Polaris-like and Aurora-like hosts: a column of panels each
+
+
+def plot(path: Path, params: dict[str, float], setting: Setting, per_hosts: Sequence[int], sizes: list[int],
          points: list[Point]) -> str:
-    """docs/scaling.png: predicted time against hosts, one panel per size."""
+    """docs/scaling.png: predicted time against hosts, a row of panels per size and a column per ranks a host."""
     try:
         import matplotlib
 
@@ -518,41 +523,44 @@ def plot(path: Path, params: dict[str, float], setting: Setting, per_host: int, 
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is missing from this environment: no plot drawn (the tables above are complete)"
-    host_counts = [1 << e for e in range(1, 13)]
-    columns = [c for c in COLUMNS if c not in ("hvdrun ring", "hvdrun doubling", "hvdrun halving")]
-    styles = {"hvdrun flat": ("tab:red", "-"), "hvdrun auto": ("tab:blue", "-"), "hvdrun rules": ("tab:cyan", "-."),
-              "MPI": ("tab:green", "--"),
-              "NCCL ring": ("tab:gray", ":"), "NCCL tree": ("black", ":")}
-    cols = 2
-    rows = math.ceil(len(sizes) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(11, 4 * rows), squeeze=False)
-    for ax, nbytes in zip(axes.flat, sizes, strict=False):
-        for column in columns:
-            color, style = styles[column]
-            ys = [column_time(column, h, per_host, nbytes, setting, params)[0] for h in host_counts]
-            ax.plot(host_counts, ys, style, color=color, label=column)
-        measured = [p for p in points if p.nbytes == nbytes and p.per_host == per_host]
-        for kind, marker in (("hvdrun flat", "x"), ("hvdrun auto", "o"), ("MPI", "^")):
-            xs = [p.hosts for p in measured if p.kind == kind]
-            if xs:
-                ax.scatter(xs, [p.seconds for p in measured if p.kind == kind], marker=marker, s=25,
-                           color=styles[kind][0], label=f"{kind} measured (shared cores)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"allreduce of {human(nbytes)}, {per_host} ranks per host")
-        ax.set_xlabel("hosts")
-        ax.set_ylabel("seconds")
-        ax.grid(True, which="both", alpha=0.3)
-    for ax in list(axes.flat)[len(sizes):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
+    rows, cols = len(sizes), len(per_hosts)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
+    for row, nbytes in enumerate(sizes):
+        for col, per_host in enumerate(per_hosts):
+            _panel(axes[row][col], params, setting, per_host, nbytes, points)
+    axes[0][0].legend(fontsize=7)
     fig.suptitle(f"Model: alpha {params['alpha'] * 1e6:.1f} µs, beta {params['beta'] * 1e9:.2f} ns/B, "
                  f"gamma {params['gamma'] * 1e6:.1f} µs (benchmarks/scaling.py)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))  # room for the title above the panels
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return f"wrote {path}"
+
+
+_STYLES = {"hvdrun flat": ("tab:red", "-"), "hvdrun auto": ("tab:blue", "-"), "hvdrun rules": ("tab:cyan", "-."),
+           "MPI": ("tab:green", "--"), "NCCL ring": ("tab:gray", ":"), "NCCL tree": ("black", ":")}
+
+
+def _panel(ax: Any, params: dict[str, float], setting: Setting, per_host: int, nbytes: int,
+           points: list[Point]) -> None:
+    """One panel: every column's predicted time against hosts, and the measured points of this shape."""
+    host_counts = [1 << e for e in range(1, 13)]
+    for column, (color, style) in _STYLES.items():
+        ys = [column_time(column, h, per_host, nbytes, setting, params)[0] for h in host_counts]
+        ax.plot(host_counts, ys, style, color=color, label=column)
+    measured = [p for p in points if p.nbytes == nbytes and p.per_host == per_host]
+    for kind, marker in (("hvdrun flat", "x"), ("hvdrun auto", "o"), ("MPI", "^")):
+        xs = [p.hosts for p in measured if p.kind == kind]
+        if xs:
+            ax.scatter(xs, [p.seconds for p in measured if p.kind == kind], marker=marker, s=25,
+                       color=_STYLES[kind][0], label=f"{kind} measured (shared cores)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(f"allreduce of {human(nbytes)}, {per_host} ranks per host")
+    ax.set_xlabel("hosts")
+    ax.set_ylabel("seconds")
+    ax.grid(True, which="both", alpha=0.3)
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -625,7 +633,8 @@ def main() -> None:
                              "path": column_time(c, h, args.ranks_per_host, n, setting, params)[1]}
                             for h in hosts for n in sizes for c in COLUMNS]}, indent=1))
     if not args.no_plot and not (args.markdown and args.plot == parser.get_default("plot")):
-        print(plot(Path(args.plot), params, setting, args.ranks_per_host, sizes, points), file=sys.stderr)
+        per_hosts = sorted({*PLOT_RANKS_PER_HOST, args.ranks_per_host})
+        print(plot(Path(args.plot), params, setting, per_hosts, sizes, points), file=sys.stderr)
 
 
 if __name__ == "__main__":
