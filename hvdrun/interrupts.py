@@ -115,8 +115,8 @@ class Wakeup:
         except OSError:  # full: a wake is pending anyway
             pass
 
-    def wait(self, timeout_s: float) -> bool:
-        """Until set (then cleared) or ``timeout_s``: whether it was set."""
+    def wait(self, timeout_s: float | None) -> bool:
+        """Until set (then cleared) or ``timeout_s`` (None: no limit): whether it was set."""
         if self._read < 0:
             return False
         try:

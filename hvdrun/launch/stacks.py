@@ -60,10 +60,9 @@ def stacks_on_demand(rendezvous: Rendezvous, size: int, write: Callable[[str], N
     is registered for ``hvdrun stacks``."""
     asked, done = Wakeup(), threading.Event()  # the handler only wakes the printer: no lock, no thread start
 
-    def printer() -> None:
-        while not done.is_set():
-            if asked.wait(0.5) and not done.is_set():
-                print_stacks(rendezvous, write)
+    def printer() -> None:  # sleeps until Ctrl-\ or the job's end wakes it
+        while asked.wait(None) and not done.is_set():
+            print_stacks(rendezvous, write)
 
     registered = register(rendezvous, size)
     thread, previous = threading.Thread(target=printer, name="hvdrun-stacks", daemon=True), None

@@ -134,7 +134,7 @@ class WorkerGroup:
                 failure = self._supervise(started)
             finally:
                 self._teardown()
-        self._wakeup.close()
+                self._wakeup.close()  # a handler that runs after this finds it closed: a no-op
         self.router.drain(_DRAIN_TIMEOUT_S)
         self._raise_for(failure, len(specs))
 
