@@ -32,11 +32,12 @@ class EngineLike(Protocol):
 class Handle:
     """The future of one submitted collective."""
 
-    __slots__ = ("_done", "_gate", "_result", "_error", "_engine", "_name", "flight")
+    __slots__ = ("_done", "_finishing", "_gate", "_result", "_error", "_engine", "_name", "flight")
 
     def __init__(self, engine: EngineLike | None = None, name: str | None = None) -> None:
         self._engine, self._name = engine, name
         self._done = False
+        self._finishing = False  # finish() began (it says done only once the name is free)
         self._gate = threading.Lock()  # held until finish(): waiters block on it
         self._gate.acquire()
         self._result: Any = None
@@ -49,13 +50,16 @@ class Handle:
         Horovod's rule: a name is taken from submission until the op finishes on this rank, whether or not its
         handle is ever synchronized (the name leaves Horovod's tensor table when the op is performed).
         """
-        if self._done:
+        if self._finishing:
             return
-        self._result, self._error, self._done = result, error, True
+        self._finishing = True
+        self._result, self._error = result, error
         if self.flight is not None:
             self.flight.land()
         if self._engine is not None and self._name is not None:
-            self._engine.release_name(self._name)  # before waking: a waiter may submit the name again at once
+            # before done() says so: a waiter that polls done() (drive_until) may submit the name again at once
+            self._engine.release_name(self._name)
+        self._done = True
         self._gate.release()
 
     def done(self) -> bool:
