@@ -202,12 +202,12 @@ class Engine:
             with self._loop.counted():
                 flight = self.recorder.take_off(name, "allreduce", array.nbytes)
                 try:
-                    decoded = self._cycle.express(request, payload, array)
+                    agreed = self._cycle.express(request, payload, array)
                 except Exception as e:  # as in the progress loop: every op of this rank fails, the others are told
                     flight.land()
                     self._fail_from(e)
                     raise CollectiveError(self.ledger.failure or str(e)) from e
-            if decoded is None:
+            if agreed is None:
                 flight.land()
                 self.ledger.release_name(name)
                 self.express_used += 1
@@ -215,7 +215,7 @@ class Engine:
             op = self.ledger.adopt(request, array, payload)
             op.handle.flight = flight
             try:
-                self._cycle.apply(decoded)
+                self._cycle.apply(agreed)
             except Exception as e:
                 self._fail_from(e)
         finally:
