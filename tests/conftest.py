@@ -82,13 +82,16 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:
 def where_it_hangs(process: subprocess.Popen, stderr: str = "") -> str:
     """What a test that timed out waiting for ``process`` reports: the threads of it and of its children
     (``py-spy dump``) and the stderr it read so far, then ``process`` is killed."""
-    dumps = []
-    for pid in [process.pid, *(child.pid for child in _children(process.pid))][:5]:
-        done = subprocess.run([str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(pid)],
-                              capture_output=True, text=True, timeout=30)
-        dumps.append(f"--- py-spy dump --pid {pid}\n{done.stdout or done.stderr}")
+    dumps = [threads_of(pid) for pid in [process.pid, *(child.pid for child in _children(process.pid))][:5]]
     process.kill()
     return "\n".join([*dumps, "--- its stderr", stderr[-4000:]])
+
+
+def threads_of(pid: int) -> str:
+    """``py-spy dump --pid PID``: where every thread of a Python process is."""
+    done = subprocess.run([str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(pid)],
+                          capture_output=True, text=True, timeout=30)
+    return f"--- py-spy dump --pid {pid}\n{done.stdout or done.stderr}"
 
 
 def _children(pid: int) -> list[psutil.Process]:

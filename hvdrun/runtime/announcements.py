@@ -15,13 +15,24 @@ The steady state has a compact form of its own (:class:`Uniform`): "ranks lo..hi
 number K alone, and here is their data reduced", which travels as a 32-byte header and the raw data (no marshal,
 no per-rank entries) and merges with its neighbour range by one reduction. Anything else (another op, a rank
 blocked on a name, a request not cached yet) travels in the general form, into which a uniform range expands.
+
+**Held requests** (Horovod's response-cache bits, :class:`hvdrun.runtime.cycle.Cycle` decides which): a request
+that every rank has agreed on before (a cached number) is not announced once into every rank's table but *held*
+by the rank that submitted it, and every cycle says which numbers it holds. They merge as *tallies*, one per
+number: how many ranks hold it, in which cycles they began to (a count per cycle), and the last of them (the
+straggler watch's facts). A tally's size does not depend on the number of ranks, so a cycle in which every rank
+announces only held requests costs the same bytes at 4 ranks as at 4,000; a number held by every rank is ready
+(the cycle runs it), the others stay held. A rank that holds a number too long, or a cycle with anything in the
+general form, has the numbers that are not held everywhere *flushed*: in the next cycle their holders announce
+them in the general form, so that the table sees them (mismatches, stalls, deadlocks, joins keep their exact
+verdicts and messages).
 """
 
 from __future__ import annotations
 
 import marshal
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -39,13 +50,17 @@ class Agreement:
 
     ``decoded``: every rank's announcement, by rank (without data where they were merged; listed when first read:
     an express cycle that ran never reads them); ``total``: the reduced data of the op that every rank announced
-    alone with its data, when announcements were merged.
+    alone with its data, when announcements were merged; ``tallies``: every held number's :data:`Tally`;
+    ``flush``: the numbers not held by every rank are to be flushed (see the module docstring); ``general``: some
+    rank announced something in the general form (else ``decoded`` lists nothing).
     """
 
-    __slots__ = ("_listing", "_listed", "total")
+    __slots__ = ("_listing", "_listed", "total", "tallies", "flush", "general")
 
-    def __init__(self, listing: Callable[[], list[Announcement]], total: Any = None) -> None:
+    def __init__(self, listing: Callable[[], list[Announcement]], total: Any = None,
+                 tallies: dict[int, Tally] | None = None, flush: bool = False, general: bool = True) -> None:
         self._listing, self.total = listing, total
+        self.tallies, self.flush, self.general = tallies or {}, flush, general
         self._listed: list[Announcement] | None = None
 
     @property
@@ -63,6 +78,60 @@ class Uniform(NamedTuple):
     lo: int
     hi: int
     data: Any  # a buffer
+
+
+# One held number's tally: ({cycle a rank began to hold it: how many ranks}, the last such cycle, the ranks that
+# began then as ranges (lo, hi, lo, hi, ...), at most LAST_RANGES of them). Plain tuples and dicts: marshal carries
+# them. Ranges keep the common cases small at any size: every rank began in the same cycle (one range), one rank
+# or one host came last (one range).
+Tally = tuple[dict[int, int], int, tuple[int, ...]]
+LAST_RANGES = 16  # ranges of last ranks a tally keeps; ranks past them are counted, not named
+
+
+def holders(tally: Tally) -> int:
+    """How many ranks hold the number."""
+    return sum(tally[0].values())
+
+
+def last_ranks(tally: Tally) -> list[int]:
+    """The ranks that began to hold the number last (those the tally names)."""
+    ranges = tally[2]
+    return [rank for lo, hi in zip(ranges[::2], ranges[1::2], strict=True) for rank in range(lo, hi + 1)]
+
+
+def merge_tallies(lower: dict[int, Tally], upper: dict[int, Tally]) -> dict[int, Tally]:
+    """Two ranges of ranks' tallies as one (``lower`` holds the lower ranks).
+
+    Numbers whose tallies are the same object on both sides (ranks that began to hold them together, as a step's
+    gradients) share one merged object: marshal writes a shared object once and a reference for each other
+    number, so a cycle of k numbers held alike costs one tally and k small references."""
+    if not lower:
+        return upper
+    merged, done = dict(lower), {}
+    for key, theirs in upper.items():
+        ours = merged.get(key)
+        if ours is None:
+            merged[key] = theirs
+            continue
+        pair = (id(ours), id(theirs))
+        if pair not in done:
+            done[pair] = _merge_tally(ours, theirs)
+        merged[key] = done[pair]
+    return merged
+
+
+def _merge_tally(lower: Tally, upper: Tally) -> Tally:
+    counts = dict(lower[0])
+    for cycle, count in upper[0].items():
+        counts[cycle] = counts.get(cycle, 0) + count
+    if lower[1] != upper[1]:
+        return (counts, *(lower[1:] if lower[1] > upper[1] else upper[1:]))  # type: ignore[return-value]
+    below, above = lower[2], upper[2]
+    if below and above and below[-1] + 1 == above[0]:  # adjacent ranges join
+        ranges = below[:-1] + above[1:]
+    else:
+        ranges = below + above
+    return counts, lower[1], ranges[:2 * LAST_RANGES]
 
 
 _UNIFORM = struct.Struct("<B7xqqq")  # tag 0 (never marshal's first byte), key, lo, hi; the data follows, 8-aligned
@@ -96,24 +165,40 @@ class Announcements:
 
     def __init__(self, backend: Backend, rank: int, size: int, request_of: Callable[[Any], tuple]) -> None:
         self.backend, self.rank, self.size, self._request_of = backend, rank, size, request_of
+        self._cycle = 0  # the cycle being exchanged (a uniform range's ranks began to hold its number in it)
         self._layouts: dict[Any, tuple[np.dtype, Callable[..., Any]]] = {}
 
-    def exchange(self, announcement: Announcement) -> Agreement:
-        """Every rank's announcement (and the merged data of a lone op every rank announced)."""
+    def exchange(self, announcement: Announcement, held: Mapping[int, int] | None = None, cycle: int = 0,
+                 flush: bool = False, lone: tuple[int, Message] | None = None) -> Agreement:
+        """Every rank's announcement (and the merged data of a lone op every rank announced).
+
+        Args:
+            announcement: this rank's requests in the general form, and the names it is blocked on.
+            held: the numbers this rank holds, each with the cycle it began to hold it (merging backends only).
+            cycle: this cycle's number (the same on every rank).
+            flush: this rank asks for the numbers not held everywhere to be flushed.
+            lone: the one number this rank holds, with its data, when it has nothing else to say.
+        """
         if not self.backend.merges:
             decoded = [marshal.loads(m) for m in self.backend.allgather_messages(marshal.dumps(announcement))]
             return Agreement(lambda: decoded)
+        self._cycle = cycle
         items, waiting = announcement
-        lone = items[0] if len(items) == 1 and items[0][1] is not None and not waiting else None
-        if lone is not None and type(lone[0]) is int:
+        held = held or {}
+        if lone is not None and not items and not waiting and not flush and len(held) == 1:
             value: Any = Uniform(lone[0], self.rank, self.rank, lone[1])
         else:
-            value = ({self.rank: ([(key, None) for key, _ in items], waiting)}, lone)
-        merged = self.backend.allgather_merged(value, self._merge, CODEC)
-        if type(merged) is Uniform:  # lo 0, hi the last rank
-            return Agreement(lambda: [([(merged.key, None)], [])] * self.size, merged.data)
-        announced, total = merged
-        return Agreement(lambda: [announced[rank] for rank in range(self.size)], total[1] if total else None)
+            alone = items[0] if len(items) == 1 and items[0][1] is not None and not waiting and not held else None
+            announced = {self.rank: ([(key, None) for key, _ in items], waiting)} if items or waiting else {}
+            began: dict[int, Tally] = {}  # numbers held since the same cycle share one tally (see merge_tallies)
+            tallies = {key: began.setdefault(since, ({since: 1}, since, (self.rank, self.rank)))
+                       for key, since in held.items()}
+            value = (announced, alone, tallies, flush)
+        merged = self._general(self.backend.allgather_merged(value, self._merge, CODEC))
+        announced, total, tallies, flush = merged
+        nothing: Announcement = ([], [])
+        return Agreement(lambda: [announced.get(rank, nothing) for rank in range(self.size)],
+                         total[1] if total else None, tallies, flush, bool(announced))
 
     def _merge(self, lower: Any, upper: Any) -> Any:
         """Two ranges of ranks' values as one (``lower`` holds the lower ranks)."""
@@ -121,13 +206,23 @@ class Announcements:
             dtype, combine = self._layout(lower.key)
             return Uniform(lower.key, lower.lo, upper.hi,
                            combine(np.frombuffer(lower.data, dtype), np.frombuffer(upper.data, dtype)))
-        lower, upper = _general(lower), _general(upper)
-        announced = {**lower[0], **upper[0]}
+        lower, upper = self._general(lower), self._general(upper)
+        announced = {**lower[0], **upper[0]} if upper[0] else lower[0]
+        tallies, flush = merge_tallies(lower[2], upper[2]), lower[3] or upper[3]
         a, b = lower[1], upper[1]
         if a is None or b is None or a[0] != b[0]:
-            return announced, None
+            return announced, None, tallies, flush
         dtype, combine = self._layout(a[0])
-        return announced, (a[0], combine(np.frombuffer(a[1], dtype), np.frombuffer(b[1], dtype)))  # marshal: bytes
+        return (announced, (a[0], combine(np.frombuffer(a[1], dtype), np.frombuffer(b[1], dtype))),  # marshal: bytes
+                tallies, flush)
+
+    def _general(self, value: Any) -> tuple:
+        """``value`` in the general form: ({rank: announcement without data}, lone op or None, {number: tally},
+        flush). A uniform range's ranks hold its number (they began to in this cycle)."""
+        if type(value) is not Uniform:
+            return value
+        tally = ({self._cycle: value.hi - value.lo + 1}, self._cycle, (value.lo, value.hi))
+        return {}, (value.key, value.data), {value.key: tally}, False
 
     def _layout(self, key: Any) -> tuple[np.dtype, Callable[..., Any]]:
         """The dtype and reduction of the request ``key`` stands for, remembered per key."""
@@ -139,10 +234,3 @@ class Announcements:
                 self._layouts.clear()
             self._layouts[key] = layout
         return layout
-
-
-def _general(value: Any) -> tuple:
-    """``value`` in the general form: ({rank: announcement without data}, lone op or None)."""
-    if type(value) is not Uniform:
-        return value
-    return {rank: ([(value.key, None)], []) for rank in range(value.lo, value.hi + 1)}, (value.key, value.data)

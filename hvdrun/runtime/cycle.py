@@ -6,6 +6,10 @@ blocked on; the announcements are all-gathered and fed, in rank order, into each
 allreduces fused) and executed; ops that can never complete get their verdict
 (:mod:`hvdrun.runtime.verdicts`). The engine's progress loop (:mod:`hvdrun.runtime.progress`) decides
 *when* a cycle runs and on which thread; this module is *what* a cycle does.
+
+Requests every rank agreed on before (cached numbers) are *held* instead where the backend merges announcements
+(:mod:`hvdrun.runtime.held`): each cycle says only which numbers the rank holds, the ones held by every rank run,
+and the cycle's coordination costs the same bytes at any number of ranks.
 """
 
 from __future__ import annotations
@@ -17,16 +21,28 @@ import numpy as np
 
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime import verdicts
-from hvdrun.runtime.announcements import Agreement, Announcement, Announcements
+from hvdrun.runtime.announcements import Agreement, Announcements, Tally, last_ranks
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.executors import EXECUTORS, allreduce_flat, reduce_contributions, stand_in
 from hvdrun.runtime.handles import LocalOp
-from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY, Entry, Request, ResponseCache, Table, plan
+from hvdrun.runtime.held import HeldRequests
+from hvdrun.runtime.negotiation import (
+    DEFAULT_CACHE_CAPACITY,
+    GLOBAL_SET,
+    JOIN,
+    Entry,
+    Request,
+    ResponseCache,
+    Table,
+    plan,
+)
 from hvdrun.runtime.reduce import final_factor, scale
-from hvdrun.runtime.stragglers import StragglerWatch
+from hvdrun.runtime.stragglers import Arrival, StragglerWatch, tally_arrival
 from hvdrun.runtime.timeline import Timeline
 from hvdrun.runtime.transport.base import Message
+
+_HELD_KINDS = ("allreduce", "broadcast")  # identical on every rank by construction: held alike, ready alike
 
 
 class Ledger(Protocol):
@@ -77,38 +93,68 @@ class Cycle:
         # rank 0 names the rank or host the others keep waiting for (every rank's table sees the same arrivals)
         hostnames = self.world.hostnames or tuple("?" for _ in range(self.world.size))
         self.stragglers = StragglerWatch(hostnames) if self.world.rank == 0 and self.world.size > 1 else None
+        self.held = HeldRequests()
+
+    @property
+    def holding(self) -> bool:
+        """This rank holds requests that have not run (see the module docstring)."""
+        return bool(self.held)
+
+    def flush_due(self) -> bool:
+        """A cycle is due for the held requests (:meth:`HeldRequests.flush_due`)."""
+        return self.held.flush_due()
 
     def run(self, new: list[LocalOp], waiting: list[str]) -> None:
         """One round: every rank's new requests and the names it is blocked on, then whatever became ready."""
         cache = self.cache
         keys = [cache.encode(op.request.wire()) for op in new]
-        agreed = self._exchange(([(key, op.payload) for key, op in zip(keys, new, strict=True)], waiting))
+        agreed = self._exchange([(op.request, key, op.payload) for op, key in zip(new, keys, strict=True)], waiting)
         if len(new) == 1 and new[0].payload is not None and self._run_alone(new[0].request, keys[0], new[0].payload,
                                                                             agreed, new[0].array):
             self.ledger.take_inflight([new[0].request.name])
             new[0].handle.finish(new[0].array)
             return
-        self.apply(agreed.decoded)
+        self.apply(agreed)
 
-    def express(self, request: Request, payload: Message | None, array: np.ndarray) -> list[Any] | None:
+    def express(self, request: Request, payload: Message | None, array: np.ndarray) -> Agreement | None:
         """A cycle that announces one allreduce (with its data when eager) of a rank with nothing else in flight,
-        run without the ledger: None when it went through (``array`` holds the result), else the decoded
-        announcements, which the caller hands to :meth:`apply` once it has put the op in the ledger (the same
-        protocol as :meth:`run`)."""
+        run without the ledger: None when it went through (``array`` holds the result), else the agreement, which
+        the caller hands to :meth:`apply` once it has put the op in the ledger (the same protocol as :meth:`run`)."""
         mine = self.cache.encode(request.wire())
-        agreed = self._exchange(([(mine, payload)], []))
-        return None if self._run_alone(request, mine, payload, agreed, array) else agreed.decoded
+        agreed = self._exchange([(request, mine, payload)], [])
+        return None if self._run_alone(request, mine, payload, agreed, array) else agreed
 
-    def _exchange(self, announcement: Announcement) -> Agreement:
-        agreed = self._announcements.exchange(announcement)
+    def _exchange(self, requests: list[tuple[Request, Any, Message | None]], waiting: list[str]) -> Agreement:
+        """Announce ``requests`` (each with its cached number or description, and its data when eager): held
+        where they may be, the others in the general form with the flushed ones."""
+        held = self.held
+        cycle, flushed = held.begin_cycle()
+        items: list[tuple[Any, Message | None]] = [(key, None) for key in flushed]
+        lone = None
+        for request, key, payload in requests:
+            if self._may_hold(request, key):
+                held.hold(key, request.name)
+                lone = (key, payload) if payload is not None and len(requests) == 1 else None
+            else:
+                items.append((key, payload))
+        numbers, stale = held.announced()
+        agreed = self._announcements.exchange((items, waiting), numbers, cycle, stale, lone)
+        held.end_exchange()
         if self.timeline is not None:
             self.timeline.cycle()
         return agreed
 
+    def _may_hold(self, request: Request, key: Any) -> bool:
+        """Whether ``request`` (announced as ``key``) is held rather than announced into the table."""
+        return (type(key) is int and self.backend.merges and request.kind in _HELD_KINDS
+                and request.process_set == GLOBAL_SET and key not in self.held.flushing
+                and request.name not in self.table.entries and JOIN not in self.table.entries)
+
     def _run_alone(self, request: Request, mine: Any, payload: Message | None, agreed: Agreement,
                    array: np.ndarray) -> bool:
         """Run ``request`` (announced as ``mine``: its cached number or description) into ``array`` when every rank
-        announced it alone (all with data, or none) and nothing else is pending: True when it ran.
+        announced it alone in this cycle (all with data, or none; or all began to hold it now, and nothing else is
+        held or said) and nothing else is pending: True when it ran.
 
         The condition depends only on data every rank has (identical tables and messages), so
         all ranks take this path together; the result is the same as through the table.
@@ -116,9 +162,12 @@ class Cycle:
         if self.table.entries or (request.device != "cpu" and self.device is None):
             return False
         eager = payload is not None
-        if agreed.total is None and not all(len(items) == 1 and items[0][0] == mine
-                                            and (items[0][1] is not None) == eager for items, _ in agreed.decoded):
+        held_now = self.held.began_alone_now(mine, agreed.tallies, agreed.general, self.world.size)
+        if agreed.total is None and not held_now and (agreed.tallies or not all(
+                len(items) == 1 and items[0][0] == mine and (items[0][1] is not None) == eager
+                for items, _ in agreed.decoded)):
             return False
+        self.held.drop(mine)
         if not isinstance(mine, int) and ".noname." not in request.name:  # numbered as ResponseCache.remember does
             self.cache.remember_wire(request.wire())
         timeline = self.timeline
@@ -128,7 +177,7 @@ class Cycle:
         if agreed.total is not None:  # every rank's data, reduced on the way
             flat[...] = np.frombuffer(agreed.total, array.dtype)
             scale(flat, final_factor(request.op, request.postscale, size))
-        elif eager:
+        elif eager and not held_now:
             reduce_contributions(size, request, [items[0][1] or b"" for items, _ in agreed.decoded], array)
         elif request.device != "cpu":  # a device tensor (never eager), on the device's process group
             assert self.device is not None
@@ -139,20 +188,24 @@ class Cycle:
             timeline.execute_end(request.name, "allreduce")
         return True
 
-    def apply(self, decoded: list[Any]) -> None:
-        """The rest of a cycle: every rank's announcement into the table, then whatever became ready."""
-        cache = self.cache
-        self.table.now = time.monotonic()
+    def apply(self, agreed: Agreement) -> None:
+        """The rest of a cycle: the held requests every rank holds and every rank's announcement into the table,
+        then whatever became ready."""
+        cache, table = self.cache, self.table
+        table.now = now = time.monotonic()
+        arrivals = self._add_held_everywhere(agreed.tallies, now, agreed.general or agreed.flush)
+        decoded: list[Any] = agreed.decoded if agreed.general else []
         for rank, (items, _) in enumerate(decoded):
             for values, payload in items:
-                self.table.add(rank, Request.from_wire(cache.decode(values)), payload)
-        for entry, error in verdicts.departed(self.table):
+                table.add(rank, Request.from_wire(cache.decode(values)), payload)
+        for entry, error in verdicts.departed(table):
             self.ledger.finish_local(entry.name, error)
-        ready = self.table.pop_ready()
+        ready = table.pop_ready()
         if self.stragglers is not None and ready:
-            now = self.table.now  # requests that all arrived in this cycle had no one last: only counted
-            late = [entry.arrived for entry in ready if not entry.error and entry.first_arrival != now]
-            self.stragglers.observe(late, even=len(ready) - len(late), now=now)
+            # requests that all arrived in this cycle had no one last: only counted
+            late = [entry.arrived for entry in ready if not entry.error and not entry.everyone
+                    and entry.first_arrival != now]
+            self.stragglers.observe(late, even=len(ready) - len(late) - len(arrivals), now=now, arrivals=arrivals)
         cache.remember(ready)
         self._catch_up_names_others_took(ready)  # before any op completes: a joined caller may name its next one
         for batch in plan(ready, self.fusion_threshold):
@@ -160,6 +213,17 @@ class Cycle:
         blocked = {rank: names for rank, (_, names) in enumerate(decoded) if names}
         if blocked:
             self._fail_deadlock(blocked)
+
+    def _add_held_everywhere(self, tallies: dict[int, Tally], now: float, flush: bool) -> list[Arrival]:
+        """Put the held requests that every rank holds into the table (:meth:`HeldRequests.settle`); the arrivals
+        (rank 0's straggler watch) of those that did not all begin in one cycle."""
+        arrivals = []
+        for key in self.held.settle(tallies, self.world.size, flush, now):
+            self.table.add_everyone(Request.from_wire(self.cache.decode(key)))
+            tally = tallies[key]
+            if self.stragglers is not None and len(tally[0]) > 1:
+                arrivals.append(tally_arrival(tally[0], tally[1], last_ranks(tally), self.held.times, now))
+        return arrivals
 
     def _fail_deadlock(self, blocked: dict[int, list[str]]) -> None:
         """Fail, on every rank alike, the ops that ranks wait for in a wait-for cycle; the next collective

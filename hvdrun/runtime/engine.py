@@ -228,7 +228,7 @@ class Engine:
         fast lane may take a blocking allreduce (:func:`hvdrun.runtime.lane.try_allreduce`)."""
         ledger = self.ledger
         return not (ledger.taken or self._loop.holding or ledger.failure is not None or ledger.stopped
-                    or self._cycle.timeline is not None or JOIN in self._cycle.table.entries)
+                    or self._cycle.holding or self._cycle.timeline is not None or JOIN in self._cycle.table.entries)
 
     def stop(self, timeout_s: float) -> None:
         """Negotiate a shutdown with every rank (bounded by ``timeout_s``), then stop the thread."""

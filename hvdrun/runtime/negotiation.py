@@ -76,6 +76,7 @@ class Entry:
     arrived: dict[int, float] = field(default_factory=dict)  # rank -> when its request's cycle ran here, in order
     members: tuple[int, ...] = ()  # the ranks of the op's process set (set when ready)
     absent: frozenset[int] = frozenset()  # ranks that take part without a request: joined or not in the set
+    everyone: bool = False  # every rank held this cached request (Table.add_everyone): ready, checked before
 
     @property
     def order(self) -> list[int]:
@@ -90,7 +91,7 @@ class Entry:
     @property
     def first(self) -> Request:
         """The request of the lowest rank that made one (the reference for checks and execution)."""
-        return self.requests[min(self.requests)]
+        return self.requests[0] if self.everyone else self.requests[min(self.requests)]
 
     def missing(self, size: int) -> list[int]:
         """Ranks that have not requested this name yet."""
@@ -189,7 +190,7 @@ class ResponseCache:
         if not self.capacity:
             return
         for entry in entries:
-            if entry.error:
+            if entry.error or entry.everyone:  # a held request was numbered before
                 continue
             if ".noname." in entry.name:
                 continue  # an automatic name never comes back: it would only push out ops that do
@@ -224,6 +225,16 @@ class Table:
         if payload is not None:
             entry.payloads[rank] = payload
 
+    def add_everyone(self, request: Request) -> None:
+        """Every rank requested ``request``: one of the held requests that every rank held in this cycle (numbered
+        alike, so identical on every rank and checked when they were first agreed on)."""
+        entry = self.entries.get(request.name)
+        if entry is not None:  # never while a rank holds it (its name would be in the table): the ordinary way
+            for rank in range(self.size):
+                self.add(rank, request)
+            return
+        self.entries[request.name] = Entry(request.name, dict.fromkeys(range(self.size), request), everyone=True)
+
     def joined(self) -> frozenset[int]:
         """Ranks that called join() and wait for the others: they take part in allreduces with zeros."""
         entry = self.entries.get(JOIN)
@@ -240,9 +251,12 @@ class Table:
     def pop_ready(self) -> list[Entry]:
         """Remove and return the entries whose set's ranks all requested (or joined), in first-seen order."""
         joined = self.joined()
-        ready = [entry for entry in self.entries.values() if self._ready(entry, joined)]
+        ready = [entry for entry in self.entries.values() if entry.everyone or self._ready(entry, joined)]
         for entry in ready:
             del self.entries[entry.name]
+            if entry.everyone:
+                entry.members = self.sets[GLOBAL_SET]
+                continue
             entry.members = self.sets.get(entry.first.process_set, ())
             entry.absent = frozenset(range(self.size)) - set(entry.requests)
             if not entry.members:
@@ -259,8 +273,10 @@ class Table:
         they fail with it, on every rank, instead of waiting for ranks that will never submit them."""
         siblings = []
         for entry in ready:
+            if not entry.error:
+                continue
             sizes = {request.group_size for request in entry.requests.values()}
-            if not entry.error or not max(sizes):
+            if not max(sizes):
                 continue
             base = entry.name.rpartition(".")[0]
             for index in range(max(sizes)):

@@ -171,7 +171,7 @@ class ProgressLoop:
             self._fail_from(e)
 
     def _has_work(self) -> bool:
-        return bool(self.ledger.new) or self.backend.peer_waiting() or (
+        return bool(self.ledger.new) or self.backend.peer_waiting() or self._cycle.flush_due() or (
             not self.backend.wakeable and time.monotonic() - self._last_cycle >= self.cycle_time_s)
 
     def _cycle_once(self) -> None:

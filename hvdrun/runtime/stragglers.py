@@ -55,6 +55,33 @@ def arrival(times: Mapping[int, float], now: float) -> Arrival:
     return Arrival(last, latest - median, sum(latest - t for t in times.values()), now)
 
 
+def tally_arrival(counts: Mapping[int, int], last_cycle: int, last: Sequence[int], times: Mapping[int, float],
+                  now: float) -> Arrival:
+    """The :class:`Arrival` of a held request that every rank held, from its tally (see
+    :mod:`hvdrun.runtime.announcements`): how many ranks began to hold it in each cycle, the last cycle and its
+    ranks, and when each cycle ran (``times``; one this rank no longer remembers counts as ``now``)."""
+    if len(counts) == 1:
+        return Arrival((), 0.0, 0.0, now)
+    when = sorted((times.get(cycle, now), count) for cycle, count in counts.items())
+    latest = times.get(last_cycle, now)
+    total = sum(count for _, count in when)
+    return Arrival(tuple(sorted(last)), latest - _median(when, total), sum(count * (latest - t) for t, count in when),
+                   now)
+
+
+def _median(when: list[tuple[float, int]], total: int) -> float:
+    """The median of ``total`` values given as sorted (value, how many) pairs."""
+    middle: list[float] = []
+    seen = 0
+    for value, count in when:
+        while len(middle) < 2 and seen + count > (total - 1) // 2 + len(middle):
+            middle.append(value)
+        seen += count
+        if len(middle) == 2:
+            break
+    return middle[0] if total % 2 else (middle[0] + middle[1]) / 2
+
+
 class StragglerWatch:
     """Rank 0's sliding window of arrivals and its verdict.
 
@@ -75,11 +102,12 @@ class StragglerWatch:
         self.flagged: tuple[int, ...] = ()  # the ranks of the latest judgement's verdict (the live view's marks)
         self._judged = -JUDGE_S
 
-    def observe(self, late: Iterable[Mapping[int, float]], even: int = 0, now: float | None = None) -> None:
+    def observe(self, late: Iterable[Mapping[int, float]], even: int = 0, now: float | None = None,
+                arrivals: Iterable[Arrival] = ()) -> None:
         """Count the collectives that became ready now and name a straggler: ``late``, each rank's arrival time
         of those whose requests arrived in more than one cycle; ``even``, how many arrived in one (the cheap
         common case: the caller need not look at their ranks); ``now``, the cycle's time when the caller has
-        read the clock already."""
+        read the clock already; ``arrivals``, collectives already summed up (held requests, :func:`tally_arrival`)."""
         now = self._clock() if now is None else now
         size, window = self.size, self._window
         if even:
@@ -87,6 +115,7 @@ class StragglerWatch:
         for times in late:
             if len(times) == size:
                 window.append(arrival(times, now))
+        window.extend(arrivals)
         if now - self._judged >= JUDGE_S and len(window) >= MIN_COLLECTIVES:
             self._judged = now
             found = self._judge()

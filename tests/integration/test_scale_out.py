@@ -8,20 +8,35 @@ worker on real namespace hosts.
 
 from __future__ import annotations
 
+import math
 import re
+import statistics
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import threads_of
 
 pytestmark = pytest.mark.integration
 
 WORKER = str(Path(__file__).parent / "workers" / "algorithms.py")
 
 
-def _finish(procs) -> dict[int, str]:
-    outputs = {}
+def _finish(procs, timeout_s: float = 100) -> dict[int, str]:
+    """Every rank's stdout once all exited 0; a job still running after ``timeout_s`` (inside the test's own
+    timeout) fails with the threads of every rank left (py-spy)."""
+    outputs, deadline = {}, time.monotonic() + timeout_s
     for rank, proc in procs.items():
-        out, err = proc.communicate(timeout=240)
+        try:
+            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            left = {r: p for r, p in procs.items() if p.poll() is None}
+            dumps = [f"rank {r}: {threads_of(p.pid)}" for r, p in left.items()]  # all of them before any is killed
+            for p in left.values():
+                p.kill()
+            pytest.fail(f"ranks {list(left)} still running after {timeout_s:g} s\n" + "\n".join(dumps))
         assert proc.returncode == 0, f"rank {rank}:\n{err[-3000:]}"
         outputs[rank] = out
     return outputs
@@ -36,6 +51,26 @@ def test_every_algorithm_is_exact_on_many_hosts(spawn_ranks, hosts, per_host):
         assert found, out
         crossed, total = map(int, found.groups())
         assert crossed == 2 * (hosts - 1) * total // (hosts * per_host)
+
+
+def test_a_cycle_of_held_ops_sends_the_same_bytes_per_step_across_hosts_at_4_and_64_ranks(spawn_ranks):
+    """Once every op is cached, a cycle's coordination is the held numbers' tallies, whose size does not depend on
+    the number of ranks: each of the log2(hosts) steps of the merge across hosts sends about the same bytes at
+    2 hosts x 2 as at 32 hosts x 2. (A tally's facts for the straggler watch, a count per cycle in which ranks
+    began to hold the op and the ranges of ranks that began last, follow how spread out the ranks' submissions
+    are, not how many ranks there are: 128 B a step at 4 ranks, 128-142 B at 64 ranks on 2 cores. Before,
+    every rank's announcement reached every rank: 140 B a step at 4 ranks, 624 B at 64.)"""
+    per_step = {}
+    for hosts in (2, 32):
+        worker = str(Path(__file__).parent / "workers" / "cached_cycles.py")
+        outputs = _finish(spawn_ranks(worker, 2 * hosts, hosts=[(f"node{h}", 2) for h in range(hosts)]))
+        medians = []
+        for out in outputs.values():
+            found = re.search(rf"{hosts} hosts x 2; cycles (\d+), held-only (\d+), median ([\d.]+) bytes", out)
+            assert found, out
+            medians.append(float(found.group(3)))
+        per_step[hosts] = statistics.median(medians) / math.log2(hosts)
+    assert 0 < per_step[32] <= 2 * per_step[2], (per_step, outputs)
 
 
 def test_every_algorithm_is_exact_on_three_real_hosts(run_hvdrun, ssh_hosts):
