@@ -121,6 +121,11 @@ class Setting:
     # one rank's announcement of one allreduce: 20 B once the response cache knows the op (its number), 99 B the
     # first time (the whole Request); a training step's ops are cached after the first step
     message_bytes: int = 20
+    # what a rank sends a merge step for a cycle of cached ops once they are held (hvdrun/runtime/held.py): one
+    # tally, whatever the number of ranks (measured 128 B for eight held allreduces at 2 x 2 and at 32 x 2 ranks,
+    # tests/integration/test_scale_out.py); a lone eager op travels as a 32-byte header and its data. None: every
+    # rank's announcement reaches every rank (the runtime before cached ops were held)
+    held_bytes: int | None = 128
     eager_bytes: int = DEFAULT_EAGER_BYTES  # HVDRUN_EAGER_BYTES: a rank's limit
     eager_job_bytes: int | None = EAGER_JOB_BYTES  # the cap on what arrives whole (None: no cap)
     doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
@@ -184,7 +189,7 @@ def flat_allgather(hosts: int, per_host: int, message: float) -> Cost:
     return steps(hosts * per_host - 1, message, hosts == 1, True)
 
 
-def merged_eager(hosts: int, per_host: int, message: float, nbytes: float) -> Cost:
+def merged_eager(hosts: int, per_host: int, message: float, nbytes: float, held: float | None = None) -> Cost:
     """Announcements merged on the way (hvdrun/runtime/announcements.py), with a lone eager op's ``nbytes`` of data.
 
     Inside the host the ranks all-gather their values (``message`` + ``nbytes`` each) on the host's post board
@@ -193,27 +198,36 @@ def merged_eager(hosts: int, per_host: int, message: float, nbytes: float) -> Co
     doubling at once: at step j a rank sends the headers of 2^j L ranks and one reduced copy of the data, and
     reduces the copy it receives (MPICH's fold for a non-power-of-two H: fold-in one host's value, fold-out
     everything). A host's link carries L times what one rank sends. With ``nbytes`` 0, the hierarchical negotiation.
+
+    ``held``: the ops are cached and held (:attr:`Setting.held_bytes`): every value, inside the host and at every
+    step across, is one tally of ``held`` bytes (with the data), whatever the number of ranks it stands for.
     """
+    if held is not None:
+        message = held
     if 1 < per_host and message + nbytes <= POST_BYTES:
         local = steps(1, per_host * (message + nbytes), True, True)
     else:
         local = steps(per_host - 1, message + nbytes, True, True)
     k, rem = fold(hosts)
-    headers = per_host * message  # what one rank holds after the local phase, besides the data
+
+    def headers(ranks_hosts: int) -> float:  # what one rank sends of the announcements of ``ranks_hosts`` hosts
+        return held if held is not None else per_host * message * ranks_hosts
+
     cross = Cost()
-    for j in range(k):  # step j: every one of the L ranks sends 2^j hosts' headers and the data
-        cross = cross + steps(1, per_host * (headers * (1 << j) + nbytes), False, True)
+    for j in range(k):  # step j: every one of the L ranks sends 2^j hosts' headers (or one tally) and the data
+        cross = cross + steps(1, per_host * (headers(1 << j) + nbytes), False, True)
     if rem:  # fold in (one host's value), fold out (everything)
-        cross = cross + steps(1, per_host * (headers + nbytes), False, True) + \
-            steps(1, per_host * (headers * hosts + nbytes), False, True)
+        cross = cross + steps(1, per_host * (headers(1) + nbytes), False, True) + \
+            steps(1, per_host * (headers(hosts) + nbytes), False, True)
     reductions = (per_host - 1 + k + (1 if rem else 0)) * nbytes  # the host's L payloads, then one per step
     return local + cross + (Cost({"beta_local": reductions}) if reductions else Cost())
 
 
-def hier_allgather(hosts: int, per_host: int, message: float) -> Cost:
+def hier_allgather(hosts: int, per_host: int, message: float, held: float | None = None) -> Cost:
     """All-gather inside the host, then the announcements merged across hosts by recursive doubling, all L local
-    ranks at once (what a rank sends doubles every step: the same bytes as all-gathering the hosts' bundles)."""
-    return merged_eager(hosts, per_host, message, 0)
+    ranks at once (what a rank sends doubles every step: the same bytes as all-gathering the hosts' bundles; with
+    ``held``, one tally a step)."""
+    return merged_eager(hosts, per_host, message, 0, held)
 
 
 def local_phases(per_host: int, nbytes: float, python: bool = True) -> Cost:
@@ -252,13 +266,12 @@ def hvdrun_cost(algorithm: str, hosts: int, per_host: int, nbytes: float, settin
         algorithm = setting.across_hosts(nbytes, hosts)
     if nbytes <= setting.eager_limit(hosts, per_host, hierarchical):
         if hierarchical:
-            return merged_eager(hosts, per_host, setting.message_bytes, nbytes), "eager (merged)"
+            return merged_eager(hosts, per_host, setting.message_bytes, nbytes, setting.held_bytes), "eager (merged)"
         reduce = Cost({"beta_local": (ranks - 1) * nbytes})  # each rank sums N contributions
         return flat_allgather(hosts, per_host, setting.message_bytes + nbytes) + reduce, "eager (flat)"
-    gather = hier_allgather if hierarchical else flat_allgather
-    negotiation = gather(hosts, per_host, setting.message_bytes)
     if not hierarchical:
-        return negotiation + flat_ring(hosts, per_host, nbytes), "flat ring"
+        return flat_allgather(hosts, per_host, setting.message_bytes) + flat_ring(hosts, per_host, nbytes), "flat ring"
+    negotiation = hier_allgather(hosts, per_host, setting.message_bytes, setting.held_bytes)
     return negotiation + local_phases(per_host, nbytes) + cross_hosts(algorithm, hosts, nbytes), algorithm
 
 
@@ -504,10 +517,19 @@ def negotiation_line(params: dict[str, float], setting: Setting, hosts: int, per
     """What the all-gather of announcements alone costs, and how much of it is bytes (they grow with N)."""
     flat = flat_allgather(hosts, per_host, setting.message_bytes)
     hier = hier_allgather(hosts, per_host, setting.message_bytes)
-    per_byte = {**params, "alpha": 0.0, "gamma": 0.0, "alpha_local": 0.0}
-    return (f"{hosts:,} hosts x {per_host}: negotiation ({setting.message_bytes} B a rank) flat "
+    line = (f"{hosts:,} hosts x {per_host}: negotiation ({setting.message_bytes} B a rank) flat "
             f"{fmt_time(flat.seconds(params))}, hierarchical {fmt_time(hier.seconds(params))} of which "
-            f"{fmt_time(hier.seconds(per_byte))} moving bytes ({human(int(hier.get('beta', 0)))} over a host's link)")
+            f"{_moving(hier, params)}")
+    if setting.held_bytes is None:
+        return line
+    held = hier_allgather(hosts, per_host, setting.message_bytes, setting.held_bytes)
+    return line + f"; a cycle of held (cached) ops {fmt_time(held.seconds(params))} of which {_moving(held, params)}"
+
+
+def _moving(cost: Cost, params: dict[str, float]) -> str:
+    """How much of ``cost`` is moving bytes, and how many cross a host's link."""
+    per_byte = {**params, "alpha": 0.0, "gamma": 0.0, "alpha_local": 0.0}
+    return f"{fmt_time(cost.seconds(per_byte))} moving bytes ({human(int(cost.get('beta', 0)))} over a host's link)"
 
 
 PLOT_RANKS_PER_HOST = (4, 12)  # Polaris-like and Aurora-like hosts: a column of panels each
@@ -582,6 +604,9 @@ def main() -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, help=f"set {name} (seconds), after any fit")
     parser.add_argument("--message-bytes", type=int, default=Setting.message_bytes,
                         help="one rank's announcement in the negotiation (default 20: a cached op)")
+    parser.add_argument("--held-bytes", type=int, default=Setting.held_bytes,
+                        help="what a rank sends a merge step for a cycle of held (cached) ops (default "
+                        f"{Setting.held_bytes}); 0: every rank's announcement reaches every rank, as before")
     parser.add_argument("--eager-bytes", type=int, help=f"HVDRUN_EAGER_BYTES (default {DEFAULT_EAGER_BYTES}; the "
                         f"runtime caps it at {EAGER_JOB_BYTES} / ranks per host across hosts, / ranks when flat)")
     parser.add_argument("--cores", type=int, help="cores of the measuring machine (default: from the JSON, else 2)")
@@ -591,7 +616,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write parameters and predictions here")
     args = parser.parse_args()
 
-    setting = Setting(message_bytes=args.message_bytes)
+    setting = Setting(message_bytes=args.message_bytes, held_bytes=args.held_bytes or None)
     if args.fit:
         points, reads, env = load_points(args.fit)
         setting = replace(setting, **{field: int(float(env[name])) for field, name in (

@@ -1,0 +1,44 @@
+"""The cost model's negotiation (``benchmarks/scaling.py``): a cycle of held (cached) ops sends one tally a merge
+step whatever the number of ranks, where every rank's announcement reaching every rank grows with N."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "scaling.py"
+
+
+@pytest.fixture(scope="module")
+def scaling():
+    spec = importlib.util.spec_from_file_location("hvdrun_scaling_model", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def link_bytes_per_step(scaling, hosts: int, per_host: int, held: int | None) -> float:
+    cost = scaling.hier_allgather(hosts, per_host, 20, held)
+    return cost["beta"] / cost["alpha"]  # alpha counts the steps across hosts
+
+
+def test_a_held_cycle_moves_the_same_bytes_a_step_at_any_size_and_the_general_form_grows(scaling):
+    held = [link_bytes_per_step(scaling, hosts, 12, 128) for hosts in (4, 1024, 4096)]
+    general = [link_bytes_per_step(scaling, hosts, 12, None) for hosts in (4, 1024, 4096)]
+    assert held == [12 * 128] * 3, held  # the host's 12 ranks each send one tally a step
+    assert general[0] < general[1] < general[2] and general[2] > 100 * held[2], general
+
+
+def test_the_default_setting_models_held_cycles_and_zero_bytes_gives_the_general_form(scaling):
+    setting = scaling.Setting()
+    assert setting.held_bytes == 128
+    before = scaling.Setting(held_bytes=None)
+    for hosts in (64, 4096):
+        now = scaling.hvdrun_cost("auto", hosts, 12, 16 << 20, setting)[0]
+        then = scaling.hvdrun_cost("auto", hosts, 12, 16 << 20, before)[0]
+        assert now["alpha"] == then["alpha"] and now["beta"] < then["beta"], (hosts, now, then)
