@@ -133,7 +133,7 @@ class Cycle:
         lone = None
         for request, key, payload in requests:
             if self._may_hold(request, key):
-                held.hold(key, request.name)
+                held.hold(key)
                 lone = (key, payload) if payload is not None and len(requests) == 1 else None
             else:
                 items.append((key, payload))

@@ -27,7 +27,7 @@ class HeldRequests:
     """The requests this rank holds, and the cycle count and times their tallies refer to."""
 
     def __init__(self) -> None:
-        self._held: dict[int, tuple[str, int, float]] = {}  # number -> (name, the cycle it began, when: monotonic)
+        self._held: dict[int, tuple[int, float]] = {}  # number -> (the cycle it began, when: monotonic)
         self.flushing: frozenset[int] = frozenset()  # numbers the last cycle said to flush in this one
         self.cycle = 0  # cycles exchanged (the same count on every rank)
         self.times: dict[int, float] = {}  # cycle -> when it ran here, for the recent ones
@@ -37,13 +37,15 @@ class HeldRequests:
 
     def flush_due(self) -> bool:
         """A cycle is due: some numbers are to be flushed, or one was held for FLUSH_AGE_S."""
-        if self.flushing:
-            return True
-        try:  # asked outside the progress lock: a cycle may change the held requests meanwhile
+        return bool(self.flushing) or self._held_too_long()
+
+    def _held_too_long(self) -> bool:
+        """The oldest held request (the first: held in order) was held for FLUSH_AGE_S."""
+        try:  # flush_due asks outside the progress lock: a cycle may change the held requests meanwhile
             oldest = next(iter(self._held.values()), None)
         except RuntimeError:
             return False
-        return oldest is not None and time.monotonic() - oldest[2] >= FLUSH_AGE_S
+        return oldest is not None and time.monotonic() - oldest[1] >= FLUSH_AGE_S
 
     def begin_cycle(self) -> tuple[int, list[int]]:
         """A new cycle's number, and the numbers this rank flushes in it (no longer held)."""
@@ -53,14 +55,13 @@ class HeldRequests:
             del self._held[key]
         return self.cycle, flushed
 
-    def hold(self, key: int, name: str) -> None:
-        """Hold ``key`` (the request ``name``) from this cycle on."""
-        self._held[key] = (name, self.cycle, time.monotonic())
+    def hold(self, key: int) -> None:
+        """Hold the request numbered ``key`` from this cycle on."""
+        self._held[key] = (self.cycle, time.monotonic())
 
     def announced(self) -> tuple[dict[int, int], bool]:
         """What this cycle says of them: each number with the cycle it began, and whether one is held too long."""
-        stale = bool(self._held) and time.monotonic() - next(iter(self._held.values()))[2] >= FLUSH_AGE_S
-        return {key: held[1] for key, held in self._held.items()}, stale
+        return {key: held[0] for key, held in self._held.items()}, self._held_too_long()
 
     def end_exchange(self) -> None:
         """This cycle's flushes went out."""

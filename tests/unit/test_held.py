@@ -17,8 +17,8 @@ def test_numbers_every_rank_holds_run_in_number_order_and_the_rest_stay_held():
     held = HeldRequests()
     cycle, flushed = held.begin_cycle()
     assert (cycle, flushed) == (1, [])
-    for key, name in ((9, "b"), (4, "a"), (6, "c")):
-        held.hold(key, name)
+    for key in (9, 4, 6):
+        held.hold(key)
     assert held.announced() == ({9: 1, 4: 1, 6: 1}, False)
     ready = held.settle({9: _tally({1: 4}), 4: _tally({1: 4}), 6: _tally({1: 3})}, 4, flush=False, now=10.0)
     assert ready == [4, 9] and held and held.announced()[0] == {6: 1}
@@ -28,8 +28,8 @@ def test_numbers_every_rank_holds_run_in_number_order_and_the_rest_stay_held():
 def test_a_cycle_that_asks_for_it_has_the_partial_numbers_flushed_in_the_next():
     held = HeldRequests()
     held.begin_cycle()
-    held.hold(6, "c")
-    held.hold(7, "d")
+    held.hold(6)
+    held.hold(7)
     held.end_exchange()
     assert held.settle({6: _tally({1: 3}), 7: _tally({1: 1}), 8: _tally({1: 2})}, 4, flush=True, now=1.0) == []
     assert held.flushing == {6, 7, 8} and held.flush_due()  # 8: another rank's; this one flushes what it holds
@@ -44,7 +44,7 @@ def test_a_number_held_too_long_makes_a_cycle_due_and_says_so(monkeypatch):
     monkeypatch.setattr(held_module.time, "monotonic", lambda: clock[0])
     held = HeldRequests()
     held.begin_cycle()
-    held.hold(3, "x")
+    held.hold(3)
     assert not held.flush_due() and held.announced() == ({3: 1}, False)
     clock[0] += FLUSH_AGE_S
     assert held.flush_due() and held.announced() == ({3: 1}, True)
