@@ -34,7 +34,7 @@ def test_a_held_cycle_moves_the_same_bytes_a_step_at_any_size_and_the_general_fo
     assert general[0] < general[1] < general[2] and general[2] > 100 * held[2], general
 
 
-def test_the_default_setting_models_held_cycles_and_zero_bytes_gives_the_general_form(scaling):
+def test_the_default_setting_models_held_cycles_and_without_them_the_same_steps_move_more_bytes(scaling):
     setting = scaling.Setting()
     assert setting.held_bytes == 128
     before = scaling.Setting(held_bytes=None)
