@@ -348,6 +348,10 @@ ALGORITHMS = ("auto", "flat", "ring", "doubling", "halving")
 DOUBLING_MAX_BYTES = ("HVDRUN_DOUBLING_MAX_BYTES",)
 HALVING_MAX_BYTES = ("HVDRUN_HALVING_MAX_BYTES",)
 OVERLAP = "HVDRUN_OVERLAP"
+# how a rank waits for a peer: active (spins a while, then sleeps), passive (sleeps at once, the core goes to whoever
+# needs it), auto: active where a host's ranks do not outnumber its cores (as OMP_WAIT_POLICY; runtime/transport)
+WAIT_POLICY = ("HVDRUN_WAIT_POLICY",)
+WAIT_POLICIES = ("auto", "active", "passive")
 TIMELINE = ("HVDRUN_TIMELINE", "HOROVOD_TIMELINE")
 TIMELINE_MARK_CYCLES = ("HVDRUN_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES")
 CYCLE_TIME_MS = ("HVDRUN_CYCLE_TIME", "HOROVOD_CYCLE_TIME")
@@ -487,6 +491,9 @@ def check_tuning(environ: Mapping[str, str]) -> None:
     algorithm = env_text(environ, ALGORITHM)
     if algorithm is not None and algorithm not in ALGORITHMS:
         raise UsageError(f"{ALGORITHM[0]}={algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+    policy = env_text(environ, WAIT_POLICY)
+    if policy is not None and policy not in WAIT_POLICIES:
+        raise UsageError(f"{WAIT_POLICY[0]}={policy!r}; expected one of {', '.join(WAIT_POLICIES)}")
 
 
 def _hostname(environ: Mapping[str, str]) -> str:

@@ -106,7 +106,8 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
         use_shm = environ.get(envvars.TRANSPORT, "").lower() != "tcp"
         return NativeBackend.connect(rendezvous, launch.hostname, f"{launch.job_id}-{generation}",
                                      launch.secret.encode(), abort, timeout_s, use_shm, store_port,
-                                     algorithm_choice(environ)), rendezvous
+                                     algorithm_choice(environ),
+                                     envvars.env_text(environ, envvars.WAIT_POLICY) or "auto"), rendezvous
     except BaseException as e:
         rendezvous.report_failure(f"rank {launch.rank} failed while joining the job: {e}")  # none waits for it
         rendezvous.close()

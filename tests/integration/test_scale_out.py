@@ -119,10 +119,12 @@ def test_express_cycles_across_hosts_take_the_blocking_ops_and_hand_back_everyth
     """A blocking allreduce across hosts runs as one cycle on the caller's thread; the fast lane's checks (exact
     results, orders, a late rank, mismatched names and sizes, join, threads, a long run) pass through it."""
     size = sum(slots for _, slots in hosts)
-    outputs = _finish(spawn_ranks(str(Path(__file__).parent / "workers" / "fast_lane.py"), size, hosts=hosts))
+    env = {"HVDRUN_WAIT_POLICY": "active"}  # waits that spin, though these ranks share the cores
+    outputs = _finish(spawn_ranks(str(Path(__file__).parent / "workers" / "fast_lane.py"), size, hosts=hosts, env=env))
     for rank, out in outputs.items():
         checks = re.findall(r"CHECK (\S+) rank \d+: (.*)", out)
         assert len(checks) == 12 and all(verdict == "ok" for _, verdict in checks), checks
+        assert f"WAIT rank {rank} spin 0.001 s, lane spins -" in out, out  # no lane across hosts
         used = int(re.search(rf"EXPRESS rank {rank} used (\d+)", out).group(1))
         assert used > 100, out  # most of the long run's 300 blocking allreduces (a late peer hands one back)
 

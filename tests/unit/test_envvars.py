@@ -94,3 +94,18 @@ def test_the_frontier_like_config_gives_each_rank_the_gcd_next_to_its_cores():
     assert {env["ROCR_VISIBLE_DEVICES"] for env in envs} == {"0,1,2,3,4,5,6,7"}  # which GCDs, in index order
     assert {env["HIP_VISIBLE_DEVICES"] for env in envs} == {"4,5,2,3,6,7,0,1"}  # their order: GCD 4 is device 0
     assert parse_cpu_bind(config.cpu_bind or "").lists[0] == set(range(1, 8))  # next to GCD 4 (OLCF's map)
+
+
+@pytest.mark.parametrize(("policy", "host_ranks", "cores", "spins"),
+                         [("auto", 2, 2, True), ("auto", 3, 2, False), ("active", 8, 2, True),
+                          ("passive", 1, 64, False)])
+def test_the_wait_policy_decides_whether_waits_spin(policy, host_ranks, cores, spins):
+    from hvdrun.runtime.transport.base import DEFAULT_SPIN_S, spin_seconds
+
+    envvars.check_tuning({"HVDRUN_WAIT_POLICY": policy})
+    assert spin_seconds(policy, host_ranks, cores) == (DEFAULT_SPIN_S if spins else 0.0)
+
+
+def test_a_wait_policy_that_is_not_one_is_a_usage_error():
+    with pytest.raises(UsageError, match="HVDRUN_WAIT_POLICY='spin'; expected one of auto, active, passive"):
+        envvars.check_tuning({"HVDRUN_WAIT_POLICY": "spin"})

@@ -38,7 +38,6 @@ from hvdrun.runtime.readiness import readable
 from hvdrun.runtime.reduce import ReduceFn
 from hvdrun.runtime.rendezvous import Rendezvous
 from hvdrun.runtime.transport.base import (
-    DEFAULT_SPIN_S,
     MARSHAL,
     AbortFlag,
     Codec,
@@ -47,6 +46,7 @@ from hvdrun.runtime.transport.base import (
     TxChannel,
     Waiter,
     Watchable,
+    spin_seconds,
 )
 from hvdrun.runtime.transport.posts import PostBoard
 from hvdrun.runtime.transport.shm import ShmRx, ShmSegment, ShmTx, shm_supported
@@ -85,10 +85,11 @@ class NativeBackend(Backend):
     @classmethod
     def connect(cls, rendezvous: Rendezvous, hostname: str, job_key: str, secret: bytes, abort: AbortFlag,
                 timeout_s: float, use_shm: bool = True, store_port: int = 0,
-                choice: AlgorithmChoice | None = None) -> NativeBackend:
+                choice: AlgorithmChoice | None = None, wait_policy: str = "auto") -> NativeBackend:
         """Join the rendezvous and build this rank's channels to its ring neighbours (and its hierarchy's links).
 
-        ``store_port`` (rank 0) announces the device process group's store in the table.
+        ``store_port`` (rank 0) announces the device process group's store in the table. ``wait_policy``: how waits
+        for a peer spend their core (:func:`~hvdrun.runtime.transport.base.spin_seconds`).
         """
         rank, size = rendezvous.rank, rendezvous.size
         choice = choice or AlgorithmChoice()
@@ -110,7 +111,7 @@ class NativeBackend(Backend):
             world = topology(rank, host_keys, peers.layout.rank_hostnames())
             if size == 1:
                 return cls(world, Ring(0, 1, None, None, Waiter(None, abort)), [], peers)
-            spin = DEFAULT_SPIN_S if world.local_size <= (os.cpu_count() or 1) else 0.0
+            spin = spin_seconds(wait_policy, world.local_size, os.cpu_count() or 1)
             grid = grid_of(host_keys) if choice.algorithm != "flat" else None
             if rank == 0 and grid is None and choice.algorithm != "flat":
                 note = uneven_hosts_note(host_keys, world.hostnames)

@@ -150,6 +150,18 @@ class Doorbell:
             pass
 
 
+def spin_seconds(policy: str, host_ranks: int, cores: int) -> float:
+    """How long a wait for a peer spins before it sleeps, by ``HVDRUN_WAIT_POLICY``.
+
+    ``active``: :data:`DEFAULT_SPIN_S` (a peer's message is seen within microseconds); ``passive``: 0, the wait sleeps
+    at once and its core goes to whoever needs it (ranks, or other jobs, sharing the cores); ``auto``: active where the
+    ``host_ranks`` of this host do not outnumber its ``cores``.
+    """
+    if policy == "active" or (policy == "auto" and host_ranks <= cores):
+        return DEFAULT_SPIN_S
+    return 0.0
+
+
 class Waiter:
     """Parks the calling thread until a channel may progress, the abort flag is set, or a timeout.
 

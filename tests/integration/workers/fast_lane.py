@@ -157,4 +157,6 @@ report("threads", results == {0: True, 1: True} and bool(torch.equal(after, torc
        str(results))
 print(f"LANE rank {rank} used {used()}", flush=True)
 print(f"EXPRESS rank {rank} used {engine.express_used}", flush=True)
+spins = lane.spins_before_yield if lane is not None else "-"  # HVDRUN_WAIT_POLICY, as this rank applied it
+print(f"WAIT rank {rank} spin {engine.backend.ring.waiter.spin_s:g} s, lane spins {spins}", flush=True)
 hvd.shutdown()
