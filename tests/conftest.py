@@ -26,10 +26,6 @@ TOKEN_VAR = "HVDRUN_TEST_TOKEN"
 # login shells of the suite's jobs (Slurm's bash -l inherits this environment) that run `pyenv init` wait 1 s, not
 # 60, for a rehash lock that a killed session left behind (the sshd fixture sets the same for SSH sessions)
 os.environ.setdefault("PYENV_REHASH_TIMEOUT", "1")
-# the suite runs three jobs at a time on two cores, so no rank has a core of its own however few a job starts: their
-# waits sleep at once (a spinning rank's peer is another job's, descheduled; measured: 547 -> 490 CPU-s a suite).
-# The tests of the policy itself set it (test_runtime's fast lane: auto, test_scale_out's express cycles: active)
-os.environ.setdefault("HVDRUN_WAIT_POLICY", "passive")
 
 
 def job_processes(token: str) -> list[psutil.Process]:
