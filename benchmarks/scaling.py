@@ -475,7 +475,10 @@ def prediction_table(params: dict[str, float], setting: Setting, hosts: list[int
     return "\n".join(lines)
 
 
-def check_table(points: list[Point], params: dict[str, float], setting: Setting, reads_algorithm: bool) -> str:
+def check_table(points: list[Point], params: dict[str, float], setting: Setting, reads_algorithm: bool,
+                held_out: bool = False) -> str:
+    """The model against measured ``points``, with each one's relative error and their median and largest
+    (``held_out``: points of shapes the fit never saw, every one counted)."""
     lines = ["| kind | hosts x ranks | size | measured | model | model / measured - 1 | model's path |",
              "|---|---|---|---|---|---|---|"]
     errors: list[float] = []
@@ -483,15 +486,16 @@ def check_table(points: list[Point], params: dict[str, float], setting: Setting,
         cost, path = point_cost(p, setting, reads_algorithm)
         model = cost.seconds(params)
         error = model / p.seconds - 1
-        if fitted(p):
+        if held_out or fitted(p):
             errors.append(error)
         else:
             path += " (not fitted: MPI, more ranks than cores)"
         lines.append(f"| {p.kind} | {p.hosts} x {p.per_host} | {human(p.nbytes)} | {fmt_time(p.seconds)} | "
                      f"{fmt_time(model)} | {error:+.0%} | {path} |")
     if errors:
+        which = "points of shapes the fit did not see" if held_out else "fitted points"
         lines.append(f"\nMedian |error| {statistics.median(abs(e) for e in errors):.0%}, largest "
-                     f"{max(abs(e) for e in errors):.0%}, over the {len(errors)} fitted points (model times include "
+                     f"{max(abs(e) for e in errors):.0%}, over the {len(errors)} {which} (model times include "
                      "the oversubscription factor max(1, N / cores)).")
     if not reads_algorithm:
         lines.append("The measured runtime did not read HVDRUN_ALGORITHM: every hvdrun job ran the flat ring, and is "
@@ -596,6 +600,8 @@ def parse_sizes(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fit", nargs="+", metavar="JSON", help="multihost.py --json results to calibrate on")
+    parser.add_argument("--check", nargs="+", metavar="JSON",
+                        help="multihost.py --json results of other shapes: the model against them, not fitted")
     parser.add_argument("--fit-params", default="alpha,beta,gamma", help="parameters fitted (default alpha,beta,gamma)")
     parser.add_argument("--hosts", default="64,512,4096", help="host counts of the predictions")
     parser.add_argument("--ranks-per-host", type=int, default=4)
@@ -649,6 +655,12 @@ def main() -> None:
               "\n".join(crossover_line(params, setting, h, args.ranks_per_host) for h in hosts),
               "\n".join(negotiation_line(params, setting, h, args.ranks_per_host) for h in hosts),
               "Model against the measured points:\n\n" + check_table(points, params, setting, reads)]
+    if args.check:
+        held_out, held_out_reads, _ = load_points(args.check)
+        if args.cores:
+            held_out = [replace(p, cores=args.cores) for p in held_out]
+        blocks.append(f"Model against shapes it was not fitted to ({', '.join(args.check)}):\n\n"
+                      + check_table(held_out, params, setting, held_out_reads, held_out=True))
     print("\n\n".join(blocks))
     if args.json:
         Path(args.json).write_text(json.dumps({

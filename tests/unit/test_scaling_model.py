@@ -42,3 +42,18 @@ def test_the_default_setting_models_held_cycles_and_without_them_the_same_steps_
         now = scaling.hvdrun_cost("auto", hosts, 12, 16 << 20, setting)[0]
         then = scaling.hvdrun_cost("auto", hosts, 12, 16 << 20, before)[0]
         assert now["alpha"] == then["alpha"] and now["beta"] < then["beta"], (hosts, now, then)
+
+
+def test_shapes_held_out_of_the_fit_are_each_compared_and_counted(scaling):
+    """``--check``: every point of a shape the fit did not see counts in the error summary, MPI sharing cores too."""
+    params = dict(scaling.START)
+    setting = scaling.Setting()
+    exact = scaling.Point("hvdrun auto", 3, 2, 4 << 10, 1.0, 2)
+    model = scaling.point_cost(exact, setting, True)[0].seconds(params)
+    points = [scaling.Point("hvdrun auto", 3, 2, 4 << 10, model, 2),  # the model exactly: error 0
+              scaling.Point("MPI", 6, 1, 4 << 10, 2 * scaling.point_cost(
+                  scaling.Point("MPI", 6, 1, 4 << 10, 1.0, 2), setting, True)[0].seconds(params), 2)]  # half: -50%
+    table = scaling.check_table(points, params, setting, True, held_out=True)
+    assert "| +0% |" in table and "| -50% |" in table, table
+    assert "Median |error| 25%, largest 50%, over the 2 points of shapes the fit did not see" in table, table
+    assert "Median |error| 0%" in scaling.check_table(points, params, setting, True), "fitted: MPI 6 x 1 left out"
