@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from hvdrun.errors import RendezvousError
 from hvdrun.protocol.wire import AuthError, authenticate_client, authenticate_server, recv_frame, send_frame
@@ -26,20 +26,23 @@ RING, LINK = "ring", "link"
 
 
 class Acceptor:
-    """Accepts, in a thread, the connections this rank expects: ``(purpose, rank)`` pairs."""
+    """Accepts, in a thread, the connections this rank expects: ``(purpose, rank)`` pairs, until they have all come
+    or ``deadline`` (``time.monotonic()``) passes."""
 
-    def __init__(self, listener: socket.socket, expected: Iterable[tuple[str, int]], secret: bytes) -> None:
+    def __init__(self, listener: socket.socket, expected: Iterable[tuple[str, int]], secret: bytes,
+                 deadline: float | None = None) -> None:
         self.expected, self.secret = set(expected), secret
+        self.deadline = time.monotonic() + CONNECT_TIMEOUT_S if deadline is None else deadline
         self.accepted: dict[tuple[str, int], socket.socket] = {}
         self.error: str | None = None
+        self._arrived = threading.Condition()
         self._thread = threading.Thread(target=self._run, args=(listener,), name="hvdrun-accept", daemon=True)
         if self.expected:
             self._thread.start()
 
     def _run(self, listener: socket.socket) -> None:
-        listener.settimeout(CONNECT_TIMEOUT_S)
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        while time.monotonic() < deadline and set(self.accepted) != self.expected:
+        while (left := self.deadline - time.monotonic()) > 0 and set(self.accepted) != self.expected:
+            listener.settimeout(min(left, CONNECT_TIMEOUT_S))
             try:
                 sock, _ = listener.accept()
             except OSError as e:
@@ -48,7 +51,7 @@ class Acceptor:
                 self.error = str(e)
                 continue
             try:
-                sock.settimeout(CONNECT_TIMEOUT_S)
+                sock.settimeout(min(max(self.deadline - time.monotonic(), 0.1), CONNECT_TIMEOUT_S))
                 authenticate_client(sock, self.secret)
                 frame = tuple(recv_frame(sock))
                 if frame not in self.expected or frame in self.accepted:
@@ -58,30 +61,45 @@ class Acceptor:
                 self.error = str(e)
                 sock.close()
                 continue
-            self.accepted[frame] = sock  # type: ignore[index]
+            with self._arrived:
+                self.accepted[frame] = sock  # type: ignore[index]
+                self._arrived.notify_all()
 
     def take(self, purpose: str, peer: Peer) -> socket.socket:
-        """The connection of ``peer`` for ``purpose``, waiting for it.
+        """The connection of ``peer`` for ``purpose``, waiting for it until the deadline.
 
         Raises:
             RendezvousError: it did not connect in time.
         """
-        self._thread.join(CONNECT_TIMEOUT_S + 1)
-        sock = self.accepted.get((purpose, peer.rank))
-        if sock is None:
-            raise RendezvousError(f"{peer.describe()} did not connect to this rank's data port within "
-                                  f"{CONNECT_TIMEOUT_S:.0f} s" + (f" (last error: {self.error})" if self.error else ""))
-        return sock
+        return self.take_all(purpose, [peer])[peer.rank]
+
+    def take_all(self, purpose: str, peers: Sequence[Peer]) -> dict[int, socket.socket]:
+        """The connections of ``peers`` for ``purpose`` by rank, each waited for until the deadline.
+
+        Raises:
+            RendezvousError: some did not connect in time; names every one of them.
+        """
+        keys = [(purpose, peer.rank) for peer in peers]
+        with self._arrived:
+            self._arrived.wait_for(lambda: all(key in self.accepted for key in keys),
+                                   max(self.deadline - time.monotonic(), 0))
+            missing = [peer for peer, key in zip(peers, keys, strict=True) if key not in self.accepted]
+            if missing:
+                raise RendezvousError(
+                    f"{', '.join(peer.describe() for peer in missing)} did not connect to this rank's data port "
+                    "before the start deadline (HVDRUN_START_TIMEOUT)"
+                    + (f" (last error: {self.error})" if self.error else ""))
+            return {peer.rank: self.accepted[key] for peer, key in zip(peers, keys, strict=True)}
 
 
-def dial(me: Peer, peer: Peer, secret: bytes, purpose: str) -> socket.socket:
-    """Connect to ``peer``'s data port for ``purpose``.
+def dial(me: Peer, peer: Peer, secret: bytes, purpose: str, timeout_s: float = CONNECT_TIMEOUT_S) -> socket.socket:
+    """Connect to ``peer``'s data port for ``purpose`` (connecting and authenticating within ``timeout_s``).
 
     Raises:
         RendezvousError: it cannot be reached or does not authenticate.
     """
     try:
-        sock = socket.create_connection((peer.data_addr, peer.data_port), timeout=CONNECT_TIMEOUT_S)
+        sock = socket.create_connection((peer.data_addr, peer.data_port), timeout=timeout_s)
     except OSError as e:
         raise RendezvousError(f"cannot connect to {peer.describe()} at {peer.data_addr}:{peer.data_port}: {e}") from e
     try:
@@ -95,6 +113,39 @@ def dial(me: Peer, peer: Peer, secret: bytes, purpose: str) -> socket.socket:
         raise RendezvousError(f"cannot connect to {peer.describe()} at {peer.data_addr}:{peer.data_port}: {e}") from e
     tune(sock)
     return sock
+
+
+def dial_all(me: Peer, peers: Sequence[Peer], secret: bytes, purpose: str, deadline: float) -> dict[int, socket.socket]:
+    """Connect to every one of ``peers`` at once (a thread each past the first), each within the time left before
+    ``deadline`` (``time.monotonic()``): a peer that is slow to answer delays none of the others.
+
+    Raises:
+        RendezvousError: some could not be reached in time or did not authenticate; names every one of them (the
+            connections made are closed).
+    """
+    dialled: dict[int, socket.socket] = {}
+    failures: dict[int, str] = {}
+
+    def connect(peer: Peer) -> None:
+        try:
+            dialled[peer.rank] = dial(me, peer, secret, purpose, max(deadline - time.monotonic(), 0.1))
+        except (RendezvousError, AuthError) as e:
+            failures[peer.rank] = str(e)
+        except Exception as e:  # noqa: BLE001 - a thread's error is reported by the caller, naming the peer
+            failures[peer.rank] = f"cannot connect to {peer.describe()}: {e!r}"
+
+    threads = [threading.Thread(target=connect, args=(peer,), name="hvdrun-dial", daemon=True) for peer in peers[1:]]
+    for thread in threads:
+        thread.start()
+    if peers:
+        connect(peers[0])
+    for thread in threads:
+        thread.join()
+    if failures:
+        for sock in dialled.values():
+            sock.close()
+        raise RendezvousError("; ".join(failures[rank] for rank in sorted(failures)))
+    return dialled
 
 
 def tcp_link(sock: socket.socket, peer: Peer) -> Link:

@@ -20,7 +20,7 @@ import numpy as np
 
 from hvdrun.protocol.sockets import bind_host
 from hvdrun.runtime.backends.base import Backend, World, topology
-from hvdrun.runtime.backends.links import LINK, RING, Acceptor, dial, shm_link, tcp_link
+from hvdrun.runtime.backends.links import LINK, RING, Acceptor, dial, dial_all, shm_link, tcp_link
 from hvdrun.runtime.collectives import Ring
 from hvdrun.runtime.collectives.hierarchical import (
     AlgorithmChoice,
@@ -124,10 +124,12 @@ class NativeBackend(Backend):
             host_ranks = _host_ranks(grid, rank) if own is not None else []
             if len(host_ranks) > 1 and host_ranks[0] == rank:
                 posts = PostBoard(job_key, rank, len(host_ranks), 0, create=True)
-            acceptor = Acceptor(listener, _expected(me, peers, own, partners - local), secret)
-            tx, rx, segments = _channels(me, peers, own, acceptor, job_key, secret)
-            links = {p: tcp_link(dial(me, peers[p], secret, LINK) if p > rank else acceptor.take(LINK, peers[p]),
-                                 peers[p]) for p in sorted(partners - local)}
+            acceptor = Acceptor(listener, _expected(me, peers, own, partners - local), secret, deadline)
+            tx, rx, segments = _channels(me, peers, own, acceptor, job_key, secret, deadline)
+            remote = sorted(partners - local)  # links across hosts: this rank dials the higher ranks, all at once
+            sockets = dial_all(me, [peers[p] for p in remote if p > rank], secret, LINK, deadline)
+            sockets.update(acceptor.take_all(LINK, [peers[p] for p in remote if p < rank]))
+            links = {p: tcp_link(sockets[p], peers[p]) for p in remote}
             waiter = Waiter(own.bell if own else None, abort, spin, [segment.bell for segment in receiving])
             ring = Ring(rank, size, tx, rx, waiter)
             lane = open_lane(board, job_key, rank, size, world.local_size, abort, use_shm, own_core=spin > 0)
@@ -256,7 +258,7 @@ def _over_shm(me: Peer, peer: Peer, own: ShmSegment | None) -> bool:
 
 
 def _channels(me: Peer, peers: Sequence[Peer], own: ShmSegment | None, acceptor: Acceptor, job_key: str,
-              secret: bytes) -> tuple[TxChannel, RxChannel, list[ShmSegment]]:
+              secret: bytes, deadline: float) -> tuple[TxChannel, RxChannel, list[ShmSegment]]:
     size = len(peers)
     nxt, prev = peers[(me.rank + 1) % size], peers[(me.rank - 1) % size]
     segments: list[ShmSegment] = [own] if own is not None else []
@@ -272,7 +274,7 @@ def _channels(me: Peer, peers: Sequence[Peer], own: ShmSegment | None, acceptor:
         assert own is not None
         tx: TxChannel = ShmTx(segment_of(nxt), own.bell_fd)
     else:
-        tx = TcpTx(dial(me, nxt, secret, RING), nxt.describe())
+        tx = TcpTx(dial(me, nxt, secret, RING, max(deadline - time.monotonic(), 0.1)), nxt.describe())
     if _over_shm(me, prev, own):
         assert own is not None
         rx: RxChannel = ShmRx(own, segment_of(prev).bell)
