@@ -97,3 +97,56 @@ def test_read_into_a_destination_longer_than_the_staging_buffer_takes_only_what_
     while got < 6:
         got += rx_b.read_into(big[got:])
     assert bytes(big[:6]) == b"direct" and rx_b.staged == 6
+
+
+class _Board:
+    """A channel no poll sees (as a shared-memory ring): ready when told."""
+
+    def __init__(self, ready: bool) -> None:
+        self.is_ready = ready
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def wait_fds(self) -> tuple[list[int], list[int]]:
+        return [], []
+
+
+def test_one_poll_asks_every_socket_and_staged_bytes_and_other_channels_count_too():
+    """``any_ready``: the sockets' readability with one poll, bytes already staged (the socket itself empty), and
+    channels no poll sees, each of which alone makes the answer yes."""
+    from hvdrun.runtime.transport.base import any_ready
+
+    links = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        for _ in range(3):
+            a = socket.create_connection(listener.getsockname())
+            b, _ = listener.accept()
+            tune(a)
+            tune(b)
+            links.append((TcpTx(a, "a"), TcpRx(b, "b")))
+    receivers = [rx for _, rx in links]
+    assert not any_ready(receivers) and not any_ready([*receivers, _Board(False)])
+    assert any_ready([*receivers, _Board(True)])
+    links[2][0].sock.setblocking(True)
+    links[2][0].sock.sendall(b"x" * 16)
+    assert wait_for(lambda: any_ready(receivers))  # the bytes reach the socket
+    assert not any_ready(receivers, poll=False), "left to the caller's poll"
+    assert bytes(receivers[2].peek(8)) == b"x" * 8  # all 16 staged now, the socket empty
+    assert receivers[2].poll_fd() is None and any_ready(receivers, poll=False)
+    receivers[2].consume(16)
+    assert not any_ready(receivers)
+    for tx, rx in links:
+        tx.close()
+        rx.close()
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True

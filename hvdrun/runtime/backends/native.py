@@ -46,6 +46,7 @@ from hvdrun.runtime.transport.base import (
     TxChannel,
     Waiter,
     Watchable,
+    any_ready,
     spin_seconds,
 )
 from hvdrun.runtime.transport.posts import PostBoard
@@ -194,7 +195,7 @@ class NativeBackend(Backend):
         self.ring.alltoallv(send, send_sizes, matrix, out)
 
     def peer_waiting(self) -> bool:
-        return any(channel.ready() for channel in self._wake)
+        return any_ready(self._wake)
 
     def idle_wait(self, extra_fds: Sequence[int]) -> None:
         if not self._wake:

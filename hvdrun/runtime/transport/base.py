@@ -105,6 +105,11 @@ class RxChannel(abc.ABC):
         """True when :meth:`peek` would return bytes now. Must not change the channel: any thread may ask."""
         return False
 
+    def poll_fd(self) -> int | None:
+        """A descriptor whose readability says all that :meth:`ready` would say now, so that one poll(2) asks many
+        channels at once (:func:`any_ready`); None (the default): ask :meth:`ready`."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the channel."""
 
@@ -162,6 +167,23 @@ def spin_seconds(policy: str, host_ranks: int, cores: int) -> float:
     return 0.0
 
 
+def any_ready(channels: Sequence[Watchable], poll: bool = True) -> bool:
+    """Whether any of ``channels`` can progress now: those with a :meth:`RxChannel.poll_fd` (sockets with nothing
+    staged) with one poll(2) for all of them (``poll=False``: not at all, the caller's own poll watches them), the
+    others by their :meth:`~Watchable.ready`."""
+    fds: list[int] = []
+    for channel in channels:
+        fd = channel.poll_fd() if isinstance(channel, RxChannel) else None
+        if fd is None:
+            if channel.ready():
+                return True
+        elif fd < 0:
+            return True  # closed: the read that follows names the error
+        else:
+            fds.append(fd)
+    return poll and bool(fds) and bool(readable(fds, 0))
+
+
 class Waiter:
     """Parks the calling thread until a channel may progress, the abort flag is set, or a timeout.
 
@@ -213,7 +235,7 @@ class Waiter:
                 for bell in bells:
                     bell.sleeping[0] += 1  # type: ignore[index]
         try:
-            if not any(channel.ready() for channel in channels):
+            if not any_ready(channels, poll=False):  # the sockets among them: the poll below
                 readable(read_fds, timeout_s, write_fds)
         finally:
             if bells:

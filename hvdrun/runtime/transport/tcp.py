@@ -106,5 +106,8 @@ class TcpRx(RxChannel):
             return True  # the read that follows names the error
         return True  # a byte, or the peer's end (an empty peek)
 
+    def poll_fd(self) -> int | None:
+        return None if self._end > self._start else self.sock.fileno()
+
     def close(self) -> None:
         self.sock.close()
