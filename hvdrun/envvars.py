@@ -491,9 +491,14 @@ def check_tuning(environ: Mapping[str, str]) -> None:
     algorithm = env_text(environ, ALGORITHM)
     if algorithm is not None and algorithm not in ALGORITHMS:
         raise UsageError(f"{ALGORITHM[0]}={algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
-    policy = env_text(environ, WAIT_POLICY)
-    if policy is not None and policy not in WAIT_POLICIES:
+    policy = wait_policy(environ)
+    if policy not in WAIT_POLICIES:
         raise UsageError(f"{WAIT_POLICY[0]}={policy!r}; expected one of {', '.join(WAIT_POLICIES)}")
+
+
+def wait_policy(environ: Mapping[str, str]) -> str:
+    """``HVDRUN_WAIT_POLICY`` in lower case (``auto`` when unset); :func:`check_tuning` validates it."""
+    return (env_text(environ, WAIT_POLICY) or "auto").lower()
 
 
 def _hostname(environ: Mapping[str, str]) -> str:

@@ -107,7 +107,7 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
         return NativeBackend.connect(rendezvous, launch.hostname, f"{launch.job_id}-{generation}",
                                      launch.secret.encode(), abort, timeout_s, use_shm, store_port,
                                      algorithm_choice(environ),
-                                     envvars.env_text(environ, envvars.WAIT_POLICY) or "auto"), rendezvous
+                                     envvars.wait_policy(environ)), rendezvous
     except BaseException as e:
         rendezvous.report_failure(f"rank {launch.rank} failed while joining the job: {e}")  # none waits for it
         rendezvous.close()

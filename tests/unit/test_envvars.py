@@ -106,6 +106,8 @@ def test_the_wait_policy_decides_whether_waits_spin(policy, host_ranks, cores, s
     assert spin_seconds(policy, host_ranks, cores) == (DEFAULT_SPIN_S if spins else 0.0)
 
 
-def test_a_wait_policy_that_is_not_one_is_a_usage_error():
+def test_a_wait_policy_that_is_not_one_is_a_usage_error_and_any_case_is_one():
     with pytest.raises(UsageError, match="HVDRUN_WAIT_POLICY='spin'; expected one of auto, active, passive"):
         envvars.check_tuning({"HVDRUN_WAIT_POLICY": "spin"})
+    envvars.check_tuning({"HVDRUN_WAIT_POLICY": "PASSIVE"})  # as OMP_WAIT_POLICY
+    assert envvars.wait_policy({"HVDRUN_WAIT_POLICY": "Active"}) == "active" and envvars.wait_policy({}) == "auto"

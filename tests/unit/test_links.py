@@ -45,7 +45,8 @@ def test_a_peer_slow_to_answer_delays_none_of_the_others():
     waiter.join()
     assert sorted(sockets) == [1, 2, 3]
     accepted = [fast[2].take(LINK, me), fast[3].take(LINK, me), slow[0].take(LINK, me)]
-    for rank, theirs in zip((2, 3, 1), accepted, strict=True):  # each link carries bytes both ways
+    for rank, theirs in zip((2, 3, 1), accepted, strict=True):  # each link carries bytes one way at least
+        theirs.settimeout(5)
         sockets[rank].setblocking(True)
         sockets[rank].sendall(b"ping")
         assert theirs.recv(4) == b"ping"
@@ -66,8 +67,21 @@ def test_a_peer_that_never_answers_is_named_at_the_deadline_and_the_links_made_a
 
 
 def test_links_that_never_come_are_all_named_when_the_deadline_passes():
-    acceptor = Acceptor(listener(), [(LINK, 1), (LINK, 2)], SECRET, time.monotonic() + 0.3)
-    with pytest.raises(RendezvousError) as failed:
-        acceptor.take_all(LINK, [peer(1), peer(2)])
+    with listener() as waiting:
+        acceptor = Acceptor(waiting, [(LINK, 1), (LINK, 2)], SECRET, time.monotonic() + 0.3)
+        with pytest.raises(RendezvousError) as failed:
+            acceptor.take_all(LINK, [peer(1), peer(2)])
     assert str(failed.value).startswith("rank 1 (host node1, pid 1001), rank 2 (host node2, pid 1002) did not "
                                         "connect to this rank's data port before the start deadline"), failed.value
+
+
+def test_a_failed_set_up_closes_what_the_acceptor_took():
+    me = peer(0)
+    with listener() as waiting:
+        acceptor = Acceptor(waiting, [(LINK, 0)], SECRET, time.monotonic() + 10)
+        ours = dial_all(me, [peer(1, waiting)], SECRET, LINK, time.monotonic() + 10)[1]
+        acceptor.take(LINK, me)
+        acceptor.close()  # as NativeBackend.connect does when a later step fails
+        ours.settimeout(5)
+        assert ours.recv(1) == b"", "the peer's end is closed"
+        ours.close()

@@ -10,6 +10,7 @@ named after the reader and the writer (:class:`~hvdrun.runtime.transport.shm.Shm
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -35,6 +36,7 @@ class Acceptor:
         self.deadline = time.monotonic() + CONNECT_TIMEOUT_S if deadline is None else deadline
         self.accepted: dict[tuple[str, int], socket.socket] = {}
         self.error: str | None = None
+        self._closed = False
         self._arrived = threading.Condition()
         self._thread = threading.Thread(target=self._run, args=(listener,), name="hvdrun-accept", daemon=True)
         if self.expected:
@@ -42,8 +44,8 @@ class Acceptor:
 
     def _run(self, listener: socket.socket) -> None:
         while (left := self.deadline - time.monotonic()) > 0 and set(self.accepted) != self.expected:
-            listener.settimeout(min(left, CONNECT_TIMEOUT_S))
             try:
+                listener.settimeout(min(left, CONNECT_TIMEOUT_S))
                 sock, _ = listener.accept()
             except OSError as e:
                 if listener.fileno() < 0:
@@ -62,8 +64,18 @@ class Acceptor:
                 sock.close()
                 continue
             with self._arrived:
+                if self._closed:  # set-up failed meanwhile: nobody will take it
+                    sock.close()
+                    return
                 self.accepted[frame] = sock  # type: ignore[index]
                 self._arrived.notify_all()
+
+    def close(self) -> None:
+        """Set-up failed: close every connection accepted (taken or not), and any that completes from now on."""
+        with self._arrived:
+            self._closed = True
+            for sock in self.accepted.values():
+                sock.close()
 
     def take(self, purpose: str, peer: Peer) -> socket.socket:
         """The connection of ``peer`` for ``purpose``, waiting for it until the deadline.
@@ -137,13 +149,19 @@ def dial_all(me: Peer, peers: Sequence[Peer], secret: bytes, purpose: str, deadl
     threads = [threading.Thread(target=connect, args=(peer,), name="hvdrun-dial", daemon=True) for peer in peers[1:]]
     for thread in threads:
         thread.start()
-    if peers:
-        connect(peers[0])
-    for thread in threads:
-        thread.join()
+    try:
+        if peers:
+            connect(peers[0])
+    finally:  # an interrupt too: every dial ends before its sockets are closed or kept
+        for thread in threads:
+            thread.join()
+        for peer in peers:  # a dial that ended without a word (a thread's BaseException)
+            if peer.rank not in dialled and peer.rank not in failures:
+                failures[peer.rank] = f"cannot connect to {peer.describe()}: the dial ended without a connection"
+        if failures or sys.exc_info()[0] is not None:
+            for sock in dialled.values():
+                sock.close()
     if failures:
-        for sock in dialled.values():
-            sock.close()
         raise RendezvousError("; ".join(failures[rank] for rank in sorted(failures)))
     return dialled
 

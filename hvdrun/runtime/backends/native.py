@@ -98,7 +98,9 @@ class NativeBackend(Backend):
         use_shm = use_shm and shm_supported()
         own = ShmSegment(job_key, rank, SHM_CAPACITY_BYTES, create=True) if use_shm and size > 1 else None
         board = create_board(job_key, rank, size, own is not None)
-        listener = None
+        listener = acceptor = None
+        sockets: dict[int, socket.socket] = {}  # the links across hosts, closed if set-up fails
+        channels: list[TxChannel | RxChannel] = []  # the ring's, likewise
         receiving: list[ShmSegment] = []  # this rank's link segments, unlinked once opened
         posts: PostBoard | None = None  # the host's post board (hierarchy with several ranks a host)
         try:
@@ -127,8 +129,9 @@ class NativeBackend(Backend):
                 posts = PostBoard(job_key, rank, len(host_ranks), 0, create=True)
             acceptor = Acceptor(listener, _expected(me, peers, own, partners - local), secret, deadline)
             tx, rx, segments = _channels(me, peers, own, acceptor, job_key, secret, deadline)
+            channels += [tx, rx]
             remote = sorted(partners - local)  # links across hosts: this rank dials the higher ranks, all at once
-            sockets = dial_all(me, [peers[p] for p in remote if p > rank], secret, LINK, deadline)
+            sockets.update(dial_all(me, [peers[p] for p in remote if p > rank], secret, LINK, deadline))
             sockets.update(acceptor.take_all(LINK, [peers[p] for p in remote if p < rank]))
             links = {p: tcp_link(sockets[p], peers[p]) for p in remote}
             waiter = Waiter(own.bell if own else None, abort, spin, [segment.bell for segment in receiving])
@@ -151,6 +154,12 @@ class NativeBackend(Backend):
         except BaseException:
             if posts is not None:
                 posts.close()
+            if acceptor is not None:
+                acceptor.close()
+            for sock in sockets.values():
+                sock.close()
+            for channel in channels:
+                channel.close()
             raise
         finally:
             if listener is not None:
@@ -276,9 +285,14 @@ def _channels(me: Peer, peers: Sequence[Peer], own: ShmSegment | None, acceptor:
         tx: TxChannel = ShmTx(segment_of(nxt), own.bell_fd)
     else:
         tx = TcpTx(dial(me, nxt, secret, RING, max(deadline - time.monotonic(), 0.1)), nxt.describe())
-    if _over_shm(me, prev, own):
-        assert own is not None
-        rx: RxChannel = ShmRx(own, segment_of(prev).bell)
-    else:
-        rx = TcpRx(acceptor.take(RING, prev), prev.describe())
+    try:
+        if _over_shm(me, prev, own):
+            assert own is not None
+            rx: RxChannel = ShmRx(own, segment_of(prev).bell)
+        else:
+            rx = TcpRx(acceptor.take(RING, prev), prev.describe())
+    except BaseException:
+        if isinstance(tx, TcpTx):  # its socket: nobody else holds it yet
+            tx.close()
+        raise
     return tx, rx, segments

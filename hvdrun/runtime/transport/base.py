@@ -162,6 +162,8 @@ def spin_seconds(policy: str, host_ranks: int, cores: int) -> float:
     at once and its core goes to whoever needs it (ranks, or other jobs, sharing the cores); ``auto``: active where the
     ``host_ranks`` of this host do not outnumber its ``cores``.
     """
+    if policy not in ("auto", "active", "passive"):
+        raise ValueError(f"wait policy {policy!r}: expected auto, active or passive")
     if policy == "active" or (policy == "auto" and host_ranks <= cores):
         return DEFAULT_SPIN_S
     return 0.0
@@ -181,7 +183,12 @@ def any_ready(channels: Sequence[Watchable], poll: bool = True) -> bool:
             return True  # closed: the read that follows names the error
         else:
             fds.append(fd)
-    return poll and bool(fds) and bool(readable(fds, 0))
+    if not (poll and fds):
+        return False
+    try:
+        return bool(readable(fds, 0))
+    except (OSError, ValueError):  # a socket closed meanwhile: the read that follows names the error
+        return True
 
 
 class Waiter:
