@@ -150,3 +150,23 @@ def wait_for(condition, timeout_s: float = 5.0) -> bool:
             return False
         time.sleep(0.001)
     return True
+
+
+def test_a_waiter_with_bytes_staged_does_not_sleep(pair, monkeypatch):
+    """The socket is empty but the channel holds bytes already read: the waiter must not go to its poll (it would
+    sleep until its timeout, as nothing more arrives)."""
+    import hvdrun.runtime.transport.base as base
+
+    tx_a, _, _, rx_b = pair
+    tx_a.sock.setblocking(True)
+    tx_a.sock.sendall(b"y" * 16)
+    assert wait_for(lambda: rx_b.ready())
+    assert bytes(rx_b.peek(8)) == b"y" * 8 and rx_b.poll_fd() is None  # all 16 staged
+
+    def no_poll(*args, **kwargs):
+        raise AssertionError("slept on the poll with bytes staged")
+
+    monkeypatch.setattr(base, "readable", no_poll)
+    base.Waiter(None, AbortFlag()).sleep([rx_b], [], 5.0)  # returns at once
+    rx_b.consume(16)
+    monkeypatch.undo()
