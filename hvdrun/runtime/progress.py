@@ -194,8 +194,9 @@ class ProgressLoop:
                     continue
                 if self._has_work():
                     if self._progress.acquire(timeout=_TAKEOVER_GRACE_S):
-                        try:  # re-check: a held() section may have begun while we waited for the lock
-                            if not self._holds and self._has_work():
+                        try:  # re-check: a held() section may have begun, or the shutdown completed on a caller's
+                            # thread, while we waited for the lock (a cycle after it would wait for peers that left)
+                            if not self._holds and not self.ledger.stopped and self._has_work():
                                 self._cycle_once()
                         finally:
                             self._progress.release()
