@@ -31,9 +31,8 @@ class Acceptor:
     or ``deadline`` (``time.monotonic()``) passes."""
 
     def __init__(self, listener: socket.socket, expected: Iterable[tuple[str, int]], secret: bytes,
-                 deadline: float | None = None) -> None:
-        self.expected, self.secret = set(expected), secret
-        self.deadline = time.monotonic() + CONNECT_TIMEOUT_S if deadline is None else deadline
+                 deadline: float) -> None:
+        self.expected, self.secret, self.deadline = set(expected), secret, deadline
         self.accepted: dict[tuple[str, int], socket.socket] = {}
         self.error: str | None = None
         self._closed = False
@@ -53,7 +52,7 @@ class Acceptor:
                 self.error = str(e)
                 continue
             try:
-                sock.settimeout(min(max(self.deadline - time.monotonic(), 0.1), CONNECT_TIMEOUT_S))
+                sock.settimeout(min(time_left(self.deadline), CONNECT_TIMEOUT_S))
                 authenticate_client(sock, self.secret)
                 frame = tuple(recv_frame(sock))
                 if frame not in self.expected or frame in self.accepted:
@@ -104,7 +103,12 @@ class Acceptor:
             return {peer.rank: self.accepted[key] for peer, key in zip(peers, keys, strict=True)}
 
 
-def dial(me: Peer, peer: Peer, secret: bytes, purpose: str, timeout_s: float = CONNECT_TIMEOUT_S) -> socket.socket:
+def time_left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()``), at least 0.1: a last try still gets a moment."""
+    return max(deadline - time.monotonic(), 0.1)
+
+
+def dial(me: Peer, peer: Peer, secret: bytes, purpose: str, timeout_s: float) -> socket.socket:
     """Connect to ``peer``'s data port for ``purpose`` (connecting and authenticating within ``timeout_s``).
 
     Raises:
@@ -140,7 +144,7 @@ def dial_all(me: Peer, peers: Sequence[Peer], secret: bytes, purpose: str, deadl
 
     def connect(peer: Peer) -> None:
         try:
-            dialled[peer.rank] = dial(me, peer, secret, purpose, max(deadline - time.monotonic(), 0.1))
+            dialled[peer.rank] = dial(me, peer, secret, purpose, time_left(deadline))
         except (RendezvousError, AuthError) as e:
             failures[peer.rank] = str(e)
         except Exception as e:  # noqa: BLE001 - a thread's error is reported by the caller, naming the peer

@@ -20,7 +20,7 @@ import numpy as np
 
 from hvdrun.protocol.sockets import bind_host
 from hvdrun.runtime.backends.base import Backend, World, topology
-from hvdrun.runtime.backends.links import LINK, RING, Acceptor, dial, dial_all, shm_link, tcp_link
+from hvdrun.runtime.backends.links import LINK, RING, Acceptor, dial, dial_all, shm_link, tcp_link, time_left
 from hvdrun.runtime.collectives import Ring
 from hvdrun.runtime.collectives.hierarchical import (
     AlgorithmChoice,
@@ -284,7 +284,7 @@ def _channels(me: Peer, peers: Sequence[Peer], own: ShmSegment | None, acceptor:
         assert own is not None
         tx: TxChannel = ShmTx(segment_of(nxt), own.bell_fd)
     else:
-        tx = TcpTx(dial(me, nxt, secret, RING, max(deadline - time.monotonic(), 0.1)), nxt.describe())
+        tx = TcpTx(dial(me, nxt, secret, RING, time_left(deadline)), nxt.describe())
     try:
         if _over_shm(me, prev, own):
             assert own is not None

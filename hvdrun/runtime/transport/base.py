@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from hvdrun import envvars
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime.readiness import readable
 
@@ -162,8 +163,8 @@ def spin_seconds(policy: str, host_ranks: int, cores: int) -> float:
     at once and its core goes to whoever needs it (ranks, or other jobs, sharing the cores); ``auto``: active where the
     ``host_ranks`` of this host do not outnumber its ``cores``.
     """
-    if policy not in ("auto", "active", "passive"):
-        raise ValueError(f"wait policy {policy!r}: expected auto, active or passive")
+    if policy not in envvars.WAIT_POLICIES:
+        raise ValueError(f"wait policy {policy!r}: expected one of {', '.join(envvars.WAIT_POLICIES)}")
     if policy == "active" or (policy == "auto" and host_ranks <= cores):
         return DEFAULT_SPIN_S
     return 0.0
