@@ -7,7 +7,7 @@ HVDRUN := $(VENV)/bin/hvdrun
 # The CPU build of PyTorch for CI and development; GPU users install their own torch.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv system-deps demo test lint bench docs clean
+.PHONY: venv system-deps demo test lint bench docs clean compiled
 
 venv: $(VENV)/.installed
 
@@ -34,6 +34,12 @@ system-deps:
 	fi
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then bash tests/infra/pbs_cluster.sh build; fi
 
+# The optional compiled module (hvdrun/runtime/compiled): the steady state's steps across hosts in one call of C.
+# Never built on install; HVDRUN_COMPILED=off keeps the pure-Python path where it is built. The suite builds it and
+# tests both paths.
+compiled: venv
+	$(PY) -m hvdrun.runtime.compiled
+
 demo: venv
 	$(HVDRUN) -np 2 examples/linear_regression.py --check
 
@@ -46,7 +52,7 @@ demo: venv
 # it silently ignores xdist_group marks, pytest-xdist issue #1386.)
 # Byte-compiled first: with PYTHONDONTWRITEBYTECODE set (as in some CI images) no import writes a .pyc, and every
 # rank, launcher and probe the suite starts (about 1,600) would compile the checkout's modules again.
-test: venv system-deps
+test: venv system-deps compiled
 	PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -q -j 2 hvdrun tests examples benchmarks >/dev/null
 	$(PY) -m pytest -q -n 3 --dist loadfile
 

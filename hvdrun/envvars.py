@@ -352,6 +352,9 @@ OVERLAP = "HVDRUN_OVERLAP"
 # needs it), auto: active where a host's ranks do not outnumber its cores (as OMP_WAIT_POLICY; runtime/transport)
 WAIT_POLICY = ("HVDRUN_WAIT_POLICY",)
 WAIT_POLICIES = ("auto", "active", "passive")
+# the compiled module (runtime/compiled): auto (used when built), off (pure Python), on (an error when not built)
+COMPILED = ("HVDRUN_COMPILED",)
+COMPILED_MODES = ("auto", "on", "off")
 TIMELINE = ("HVDRUN_TIMELINE", "HOROVOD_TIMELINE")
 TIMELINE_MARK_CYCLES = ("HVDRUN_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES")
 CYCLE_TIME_MS = ("HVDRUN_CYCLE_TIME", "HOROVOD_CYCLE_TIME")
@@ -494,11 +497,19 @@ def check_tuning(environ: Mapping[str, str]) -> None:
     policy = wait_policy(environ)
     if policy not in WAIT_POLICIES:
         raise UsageError(f"{WAIT_POLICY[0]}={policy!r}; expected one of {', '.join(WAIT_POLICIES)}")
+    mode = compiled_mode(environ)
+    if mode not in COMPILED_MODES:
+        raise UsageError(f"{COMPILED[0]}={mode!r}; expected one of {', '.join(COMPILED_MODES)}")
 
 
 def wait_policy(environ: Mapping[str, str]) -> str:
     """``HVDRUN_WAIT_POLICY`` in lower case (``auto`` when unset); :func:`check_tuning` validates it."""
     return (env_text(environ, WAIT_POLICY) or "auto").lower()
+
+
+def compiled_mode(environ: Mapping[str, str]) -> str:
+    """``HVDRUN_COMPILED`` in lower case (``auto`` when unset); :func:`check_tuning` validates it."""
+    return (env_text(environ, COMPILED) or "auto").lower()
 
 
 def _hostname(environ: Mapping[str, str]) -> str:

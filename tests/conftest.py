@@ -130,6 +130,15 @@ def run_hvdrun(hvdrun_env: dict[str, str], token: str, tmp_path: Path):
 
 
 @pytest.fixture(scope="session")
+def compiled_built() -> Path:
+    """The optional compiled module (hvdrun.runtime.compiled), built when missing (``make test`` builds it first, so
+    every job of the suite takes it; tests that compare the paths set HVDRUN_COMPILED per rank)."""
+    from hvdrun.runtime import compiled
+
+    return compiled.LIBRARY if compiled.LIBRARY.exists() else compiled.build()
+
+
+@pytest.fixture(scope="session")
 def zygote() -> Iterator[Zygote]:
     """One process per pytest worker that imported torch and forks the ranks ``spawn_ranks`` starts."""
     started = Zygote.start(Path(f"/tmp/hvdrun-zygote-{os.getpid()}.sock"))

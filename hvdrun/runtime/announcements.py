@@ -14,7 +14,9 @@ run as ordinary negotiated allreduces: eager data is used only when every rank a
 The steady state has a compact form of its own (:class:`Uniform`): "ranks lo..hi all announced cached request
 number K alone, and here is their data reduced", which travels as a 32-byte header and the raw data (no marshal,
 no per-rank entries) and merges with its neighbour range by one reduction. Anything else (another op, a rank
-blocked on a name, a request not cached yet) travels in the general form, into which a uniform range expands.
+blocked on a name, a request not cached yet) travels in the general form, into which a uniform range expands. Where
+the compiled module is built (:mod:`hvdrun.runtime.compiled`), the steps across hosts of a uniform value run in one
+call of it, on the same wire format.
 
 **Held requests** (Horovod's response-cache bits, :class:`hvdrun.runtime.cycle.Cycle` decides which): a request
 that every rank has agreed on before (a cached number) is not announced once into every rank's table but *held*
@@ -32,15 +34,16 @@ from __future__ import annotations
 
 import marshal
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from hvdrun.runtime.backends.base import Backend
+from hvdrun.runtime.compiled import OPS, StepLink, UniformSteps
 from hvdrun.runtime.negotiation import Request
 from hvdrun.runtime.reduce import REDUCE_FNS
-from hvdrun.runtime.transport.base import Codec, Message
+from hvdrun.runtime.transport.base import Codec, DoublingStep, Message, StepsTaken, Waiter
 
 Announcement = tuple[list[tuple[Any, Message | None]], list[str]]  # (items, names blocked on)
 
@@ -163,10 +166,14 @@ class Announcements:
         request_of: the request a key stands for (the response cache's decoding).
     """
 
-    def __init__(self, backend: Backend, rank: int, size: int, request_of: Callable[[Any], tuple]) -> None:
+    def __init__(self, backend: Backend, rank: int, size: int, request_of: Callable[[Any], tuple],
+                 compiled: UniformSteps | None = None) -> None:
         self.backend, self.rank, self.size, self._request_of = backend, rank, size, request_of
         self._cycle = 0  # the cycle being exchanged (a uniform range's ranks began to hold its number in it)
-        self._layouts: dict[Any, tuple[np.dtype, Callable[..., Any]]] = {}
+        self._layouts: dict[Any, tuple[np.dtype, Callable[..., Any], int]] = {}
+        self._compiled = compiled
+        self._step_links: dict[int, tuple[StepLink, ...]] = {}  # by id() of the doubling's steps (fixed per group)
+        self.codec = Codec(_dumps, _loads, self._compiled_steps if compiled is not None else None)
 
     def exchange(self, announcement: Announcement, held: Mapping[int, int] | None = None, cycle: int = 0,
                  flush: bool = False, lone: tuple[int, Message] | None = None) -> Agreement:
@@ -194,7 +201,7 @@ class Announcements:
             tallies = {key: began.setdefault(since, ({since: 1}, since, (self.rank, self.rank)))
                        for key, since in held.items()}
             value = (announced, alone, tallies, flush)
-        merged = self._general(self.backend.allgather_merged(value, self._merge, CODEC))
+        merged = self._general(self.backend.allgather_merged(value, self._merge, self.codec))
         announced, total, tallies, flush = merged
         nothing: Announcement = ([], [])
         return Agreement(lambda: [announced.get(rank, nothing) for rank in range(self.size)],
@@ -203,7 +210,7 @@ class Announcements:
     def _merge(self, lower: Any, upper: Any) -> Any:
         """Two ranges of ranks' values as one (``lower`` holds the lower ranks)."""
         if type(lower) is Uniform and type(upper) is Uniform and lower.key == upper.key and lower.hi + 1 == upper.lo:
-            dtype, combine = self._layout(lower.key)
+            dtype, combine, _ = self._layout(lower.key)
             return Uniform(lower.key, lower.lo, upper.hi,
                            combine(np.frombuffer(lower.data, dtype), np.frombuffer(upper.data, dtype)))
         lower, upper = self._general(lower), self._general(upper)
@@ -212,7 +219,7 @@ class Announcements:
         a, b = lower[1], upper[1]
         if a is None or b is None or a[0] != b[0]:
             return announced, None, tallies, flush
-        dtype, combine = self._layout(a[0])
+        dtype, combine, _ = self._layout(a[0])
         return (announced, (a[0], combine(np.frombuffer(a[1], dtype), np.frombuffer(b[1], dtype))),  # marshal: bytes
                 tallies, flush)
 
@@ -224,13 +231,46 @@ class Announcements:
         tally = ({self._cycle: value.hi - value.lo + 1}, self._cycle, (value.lo, value.hi))
         return {}, (value.key, value.data), {value.key: tally}, False
 
-    def _layout(self, key: Any) -> tuple[np.dtype, Callable[..., Any]]:
-        """The dtype and reduction of the request ``key`` stands for, remembered per key."""
+    def _layout(self, key: Any) -> tuple[np.dtype, Callable[..., Any], int]:
+        """The dtype, reduction and op code of the request ``key`` stands for, remembered per key."""
         layout = self._layouts.get(key)
         if layout is None:
             request = Request.from_wire(self._request_of(key))
-            layout = np.dtype(request.dtype), REDUCE_FNS[request.op]
+            layout = np.dtype(request.dtype), REDUCE_FNS[request.op], request.op
             if len(self._layouts) >= 4096:
                 self._layouts.clear()
             self._layouts[key] = layout
         return layout
+
+    def _compiled_steps(self, value: Any, steps: Sequence[DoublingStep], waiter: Waiter) -> StepsTaken | None:
+        """The doubling's steps of a uniform value in one call of the compiled module (:attr:`codec`'s ``steps``);
+        None where it does not take them: another value, a type or op it does not reduce, a channel that is not a
+        socket or has bytes staged."""
+        if type(value) is not Uniform or self._compiled is None:
+            return None
+        dtype, _, op = self._layout(value.key)
+        links = self._links(steps)
+        if links is None or not UniformSteps.takes(dtype, OPS.get(op)):
+            return None
+        outcome = self._compiled.run(value.key, value.lo, value.hi, value.data, dtype, OPS[op], links, waiter)
+        frame = 8 + 32 + len(outcome.data) + -(32 + len(outcome.data)) % 8
+        for step in steps[:outcome.done]:
+            step.tx.bytes_sent += frame
+        if outcome.received:
+            steps[outcome.done].tx.bytes_sent += frame - len(outcome.unsent)
+        return StepsTaken(Uniform(value.key, outcome.lo, outcome.hi, outcome.data), outcome.done, outcome.unsent,
+                          outcome.received)
+
+    def _links(self, steps: Sequence[DoublingStep]) -> tuple[StepLink, ...] | None:
+        """The steps' sockets, or None when one is not a socket or has bytes staged now."""
+        if not all(step.rx.socket_fd() is not None for step in steps):
+            return None
+        links = self._step_links.get(id(steps))
+        if links is None:
+            found = [(step.tx.socket_fd(), step.rx.socket_fd(), step) for step in steps]
+            if any(tx is None for tx, _, _ in found):
+                return None
+            links = self._step_links[id(steps)] = tuple(
+                StepLink(tx, rx, step.lower, getattr(step.rx, "peer", "a peer"))  # type: ignore[arg-type]
+                for tx, rx, step in found)
+        return links

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hvdrun.errors import CollectiveError
-from hvdrun.runtime import verdicts
+from hvdrun.runtime import compiled, verdicts
 from hvdrun.runtime.announcements import Agreement, Announcements, Tally, last_ranks
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
@@ -87,7 +87,11 @@ class Cycle:
         self.fusion_threshold = fusion_threshold
         self.table = Table(self.world.size)
         self.cache = ResponseCache(cache_capacity)
-        self._announcements = Announcements(backend, self.world.rank, self.world.size, self.cache.decode)
+        library = compiled.load() if backend.merges else None
+        # the steady state's steps across hosts in one call (None: the pure-Python path; HVDRUN_COMPILED)
+        self.compiled = compiled.UniformSteps(library) if library is not None else None
+        self._announcements = Announcements(backend, self.world.rank, self.world.size, self.cache.decode,
+                                            self.compiled)
         self.timeline: Timeline | None = None
         self._fusion: dict[str, np.ndarray] = {}
         # rank 0 names the rank or host the others keep waiting for (every rank's table sees the same arrivals)

@@ -29,6 +29,7 @@ import numpy as np
 
 from hvdrun.errors import CollectiveError, PeerLostError
 from hvdrun.runtime.backends.base import Backend
+from hvdrun.runtime.compiled import UniformSteps
 from hvdrun.runtime.cycle import Cycle
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.forensics import FlightRecorder
@@ -165,6 +166,11 @@ class Engine:
     def run(self, request: Request, array: np.ndarray | None = None) -> Any:
         """Submit and wait on the calling thread: the blocking collectives."""
         return self.submit(request, array, wake=False).wait()
+
+    @property
+    def compiled(self) -> UniformSteps | None:
+        """The compiled module's runner of this rank's steps across hosts (None: the pure-Python path)."""
+        return self._cycle.compiled
 
     @property
     def stragglers(self) -> StragglerWatch | None:

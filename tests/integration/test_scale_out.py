@@ -114,19 +114,35 @@ def test_process_sets_and_join_across_hosts(spawn_ranks, worker, done):
     assert all(f"rank {rank}: {done}" in out for rank, out in outputs.items()), outputs
 
 
-@pytest.mark.parametrize("hosts", [[("a", 1), ("b", 1), ("c", 1)], [("a", 2), ("b", 2)]], ids=["3x1", "2x2"])
-def test_express_cycles_across_hosts_take_the_blocking_ops_and_hand_back_everything_else(spawn_ranks, hosts):
+@pytest.mark.parametrize(("hosts", "modes"), [([("a", 1), ("b", 1), ("c", 1)], ["on", "on", "off"]),
+                                               ([("a", 2), ("b", 2)], ["on"] * 4), ([("a", 2), ("b", 2)], ["off"] * 4)],
+                         ids=["3x1-compiled-and-python", "2x2-compiled", "2x2-python"])
+def test_express_cycles_across_hosts_take_the_blocking_ops_and_hand_back_everything_else(spawn_ranks, compiled_built,
+                                                                                         hosts, modes):
     """A blocking allreduce across hosts runs as one cycle on the caller's thread; the fast lane's checks (exact
-    results, orders, a late rank, mismatched names and sizes, join, threads, a long run) pass through it."""
+    results, orders, a late rank, mismatched names and sizes, join, threads, a long run) pass through it, with the
+    steps across hosts compiled (HVDRUN_COMPILED=on), in Python (off), or both in one job (partners on one wire)."""
     size = sum(slots for _, slots in hosts)
-    env = {"HVDRUN_WAIT_POLICY": "active"}  # waits that spin, though these ranks share the cores
-    outputs = _finish(spawn_ranks(str(Path(__file__).parent / "workers" / "fast_lane.py"), size, hosts=hosts, env=env))
+    script, rendezvous, procs = str(Path(__file__).parent / "workers" / "fast_lane.py"), None, {}
+    for mode in set(modes):  # one job: the ranks of each mode started with the same rendezvous
+        env = {"HVDRUN_WAIT_POLICY": "active", "HVDRUN_COMPILED": mode}  # waits spin, though ranks share the cores
+        procs |= spawn_ranks(script, size, ranks=[rank for rank in range(size) if modes[rank] == mode], env=env,
+                             hosts=hosts, rendezvous=rendezvous)
+        rendezvous = spawn_ranks.rendezvous
+    outputs = _finish(dict(sorted(procs.items())))
     for rank, out in outputs.items():
         checks = re.findall(r"CHECK (\S+) rank \d+: (.*)", out)
         assert len(checks) == 12 and all(verdict == "ok" for _, verdict in checks), checks
         assert f"WAIT rank {rank} spin 0.001 s, lane spins -" in out, out  # no lane across hosts
         used = int(re.search(rf"EXPRESS rank {rank} used (\d+)", out).group(1))
         assert used > 100, out  # most of the long run's 300 blocking allreduces (a late peer hands one back)
+        compiled = re.search(rf"COMPILED rank {rank} (off|ran (\d+))", out)
+        if modes[rank] == "off":
+            assert compiled.group(1) == "off", out
+        elif size == 3 and rank == 0:  # folded out of the doubling (3 is no power of 2): no steps of its own
+            assert compiled.group(2) == "0", out
+        else:  # most of the long run's 150 named ops (rank 1 of 3x1: its partner, rank 2, on the Python path)
+            assert int(compiled.group(2)) > 100, out
 
 
 def test_mismatches_across_hosts_raise_on_every_rank_naming_op_and_ranks(spawn_ranks):

@@ -32,11 +32,12 @@ from hvdrun.runtime.collectives.streams import (
     CopySink,
     ReduceSink,
     Sink,
+    finish_swap,
     move,
     swap_message,
 )
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
-from hvdrun.runtime.transport.base import MARSHAL, Codec, Message, RxChannel, TxChannel, Waiter
+from hvdrun.runtime.transport.base import MARSHAL, Codec, DoublingStep, Message, RxChannel, TxChannel, Waiter
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ class Pairwise:
         self.pof2, self.rem = _fold(size)
         self.core = core_index(member, size)
         self._nearest_first = self._core_partners() if self.core is not None else []
+        self._doubling_steps = [DoublingStep(links[peer].tx, links[peer].rx, member < peer)
+                                for peer in self._nearest_first]
         self._scratch = np.empty(0, np.uint8)  # reused: a fresh large buffer per op costs its page faults
 
     def _incoming(self, like: np.ndarray) -> np.ndarray:
@@ -229,12 +232,21 @@ class Pairwise:
         """
         if self.size == 1:
             return value
-        dumps, loads = codec
+        dumps, loads = codec.dumps, codec.loads
         if self.member < 2 * self.rem:  # the fold is a swap too: the folded-out member's partner wakes at once
             other = loads(self._swap_message(self.member ^ 1, dumps(value)))
             if self.core is not None:
                 value = merge(other, value)
-        for peer in self._nearest_first:
+        steps = self._nearest_first
+        taken = codec.steps(value, self._doubling_steps, self.waiter) if codec.steps is not None and steps else None
+        if taken is not None:  # the codec ran steps itself; where it stopped inside one, that step ends here
+            value, steps = taken.value, steps[taken.done:]
+            if taken.received:
+                peer, link = steps[0], self.links[steps[0]]
+                other = loads(finish_swap(link.tx, link.rx, self.waiter, taken.unsent, taken.received))
+                value = merge(value, other) if self.member < peer else merge(other, value)
+                steps = steps[1:]
+        for peer in steps:
             other = loads(self._swap_message(peer, dumps(value)))
             value = merge(value, other) if self.member < peer else merge(other, value)
         if self.member < 2 * self.rem:

@@ -198,8 +198,25 @@ def swap_small(tx: TxChannel, rx: RxChannel, waiter: Waiter, payload: Message) -
         if len(view):
             break  # a part of the length: the loop below puts the pieces together
         outgoing = _push(tx, rx, waiter, outgoing, False)
-    received = bytearray(8)  # the length first, then the whole padded message
-    have, need, size = 0, 8, -1
+    return _receive_rest(tx, rx, waiter, outgoing, bytearray(8), 0)
+
+
+def finish_swap(tx: TxChannel, rx: RxChannel, waiter: Waiter, unsent: bytes, received: bytes) -> memoryview:
+    """Finish a swap that another loop began (the compiled steps, :mod:`hvdrun.runtime.compiled`): send ``unsent``,
+    the rest of this rank's frame, and receive the rest of the peer's, of which ``received`` came (its length at
+    least); the peer's message."""
+    return _receive_rest(tx, rx, waiter, memoryview(unsent), bytearray(received), len(received))
+
+
+def _receive_rest(tx: TxChannel, rx: RxChannel, waiter: Waiter, outgoing: memoryview, received: bytearray,
+                  have: int) -> memoryview:
+    """Receive the peer's frame into ``received`` (its first ``have`` bytes there: the length first, then the whole
+    padded message) while sending ``outgoing``; the message."""
+    need, size = 8, -1
+    if have >= 8:
+        (size,) = _LENGTH.unpack_from(received)
+        need = 8 + padded(size)
+        received += bytes(need - len(received))
     while have < need or outgoing:
         got = 0
         if have < need:

@@ -23,11 +23,34 @@ _FENCE = threading.Lock()
 Message = bytes | memoryview  # what a message is sent from and received into: a view where a copy can be spared
 
 
+class DoublingStep(NamedTuple):
+    """One step of a recursive doubling as a codec's own steps see it: the channels to and from the partner, and
+    whether this rank's range of values is below the partner's."""
+
+    tx: TxChannel
+    rx: RxChannel
+    lower: bool
+
+
+class StepsTaken(NamedTuple):
+    """How far a codec's own steps went: the value after ``done`` steps; where they stopped inside the next step,
+    this rank's frame not sent yet (``unsent``) and the partner's frame received so far (``received``, its length at
+    least; empty: the step was not begun)."""
+
+    value: Any
+    done: int
+    unsent: bytes
+    received: bytes
+
+
 class Codec(NamedTuple):
-    """How a value travels as a message: ``dumps(value)`` to a message, ``loads(message)`` back."""
+    """How a value travels as a message: ``dumps(value)`` to a message, ``loads(message)`` back; ``steps``, when
+    given, runs a recursive doubling's steps for a value itself as far as it can (None: it does not take this
+    value; :mod:`hvdrun.runtime.compiled`), on the wire format of ``dumps`` and the swaps."""
 
     dumps: Callable[[Any], Message]
     loads: Callable[[Message], Any]
+    steps: Callable[[Any, Sequence[DoublingStep], Waiter], StepsTaken | None] | None = None
 
 
 MARSHAL = Codec(marshal.dumps, marshal.loads)
@@ -73,6 +96,11 @@ class TxChannel(abc.ABC):
         """True when :meth:`send_some` would take bytes now (for channels select() cannot watch)."""
         return False
 
+    def socket_fd(self) -> int | None:
+        """The connected socket this channel sends on, for a caller that writes it itself (the compiled steps; it
+        adds what it sent to :attr:`bytes_sent`); None (the default): not a socket."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the channel."""
 
@@ -105,6 +133,11 @@ class RxChannel(abc.ABC):
     def ready(self) -> bool:
         """True when :meth:`peek` would return bytes now. Must not change the channel: any thread may ask."""
         return False
+
+    def socket_fd(self) -> int | None:
+        """The connected socket this channel reads from, for a caller that reads it itself now (the compiled steps);
+        None (the default): not a socket, or bytes are staged in the channel."""
+        return None
 
     def poll_fd(self) -> int | None:
         """A descriptor whose readability says all that :meth:`ready` would say now, so that one poll(2) asks many

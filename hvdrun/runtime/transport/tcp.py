@@ -39,6 +39,9 @@ class TcpTx(TxChannel):
     def wait_fds(self) -> tuple[list[int], list[int]]:
         return [], [self.sock.fileno()]
 
+    def socket_fd(self) -> int | None:
+        return self.sock.fileno()
+
     def close(self) -> None:
         self.sock.close()
 
@@ -106,8 +109,10 @@ class TcpRx(RxChannel):
             return True  # the read that follows names the error
         return True  # a byte, or the peer's end (an empty peek)
 
-    def poll_fd(self) -> int | None:
+    def socket_fd(self) -> int | None:
         return None if self._end > self._start else self.sock.fileno()
+
+    poll_fd = socket_fd  # nothing staged: the socket's readability says it all
 
     def close(self) -> None:
         self.sock.close()

@@ -125,10 +125,10 @@ else:
     hvd.join()
 report("join", ok)
 
-# 8. many ops in a row, mixed with barriers and broadcasts
+# 8. many ops in a row, mixed with barriers and broadcasts; every other one named (the steady state's cached op)
 ok = True
 for step in range(300):
-    x = hvd.allreduce(torch.full((256,), float(rank + step)), op=hvd.Sum)
+    x = hvd.allreduce(torch.full((256,), float(rank + step)), op=hvd.Sum, name="steady" if step % 2 else None)
     ok &= float(x[0]) == sum(r + step for r in range(size))
     if step % 50 == 0:
         hvd.barrier()
@@ -157,6 +157,9 @@ report("threads", results == {0: True, 1: True} and bool(torch.equal(after, torc
        str(results))
 print(f"LANE rank {rank} used {used()}", flush=True)
 print(f"EXPRESS rank {rank} used {engine.express_used}", flush=True)
+steps = engine.compiled  # HVDRUN_COMPILED, as this rank applied it
+print(f"COMPILED rank {rank} " + ("off" if steps is None else f"ran {steps.ran} handed over {steps.handed_over}"),
+      flush=True)
 spins = lane.spins_before_yield if lane is not None else "-"  # HVDRUN_WAIT_POLICY, as this rank applied it
 print(f"WAIT rank {rank} spin {engine.backend.ring.waiter.spin_s:g} s, lane spins {spins}", flush=True)
 hvd.shutdown()

@@ -1,0 +1,185 @@
+"""The optional compiled module: the steady state's exchange across hosts in one call, with the GIL released.
+
+In the steady state of training every rank announces the same cached small allreduce alone, and the announcements
+merge across hosts as *uniform* values (:class:`hvdrun.runtime.announcements.Uniform`) by recursive doubling. In
+Python each step of it costs encoding, a swap, decoding and a merge. :func:`uniform_steps.c <runner>` does every
+step of one op in one call: it sends this rank's frame, receives the partner's straight from the socket, reduces
+it into place and goes on, on the wire format of the Python path (a rank on either path is any rank's partner).
+It stops, saying how far it got, where the Python path must take over (a partner's message that is not a uniform
+value of the same number, size and an adjacent range), and every ``slice`` seconds of waiting, so that the caller
+sees the job's abort flag and signals as a Python wait does.
+
+Nothing is compiled on install: ``python -m hvdrun.runtime.compiled`` (``make compiled``) builds
+``_uniform_steps.so`` next to the source with the system's C compiler. ``HVDRUN_COMPILED`` chooses: ``auto`` (the
+default: used when built), ``off`` (the pure-Python path), ``on`` (an error at start when not built).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from hvdrun import envvars
+from hvdrun.errors import CollectiveError, HvdrunError, PeerLostError
+from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, SUM
+from hvdrun.runtime.transport.base import MAX_SLEEP_S, Waiter
+
+SOURCE = Path(__file__).with_name("uniform_steps.c")
+LIBRARY = Path(__file__).with_name("_uniform_steps.so")
+_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
+_HEADER_BYTES = 32
+DONE, SLICE, OTHER, CLOSED, FAILED, UNSUPPORTED = range(6)
+DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 3}
+OPS = {AVERAGE: 0, SUM: 0, MIN: 1, MAX: 2, PRODUCT: 3}  # Horovod's op codes -> the library's (Average: a sum, scaled)
+
+
+class CompiledError(HvdrunError):
+    """The compiled module could not be built, or ``HVDRUN_COMPILED=on`` and it is not built."""
+
+
+class _Plan(ctypes.Structure):
+    _fields_ = [("steps", ctypes.c_int32), ("dtype", ctypes.c_int32), ("op", ctypes.c_int32),
+                ("unused", ctypes.c_int32), ("tx_fds", ctypes.c_void_p), ("rx_fds", ctypes.c_void_p),
+                ("lower", ctypes.c_void_p), ("nbytes", ctypes.c_int64), ("spin_ns", ctypes.c_int64),
+                ("slice_ns", ctypes.c_int64), ("key", ctypes.c_int64), ("data", ctypes.c_void_p),
+                ("scratch", ctypes.c_void_p), ("step", ctypes.c_int64), ("lo", ctypes.c_int64),
+                ("hi", ctypes.c_int64), ("sent", ctypes.c_int64), ("got", ctypes.c_int64),
+                ("error", ctypes.c_int32), ("unused2", ctypes.c_int32)]
+
+
+class Outcome(NamedTuple):
+    """How far one op's steps got: ``done`` steps, this rank's range ``lo..hi`` and its data reduced over it; when
+    ``done`` is short of every step, the next step's frame of this rank not sent yet (``unsent``) and the partner's
+    frame received so far (``received``: at least its length)."""
+
+    done: int
+    lo: int
+    hi: int
+    data: bytes
+    unsent: bytes
+    received: bytes
+
+
+def build(output: Path = LIBRARY) -> Path:
+    """Compile the module with the system's C compiler (``$CC``, else cc); the path of the library."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise CompiledError("no C compiler found (set CC, or install gcc): the pure-Python path needs none")
+    partial = output.with_suffix(f".{os.getpid()}.tmp")
+    result = subprocess.run([compiler, *_FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True,
+                            check=False)
+    if result.returncode:
+        partial.unlink(missing_ok=True)
+        raise CompiledError(f"{compiler} failed on {SOURCE}:\n{result.stderr.strip()}")
+    partial.replace(output)  # atomic: a rank that loads it meanwhile sees the old library or the new one
+    return output
+
+
+def load(environ: Mapping[str, str] = os.environ, path: Path = LIBRARY) -> ctypes.CDLL | None:
+    """The library built at ``path``, as ``HVDRUN_COMPILED`` asks: None for ``off``, or ``auto`` when it is not built.
+
+    Raises:
+        CompiledError: ``on`` and the library is not built (or does not load).
+    """
+    mode = envvars.compiled_mode(environ)
+    if mode == "off":
+        return None
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as e:
+        if mode == "on":
+            raise CompiledError(f"{envvars.COMPILED[0]}=on but {path} does not load ({e}); build it with "
+                                "'python -m hvdrun.runtime.compiled'") from None
+        return None
+    library.hvdrun_uniform_steps.argtypes = [ctypes.c_void_p]
+    library.hvdrun_uniform_steps.restype = ctypes.c_int
+    return library
+
+
+class StepLink(NamedTuple):
+    """One step of the doubling, as the compiled module takes it: the sockets to and from the partner, whether this
+    rank's range is below the partner's, and the partner's name (for errors)."""
+
+    tx_fd: int
+    rx_fd: int
+    lower: bool
+    peer: str
+
+
+class UniformSteps:
+    """Runs the steps of uniform values through the library: one plan (sockets, size, type, op) per layout, reused.
+
+    Args:
+        library: what :func:`load` returned.
+        slice_s: the longest wait before the call returns to look at the abort flag and signals (a Python wait's).
+    """
+
+    def __init__(self, library: ctypes.CDLL, slice_s: float = MAX_SLEEP_S) -> None:
+        self._function = library.hvdrun_uniform_steps
+        self.slice_ns = max(1, int(slice_s * 1e9))
+        self.ran = self.handed_over = 0  # calls; calls that stopped inside a step for Python to finish (tests read)
+        self._plans: dict[tuple, tuple[_Plan, int, np.ndarray, np.ndarray, tuple]] = {}
+
+    @staticmethod
+    def takes(dtype: np.dtype, op_code: int | None) -> bool:
+        """Whether the library reduces ``dtype`` by ``op_code`` (its code for the op, None: not one it has)."""
+        return op_code is not None and dtype in DTYPES
+
+    def run(self, key: int, lo: int, hi: int, data: bytes | memoryview | np.ndarray, dtype: np.dtype, op_code: int,
+            links: Sequence[StepLink], waiter: Waiter) -> Outcome:
+        """Every step of ``links`` for the uniform value ``(key, lo, hi, data)``, as far as they go; waits spin and
+        sleep as ``waiter``'s do, and end when its abort flag is set.
+
+        Raises:
+            PeerLostError: a partner's connection failed or closed.
+        """
+        nbytes = len(data) if not isinstance(data, np.ndarray) else data.nbytes
+        layout = (tuple(links), nbytes, DTYPES[dtype], op_code)
+        entry = self._plans.get(layout) or self._plan(layout)
+        plan, address, accumulator, scratch, _ = entry
+        accumulator[:] = np.frombuffer(data, np.uint8)
+        plan.key, plan.lo, plan.hi, plan.step, plan.sent, plan.got = key, lo, hi, 0, 0, 0
+        plan.spin_ns = int(waiter.spin_s * 1e9)
+        self.ran += 1
+        while (status := self._function(address)) == SLICE:
+            waiter.abort.check()
+        if status in (CLOSED, FAILED):
+            raise PeerLostError(self._failure(plan, links[plan.step]))
+        if status not in (DONE, OTHER):
+            raise CollectiveError(f"the compiled steps returned {status} for {dtype} op {op_code}")
+        done, result = plan.step, accumulator.tobytes()
+        if status == DONE:
+            return Outcome(done, plan.lo, plan.hi, result, b"", b"")
+        self.handed_over += 1
+        message = len(result) + _HEADER_BYTES
+        frame = b"".join((np.array([message, 0, key, plan.lo, plan.hi], np.int64).tobytes(), result,
+                          bytes(-message % 8)))
+        return Outcome(done, plan.lo, plan.hi, result, frame[plan.sent:], scratch[:plan.got].tobytes())
+
+    def _plan(self, layout: tuple) -> tuple[_Plan, int, np.ndarray, np.ndarray, tuple]:
+        links, nbytes, dtype_code, op_code = layout
+        tx = (ctypes.c_int32 * len(links))(*(link.tx_fd for link in links))
+        rx = (ctypes.c_int32 * len(links))(*(link.rx_fd for link in links))
+        lower = (ctypes.c_uint8 * len(links))(*(link.lower for link in links))
+        accumulator = np.zeros(max(nbytes, 8), np.uint8)[:nbytes]
+        scratch = np.zeros(8 + _HEADER_BYTES + nbytes + 8, np.uint8)
+        plan = _Plan(steps=len(links), dtype=dtype_code, op=op_code, nbytes=nbytes, slice_ns=self.slice_ns,
+                     data=accumulator.ctypes.data, scratch=scratch.ctypes.data)
+        plan.tx_fds, plan.rx_fds, plan.lower = (ctypes.cast(array, ctypes.c_void_p) for array in (tx, rx, lower))
+        if len(self._plans) >= 256:
+            self._plans.clear()
+        entry = self._plans[layout] = (plan, ctypes.addressof(plan), accumulator, scratch, (tx, rx, lower))
+        return entry
+
+    @staticmethod
+    def _failure(plan: _Plan, link: StepLink) -> str:
+        if plan.error:
+            return f"lost the connection to {link.peer}: {os.strerror(plan.error)}"
+        return f"{link.peer} closed its connection (did it exit or crash?)"

@@ -1,0 +1,241 @@
+/* The steady state's exchange across hosts in one call: every step of a recursive doubling of a *uniform* value
+ * ("ranks lo..hi all announced cached request number key alone; here is their data reduced"), with the GIL released.
+ *
+ * The wire format is the pure-Python path's, byte for byte (hvdrun/runtime/announcements.py, Uniform, and
+ * hvdrun/runtime/collectives/streams.py, swap_small): a frame is an 8-byte little-endian length, then the message
+ * padded to 8 bytes; a uniform message is a 32-byte header (tag 0, 7 zero bytes, key, lo, hi as int64) and the data.
+ * So a rank on this path and a rank on the Python path are partners like any two.
+ *
+ * A step sends this rank's frame and receives the partner's, never reading past the partner's frame (its next one
+ * may follow on the same socket). When the partner's message is not a uniform value of the same number, size and an
+ * adjacent range, the call stops and says how far it got; the caller finishes that step and the rest in Python.
+ * A call waits at most slice_ns without progress, then returns, so that its caller can look at the job's abort flag
+ * and at signals, and call again: the plan holds the progress. */
+
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+enum { DONE = 0, SLICE = 1, OTHER = 2, CLOSED = 3, FAILED = 4, UNSUPPORTED = 5 };
+enum { F32 = 0, F64 = 1, I32 = 2, I64 = 3 };
+enum { SUM = 0, MIN = 1, MAX = 2, PRODUCT = 3 };
+
+#define LENGTH_BYTES 8
+#define HEADER_BYTES 32
+
+typedef struct {
+    /* the layout, set once per plan */
+    int32_t steps, dtype, op, unused;
+    const int32_t *tx_fds, *rx_fds; /* per step */
+    const uint8_t *lower;           /* per step: 1 when this rank's range is below the partner's */
+    int64_t nbytes;                 /* the data's size */
+    int64_t spin_ns, slice_ns;      /* spin this long before sleeping in poll; return after this long without progress */
+    /* the op, set per call */
+    int64_t key;
+    uint8_t *data;    /* this rank's value's data, merged in place */
+    uint8_t *scratch; /* LENGTH_BYTES + padded(HEADER_BYTES + nbytes): the partner's frame */
+    /* progress */
+    int64_t step, lo, hi; /* the step under way; this rank's range so far */
+    int64_t sent, got;    /* bytes of this step's frames sent and received */
+    int32_t error;        /* errno of FAILED, and of CLOSED when the peer reset */
+    int32_t unused2;
+} Plan;
+
+static int64_t padded(int64_t n) { return (n + 7) & ~(int64_t)7; }
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+#define COMBINE(type, expression)                                                  \
+    do {                                                                            \
+        type *mine = (type *)plan->data;                                            \
+        const type *theirs = (const type *)their_data;                              \
+        if (lower)                                                                  \
+            for (int64_t i = 0; i < count; i++) {                                   \
+                type a = mine[i], b = theirs[i];                                    \
+                mine[i] = (expression);                                             \
+            }                                                                       \
+        else                                                                        \
+            for (int64_t i = 0; i < count; i++) {                                   \
+                type a = theirs[i], b = mine[i];                                    \
+                mine[i] = (expression);                                             \
+            }                                                                       \
+    } while (0)
+
+/* mine = lower op upper, element-wise, bit for bit as numpy's add, multiply, minimum and maximum give it (minimum
+ * and maximum: a NaN of the lower operand, else the upper one when neither is strictly less or greater, so that
+ * -0.0 and 0.0 come out as numpy's). */
+#define REDUCE(type)                                                                      \
+    do {                                                                                  \
+        int64_t count = plan->nbytes / (int64_t)sizeof(type);                             \
+        switch (plan->op) {                                                               \
+        case SUM: COMBINE(type, a + b); break;                                            \
+        case PRODUCT: COMBINE(type, a * b); break;                                        \
+        case MIN: COMBINE(type, (a < b || a != a) ? a : b); break;                        \
+        case MAX: COMBINE(type, (a > b || a != a) ? a : b); break;                        \
+        default: return 0;                                                                \
+        }                                                                                 \
+    } while (0)
+
+static int combine(Plan *plan, const uint8_t *their_data, int lower) {
+    switch (plan->dtype) {
+    case F32: REDUCE(float); break;
+    case F64: REDUCE(double); break;
+    case I32: REDUCE(int32_t); break;
+    case I64: REDUCE(int64_t); break;
+    default: return 0;
+    }
+    return 1;
+}
+
+/* Send what is left of this step's frame: length, header, data, padding. */
+static int send_more(Plan *plan, int fd) {
+    static const uint8_t zeros[8] = {0};
+    int64_t message = HEADER_BYTES + plan->nbytes;
+    int64_t head[5] = {message, 0, plan->key, plan->lo, plan->hi}; /* tag 0 and 7 zero bytes: the second word */
+    struct iovec parts[3] = {
+        {head, LENGTH_BYTES + HEADER_BYTES},
+        {plan->data, (size_t)plan->nbytes},
+        {(void *)zeros, (size_t)(padded(message) - message)},
+    };
+    int64_t skip = plan->sent;
+    int first = 0;
+    while (first < 3 && skip >= (int64_t)parts[first].iov_len) {
+        skip -= (int64_t)parts[first].iov_len;
+        first++;
+    }
+    parts[first].iov_base = (uint8_t *)parts[first].iov_base + skip;
+    parts[first].iov_len -= (size_t)skip;
+    struct msghdr msg = {0};
+    msg.msg_iov = parts + first;
+    msg.msg_iovlen = (size_t)(3 - first);
+    ssize_t count = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (count < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+            return 0;
+        plan->error = errno;
+        return errno == EPIPE || errno == ECONNRESET ? -2 : -1;
+    }
+    plan->sent += count;
+    return count > 0;
+}
+
+/* Receive more of the partner's frame, never past its end: its length first, then the padded message. */
+static int receive_more(Plan *plan, int fd, int64_t *need) {
+    ssize_t count = recv(fd, plan->scratch + plan->got, (size_t)(*need - plan->got), MSG_DONTWAIT);
+    if (count == 0) {
+        plan->error = 0;
+        return -2;
+    }
+    if (count < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+            return 0;
+        plan->error = errno;
+        return errno == ECONNRESET ? -2 : -1;
+    }
+    plan->got += count;
+    if (plan->got == LENGTH_BYTES && *need == LENGTH_BYTES) {
+        int64_t length;
+        memcpy(&length, plan->scratch, sizeof length);
+        *need = LENGTH_BYTES + padded(length);
+    }
+    return 1;
+}
+
+static int64_t needed(const Plan *plan) {
+    if (plan->got < LENGTH_BYTES)
+        return LENGTH_BYTES;
+    int64_t length;
+    memcpy(&length, plan->scratch, sizeof length);
+    return LENGTH_BYTES + padded(length);
+}
+
+/* Whether the partner's whole message is a uniform value this rank merges with: same number and size, adjacent. */
+static int mergeable(const Plan *plan, int lower) {
+    const uint8_t *message = plan->scratch + LENGTH_BYTES;
+    int64_t length, words[4];
+    memcpy(&length, plan->scratch, sizeof length);
+    if (length != HEADER_BYTES + plan->nbytes)
+        return 0;
+    memcpy(words, message, sizeof words);
+    if (words[0] != 0 || words[1] != plan->key) /* tag 0 and zero padding, the number */
+        return 0;
+    return lower ? plan->hi + 1 == words[2] : words[3] + 1 == plan->lo;
+}
+
+/* One wait without progress: spin (yielding the core) for spin_ns after the last progress, then sleep in poll. */
+static void wait_a_while(const Plan *plan, int tx, int rx, int sending, int receiving, int64_t idle_since,
+                         int64_t deadline) {
+    int64_t now = now_ns();
+    if (now - idle_since < plan->spin_ns) {
+        sched_yield();
+        return;
+    }
+    struct pollfd fds[2];
+    int count = 0;
+    if (receiving)
+        fds[count++] = (struct pollfd){.fd = rx, .events = POLLIN};
+    if (sending)
+        fds[count++] = (struct pollfd){.fd = tx, .events = POLLOUT};
+    int64_t left_ms = (deadline - now) / 1000000 + 1;
+    poll(fds, (nfds_t)count, (int)(left_ms > 1000 ? 1000 : left_ms));
+}
+
+int hvdrun_uniform_steps(Plan *plan) {
+    if (plan->dtype < F32 || plan->dtype > I64 || plan->op < SUM || plan->op > PRODUCT)
+        return UNSUPPORTED;
+    int64_t frame_bytes = LENGTH_BYTES + padded(HEADER_BYTES + plan->nbytes);
+    int64_t idle_since = now_ns(), deadline = idle_since + plan->slice_ns;
+    while (plan->step < plan->steps) {
+        int tx = plan->tx_fds[plan->step], rx = plan->rx_fds[plan->step];
+        int lower = plan->lower[plan->step];
+        int64_t need = needed(plan);
+        while (plan->sent < frame_bytes || plan->got < need) {
+            int moved = 0, status;
+            if (plan->sent < frame_bytes) { /* first: the partner waits for it */
+                status = send_more(plan, tx);
+                if (status < 0)
+                    return status == -2 ? CLOSED : FAILED;
+                moved |= status;
+            }
+            if (plan->got < need) {
+                status = receive_more(plan, rx, &need);
+                if (status < 0)
+                    return status == -2 ? CLOSED : FAILED;
+                moved |= status;
+                if (plan->got == LENGTH_BYTES && need != frame_bytes)
+                    return OTHER; /* not a uniform value of this size: the caller reads the rest */
+            }
+            if (moved) {
+                idle_since = now_ns();
+                deadline = idle_since + plan->slice_ns;
+                continue;
+            }
+            if (now_ns() >= deadline)
+                return SLICE;
+            wait_a_while(plan, tx, rx, plan->sent < frame_bytes, plan->got < need, idle_since, deadline);
+        }
+        if (!mergeable(plan, lower))
+            return OTHER;
+        if (!combine(plan, plan->scratch + LENGTH_BYTES + HEADER_BYTES, lower))
+            return UNSUPPORTED;
+        int64_t their_lo, their_hi;
+        memcpy(&their_lo, plan->scratch + LENGTH_BYTES + 16, sizeof their_lo);
+        memcpy(&their_hi, plan->scratch + LENGTH_BYTES + 24, sizeof their_hi);
+        if (lower)
+            plan->hi = their_hi;
+        else
+            plan->lo = their_lo;
+        plan->step++;
+        plan->sent = plan->got = 0;
+    }
+    return DONE;
+}

@@ -1,0 +1,242 @@
+"""The compiled steps (hvdrun.runtime.compiled) against the pure-Python doubling, over real loopback TCP links: the
+same bits, the same wire (compiled and Python members are partners), the hand-over to Python where a partner's value
+is not uniform, and a lost peer or the abort flag ending a wait with an error."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from hvdrun.envvars import check_tuning
+from hvdrun.errors import CollectiveError, PeerLostError, UsageError
+from hvdrun.runtime import compiled
+from hvdrun.runtime.announcements import Announcements, Uniform
+from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
+from hvdrun.runtime.negotiation import Request
+from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM
+from hvdrun.runtime.transport.base import AbortFlag, Waiter
+from hvdrun.runtime.transport.tcp import TcpRx, TcpTx, tune
+
+KEY = 7
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    path = compiled.build(tmp_path_factory.mktemp("compiled") / "steps.so")
+    return compiled.load({"HVDRUN_COMPILED": "on"}, path)
+
+
+class _Merging:
+    merges = True
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        dialled = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+    for sock in (dialled, accepted):
+        tune(sock)
+    return dialled, accepted
+
+
+def _groups(size: int, abort: AbortFlag) -> tuple[list[Pairwise], list[socket.socket]]:
+    """``size`` members, each linked by its own TCP connection to every partner of the doubling."""
+    ends: dict[tuple[int, int], socket.socket] = {}
+    for member in range(size):
+        for peer in partners(member, size):
+            if member < peer:
+                ends[member, peer], ends[peer, member] = _tcp_pair()
+    groups = [Pairwise(member, size, {peer: Link(TcpTx(ends[member, peer], f"member {peer}"),
+                                                 TcpRx(ends[member, peer], f"member {peer}"))
+                                      for peer in partners(member, size)}, Waiter(None, abort, spin_s=1e-4))
+              for member in range(size)]
+    return groups, list(ends.values())
+
+
+def _run_members(size: int, values: list, library_for: Callable[[int], object], dtype: str = "float32",
+                 op: int = SUM, abort: AbortFlag | None = None, runners: list | None = None) -> list:
+    """Every member's merged value (or the exception it raised), each member in a thread of its own; ``runners``
+    collects the members' compiled runners."""
+    wire = Request("grad", "allreduce", dtype, (4,), op).wire()
+    abort = abort or AbortFlag()
+    groups, sockets = _groups(size, abort)
+    results: list = [None] * size
+
+    def member(index: int) -> None:
+        steps = library_for(index)
+        runner = compiled.UniformSteps(steps) if steps is not None else None  # type: ignore[arg-type]
+        if runner is not None and runners is not None:
+            runners.append(runner)
+        announcements = Announcements(_Merging(), index, size, lambda key: wire, runner)  # type: ignore[arg-type]
+        try:
+            results[index] = groups[index].allgather_merged(values[index], announcements._merge, announcements.codec)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            results[index] = e
+
+    threads = [threading.Thread(target=member, args=(index,)) for index in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    for sock in sockets:
+        sock.close()
+    return results
+
+
+def _uniform(index: int, data: np.ndarray) -> Uniform:
+    return Uniform(KEY, index, index, data.tobytes())
+
+
+def _data(size: int, dtype: str, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).kind == "f":
+        return [rng.standard_normal(4).astype(dtype) for _ in range(size)]
+    return [rng.integers(-1000, 1000, 4).astype(dtype) for _ in range(size)]
+
+
+@pytest.mark.parametrize(("dtype", "op"), [("float32", SUM), ("float64", AVERAGE), ("float32", MIN),
+                                           ("float64", MAX), ("int32", PRODUCT), ("int64", SUM)])
+def test_compiled_members_give_the_python_doubling_bits(library, dtype, op):
+    size = 4
+    data = _data(size, dtype)
+    values = [_uniform(index, data[index]) for index in range(size)]
+    python = _run_members(size, values, lambda index: None, dtype, op)
+    runners: list = []
+    fast = _run_members(size, values, lambda index: library, dtype, op, runners=runners)
+    assert [(runner.ran, runner.handed_over) for runner in runners] == [(1, 0)] * size
+    expected = REDUCE_FNS[op](REDUCE_FNS[op](data[0], data[1]), REDUCE_FNS[op](data[2], data[3]))
+    for merged in python + fast:
+        assert type(merged) is Uniform and (merged.key, merged.lo, merged.hi) == (KEY, 0, size - 1)
+        assert np.frombuffer(merged.data, dtype).tobytes() == expected.tobytes()
+
+
+def test_min_and_max_keep_numpys_signed_zeros_and_nans(library):
+    data = [np.array(row, np.float32) for row in ([-0.0, 0.0, np.nan, 1.0], [0.0, -0.0, 1.0, np.nan])]
+    for op in (MIN, MAX):
+        values = [_uniform(index, data[index]) for index in range(2)]
+        fast = _run_members(2, values, lambda index: library, op=op)
+        expected = REDUCE_FNS[op](data[0], data[1])
+        assert all(bytes(merged.data) == expected.tobytes() for merged in fast)
+
+
+def test_compiled_and_python_members_are_partners_on_one_wire(library):
+    size = 4
+    data = _data(size, "float32", seed=1)
+    values = [_uniform(index, data[index]) for index in range(size)]
+    runners: list = []
+    mixed = _run_members(size, values, lambda index: library if index % 2 else None, runners=runners)
+    assert [(runner.ran, runner.handed_over) for runner in runners] == [(1, 0)] * 2
+    assert len({bytes(merged.data) for merged in mixed}) == 1
+    assert all((merged.lo, merged.hi) == (0, 3) for merged in mixed)
+    assert np.allclose(np.frombuffer(mixed[0].data, np.float32), sum(data))
+
+
+@pytest.mark.parametrize("odd_one", [0, 3])
+def test_a_partner_that_is_not_uniform_hands_the_steps_to_python(library, odd_one):
+    """Member ``odd_one`` announces the general form: every member's compiled steps stop where they meet it (the
+    first step or the second) and the Python path finishes, with the answer of an all-Python run."""
+    size = 4
+    data = _data(size, "float32", seed=2)
+    values: list = [_uniform(index, data[index]) for index in range(size)]
+    values[odd_one] = ({odd_one: ([], ["blocked"])}, None, {}, False)
+    python = _run_members(size, values, lambda index: None)
+    runners: list = []
+    fast = _run_members(size, values, lambda index: library, runners=runners)
+    assert fast == python
+    assert sum(runner.handed_over for runner in runners) == 3  # the three uniform members met the odd one
+    announced, lone, tallies, _ = fast[0]
+    assert announced == {odd_one: ([], ["blocked"])} and lone is None and sum(tallies[KEY][0].values()) == 3
+
+
+def _plain(value: object) -> object:
+    """``value`` with its buffers as bytes (to compare)."""
+    if isinstance(value, tuple | list):
+        return type(value)(_plain(part) for part in value) if not isinstance(value, Uniform) else Uniform(
+            value.key, value.lo, value.hi, bytes(value.data))
+    return bytes(value) if isinstance(value, np.ndarray | memoryview) else value
+
+
+@pytest.mark.parametrize("other", [Uniform(KEY + 1, 1, 1, np.zeros(8, np.float32).tobytes()),  # another op, size
+                                   Uniform(KEY + 1, 1, 1, np.ones(4, np.float32).tobytes()),  # another op
+                                   Uniform(KEY, 2, 2, np.ones(4, np.float32).tobytes())])  # not the next range
+def test_another_number_size_or_range_hands_over_too(library, other):
+    values = [_uniform(0, _data(1, "float32", seed=3)[0]), other]
+    runners: list = []
+    fast = _run_members(2, values, lambda index: library, runners=runners)
+    python = _run_members(2, values, lambda index: None)
+    assert _plain(fast) == _plain(python) and not any(isinstance(result, Exception) for result in fast)
+    assert [runner.handed_over for runner in runners] == [1, 1]
+
+
+def test_a_peer_that_closes_its_link_is_named(library):
+    abort = AbortFlag()
+    groups, sockets = _groups(2, abort)
+    announcements = Announcements(_Merging(), 0, 2, lambda key: Request("g", "allreduce", "float32", (4,),
+                                                                        SUM).wire(),
+                                  runner := compiled.UniformSteps(library))  # type: ignore[arg-type]
+    groups[1].links[0].tx.close()  # member 1 exits
+    with pytest.raises(PeerLostError, match="member 1"):
+        groups[0].allgather_merged(_uniform(0, np.ones(4, np.float32)), announcements._merge, announcements.codec)
+    assert runner.ran == 1
+    for sock in sockets:
+        sock.close()
+
+
+def test_the_abort_flag_ends_a_wait_for_a_partner_that_never_sends(library):
+    abort = AbortFlag()
+    groups, sockets = _groups(2, abort)
+    announcements = Announcements(_Merging(), 0, 2, lambda key: Request("g", "allreduce", "float32", (4,),
+                                                                        SUM).wire(),
+                                  runner := compiled.UniformSteps(library, slice_s=0.01))  # type: ignore[arg-type]
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            groups[0].allgather_merged(_uniform(0, np.ones(4, np.float32)), announcements._merge, announcements.codec)
+        except CollectiveError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive()  # member 1 never sends: the wait goes on
+    abort.set("rank 1 failed: boom")
+    thread.join(30)
+    assert not thread.is_alive() and "rank 1 failed: boom" in str(errors[0]) and runner.ran == 1
+    for sock in sockets:
+        sock.close()
+
+
+def test_bytes_sent_count_what_the_compiled_steps_sent(library):
+    groups, sockets = _groups(2, AbortFlag())
+    values = [_uniform(index, np.ones(4, np.float32)) for index in range(2)]
+    wire = Request("g", "allreduce", "float32", (4,), SUM).wire()
+    results = []
+    threads = []
+    for index in range(2):
+        announcements = Announcements(_Merging(), index, 2, lambda key: wire,  # type: ignore[arg-type]
+                                      compiled.UniformSteps(library))
+        threads.append(threading.Thread(target=lambda g=groups[index], v=values[index], a=announcements: results.append(
+            g.allgather_merged(v, a._merge, a.codec))))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(results) == 2
+    assert [group.links[1 - index].tx.bytes_sent for index, group in enumerate(groups)] == [8 + 32 + 16] * 2
+    for sock in sockets:
+        sock.close()
+
+
+def test_the_mode_is_checked_and_off_means_python(tmp_path):
+    assert compiled.load({"HVDRUN_COMPILED": "off"}) is None
+    assert compiled.load({}, tmp_path / "missing.so") is None  # auto: not built, the Python path
+    with pytest.raises(compiled.CompiledError, match="python -m hvdrun.runtime.compiled"):
+        compiled.load({"HVDRUN_COMPILED": "on"}, tmp_path / "missing.so")
+    with pytest.raises(UsageError, match="HVDRUN_COMPILED='fast'; expected one of auto, on, off"):
+        check_tuning({"HVDRUN_COMPILED": "fast"})
