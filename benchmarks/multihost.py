@@ -436,7 +436,10 @@ def main() -> None:
         print("warning: other test or benchmark processes are running; the numbers will be noisy:\n  "
               + "\n  ".join(busy), file=sys.stderr)
     meta = {**machine(), "hosts": args.hosts, "ranks_per_host": args.ranks_per_host, "sizes": args.sizes,
-            "rounds": args.rounds, "kinds": kinds, "mpi_env": args.mpi_env}
+            "rounds": args.rounds, "kinds": kinds, "mpi_env": args.mpi_env,
+            # the steady state's steps across hosts in C (hvdrun/runtime/compiled): built and not turned off
+            "hvdrun_compiled": (REPO / "hvdrun/runtime/compiled/_uniform_steps.so").exists()
+            and {**os.environ, **args.hvdrun_env}.get("HVDRUN_COMPILED", "auto").lower() != "off"}
     output: dict = {"meta": meta}
 
     def save(runs: list[dict], failures: list[dict]) -> None:

@@ -130,6 +130,9 @@ class Setting:
     eager_job_bytes: int | None = EAGER_JOB_BYTES  # the cap on what arrives whole (None: no cap)
     doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
     halving_max_bytes: int = DEFAULT_HALVING_MAX_BYTES
+    # the compiled module (hvdrun/runtime/compiled) runs the held eager op's doubling steps across hosts: those steps
+    # cost no gamma, and the op pays one gamma for its Python around the call; False: every step is Python's
+    compiled_steps: bool = True
 
     def eager_limit(self, hosts: int, per_host: int, merged: bool) -> int:
         """The largest allreduce that goes eager (Submissions.eager_bytes): the cap divided among the ranks whose
@@ -189,7 +192,8 @@ def flat_allgather(hosts: int, per_host: int, message: float) -> Cost:
     return steps(hosts * per_host - 1, message, hosts == 1, True)
 
 
-def merged_eager(hosts: int, per_host: int, message: float, nbytes: float, held: float | None = None) -> Cost:
+def merged_eager(hosts: int, per_host: int, message: float, nbytes: float, held: float | None = None,
+                 compiled: bool = False) -> Cost:
     """Announcements merged on the way (hvdrun/runtime/announcements.py), with a lone eager op's ``nbytes`` of data.
 
     Inside the host the ranks all-gather their values (``message`` + ``nbytes`` each) on the host's post board
@@ -201,7 +205,10 @@ def merged_eager(hosts: int, per_host: int, message: float, nbytes: float, held:
 
     ``held``: the ops are cached and held (:attr:`Setting.held_bytes`): every value, inside the host and at every
     step across, is one tally of ``held`` bytes (with the data), whatever the number of ranks it stands for.
+    ``compiled``: a held eager op's steps across hosts (not the fold's) run in one compiled call: no gamma a step,
+    one for the op's Python around the call.
     """
+    compiled = compiled and held is not None and nbytes > 0
     if held is not None:
         message = held
     if 1 < per_host and message + nbytes <= POST_BYTES:
@@ -213,9 +220,9 @@ def merged_eager(hosts: int, per_host: int, message: float, nbytes: float, held:
     def headers(ranks_hosts: int) -> float:  # what one rank sends of the announcements of ``ranks_hosts`` hosts
         return held if held is not None else per_host * message * ranks_hosts
 
-    cross = Cost()
+    cross = Cost({"gamma": 1}) if compiled and k else Cost()
     for j in range(k):  # step j: every one of the L ranks sends 2^j hosts' headers (or one tally) and the data
-        cross = cross + steps(1, per_host * (headers(1 << j) + nbytes), False, True)
+        cross = cross + steps(1, per_host * (headers(1 << j) + nbytes), False, not compiled)
     if rem:  # fold in (one host's value), fold out (everything)
         cross = cross + steps(1, per_host * (headers(1) + nbytes), False, True) + \
             steps(1, per_host * (headers(hosts) + nbytes), False, True)
@@ -266,7 +273,8 @@ def hvdrun_cost(algorithm: str, hosts: int, per_host: int, nbytes: float, settin
         algorithm = setting.across_hosts(nbytes, hosts)
     if nbytes <= setting.eager_limit(hosts, per_host, hierarchical):
         if hierarchical:
-            return merged_eager(hosts, per_host, setting.message_bytes, nbytes, setting.held_bytes), "eager (merged)"
+            return merged_eager(hosts, per_host, setting.message_bytes, nbytes, setting.held_bytes,
+                                setting.compiled_steps), "eager (merged)"
         reduce = Cost({"beta_local": (ranks - 1) * nbytes})  # each rank sums N contributions
         return flat_allgather(hosts, per_host, setting.message_bytes + nbytes) + reduce, "eager (flat)"
     if not hierarchical:
@@ -365,13 +373,15 @@ def point_cost(point: Point, setting: Setting, reads_algorithm: bool) -> tuple[C
 
 
 def load_points(paths: list[str]) -> tuple[list[Point], bool, dict]:
-    """Points of multihost.py's JSON files; whether their runtime read HVDRUN_ALGORITHM; their HVDRUN_* env."""
-    points, reads, env = [], True, {}
+    """Points of multihost.py's JSON files; whether their runtime read HVDRUN_ALGORITHM; their HVDRUN_* env, and
+    under "compiled" whether every one ran the compiled steps (hvdrun/runtime/compiled; False for sweeps before)."""
+    points, reads, env = [], True, {"compiled": True}
     for path in paths:
         data = json.loads(Path(path).read_text())
         meta = data.get("meta", {})
         reads = reads and bool(meta.get("hvdrun_reads_algorithm", False))
         env.update(meta.get("hvdrun_env", {}))
+        env["compiled"] = env["compiled"] and bool(meta.get("hvdrun_compiled", False))  # sweeps before it: False
         cores = int(meta.get("cores") or 2)
         rows = data.get("rows") or []
         if not rows and data.get("runs"):  # an interrupted sweep: medians of what is there
@@ -622,12 +632,13 @@ def main() -> None:
     parser.add_argument("--json", help="also write parameters and predictions here")
     args = parser.parse_args()
 
-    setting = Setting(message_bytes=args.message_bytes, held_bytes=args.held_bytes or None)
+    # the defaults describe the issue's figures, measured before the compiled module; a fit reads it from the sweeps
+    setting = Setting(message_bytes=args.message_bytes, held_bytes=args.held_bytes or None, compiled_steps=False)
     if args.fit:
         points, reads, env = load_points(args.fit)
         setting = replace(setting, **{field: int(float(env[name])) for field, name in (
             ("eager_bytes", "HVDRUN_EAGER_BYTES"), ("doubling_max_bytes", "HVDRUN_DOUBLING_MAX_BYTES"),
-            ("halving_max_bytes", "HVDRUN_HALVING_MAX_BYTES")) if name in env})
+            ("halving_max_bytes", "HVDRUN_HALVING_MAX_BYTES")) if name in env}, compiled_steps=env["compiled"])
         source = f"fitted to {', '.join(args.fit)}"
     else:
         points, reads, source = list(ISSUE_POINTS), False, "defaults, fitted to the issue's measured figures"
@@ -639,7 +650,7 @@ def main() -> None:
     unknown = [n for n in names if n not in PARAMETERS]
     if unknown:
         raise SystemExit(f"--fit-params: unknown {', '.join(unknown)}; expected some of {', '.join(PARAMETERS)}")
-    defaults = fit(list(ISSUE_POINTS), ("alpha", "beta", "gamma"), START, Setting(), False)
+    defaults = fit(list(ISSUE_POINTS), ("alpha", "beta", "gamma"), START, Setting(compiled_steps=False), False)
     params = fit(points, names, defaults, setting, reads, PRIOR) if args.fit else defaults
     overrides = {n: getattr(args, n) for n in PARAMETERS if getattr(args, n) is not None}
     if overrides:

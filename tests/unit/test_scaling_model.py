@@ -57,3 +57,18 @@ def test_shapes_held_out_of_the_fit_are_each_compared_and_counted(scaling):
     assert "| +0% |" in table and "| -50% |" in table, table
     assert "Median |error| 25%, largest 50%, over the 2 points of shapes the fit did not see" in table, table
     assert "Median |error| 0%" in scaling.check_table(points, params, setting, True), "fitted: MPI 6 x 1 left out"
+
+
+def test_compiled_steps_cost_one_python_turn_per_op_and_the_fold_stays_python(scaling):
+    """A held eager op's doubling steps across hosts run in one compiled call: gamma once per op at 2 or 4,096
+    hosts; MPICH's fold for a non-power-of-two host count runs in Python (two more turns); every step still pays
+    alpha. Without the module (sweeps before it), a gamma a step."""
+    def gamma(hosts: int, compiled: bool) -> float:
+        return scaling.merged_eager(hosts, 1, 20, 4096, 128, compiled).get("gamma", 0.0)
+
+    assert [gamma(hosts, True) for hosts in (2, 1024, 4096)] == [1, 1, 1]
+    assert [gamma(hosts, False) for hosts in (2, 1024, 4096)] == [1, 10, 12]
+    assert gamma(6, True) == 3 and gamma(6, False) == 4  # fold-in and fold-out, in Python either way
+    cost = scaling.merged_eager(1024, 12, 20, 4096, 128, True)
+    assert cost["alpha"] == 10 and cost["gamma"] == 2  # ten steps across; the host's board turn and the op's
+    assert scaling.merged_eager(1024, 1, 20, 0, 128, True)["gamma"] == 10  # a negotiation only: Python steps
