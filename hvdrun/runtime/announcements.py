@@ -201,8 +201,19 @@ class Announcements:
             tallies = {key: began.setdefault(since, ({since: 1}, since, (self.rank, self.rank)))
                        for key, since in held.items()}
             value = (announced, alone, tallies, flush)
-        merged = self._general(self.backend.allgather_merged(value, self._merge, self.codec))
-        announced, total, tallies, flush = merged
+        return self.agreement(self.backend.allgather_merged(value, self._merge, self.codec))
+
+    def exchange_lone(self, key: int, data: Message, cycle: int) -> Any:
+        """The steady state's exchange (merging backends): this rank holds only the number ``key``, with its data,
+        since this cycle, and says nothing else; what :meth:`exchange` would send for it. The merged value comes
+        back as it is: a :class:`Uniform` of every rank when they all did the same, else anything that
+        :meth:`agreement` turns into the cycle's agreement."""
+        self._cycle = cycle
+        return self.backend.allgather_merged(Uniform(key, self.rank, self.rank, data), self._merge, self.codec)
+
+    def agreement(self, merged: Any) -> Agreement:
+        """The agreement of a cycle whose values merged into ``merged``."""
+        announced, total, tallies, flush = self._general(merged)
         nothing: Announcement = ([], [])
         return Agreement(lambda: [announced.get(rank, nothing) for rank in range(self.size)],
                          total[1] if total else None, tallies, flush, bool(announced))

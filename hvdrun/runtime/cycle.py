@@ -21,7 +21,7 @@ import numpy as np
 
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime import compiled, verdicts
-from hvdrun.runtime.announcements import Agreement, Announcements, Tally, last_ranks
+from hvdrun.runtime.announcements import Agreement, Announcements, Tally, Uniform, last_ranks
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.executors import EXECUTORS, allreduce_flat, reduce_contributions, stand_in
@@ -125,8 +125,37 @@ class Cycle:
         run without the ledger: None when it went through (``array`` holds the result), else the agreement, which
         the caller hands to :meth:`apply` once it has put the op in the ledger (the same protocol as :meth:`run`)."""
         mine = self.cache.encode(request.wire())
+        if payload is not None and isinstance(mine, int) and self._steady(request, mine):
+            return self._express_steady(request, mine, payload, array)
         agreed = self._exchange([(request, mine, payload)], [])
         return None if self._run_alone(request, mine, payload, agreed, array) else agreed
+
+    def _steady(self, request: Request, key: Any) -> bool:
+        """The steady state of training: :meth:`_exchange` would announce ``request`` alone as a uniform value (it is
+        held, nothing else is held or flushed) and :meth:`_run_alone` could run it (nothing in the table, no
+        timeline)."""
+        held = self.held
+        return (not held and not held.flushing and self.timeline is None and not self.table.entries
+                and self._may_hold(request, key))
+
+    def _express_steady(self, request: Request, key: int, payload: Message, array: np.ndarray) -> Agreement | None:
+        """:meth:`express` in the steady state, without the general form's bookkeeping: the same cycle to every rank
+        (held from this cycle on and dropped once run, as :meth:`_exchange` and :meth:`_run_alone` do it); where
+        the ranks did not all do the same, this rank holds ``key`` as the general path would, and the agreement is
+        theirs."""
+        held = self.held
+        since = time.monotonic()
+        cycle, _ = held.begin_cycle()
+        merged = self._announcements.exchange_lone(key, payload, cycle)
+        size = self.world.size
+        if type(merged) is Uniform and merged.key == key and merged.lo == 0 and merged.hi == size - 1:
+            flat = array.reshape(-1)
+            flat[...] = np.frombuffer(merged.data, array.dtype)
+            scale(flat, final_factor(request.op, request.postscale, size))
+            return None
+        held.hold(key, since)
+        agreed = self._announcements.agreement(merged)
+        return None if self._run_alone(request, key, payload, agreed, array) else agreed
 
     def _exchange(self, requests: list[tuple[Request, Any, Message | None]], waiting: list[str]) -> Agreement:
         """Announce ``requests`` (each with its cached number or description, and its data when eager): held

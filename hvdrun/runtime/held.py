@@ -55,9 +55,9 @@ class HeldRequests:
             del self._held[key]
         return self.cycle, flushed
 
-    def hold(self, key: int) -> None:
-        """Hold the request numbered ``key`` from this cycle on."""
-        self._held[key] = (self.cycle, time.monotonic())
+    def hold(self, key: int, since: float | None = None) -> None:
+        """Hold the request numbered ``key`` from this cycle on (submitted at ``since``, monotonic; default now)."""
+        self._held[key] = (self.cycle, time.monotonic() if since is None else since)
 
     def announced(self) -> tuple[dict[int, int], bool]:
         """What this cycle says of them: each number with the cycle it began, and whether one is held too long."""
