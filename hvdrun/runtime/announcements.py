@@ -14,9 +14,11 @@ run as ordinary negotiated allreduces: eager data is used only when every rank a
 The steady state has a compact form of its own (:class:`Uniform`): "ranks lo..hi all announced cached request
 number K alone, and here is their data reduced", which travels as a 32-byte header and the raw data (no marshal,
 no per-rank entries) and merges with its neighbour range by one reduction. Anything else (another op, a rank
-blocked on a name, a request not cached yet) travels in the general form, into which a uniform range expands. Where
-the compiled module is built (:mod:`hvdrun.runtime.compiled`), the steps across hosts of a uniform value run in one
-call of it, on the same wire format.
+blocked on a name, a request not cached yet) travels in the general form, into which a uniform range expands. A
+cycle without data has one too (:class:`HeldRange`): "ranks lo..hi hold exactly these numbers since cycle S, and say
+nothing else" (a step's gradients held by every rank), a header and the numbers, which merges with its neighbour
+range when the numbers and the cycle are the same. Where the compiled module is built
+(:mod:`hvdrun.runtime.compiled`), the steps across hosts of either form run in one call of it, on the same wire.
 
 **Held requests** (Horovod's response-cache bits, :class:`hvdrun.runtime.cycle.Cycle` decides which): a request
 that every rank has agreed on before (a cached number) is not announced once into every rank's table but *held*
@@ -40,7 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hvdrun.runtime.backends.base import Backend
-from hvdrun.runtime.compiled import OPS, StepLink, UniformSteps
+from hvdrun.runtime.compiled import DTYPES, OPS, SAME, StepLink, UniformSteps
 from hvdrun.runtime.negotiation import Request
 from hvdrun.runtime.reduce import REDUCE_FNS
 from hvdrun.runtime.transport.base import Codec, DoublingStep, Message, StepsTaken, Waiter
@@ -81,6 +83,16 @@ class Uniform(NamedTuple):
     lo: int
     hi: int
     data: Any  # a buffer
+
+
+class HeldRange(NamedTuple):
+    """Ranks ``lo`` to ``hi`` each hold exactly the cached request numbers ``keys`` (int64, ascending), all since
+    cycle ``since``, and say nothing else: the steady state of a cycle without data (a step's gradients, held)."""
+
+    keys: bytes
+    since: int
+    lo: int
+    hi: int
 
 
 # One held number's tally: ({cycle a rank began to hold it: how many ranks}, the last such cycle, the ranks that
@@ -137,19 +149,27 @@ def _merge_tally(lower: Tally, upper: Tally) -> Tally:
     return counts, lower[1], ranges[:2 * LAST_RANGES]
 
 
-_UNIFORM = struct.Struct("<B7xqqq")  # tag 0 (never marshal's first byte), key, lo, hi; the data follows, 8-aligned
+# a tag (never marshal's first byte: its type codes are printable), key or since, lo, hi; the data follows, 8-aligned
+_UNIFORM = struct.Struct("<B7xqqq")
+UNIFORM_TAG, HELD_RANGE_TAG = 0, 2
 
 
 def _dumps(value: Any) -> Message:
     if type(value) is Uniform:
-        return b"".join((_UNIFORM.pack(0, value.key, value.lo, value.hi), value.data))
+        return b"".join((_UNIFORM.pack(UNIFORM_TAG, value.key, value.lo, value.hi), value.data))
+    if type(value) is HeldRange:
+        return _UNIFORM.pack(HELD_RANGE_TAG, value.since, value.lo, value.hi) + value.keys
     return marshal.dumps(value)
 
 
 def _loads(message: Message) -> Any:
-    if message[0] == 0:
+    tag = message[0]
+    if tag == UNIFORM_TAG:
         _, key, lo, hi = _UNIFORM.unpack_from(message)
         return Uniform(key, lo, hi, memoryview(message)[_UNIFORM.size:])
+    if tag == HELD_RANGE_TAG:
+        _, since, lo, hi = _UNIFORM.unpack_from(message)
+        return HeldRange(bytes(message[_UNIFORM.size:]), since, lo, hi)
     return marshal.loads(message)
 
 
@@ -192,8 +212,12 @@ class Announcements:
         self._cycle = cycle
         items, waiting = announcement
         held = held or {}
-        if lone is not None and not items and not waiting and not flush and len(held) == 1:
+        quiet = not items and not waiting and not flush
+        if lone is not None and quiet and len(held) == 1:
             value: Any = Uniform(lone[0], self.rank, self.rank, lone[1])
+        elif quiet and held and len(set(held.values())) == 1:
+            value = HeldRange(np.array(sorted(held), np.int64).tobytes(), next(iter(held.values())), self.rank,
+                              self.rank)
         else:
             alone = items[0] if len(items) == 1 and items[0][1] is not None and not waiting and not held else None
             announced = {self.rank: ([(key, None) for key, _ in items], waiting)} if items or waiting else {}
@@ -220,10 +244,14 @@ class Announcements:
 
     def _merge(self, lower: Any, upper: Any) -> Any:
         """Two ranges of ranks' values as one (``lower`` holds the lower ranks)."""
-        if type(lower) is Uniform and type(upper) is Uniform and lower.key == upper.key and lower.hi + 1 == upper.lo:
-            dtype, combine, _ = self._layout(lower.key)
-            return Uniform(lower.key, lower.lo, upper.hi,
-                           combine(np.frombuffer(lower.data, dtype), np.frombuffer(upper.data, dtype)))
+        kind = type(lower)
+        if kind is type(upper) and kind is not tuple and lower.hi + 1 == upper.lo:
+            if kind is Uniform and lower.key == upper.key:
+                dtype, combine, _ = self._layout(lower.key)
+                return Uniform(lower.key, lower.lo, upper.hi,
+                               combine(np.frombuffer(lower.data, dtype), np.frombuffer(upper.data, dtype)))
+            if kind is HeldRange and lower.keys == upper.keys and lower.since == upper.since:
+                return HeldRange(lower.keys, lower.since, lower.lo, upper.hi)
         lower, upper = self._general(lower), self._general(upper)
         announced = {**lower[0], **upper[0]} if upper[0] else lower[0]
         tallies, flush = merge_tallies(lower[2], upper[2]), lower[3] or upper[3]
@@ -237,10 +265,14 @@ class Announcements:
     def _general(self, value: Any) -> tuple:
         """``value`` in the general form: ({rank: announcement without data}, lone op or None, {number: tally},
         flush). A uniform range's ranks hold its number (they began to in this cycle)."""
-        if type(value) is not Uniform:
-            return value
-        tally = ({self._cycle: value.hi - value.lo + 1}, self._cycle, (value.lo, value.hi))
-        return {}, (value.key, value.data), {value.key: tally}, False
+        kind = type(value)
+        if kind is Uniform:
+            tally = ({self._cycle: value.hi - value.lo + 1}, self._cycle, (value.lo, value.hi))
+            return {}, (value.key, value.data), {value.key: tally}, False
+        if kind is HeldRange:  # one tally object for every number (marshal writes it once, see merge_tallies)
+            tally = ({value.since: value.hi - value.lo + 1}, value.since, (value.lo, value.hi))
+            return {}, None, dict.fromkeys(np.frombuffer(value.keys, np.int64).tolist(), tally), False
+        return value
 
     def _layout(self, key: Any) -> tuple[np.dtype, Callable[..., Any], int]:
         """The dtype, reduction and op code of the request ``key`` stands for, remembered per key."""
@@ -257,20 +289,29 @@ class Announcements:
         """The doubling's steps of a uniform value in one call of the compiled module (:attr:`codec`'s ``steps``);
         None where it does not take them: another value, a type or op it does not reduce, a channel that is not a
         socket or has bytes staged."""
-        if type(value) is not Uniform or self._compiled is None:
+        compiled, kind = self._compiled, type(value)
+        if compiled is None or (kind is not Uniform and kind is not HeldRange):
             return None
-        dtype, _, op = self._layout(value.key)
         links = self._links(steps)
-        if links is None or not UniformSteps.takes(dtype, OPS.get(op)):
+        if links is None:
             return None
-        outcome = self._compiled.run(value.key, value.lo, value.hi, value.data, dtype, OPS[op], links, waiter)
+        if kind is Uniform:
+            dtype, _, op = self._layout(value.key)
+            dtype_code, op_code = DTYPES.get(dtype), OPS.get(op)
+            if dtype_code is None or op_code is None:
+                return None
+            outcome = compiled.run(UNIFORM_TAG, value.key, value.lo, value.hi, value.data, dtype_code, op_code, links,
+                                   waiter)
+            result: Any = Uniform(value.key, outcome.lo, outcome.hi, outcome.data)
+        else:
+            outcome = compiled.run(HELD_RANGE_TAG, value.since, value.lo, value.hi, value.keys, 0, SAME, links, waiter)
+            result = HeldRange(value.keys, value.since, outcome.lo, outcome.hi)
         frame = 8 + 32 + len(outcome.data) + -(32 + len(outcome.data)) % 8
         for step in steps[:outcome.done]:
             step.tx.bytes_sent += frame
         if outcome.received:
             steps[outcome.done].tx.bytes_sent += frame - len(outcome.unsent)
-        return StepsTaken(Uniform(value.key, outcome.lo, outcome.hi, outcome.data), outcome.done, outcome.unsent,
-                          outcome.received)
+        return StepsTaken(result, outcome.done, outcome.unsent, outcome.received)
 
     def _links(self, steps: Sequence[DoublingStep]) -> tuple[StepLink, ...] | None:
         """The steps' sockets, or None when one is not a socket or has bytes staged now."""

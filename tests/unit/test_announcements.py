@@ -136,3 +136,16 @@ def test_a_small_swap_takes_the_message_whole_or_in_any_pieces(piece, length):
     received = swap_small(pipe, pipe, Waiter(None, AbortFlag(), spin_s=1.0), b"reply")
     assert bytes(received) == first
     assert bytes(swap_small(pipe, pipe, Waiter(None, AbortFlag(), spin_s=1.0), b"")) == b"reply"
+
+
+def test_a_held_range_travels_as_a_header_and_its_numbers_and_merges_only_with_its_twin():
+    from hvdrun.runtime.announcements import HeldRange
+
+    keys = np.array([4, 8], np.int64).tobytes()
+    value = HeldRange(keys, 3, 0, 1)
+    message = CODEC.dumps(value)
+    assert len(message) == 32 + 16 and CODEC.loads(memoryview(bytearray(message))) == value
+    merge = _announcements()._merge
+    assert merge(value, HeldRange(keys, 3, 2, 3)) == HeldRange(keys, 3, 0, 3)
+    announced, lone, tallies, _ = merge(value, HeldRange(keys, 2, 2, 3))  # began a cycle earlier: the general form
+    assert (announced, lone) == ({}, None) and tallies[4] == ({3: 2, 2: 2}, 3, (0, 1))

@@ -14,7 +14,7 @@ import pytest
 from hvdrun.envvars import check_tuning
 from hvdrun.errors import CollectiveError, PeerLostError, UsageError
 from hvdrun.runtime import compiled
-from hvdrun.runtime.announcements import Announcements, Uniform
+from hvdrun.runtime.announcements import Announcements, HeldRange, Uniform
 from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
 from hvdrun.runtime.negotiation import Request
 from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM
@@ -240,3 +240,32 @@ def test_the_mode_is_checked_and_off_means_python(tmp_path):
         compiled.load({"HVDRUN_COMPILED": "on"}, tmp_path / "missing.so")
     with pytest.raises(UsageError, match="HVDRUN_COMPILED='fast'; expected one of auto, on, off"):
         check_tuning({"HVDRUN_COMPILED": "fast"})
+
+
+def _held(keys: tuple[int, ...], since: int, member: int) -> HeldRange:
+    return HeldRange(np.array(keys, np.int64).tobytes(), since, member, member)
+
+
+def test_held_ranges_merge_in_the_compiled_steps_when_every_member_holds_the_same_numbers(library):
+    """A cycle without data (a step's held gradients): the steps compare the numbers instead of reducing data."""
+    runners: list = []
+    merged = _run_members(4, [_held((3, 5, 9), 7, member) for member in range(4)], lambda index: library,
+                          runners=runners)
+    assert merged == [HeldRange(np.array((3, 5, 9), np.int64).tobytes(), 7, 0, 3)] * 4
+    assert [(runner.ran, runner.handed_over) for runner in runners] == [(1, 0)] * 4
+    announced, lone, tallies, flush = Announcements(_Merging(), 0, 4, lambda key: None)._general(merged[0])
+    assert (announced, lone, flush) == ({}, None, False) and tallies == dict.fromkeys((3, 5, 9), ({7: 4}, 7, (0, 3)))
+
+
+@pytest.mark.parametrize("odd", [_held((3, 5), 7, 3), _held((3, 5, 9), 6, 3), _uniform(3, np.ones(4, np.float32))],
+                         ids=["other-numbers", "other-cycle", "a-lone-op"])
+def test_a_member_holding_something_else_hands_the_held_steps_to_python(library, odd):
+    values = [_held((3, 5, 9), 7, member) for member in range(3)] + [odd]
+    runners: list = []
+    fast = _run_members(4, values, lambda index: library, runners=runners)
+    python = _run_members(4, values, lambda index: None)
+    assert _plain(fast) == _plain(python)
+    assert [runner.handed_over for runner in runners] == [1] * 4  # 2 and 3 meet at once, 0 and 1 in step 2
+    _, _, tallies, _ = fast[0]
+    holders = sum(type(value) is HeldRange and 9 in np.frombuffer(value.keys, np.int64) for value in values)
+    assert sum(tallies[9][0].values()) == holders  # the tally counts every member that holds 9, whatever else

@@ -20,7 +20,7 @@ import ctypes
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,6 +38,7 @@ _HEADER_BYTES = 32
 DONE, SLICE, OTHER, CLOSED, FAILED, UNSUPPORTED = range(6)
 DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 3}
 OPS = {AVERAGE: 0, SUM: 0, MIN: 1, MAX: 2, PRODUCT: 3}  # Horovod's op codes -> the library's (Average: a sum, scaled)
+SAME = 4  # the library's op for data that must be equal on both sides (not reduced)
 
 
 class CompiledError(HvdrunError):
@@ -46,7 +47,7 @@ class CompiledError(HvdrunError):
 
 class _Plan(ctypes.Structure):
     _fields_ = [("steps", ctypes.c_int32), ("dtype", ctypes.c_int32), ("op", ctypes.c_int32),
-                ("unused", ctypes.c_int32), ("tx_fds", ctypes.c_void_p), ("rx_fds", ctypes.c_void_p),
+                ("tag", ctypes.c_int32), ("tx_fds", ctypes.c_void_p), ("rx_fds", ctypes.c_void_p),
                 ("lower", ctypes.c_void_p), ("nbytes", ctypes.c_int64), ("spin_ns", ctypes.c_int64),
                 ("slice_ns", ctypes.c_int64), ("key", ctypes.c_int64), ("data", ctypes.c_void_p),
                 ("scratch", ctypes.c_void_p), ("step", ctypes.c_int64), ("lo", ctypes.c_int64),
@@ -127,22 +128,19 @@ class UniformSteps:
         self.ran = self.handed_over = 0  # calls; calls that stopped inside a step for Python to finish (tests read)
         self._plans: dict[tuple, tuple[_Plan, int, np.ndarray, np.ndarray, tuple]] = {}
 
-    @staticmethod
-    def takes(dtype: np.dtype, op_code: int | None) -> bool:
-        """Whether the library reduces ``dtype`` by ``op_code`` (its code for the op, None: not one it has)."""
-        return op_code is not None and dtype in DTYPES
-
-    def run(self, key: int, lo: int, hi: int, data: bytes | memoryview | np.ndarray, dtype: np.dtype, op_code: int,
-            links: Sequence[StepLink], waiter: Waiter) -> Outcome:
-        """Every step of ``links`` for the uniform value ``(key, lo, hi, data)``, as far as they go; waits spin and
-        sleep as ``waiter``'s do, and end when its abort flag is set.
+    def run(self, tag: int, key: int, lo: int, hi: int, data: bytes | memoryview | np.ndarray, dtype_code: int,
+            op_code: int, links: tuple[StepLink, ...], waiter: Waiter) -> Outcome:
+        """Every step of ``links`` for the uniform value ``(key, lo, hi, data)`` whose header starts with ``tag``, as
+        far as they go: ``data`` reduced by ``op_code`` as ``dtype_code`` (:data:`DTYPES`, :data:`OPS`), or required
+        to be equal on both sides (:data:`SAME`). Waits spin and sleep as ``waiter``'s do, and end when its abort
+        flag is set.
 
         Raises:
             PeerLostError: a partner's connection failed or closed.
         """
         nbytes = len(data) if not isinstance(data, np.ndarray) else data.nbytes
-        layout = (tuple(links), nbytes, DTYPES[dtype], op_code)
-        entry = self._plans.get(layout) or self._plan(layout)
+        layout = (id(links), nbytes, tag, dtype_code, op_code)
+        entry = self._plans.get(layout) or self._plan(layout, links)
         plan, address, accumulator, scratch, _ = entry
         accumulator[:] = np.frombuffer(data, np.uint8)
         plan.key, plan.lo, plan.hi, plan.step, plan.sent, plan.got = key, lo, hi, 0, 0, 0
@@ -153,29 +151,29 @@ class UniformSteps:
         if status in (CLOSED, FAILED):
             raise PeerLostError(self._failure(plan, links[plan.step]))
         if status not in (DONE, OTHER):
-            raise CollectiveError(f"the compiled steps returned {status} for {dtype} op {op_code}")
+            raise CollectiveError(f"the compiled steps returned {status} for type {dtype_code} op {op_code}")
         done, result = plan.step, accumulator.tobytes()
         if status == DONE:
             return Outcome(done, plan.lo, plan.hi, result, b"", b"")
         self.handed_over += 1
         message = len(result) + _HEADER_BYTES
-        frame = b"".join((np.array([message, 0, key, plan.lo, plan.hi], np.int64).tobytes(), result,
+        frame = b"".join((np.array([message, tag, key, plan.lo, plan.hi], np.int64).tobytes(), result,
                           bytes(-message % 8)))
         return Outcome(done, plan.lo, plan.hi, result, frame[plan.sent:], scratch[:plan.got].tobytes())
 
-    def _plan(self, layout: tuple) -> tuple[_Plan, int, np.ndarray, np.ndarray, tuple]:
-        links, nbytes, dtype_code, op_code = layout
+    def _plan(self, layout: tuple, links: tuple[StepLink, ...]) -> tuple[_Plan, int, np.ndarray, np.ndarray, tuple]:
+        _, nbytes, tag, dtype_code, op_code = layout
         tx = (ctypes.c_int32 * len(links))(*(link.tx_fd for link in links))
         rx = (ctypes.c_int32 * len(links))(*(link.rx_fd for link in links))
         lower = (ctypes.c_uint8 * len(links))(*(link.lower for link in links))
         accumulator = np.zeros(max(nbytes, 8), np.uint8)[:nbytes]
         scratch = np.zeros(8 + _HEADER_BYTES + nbytes + 8, np.uint8)
-        plan = _Plan(steps=len(links), dtype=dtype_code, op=op_code, nbytes=nbytes, slice_ns=self.slice_ns,
+        plan = _Plan(steps=len(links), dtype=dtype_code, op=op_code, tag=tag, nbytes=nbytes, slice_ns=self.slice_ns,
                      data=accumulator.ctypes.data, scratch=scratch.ctypes.data)
         plan.tx_fds, plan.rx_fds, plan.lower = (ctypes.cast(array, ctypes.c_void_p) for array in (tx, rx, lower))
         if len(self._plans) >= 256:
             self._plans.clear()
-        entry = self._plans[layout] = (plan, ctypes.addressof(plan), accumulator, scratch, (tx, rx, lower))
+        entry = self._plans[layout] = (plan, ctypes.addressof(plan), accumulator, scratch, (tx, rx, lower, links))
         return entry
 
     @staticmethod

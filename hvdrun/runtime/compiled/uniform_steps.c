@@ -1,10 +1,11 @@
 /* The steady state's exchange across hosts in one call: every step of a recursive doubling of a *uniform* value
  * ("ranks lo..hi all announced cached request number key alone; here is their data reduced"), with the GIL released.
  *
- * The wire format is the pure-Python path's, byte for byte (hvdrun/runtime/announcements.py, Uniform, and
- * hvdrun/runtime/collectives/streams.py, swap_small): a frame is an 8-byte little-endian length, then the message
- * padded to 8 bytes; a uniform message is a 32-byte header (tag 0, 7 zero bytes, key, lo, hi as int64) and the data.
- * So a rank on this path and a rank on the Python path are partners like any two.
+ * The wire format is the pure-Python path's, byte for byte (hvdrun/runtime/announcements.py, Uniform and HeldRange,
+ * and hvdrun/runtime/collectives/streams.py, swap_small): a frame is an 8-byte little-endian length, then the
+ * message padded to 8 bytes; a uniform message is a 32-byte header (a tag byte, 7 zero bytes, then key, lo, hi as
+ * int64) and the data, which the steps reduce (a lone op's data) or require to be equal (op SAME: a held range's
+ * numbers). So a rank on this path and a rank on the Python path are partners like any two.
  *
  * A step sends this rank's frame and receives the partner's, never reading past the partner's frame (its next one
  * may follow on the same socket). When the partner's message is not a uniform value of the same number, size and an
@@ -23,14 +24,14 @@
 
 enum { DONE = 0, SLICE = 1, OTHER = 2, CLOSED = 3, FAILED = 4, UNSUPPORTED = 5 };
 enum { F32 = 0, F64 = 1, I32 = 2, I64 = 3 };
-enum { SUM = 0, MIN = 1, MAX = 2, PRODUCT = 3 };
+enum { SUM = 0, MIN = 1, MAX = 2, PRODUCT = 3, SAME = 4 };
 
 #define LENGTH_BYTES 8
 #define HEADER_BYTES 32
 
 typedef struct {
     /* the layout, set once per plan */
-    int32_t steps, dtype, op, unused;
+    int32_t steps, dtype, op, tag; /* tag: the header's first byte (Uniform 0, HeldRange 2) */
     const int32_t *tx_fds, *rx_fds; /* per step */
     const uint8_t *lower;           /* per step: 1 when this rank's range is below the partner's */
     int64_t nbytes;                 /* the data's size */
@@ -86,6 +87,8 @@ static int64_t now_ns(void) {
     } while (0)
 
 static int combine(Plan *plan, const uint8_t *their_data, int lower) {
+    if (plan->op == SAME)
+        return 1; /* equal, as mergeable() checked */
     switch (plan->dtype) {
     case F32: REDUCE(float); break;
     case F64: REDUCE(double); break;
@@ -100,7 +103,7 @@ static int combine(Plan *plan, const uint8_t *their_data, int lower) {
 static int send_more(Plan *plan, int fd) {
     static const uint8_t zeros[8] = {0};
     int64_t message = HEADER_BYTES + plan->nbytes;
-    int64_t head[5] = {message, 0, plan->key, plan->lo, plan->hi}; /* tag 0 and 7 zero bytes: the second word */
+    int64_t head[5] = {message, plan->tag, plan->key, plan->lo, plan->hi}; /* the tag and 7 zero bytes: a word */
     struct iovec parts[3] = {
         {head, LENGTH_BYTES + HEADER_BYTES},
         {plan->data, (size_t)plan->nbytes},
@@ -158,7 +161,8 @@ static int64_t needed(const Plan *plan) {
     return LENGTH_BYTES + padded(length);
 }
 
-/* Whether the partner's whole message is a uniform value this rank merges with: same number and size, adjacent. */
+/* Whether the partner's whole message is a uniform value this rank merges with: same tag, number and size, adjacent
+ * (and for SAME, the same data). */
 static int mergeable(const Plan *plan, int lower) {
     const uint8_t *message = plan->scratch + LENGTH_BYTES;
     int64_t length, words[4];
@@ -166,7 +170,9 @@ static int mergeable(const Plan *plan, int lower) {
     if (length != HEADER_BYTES + plan->nbytes)
         return 0;
     memcpy(words, message, sizeof words);
-    if (words[0] != 0 || words[1] != plan->key) /* tag 0 and zero padding, the number */
+    if (words[0] != plan->tag || words[1] != plan->key) /* the tag and its zero padding, the number */
+        return 0;
+    if (plan->op == SAME && memcmp(message + HEADER_BYTES, plan->data, (size_t)plan->nbytes) != 0)
         return 0;
     return lower ? plan->hi + 1 == words[2] : words[3] + 1 == plan->lo;
 }
@@ -190,7 +196,7 @@ static void wait_a_while(const Plan *plan, int tx, int rx, int sending, int rece
 }
 
 int hvdrun_uniform_steps(Plan *plan) {
-    if (plan->dtype < F32 || plan->dtype > I64 || plan->op < SUM || plan->op > PRODUCT)
+    if (plan->op < SUM || plan->op > SAME || (plan->op != SAME && (plan->dtype < F32 || plan->dtype > I64)))
         return UNSUPPORTED;
     int64_t frame_bytes = LENGTH_BYTES + padded(HEADER_BYTES + plan->nbytes);
     int64_t idle_since = now_ns(), deadline = idle_since + plan->slice_ns;
