@@ -44,8 +44,8 @@ import numpy as np
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.compiled import DTYPES, OPS, SAME, StepLink, UniformSteps
 from hvdrun.runtime.negotiation import Request
-from hvdrun.runtime.reduce import REDUCE_FNS
-from hvdrun.runtime.transport.base import Codec, DoublingStep, Message, StepsTaken, Waiter
+from hvdrun.runtime.reduce import REDUCE_FNS, padded
+from hvdrun.runtime.transport.base import TAKE_VALUE, Codec, DoublingStep, Message, RxChannel, StepsTaken, Waiter
 
 Announcement = tuple[list[tuple[Any, Message | None]], list[str]]  # (items, names blocked on)
 
@@ -151,6 +151,7 @@ def _merge_tally(lower: Tally, upper: Tally) -> Tally:
 
 # a tag (never marshal's first byte: its type codes are printable), key or since, lo, hi; the data follows, 8-aligned
 _UNIFORM = struct.Struct("<B7xqqq")
+_LENGTH = struct.Struct("<Q")  # a frame's length (hvdrun.runtime.collectives.streams)
 UNIFORM_TAG, HELD_RANGE_TAG = 0, 2
 
 
@@ -298,24 +299,43 @@ class Announcements:
         if kind is Uniform:
             dtype, _, op = self._layout(value.key)
             dtype_code, op_code = DTYPES.get(dtype), OPS.get(op)
-            if dtype_code is None or op_code is None:
-                return None
+            if dtype_code is None or op_code is None or (begun := self._staged_frame(steps[0].rx)) is None:
+                return None  # (the staged frame is taken last: once taken, the compiled steps must run)
             outcome = compiled.run(UNIFORM_TAG, value.key, value.lo, value.hi, value.data, dtype_code, op_code, links,
-                                   waiter)
+                                   waiter, begun)
             result: Any = Uniform(value.key, outcome.lo, outcome.hi, outcome.data)
         else:
-            outcome = compiled.run(HELD_RANGE_TAG, value.since, value.lo, value.hi, value.keys, 0, SAME, links, waiter)
+            if (begun := self._staged_frame(steps[0].rx)) is None:
+                return None
+            outcome = compiled.run(HELD_RANGE_TAG, value.since, value.lo, value.hi, value.keys, 0, SAME, links, waiter,
+                                   begun)
             result = HeldRange(value.keys, value.since, outcome.lo, outcome.hi)
-        frame = 8 + 32 + len(outcome.data) + -(32 + len(outcome.data)) % 8
+        value_frame = 8 + 32 + len(outcome.data) + -(32 + len(outcome.data)) % 8
         for step in steps[:outcome.done]:
-            step.tx.bytes_sent += frame
+            step.tx.bytes_sent += 8 if step.mode == TAKE_VALUE else value_frame
         if outcome.received:
-            steps[outcome.done].tx.bytes_sent += frame - len(outcome.unsent)
+            step = steps[outcome.done]
+            step.tx.bytes_sent += (8 if step.mode == TAKE_VALUE else value_frame) - len(outcome.unsent)
         return StepsTaken(result, outcome.done, outcome.unsent, outcome.received)
 
+    @staticmethod
+    def _staged_frame(rx: RxChannel) -> bytes | None:
+        """What the first step's channel staged (the Python path read ahead), taken out of it: the start of the
+        partner's frame of that step; None when it holds more than that frame (a later one too: Python's turn)."""
+        staged = rx.staged()
+        if not staged:
+            return b""
+        view = rx.peek(staged)  # no more than is staged: nothing is read from the socket
+        if len(view) >= 8 and staged > 8 + padded(_LENGTH.unpack_from(view)[0]):
+            return None
+        begun = bytes(view)
+        rx.consume(staged)
+        return begun
+
     def _links(self, steps: Sequence[DoublingStep]) -> tuple[StepLink, ...] | None:
-        """The steps' sockets, or None when one is not a socket or has bytes staged now."""
-        if not all(step.rx.socket_fd() is not None for step in steps):
+        """The steps' sockets, or None when one is not a socket, or a step's after the first has bytes staged (the
+        first one's are taken over, :meth:`_staged_frame`)."""
+        if not steps or any(step.rx.staged() for step in steps[1:] if step.rx is not steps[0].rx):
             return None
         links = self._step_links.get(id(steps))
         if links is None:
@@ -323,6 +343,6 @@ class Announcements:
             if any(tx is None for tx, _, _ in found):
                 return None
             links = self._step_links[id(steps)] = tuple(
-                StepLink(tx, rx, step.lower, getattr(step.rx, "peer", "a peer"))  # type: ignore[arg-type]
+                StepLink(tx, rx, step.mode, getattr(step.rx, "peer", "a peer"))  # type: ignore[arg-type]
                 for tx, rx, step in found)
         return links

@@ -269,3 +269,62 @@ def test_a_member_holding_something_else_hands_the_held_steps_to_python(library,
     _, _, tallies, _ = fast[0]
     holders = sum(type(value) is HeldRange and 9 in np.frombuffer(value.keys, np.int64) for value in values)
     assert sum(tallies[9][0].values()) == holders  # the tally counts every member that holds 9, whatever else
+
+
+@pytest.mark.parametrize("size", [3, 5, 6])
+def test_the_fold_of_a_group_that_is_no_power_of_two_runs_compiled_too(library, size):
+    """MPICH's fold: members 0, 2, ... hand their value to the next member and take the final value back; every
+    step of every member in the compiled call, with the Python doubling's bits."""
+    data = _data(size, "float64", seed=size)
+    values = [_uniform(index, data[index]) for index in range(size)]
+    runners: list = []
+    fast = _run_members(size, values, lambda index: library, "float64", runners=runners)
+    python = _run_members(size, values, lambda index: None, "float64")
+    assert _plain(fast) == _plain(python)
+    assert all((merged.lo, merged.hi) == (0, size - 1) for merged in fast)
+    assert [(runner.ran, runner.handed_over) for runner in runners] == [(1, 0)] * size
+
+
+@pytest.mark.parametrize("odd_one", [0, 1, 5])
+def test_a_general_value_in_the_fold_hands_over_at_the_step_it_meets(library, odd_one):
+    """6 members: 0 and 2 fold out into 1 and 3. A general value at a folding member, its taker or a core member
+    reaches every other member at some step (the fold-out's taker included); each finishes in Python with
+    Python's answer."""
+    size = 6
+    data = _data(size, "float32", seed=9)
+    values: list = [_uniform(index, data[index]) for index in range(size)]
+    values[odd_one] = ({odd_one: ([], ["blocked"])}, None, {}, False)
+    runners: list = []
+    fast = _run_members(size, values, lambda index: library, runners=runners)
+    assert fast == _run_members(size, values, lambda index: None)
+    # every member but the odd one (its general value never enters the compiled steps) hands over once
+    assert sorted(runner.handed_over for runner in runners) == [0] + [1] * (size - 1)
+
+
+@pytest.mark.parametrize("partner", [_uniform(1, np.arange(4, dtype=np.float32)),  # a frame the steps take
+                                     ({1: ([], ["blocked"])}, None, {}, False),  # one they hand over
+                                     _held(tuple(range(40)), 7, 1)],  # longer than any frame of this value
+                         ids=["uniform", "general", "longer"])
+def test_a_frame_the_python_path_read_ahead_is_taken_over(library, partner):
+    """The Python path's receive reads what the socket holds, so the partner's next frame may sit staged in the
+    channel when the compiled steps begin: they start from it (or hand over at once), and nothing is lost."""
+    wire = Request("g", "allreduce", "float32", (4,), SUM).wire()
+    results: dict[int, object] = {}
+    for library_0 in (library, None):
+        groups, sockets = _groups(2, AbortFlag())
+        members = [Announcements(_Merging(), index, 2, lambda key: wire,  # type: ignore[arg-type]
+                                 compiled.UniformSteps(library) if index or library_0 else None) for index in range(2)]
+        partner_done: list = []
+        thread = threading.Thread(target=lambda: partner_done.append(
+            groups[1].allgather_merged(partner, members[1]._merge, members[1].codec)))
+        thread.start()
+        rx = groups[0].links[1].rx
+        while not rx.staged():  # the partner's frame arrives and is read ahead, as a Python swap would
+            rx.peek(1 << 20)
+        own = _uniform(0, np.ones(4, np.float32))
+        results[library_0 is not None] = _plain(groups[0].allgather_merged(own, members[0]._merge, members[0].codec))
+        thread.join(30)
+        assert _plain(partner_done[0]) == results[library_0 is not None]
+        for sock in sockets:
+            sock.close()
+    assert results[True] == results[False]

@@ -37,7 +37,20 @@ from hvdrun.runtime.collectives.streams import (
     swap_message,
 )
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
-from hvdrun.runtime.transport.base import MARSHAL, Codec, DoublingStep, Message, RxChannel, TxChannel, Waiter
+from hvdrun.runtime.transport.base import (
+    DISCARD,
+    MARSHAL,
+    MERGE_LOWER,
+    MERGE_UPPER,
+    SEND_VALUE,
+    TAKE_VALUE,
+    Codec,
+    DoublingStep,
+    Message,
+    RxChannel,
+    TxChannel,
+    Waiter,
+)
 
 
 @dataclass(frozen=True)
@@ -95,8 +108,8 @@ class Pairwise:
         self.pof2, self.rem = _fold(size)
         self.core = core_index(member, size)
         self._nearest_first = self._core_partners() if self.core is not None else []
-        self._doubling_steps = [DoublingStep(links[peer].tx, links[peer].rx, member < peer)
-                                for peer in self._nearest_first]
+        self._merge_plan = self._plan_merge()
+        self._doubling_steps = [DoublingStep(links[peer].tx, links[peer].rx, mode) for peer, mode in self._merge_plan]
         self._scratch = np.empty(0, np.uint8)  # reused: a fresh large buffer per op costs its page faults
 
     def _incoming(self, like: np.ndarray) -> np.ndarray:
@@ -170,6 +183,15 @@ class Pairwise:
                 self._exchange(peer, flat[k0:k1], CopySink(as_bytes(flat[g0:g1])))
         self._fold_out(flat)
 
+    def _plan_merge(self) -> list[tuple[int, int]]:
+        """:meth:`allgather_merged`'s steps: (partner, mode), MPICH's fold included (see the module docstring)."""
+        folds = self.member < 2 * self.rem
+        steps = [(self.member ^ 1, DISCARD if self.core is None else MERGE_UPPER)] if folds else []
+        steps += [(peer, MERGE_LOWER if self.member < peer else MERGE_UPPER) for peer in self._nearest_first]
+        if folds:
+            steps.append((self.member + 1, TAKE_VALUE) if self.core is None else (self.member - 1, SEND_VALUE))
+        return steps
+
     def _core_of(self, member: int) -> int:
         core = core_index(member, self.size)
         assert core is not None
@@ -232,29 +254,34 @@ class Pairwise:
         """
         if self.size == 1:
             return value
-        dumps, loads = codec.dumps, codec.loads
-        if self.member < 2 * self.rem:  # the fold is a swap too: the folded-out member's partner wakes at once
-            other = loads(self._swap_message(self.member ^ 1, dumps(value)))
-            if self.core is not None:
-                value = merge(other, value)
-        steps = self._nearest_first
-        taken = codec.steps(value, self._doubling_steps, self.waiter) if codec.steps is not None and steps else None
+        start = 0
+        taken = codec.steps(value, self._doubling_steps, self.waiter) if codec.steps is not None else None
         if taken is not None:  # the codec ran steps itself; where it stopped inside one, that step ends here
-            value, steps = taken.value, steps[taken.done:]
+            value, start = taken.value, taken.done
             if taken.received:
-                peer, link = steps[0], self.links[steps[0]]
-                other = loads(finish_swap(link.tx, link.rx, self.waiter, taken.unsent, taken.received))
-                value = merge(value, other) if self.member < peer else merge(other, value)
-                steps = steps[1:]
-        for peer in steps:
-            other = loads(self._swap_message(peer, dumps(value)))
-            value = merge(value, other) if self.member < peer else merge(other, value)
-        if self.member < 2 * self.rem:
-            if self.core is None:
-                value = loads(self._swap_message(self.member + 1, b""))
-            else:
-                self._swap_message(self.member - 1, dumps(value))
+                value = self._merge_step(start, value, merge, codec, (taken.unsent, taken.received))
+                start += 1
+        for index in range(start, len(self._merge_plan)):
+            value = self._merge_step(index, value, merge, codec)
         return value
+
+    def _merge_step(self, index: int, value: Any, merge: Callable[[Any, Any], Any], codec: Codec,
+                    begun: tuple[bytes, bytes] | None = None) -> Any:
+        """Step ``index`` of :meth:`allgather_merged` (the fold's swaps too: a folded-out member's partner wakes at
+        once); ``begun``: the step's frame left to send and the partner's received so far, where another loop began
+        it."""
+        peer, mode = self._merge_plan[index]
+        message: Message
+        if begun is not None:
+            link = self.links[peer]
+            message = finish_swap(link.tx, link.rx, self.waiter, *begun)
+        else:
+            message = self._swap_message(peer, b"" if mode == TAKE_VALUE else codec.dumps(value))
+        if mode == MERGE_LOWER:
+            return merge(value, codec.loads(message))
+        if mode == MERGE_UPPER:
+            return merge(codec.loads(message), value)
+        return codec.loads(message) if mode == TAKE_VALUE else value  # DISCARD, SEND_VALUE: nothing comes back
 
 
 def _elements(bounds: list[tuple[int, int]], chunks: tuple[int, int]) -> tuple[int, int]:

@@ -29,7 +29,7 @@ import numpy as np
 from hvdrun import envvars
 from hvdrun.errors import CollectiveError, HvdrunError, PeerLostError
 from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, SUM
-from hvdrun.runtime.transport.base import MAX_SLEEP_S, Waiter
+from hvdrun.runtime.transport.base import MAX_SLEEP_S, TAKE_VALUE, Waiter
 
 SOURCE = Path(__file__).with_name("uniform_steps.c")
 LIBRARY = Path(__file__).with_name("_uniform_steps.so")
@@ -48,7 +48,7 @@ class CompiledError(HvdrunError):
 class _Plan(ctypes.Structure):
     _fields_ = [("steps", ctypes.c_int32), ("dtype", ctypes.c_int32), ("op", ctypes.c_int32),
                 ("tag", ctypes.c_int32), ("tx_fds", ctypes.c_void_p), ("rx_fds", ctypes.c_void_p),
-                ("lower", ctypes.c_void_p), ("nbytes", ctypes.c_int64), ("spin_ns", ctypes.c_int64),
+                ("modes", ctypes.c_void_p), ("nbytes", ctypes.c_int64), ("spin_ns", ctypes.c_int64),
                 ("slice_ns", ctypes.c_int64), ("key", ctypes.c_int64), ("data", ctypes.c_void_p),
                 ("scratch", ctypes.c_void_p), ("step", ctypes.c_int64), ("lo", ctypes.c_int64),
                 ("hi", ctypes.c_int64), ("sent", ctypes.c_int64), ("got", ctypes.c_int64),
@@ -66,6 +66,15 @@ class Outcome(NamedTuple):
     data: bytes
     unsent: bytes
     received: bytes
+
+
+def frame_of(tag: int, key: int, lo: int, hi: int, data: bytes, mode: int) -> bytes:
+    """The frame a step of ``mode`` sends for the uniform value ``(key, lo, hi, data)`` (an empty message for
+    TAKE_VALUE), as the library and the Python path write it."""
+    if mode == TAKE_VALUE:
+        return bytes(8)
+    message = len(data) + _HEADER_BYTES
+    return b"".join((np.array([message, tag, key, lo, hi], np.int64).tobytes(), data, bytes(-message % 8)))
 
 
 def build(output: Path = LIBRARY) -> Path:
@@ -105,12 +114,12 @@ def load(environ: Mapping[str, str] = os.environ, path: Path = LIBRARY) -> ctype
 
 
 class StepLink(NamedTuple):
-    """One step of the doubling, as the compiled module takes it: the sockets to and from the partner, whether this
-    rank's range is below the partner's, and the partner's name (for errors)."""
+    """One step of the doubling, as the compiled module takes it: the sockets to and from the partner, the step's
+    mode (:data:`hvdrun.runtime.transport.base.MERGE_UPPER` ...), and the partner's name (for errors)."""
 
     tx_fd: int
     rx_fd: int
-    lower: bool
+    mode: int
     peer: str
 
 
@@ -129,11 +138,11 @@ class UniformSteps:
         self._plans: dict[tuple, tuple[_Plan, int, np.ndarray, np.ndarray, tuple]] = {}
 
     def run(self, tag: int, key: int, lo: int, hi: int, data: bytes | memoryview | np.ndarray, dtype_code: int,
-            op_code: int, links: tuple[StepLink, ...], waiter: Waiter) -> Outcome:
+            op_code: int, links: tuple[StepLink, ...], waiter: Waiter, begun: bytes = b"") -> Outcome:
         """Every step of ``links`` for the uniform value ``(key, lo, hi, data)`` whose header starts with ``tag``, as
         far as they go: ``data`` reduced by ``op_code`` as ``dtype_code`` (:data:`DTYPES`, :data:`OPS`), or required
-        to be equal on both sides (:data:`SAME`). Waits spin and sleep as ``waiter``'s do, and end when its abort
-        flag is set.
+        to be equal on both sides (:data:`SAME`). ``begun``: the start of the first step's frame from the partner,
+        received already. Waits spin and sleep as ``waiter``'s do, and end when its abort flag is set.
 
         Raises:
             PeerLostError: a partner's connection failed or closed.
@@ -143,11 +152,15 @@ class UniformSteps:
         entry = self._plans.get(layout) or self._plan(layout, links)
         plan, address, accumulator, scratch, _ = entry
         accumulator[:] = np.frombuffer(data, np.uint8)
-        plan.key, plan.lo, plan.hi, plan.step, plan.sent, plan.got = key, lo, hi, 0, 0, 0
+        plan.key, plan.lo, plan.hi, plan.step, plan.sent, plan.got = key, lo, hi, 0, 0, len(begun)
         plan.spin_ns = int(waiter.spin_s * 1e9)
         self.ran += 1
-        while (status := self._function(address)) == SLICE:
-            waiter.abort.check()
+        if len(begun) > scratch.nbytes:  # longer than any frame a step takes: the partner's value is another kind
+            status = OTHER
+        else:
+            scratch[:len(begun)] = np.frombuffer(begun, np.uint8)
+            while (status := self._function(address)) == SLICE:
+                waiter.abort.check()
         if status in (CLOSED, FAILED):
             raise PeerLostError(self._failure(plan, links[plan.step]))
         if status not in (DONE, OTHER):
@@ -156,24 +169,23 @@ class UniformSteps:
         if status == DONE:
             return Outcome(done, plan.lo, plan.hi, result, b"", b"")
         self.handed_over += 1
-        message = len(result) + _HEADER_BYTES
-        frame = b"".join((np.array([message, tag, key, plan.lo, plan.hi], np.int64).tobytes(), result,
-                          bytes(-message % 8)))
-        return Outcome(done, plan.lo, plan.hi, result, frame[plan.sent:], scratch[:plan.got].tobytes())
+        frame = frame_of(tag, key, plan.lo, plan.hi, result, links[done].mode)
+        received = begun if plan.got > scratch.nbytes else scratch[:plan.got].tobytes()
+        return Outcome(done, plan.lo, plan.hi, result, frame[plan.sent:], received)
 
     def _plan(self, layout: tuple, links: tuple[StepLink, ...]) -> tuple[_Plan, int, np.ndarray, np.ndarray, tuple]:
         _, nbytes, tag, dtype_code, op_code = layout
         tx = (ctypes.c_int32 * len(links))(*(link.tx_fd for link in links))
         rx = (ctypes.c_int32 * len(links))(*(link.rx_fd for link in links))
-        lower = (ctypes.c_uint8 * len(links))(*(link.lower for link in links))
+        modes = (ctypes.c_uint8 * len(links))(*(link.mode for link in links))
         accumulator = np.zeros(max(nbytes, 8), np.uint8)[:nbytes]
         scratch = np.zeros(8 + _HEADER_BYTES + nbytes + 8, np.uint8)
         plan = _Plan(steps=len(links), dtype=dtype_code, op=op_code, tag=tag, nbytes=nbytes, slice_ns=self.slice_ns,
                      data=accumulator.ctypes.data, scratch=scratch.ctypes.data)
-        plan.tx_fds, plan.rx_fds, plan.lower = (ctypes.cast(array, ctypes.c_void_p) for array in (tx, rx, lower))
+        plan.tx_fds, plan.rx_fds, plan.modes = (ctypes.cast(array, ctypes.c_void_p) for array in (tx, rx, modes))
         if len(self._plans) >= 256:
             self._plans.clear()
-        entry = self._plans[layout] = (plan, ctypes.addressof(plan), accumulator, scratch, (tx, rx, lower, links))
+        entry = self._plans[layout] = (plan, ctypes.addressof(plan), accumulator, scratch, (tx, rx, modes, links))
         return entry
 
     @staticmethod

@@ -8,7 +8,10 @@
  * numbers). So a rank on this path and a rank on the Python path are partners like any two.
  *
  * A step sends this rank's frame and receives the partner's, never reading past the partner's frame (its next one
- * may follow on the same socket). When the partner's message is not a uniform value of the same number, size and an
+ * may follow on the same socket), and then, by its mode: merges the partner's value with this rank's (this rank's
+ * range above or below the partner's), drops it (a member that folds out of a non-power-of-two doubling hands its
+ * value over), sends this rank's final value and receives an empty message (the fold-out's giver), or sends an
+ * empty message and takes the partner's final value (the fold-out's taker: MPICH's fold). When the partner's message is not a uniform value of the same number, size and an
  * adjacent range, the call stops and says how far it got; the caller finishes that step and the rest in Python.
  * A call waits at most slice_ns without progress, then returns, so that its caller can look at the job's abort flag
  * and at signals, and call again: the plan holds the progress. */
@@ -25,6 +28,7 @@
 enum { DONE = 0, SLICE = 1, OTHER = 2, CLOSED = 3, FAILED = 4, UNSUPPORTED = 5 };
 enum { F32 = 0, F64 = 1, I32 = 2, I64 = 3 };
 enum { SUM = 0, MIN = 1, MAX = 2, PRODUCT = 3, SAME = 4 };
+enum { MERGE_UPPER = 0, MERGE_LOWER = 1, DISCARD = 2, SEND_VALUE = 3, TAKE_VALUE = 4 }; /* a step's mode */
 
 #define LENGTH_BYTES 8
 #define HEADER_BYTES 32
@@ -33,7 +37,7 @@ typedef struct {
     /* the layout, set once per plan */
     int32_t steps, dtype, op, tag; /* tag: the header's first byte (Uniform 0, HeldRange 2) */
     const int32_t *tx_fds, *rx_fds; /* per step */
-    const uint8_t *lower;           /* per step: 1 when this rank's range is below the partner's */
+    const uint8_t *modes;           /* per step: MERGE_UPPER, MERGE_LOWER, ... */
     int64_t nbytes;                 /* the data's size */
     int64_t spin_ns, slice_ns;      /* spin this long before sleeping in poll; return after this long without progress */
     /* the op, set per call */
@@ -99,8 +103,8 @@ static int combine(Plan *plan, const uint8_t *their_data, int lower) {
     return 1;
 }
 
-/* Send what is left of this step's frame: length, header, data, padding. */
-static int send_more(Plan *plan, int fd) {
+/* Send what is left of this step's frame: length, header, data, padding (``empty``: a length of 0, nothing else). */
+static int send_more(Plan *plan, int fd, int empty) {
     static const uint8_t zeros[8] = {0};
     int64_t message = HEADER_BYTES + plan->nbytes;
     int64_t head[5] = {message, plan->tag, plan->key, plan->lo, plan->hi}; /* the tag and 7 zero bytes: a word */
@@ -109,6 +113,10 @@ static int send_more(Plan *plan, int fd) {
         {plan->data, (size_t)plan->nbytes},
         {(void *)zeros, (size_t)(padded(message) - message)},
     };
+    if (empty) {
+        parts[0] = (struct iovec){(void *)zeros, LENGTH_BYTES};
+        parts[1].iov_len = parts[2].iov_len = 0;
+    }
     int64_t skip = plan->sent;
     int first = 0;
     while (first < 3 && skip >= (int64_t)parts[first].iov_len) {
@@ -161,9 +169,9 @@ static int64_t needed(const Plan *plan) {
     return LENGTH_BYTES + padded(length);
 }
 
-/* Whether the partner's whole message is a uniform value this rank merges with: same tag, number and size, adjacent
- * (and for SAME, the same data). */
-static int mergeable(const Plan *plan, int lower) {
+/* Whether the partner's whole message is a uniform value of this rank's tag, number and size (for SAME, also its
+ * data), and (``adjacent``) its range next to this rank's, above it (``lower``: this rank's is below) or below. */
+static int mergeable(const Plan *plan, int adjacent, int lower) {
     const uint8_t *message = plan->scratch + LENGTH_BYTES;
     int64_t length, words[4];
     memcpy(&length, plan->scratch, sizeof length);
@@ -174,7 +182,37 @@ static int mergeable(const Plan *plan, int lower) {
         return 0;
     if (plan->op == SAME && memcmp(message + HEADER_BYTES, plan->data, (size_t)plan->nbytes) != 0)
         return 0;
+    if (!adjacent)
+        return 1;
     return lower ? plan->hi + 1 == words[2] : words[3] + 1 == plan->lo;
+}
+
+/* The partner's whole message, by the step's mode: 0 when the caller must take over (OTHER). */
+static int finish_step(Plan *plan, int mode) {
+    const uint8_t *message = plan->scratch + LENGTH_BYTES;
+    int64_t their_lo, their_hi;
+    memcpy(&their_lo, message + 16, sizeof their_lo);
+    memcpy(&their_hi, message + 24, sizeof their_hi);
+    switch (mode) {
+    case MERGE_UPPER:
+    case MERGE_LOWER:
+        if (!mergeable(plan, 1, mode == MERGE_LOWER) || !combine(plan, message + HEADER_BYTES, mode == MERGE_LOWER))
+            return 0;
+        if (mode == MERGE_LOWER)
+            plan->hi = their_hi;
+        else
+            plan->lo = their_lo;
+        return 1;
+    case TAKE_VALUE: /* the whole job's value: this rank's own is part of it */
+        if (!mergeable(plan, 0, 0))
+            return 0;
+        memcpy(plan->data, message + HEADER_BYTES, (size_t)plan->nbytes);
+        plan->lo = their_lo;
+        plan->hi = their_hi;
+        return 1;
+    default: /* DISCARD, SEND_VALUE: what came back is not used */
+        return 1;
+    }
 }
 
 /* One wait without progress: spin (yielding the core) for spin_ns after the last progress, then sleep in poll. */
@@ -198,16 +236,20 @@ static void wait_a_while(const Plan *plan, int tx, int rx, int sending, int rece
 int hvdrun_uniform_steps(Plan *plan) {
     if (plan->op < SUM || plan->op > SAME || (plan->op != SAME && (plan->dtype < F32 || plan->dtype > I64)))
         return UNSUPPORTED;
-    int64_t frame_bytes = LENGTH_BYTES + padded(HEADER_BYTES + plan->nbytes);
+    int64_t value_frame = LENGTH_BYTES + padded(HEADER_BYTES + plan->nbytes);
     int64_t idle_since = now_ns(), deadline = idle_since + plan->slice_ns;
     while (plan->step < plan->steps) {
         int tx = plan->tx_fds[plan->step], rx = plan->rx_fds[plan->step];
-        int lower = plan->lower[plan->step];
+        int mode = plan->modes[plan->step];
+        int64_t out_bytes = mode == TAKE_VALUE ? LENGTH_BYTES : value_frame;
+        int64_t in_bytes = mode == SEND_VALUE ? LENGTH_BYTES : value_frame;
         int64_t need = needed(plan);
-        while (plan->sent < frame_bytes || plan->got < need) {
+        if (plan->got >= LENGTH_BYTES && need != in_bytes)
+            return OTHER; /* the start of the frame was received before the call (the caller's read ahead) */
+        while (plan->sent < out_bytes || plan->got < need) {
             int moved = 0, status;
-            if (plan->sent < frame_bytes) { /* first: the partner waits for it */
-                status = send_more(plan, tx);
+            if (plan->sent < out_bytes) { /* first: the partner waits for it */
+                status = send_more(plan, tx, mode == TAKE_VALUE);
                 if (status < 0)
                     return status == -2 ? CLOSED : FAILED;
                 moved |= status;
@@ -217,8 +259,8 @@ int hvdrun_uniform_steps(Plan *plan) {
                 if (status < 0)
                     return status == -2 ? CLOSED : FAILED;
                 moved |= status;
-                if (plan->got == LENGTH_BYTES && need != frame_bytes)
-                    return OTHER; /* not a uniform value of this size: the caller reads the rest */
+                if (plan->got == LENGTH_BYTES && need != in_bytes)
+                    return OTHER; /* not what this step takes from a uniform partner: the caller reads the rest */
             }
             if (moved) {
                 idle_since = now_ns();
@@ -227,19 +269,10 @@ int hvdrun_uniform_steps(Plan *plan) {
             }
             if (now_ns() >= deadline)
                 return SLICE;
-            wait_a_while(plan, tx, rx, plan->sent < frame_bytes, plan->got < need, idle_since, deadline);
+            wait_a_while(plan, tx, rx, plan->sent < out_bytes, plan->got < need, idle_since, deadline);
         }
-        if (!mergeable(plan, lower))
+        if (!finish_step(plan, mode))
             return OTHER;
-        if (!combine(plan, plan->scratch + LENGTH_BYTES + HEADER_BYTES, lower))
-            return UNSUPPORTED;
-        int64_t their_lo, their_hi;
-        memcpy(&their_lo, plan->scratch + LENGTH_BYTES + 16, sizeof their_lo);
-        memcpy(&their_hi, plan->scratch + LENGTH_BYTES + 24, sizeof their_hi);
-        if (lower)
-            plan->hi = their_hi;
-        else
-            plan->lo = their_lo;
         plan->step++;
         plan->sent = plan->got = 0;
     }

@@ -23,13 +23,20 @@ _FENCE = threading.Lock()
 Message = bytes | memoryview  # what a message is sent from and received into: a view where a copy can be spared
 
 
+# What a step of a recursive doubling of merged values does with the partner's value (MPICH's fold for a
+# non-power-of-two group included): merge it, this rank's range above it or below; drop it (the member that folds
+# out hands its value over); send this rank's final value and get nothing back (the fold-out's giver); send nothing
+# and take the partner's final value (the fold-out's taker)
+MERGE_UPPER, MERGE_LOWER, DISCARD, SEND_VALUE, TAKE_VALUE = range(5)
+
+
 class DoublingStep(NamedTuple):
     """One step of a recursive doubling as a codec's own steps see it: the channels to and from the partner, and
-    whether this rank's range of values is below the partner's."""
+    the step's mode (:data:`MERGE_UPPER` ...)."""
 
     tx: TxChannel
     rx: RxChannel
-    lower: bool
+    mode: int
 
 
 class StepsTaken(NamedTuple):
@@ -135,9 +142,13 @@ class RxChannel(abc.ABC):
         return False
 
     def socket_fd(self) -> int | None:
-        """The connected socket this channel reads from, for a caller that reads it itself now (the compiled steps);
-        None (the default): not a socket, or bytes are staged in the channel."""
+        """The connected socket this channel reads from, for a caller that reads it itself (the compiled steps),
+        after taking what is :meth:`staged`; None (the default): not a socket."""
         return None
+
+    def staged(self) -> int:
+        """Bytes received from the socket and not consumed yet (they come before anything the socket holds)."""
+        return 0
 
     def poll_fd(self) -> int | None:
         """A descriptor whose readability says all that :meth:`ready` would say now, so that one poll(2) asks many

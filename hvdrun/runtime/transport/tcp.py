@@ -110,9 +110,13 @@ class TcpRx(RxChannel):
         return True  # a byte, or the peer's end (an empty peek)
 
     def socket_fd(self) -> int | None:
-        return None if self._end > self._start else self.sock.fileno()
+        return self.sock.fileno()
 
-    poll_fd = socket_fd  # nothing staged: the socket's readability says it all
+    def staged(self) -> int:
+        return self._end - self._start
+
+    def poll_fd(self) -> int | None:
+        return None if self._end > self._start else self.sock.fileno()  # nothing staged: the socket says it all
 
     def close(self) -> None:
         self.sock.close()
