@@ -130,8 +130,9 @@ class Setting:
     eager_job_bytes: int | None = EAGER_JOB_BYTES  # the cap on what arrives whole (None: no cap)
     doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
     halving_max_bytes: int = DEFAULT_HALVING_MAX_BYTES
-    # the compiled module (hvdrun/runtime/compiled) runs the held eager op's doubling steps across hosts: those steps
-    # cost no gamma, and the op pays one gamma for its Python around the call; False: every step is Python's
+    # the compiled module (hvdrun/runtime/compiled) runs the steps across hosts of a cycle of held ops (a lone eager
+    # op's, with its data; or a held range's, without): no gamma a step, one for the cycle's Python around the call;
+    # False: every step is Python's
     compiled_steps: bool = True
 
     def eager_limit(self, hosts: int, per_host: int, merged: bool) -> int:
@@ -205,10 +206,10 @@ def merged_eager(hosts: int, per_host: int, message: float, nbytes: float, held:
 
     ``held``: the ops are cached and held (:attr:`Setting.held_bytes`): every value, inside the host and at every
     step across, is one tally of ``held`` bytes (with the data), whatever the number of ranks it stands for.
-    ``compiled``: a held eager op's steps across hosts (not the fold's) run in one compiled call: no gamma a step,
-    one for the op's Python around the call.
+    ``compiled``: a held cycle's steps across hosts (MPICH's fold included) run in one compiled call: no gamma a
+    step, one for the cycle's Python around the call.
     """
-    compiled = compiled and held is not None and nbytes > 0
+    compiled = compiled and held is not None
     if held is not None:
         message = held
     if 1 < per_host and message + nbytes <= POST_BYTES:
@@ -220,21 +221,22 @@ def merged_eager(hosts: int, per_host: int, message: float, nbytes: float, held:
     def headers(ranks_hosts: int) -> float:  # what one rank sends of the announcements of ``ranks_hosts`` hosts
         return held if held is not None else per_host * message * ranks_hosts
 
-    cross = Cost({"gamma": 1}) if compiled and k else Cost()
+    cross = Cost({"gamma": 1}) if compiled and (k or rem) else Cost()
     for j in range(k):  # step j: every one of the L ranks sends 2^j hosts' headers (or one tally) and the data
         cross = cross + steps(1, per_host * (headers(1 << j) + nbytes), False, not compiled)
     if rem:  # fold in (one host's value), fold out (everything)
-        cross = cross + steps(1, per_host * (headers(1) + nbytes), False, True) + \
-            steps(1, per_host * (headers(hosts) + nbytes), False, True)
+        cross = cross + steps(1, per_host * (headers(1) + nbytes), False, not compiled) + \
+            steps(1, per_host * (headers(hosts) + nbytes), False, not compiled)
     reductions = (per_host - 1 + k + (1 if rem else 0)) * nbytes  # the host's L payloads, then one per step
     return local + cross + (Cost({"beta_local": reductions}) if reductions else Cost())
 
 
-def hier_allgather(hosts: int, per_host: int, message: float, held: float | None = None) -> Cost:
+def hier_allgather(hosts: int, per_host: int, message: float, held: float | None = None,
+                   compiled: bool = False) -> Cost:
     """All-gather inside the host, then the announcements merged across hosts by recursive doubling, all L local
     ranks at once (what a rank sends doubles every step: the same bytes as all-gathering the hosts' bundles; with
     ``held``, one tally a step)."""
-    return merged_eager(hosts, per_host, message, 0, held)
+    return merged_eager(hosts, per_host, message, 0, held, compiled)
 
 
 def local_phases(per_host: int, nbytes: float, python: bool = True) -> Cost:
@@ -279,7 +281,7 @@ def hvdrun_cost(algorithm: str, hosts: int, per_host: int, nbytes: float, settin
         return flat_allgather(hosts, per_host, setting.message_bytes + nbytes) + reduce, "eager (flat)"
     if not hierarchical:
         return flat_allgather(hosts, per_host, setting.message_bytes) + flat_ring(hosts, per_host, nbytes), "flat ring"
-    negotiation = hier_allgather(hosts, per_host, setting.message_bytes, setting.held_bytes)
+    negotiation = hier_allgather(hosts, per_host, setting.message_bytes, setting.held_bytes, setting.compiled_steps)
     return negotiation + local_phases(per_host, nbytes) + cross_hosts(algorithm, hosts, nbytes), algorithm
 
 
@@ -536,7 +538,7 @@ def negotiation_line(params: dict[str, float], setting: Setting, hosts: int, per
             f"{_moving(hier, params)}")
     if setting.held_bytes is None:
         return line
-    held = hier_allgather(hosts, per_host, setting.message_bytes, setting.held_bytes)
+    held = hier_allgather(hosts, per_host, setting.message_bytes, setting.held_bytes, setting.compiled_steps)
     return line + f"; a cycle of held (cached) ops {fmt_time(held.seconds(params))} of which {_moving(held, params)}"
 
 

@@ -301,6 +301,10 @@ def test_a_general_value_in_the_fold_hands_over_at_the_step_it_meets(library, od
     assert sorted(runner.handed_over for runner in runners) == [0] + [1] * (size - 1)
 
 
+def _merge_into(results: list, group: Pairwise, value: object, announcements: Announcements) -> None:
+    results.append(group.allgather_merged(value, announcements._merge, announcements.codec))
+
+
 @pytest.mark.parametrize("partner", [_uniform(1, np.arange(4, dtype=np.float32)),  # a frame the steps take
                                      ({1: ([], ["blocked"])}, None, {}, False),  # one they hand over
                                      _held(tuple(range(40)), 7, 1)],  # longer than any frame of this value
@@ -315,8 +319,7 @@ def test_a_frame_the_python_path_read_ahead_is_taken_over(library, partner):
         members = [Announcements(_Merging(), index, 2, lambda key: wire,  # type: ignore[arg-type]
                                  compiled.UniformSteps(library) if index or library_0 else None) for index in range(2)]
         partner_done: list = []
-        thread = threading.Thread(target=lambda: partner_done.append(
-            groups[1].allgather_merged(partner, members[1]._merge, members[1].codec)))
+        thread = threading.Thread(target=_merge_into, args=(partner_done, groups[1], partner, members[1]))
         thread.start()
         rx = groups[0].links[1].rx
         while not rx.staged():  # the partner's frame arrives and is read ahead, as a Python swap would

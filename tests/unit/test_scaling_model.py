@@ -59,16 +59,16 @@ def test_shapes_held_out_of_the_fit_are_each_compared_and_counted(scaling):
     assert "Median |error| 0%" in scaling.check_table(points, params, setting, True), "fitted: MPI 6 x 1 left out"
 
 
-def test_compiled_steps_cost_one_python_turn_per_op_and_the_fold_stays_python(scaling):
-    """A held eager op's doubling steps across hosts run in one compiled call: gamma once per op at 2 or 4,096
-    hosts; MPICH's fold for a non-power-of-two host count runs in Python (two more turns); every step still pays
-    alpha. Without the module (sweeps before it), a gamma a step."""
-    def gamma(hosts: int, compiled: bool) -> float:
-        return scaling.merged_eager(hosts, 1, 20, 4096, 128, compiled).get("gamma", 0.0)
+def test_compiled_steps_cost_one_python_turn_per_cycle_at_any_number_of_hosts(scaling):
+    """A held cycle's steps across hosts (MPICH's fold for a non-power-of-two host count included) run in one
+    compiled call: gamma once per cycle at 2, 6 or 4,096 hosts, with data (a lone eager op) or without (a held
+    range); every step still pays alpha. Without the module (sweeps before it), a gamma a step; and the general
+    form's negotiation (nothing held) stays Python's."""
+    def gamma(hosts: int, compiled: bool, nbytes: int = 4096, held: int | None = 128) -> float:
+        return scaling.merged_eager(hosts, 1, 20, nbytes, held, compiled).get("gamma", 0.0)
 
-    assert [gamma(hosts, True) for hosts in (2, 1024, 4096)] == [1, 1, 1]
-    assert [gamma(hosts, False) for hosts in (2, 1024, 4096)] == [1, 10, 12]
-    assert gamma(6, True) == 3 and gamma(6, False) == 4  # fold-in and fold-out, in Python either way
+    assert [gamma(hosts, True) for hosts in (2, 6, 1024, 4096)] == [1, 1, 1, 1]
+    assert [gamma(hosts, False) for hosts in (2, 6, 1024, 4096)] == [1, 4, 10, 12]
+    assert gamma(1024, True, nbytes=0) == 1 and gamma(1024, True, nbytes=0, held=None) == 10
     cost = scaling.merged_eager(1024, 12, 20, 4096, 128, True)
-    assert cost["alpha"] == 10 and cost["gamma"] == 2  # ten steps across; the host's board turn and the op's
-    assert scaling.merged_eager(1024, 1, 20, 0, 128, True)["gamma"] == 10  # a negotiation only: Python steps
+    assert cost["alpha"] == 10 and cost["gamma"] == 2  # ten steps across; the host's board turn and the cycle's
