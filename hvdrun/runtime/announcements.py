@@ -310,6 +310,7 @@ class Announcements:
             outcome = compiled.run(HELD_RANGE_TAG, value.since, value.lo, value.hi, value.keys, 0, SAME, links, waiter,
                                    begun)
             result = HeldRange(value.keys, value.since, outcome.lo, outcome.hi)
+        waiter.progressed()  # the next wait in Python spins first, as after any progress
         value_frame = 8 + 32 + len(outcome.data) + -(32 + len(outcome.data)) % 8
         for step in steps[:outcome.done]:
             step.tx.bytes_sent += 8 if step.mode == TAKE_VALUE else value_frame
@@ -340,7 +341,7 @@ class Announcements:
         links = self._step_links.get(id(steps))
         if links is None:
             found = [(step.tx.socket_fd(), step.rx.socket_fd(), step) for step in steps]
-            if any(tx is None for tx, _, _ in found):
+            if any(tx is None or rx is None for tx, rx, _ in found):
                 return None
             links = self._step_links[id(steps)] = tuple(
                 StepLink(tx, rx, step.mode, getattr(step.rx, "peer", "a peer"))  # type: ignore[arg-type]

@@ -331,3 +331,29 @@ def test_a_frame_the_python_path_read_ahead_is_taken_over(library, partner):
         for sock in sockets:
             sock.close()
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("op", [SUM, PRODUCT])
+def test_nans_of_two_kinds_come_out_as_the_lower_ranks_on_every_member(library, op):
+    """x86 keeps the first operand's NaN, and a compiler may swap the operands of + and *: the compiled steps take
+    the lower member's NaN explicitly, as numpy's add(lower, upper) does (found by review: each member kept its own
+    NaN, so members ended with different bits)."""
+    quiet = np.array([0x7FC00000], np.uint32).view(np.float32)  # np.nan's bits
+    default = np.array([0xFFC00000], np.uint32).view(np.float32)  # x86's default NaN (inf - inf): another sign
+    values = [_uniform(index, np.concatenate([nan, np.ones(3, np.float32)])) for index, nan in enumerate(
+        (quiet, default))]
+    fast = _run_members(2, values, lambda index: library, op=op)
+    python = _run_members(2, values, lambda index: None, op=op)
+    assert {bytes(merged.data) for merged in fast} == {bytes(merged.data) for merged in python}
+    assert len({bytes(merged.data) for merged in fast}) == 1
+
+
+def test_a_library_built_from_another_version_of_the_source_is_not_used(tmp_path):
+    source = tmp_path / "old.c"
+    source.write_text(compiled.SOURCE.read_text().replace(
+        f"#define ABI_VERSION {compiled.ABI_VERSION} ", f"#define ABI_VERSION {compiled.ABI_VERSION - 1} "))
+    old = compiled.build(tmp_path / "old.so", source)
+    assert compiled.load({}, old) is None  # auto: the Python path
+    with pytest.raises(compiled.CompiledError, match=f"another version of uniform_steps.c .interface "
+                                                     f"{compiled.ABI_VERSION - 1}, expected {compiled.ABI_VERSION}"):
+        compiled.load({"HVDRUN_COMPILED": "on"}, old)

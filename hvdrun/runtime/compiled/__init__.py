@@ -33,7 +33,8 @@ from hvdrun.runtime.transport.base import MAX_SLEEP_S, TAKE_VALUE, Waiter
 
 SOURCE = Path(__file__).with_name("uniform_steps.c")
 LIBRARY = Path(__file__).with_name("_uniform_steps.so")
-_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
+_FLAGS = ("-O2", "-fwrapv", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
+ABI_VERSION = 3  # uniform_steps.c's: a library built from another version of the source is not used
 _HEADER_BYTES = 32
 DONE, SLICE, OTHER, CLOSED, FAILED, UNSUPPORTED = range(6)
 DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 3}
@@ -77,17 +78,17 @@ def frame_of(tag: int, key: int, lo: int, hi: int, data: bytes, mode: int) -> by
     return b"".join((np.array([message, tag, key, lo, hi], np.int64).tobytes(), data, bytes(-message % 8)))
 
 
-def build(output: Path = LIBRARY) -> Path:
-    """Compile the module with the system's C compiler (``$CC``, else cc); the path of the library."""
+def build(output: Path = LIBRARY, source: Path = SOURCE) -> Path:
+    """Compile ``source`` with the system's C compiler (``$CC``, else cc); the path of the library."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise CompiledError("no C compiler found (set CC, or install gcc): the pure-Python path needs none")
     partial = output.with_suffix(f".{os.getpid()}.tmp")
-    result = subprocess.run([compiler, *_FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True,
+    result = subprocess.run([compiler, *_FLAGS, "-o", str(partial), str(source)], capture_output=True, text=True,
                             check=False)
     if result.returncode:
         partial.unlink(missing_ok=True)
-        raise CompiledError(f"{compiler} failed on {SOURCE}:\n{result.stderr.strip()}")
+        raise CompiledError(f"{compiler} failed on {source}:\n{result.stderr.strip()}")
     partial.replace(output)  # atomic: a rank that loads it meanwhile sees the old library or the new one
     return output
 
@@ -96,21 +97,27 @@ def load(environ: Mapping[str, str] = os.environ, path: Path = LIBRARY) -> ctype
     """The library built at ``path``, as ``HVDRUN_COMPILED`` asks: None for ``off``, or ``auto`` when it is not built.
 
     Raises:
-        CompiledError: ``on`` and the library is not built (or does not load).
+        CompiledError: ``on`` and the library is not built, does not load, or was built from another version of
+            the source (``auto`` takes the Python path then).
     """
     mode = envvars.compiled_mode(environ)
     if mode == "off":
         return None
     try:
         library = ctypes.CDLL(str(path))
-    except OSError as e:
-        if mode == "on":
-            raise CompiledError(f"{envvars.COMPILED[0]}=on but {path} does not load ({e}); build it with "
-                                "'python -m hvdrun.runtime.compiled'") from None
-        return None
-    library.hvdrun_uniform_steps.argtypes = [ctypes.c_void_p]
-    library.hvdrun_uniform_steps.restype = ctypes.c_int
-    return library
+        version = library.hvdrun_uniform_steps_abi()
+    except (OSError, AttributeError) as e:
+        problem = f"does not load ({e})"
+    else:
+        if version == ABI_VERSION:
+            library.hvdrun_uniform_steps.argtypes = [ctypes.c_void_p]
+            library.hvdrun_uniform_steps.restype = ctypes.c_int
+            return library
+        problem = f"was built from another version of {SOURCE.name} (interface {version}, expected {ABI_VERSION})"
+    if mode == "on":
+        raise CompiledError(f"{envvars.COMPILED[0]}=on but {path} {problem}; build it with "
+                            "'python -m hvdrun.runtime.compiled'")
+    return None
 
 
 class StepLink(NamedTuple):

@@ -30,6 +30,7 @@ enum { F32 = 0, F64 = 1, I32 = 2, I64 = 3 };
 enum { SUM = 0, MIN = 1, MAX = 2, PRODUCT = 3, SAME = 4 };
 enum { MERGE_UPPER = 0, MERGE_LOWER = 1, DISCARD = 2, SEND_VALUE = 3, TAKE_VALUE = 4 }; /* a step's mode */
 
+#define ABI_VERSION 3 /* compiled/__init__.py's ABI_VERSION */
 #define LENGTH_BYTES 8
 #define HEADER_BYTES 32
 
@@ -75,15 +76,16 @@ static int64_t now_ns(void) {
             }                                                                       \
     } while (0)
 
-/* mine = lower op upper, element-wise, bit for bit as numpy's add, multiply, minimum and maximum give it (minimum
- * and maximum: a NaN of the lower operand, else the upper one when neither is strictly less or greater, so that
- * -0.0 and 0.0 come out as numpy's). */
+/* mine = lower op upper, element-wise, bit for bit as numpy's add, multiply, minimum and maximum give it: a NaN of
+ * the lower operand wins (x86 keeps the first operand's NaN, and a compiler may swap the operands of + and *, so the
+ * lower NaN is taken explicitly: a + a is a, quieted); minimum and maximum give the upper operand when neither is
+ * strictly less or greater, so that -0.0 and 0.0 come out as numpy's. Integers wrap (-fwrapv), as numpy's. */
 #define REDUCE(type)                                                                      \
     do {                                                                                  \
         int64_t count = plan->nbytes / (int64_t)sizeof(type);                             \
         switch (plan->op) {                                                               \
-        case SUM: COMBINE(type, a + b); break;                                            \
-        case PRODUCT: COMBINE(type, a * b); break;                                        \
+        case SUM: COMBINE(type, a != a ? a + a : a + b); break;                           \
+        case PRODUCT: COMBINE(type, a != a ? a * a : a * b); break;                       \
         case MIN: COMBINE(type, (a < b || a != a) ? a : b); break;                        \
         case MAX: COMBINE(type, (a > b || a != a) ? a : b); break;                        \
         default: return 0;                                                                \
@@ -229,9 +231,12 @@ static void wait_a_while(const Plan *plan, int tx, int rx, int sending, int rece
         fds[count++] = (struct pollfd){.fd = rx, .events = POLLIN};
     if (sending)
         fds[count++] = (struct pollfd){.fd = tx, .events = POLLOUT};
-    int64_t left_ms = (deadline - now) / 1000000 + 1;
-    poll(fds, (nfds_t)count, (int)(left_ms > 1000 ? 1000 : left_ms));
+    int64_t left_ms = (deadline - now) / 1000000 + 1; /* never negative: poll would wait for ever */
+    poll(fds, (nfds_t)count, (int)(left_ms < 0 ? 0 : left_ms > 1000 ? 1000 : left_ms));
 }
+
+/* The interface's version: the loader rejects a library built from another one (Plan's layout, the modes, the ops). */
+int hvdrun_uniform_steps_abi(void) { return ABI_VERSION; }
 
 int hvdrun_uniform_steps(Plan *plan) {
     if (plan->op < SUM || plan->op > SAME || (plan->op != SAME && (plan->dtype < F32 || plan->dtype > I64)))
