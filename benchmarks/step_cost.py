@@ -3,7 +3,7 @@
     python benchmarks/step_cost.py              # 4 KB, 20,000 steps and swaps, 3,000 allreduces, 5 rounds
     python benchmarks/step_cost.py --bytes 65536
 
-Three figures, each a mean over many, their medians over ``--rounds`` (this VM's times vary from run to run by
+Four figures, each a mean over many, their medians over ``--rounds`` (this VM's times vary from run to run by
 up to 2x), on this machine:
 
 1. **Python per doubling step**: one step of the steady state's merge (a uniform range's value encoded, swapped,
@@ -12,15 +12,18 @@ up to 2x), on this machine:
 2. **The transport's floor**: two processes swapping a frame of the same size over loopback TCP with bare
    blocking sockets (the least any step over TCP costs here: two system calls and a wake-up).
 3. **hvdrun's whole allreduce**: two ranks given host names of their own (so they connect by TCP, as across
-   hosts), ``hvd.allreduce_`` of a float32 tensor of that size, rank 0's time per op.
+   hosts), ``hvd.allreduce_`` of a float32 tensor of that size, rank 0's time per op, on the pure-Python path
+   (``HVDRUN_COMPILED=off``).
+4. **The same with the compiled steps** (``HVDRUN_COMPILED=on``), when the module is built (``make compiled``).
 
 What is left of (3) beyond one step's (1) + (2) is hvdrun's Python per *op* (the express cycle, the held
-requests' bookkeeping, the torch API): the part a compiled step alone would not remove.
+requests' bookkeeping, the torch API); of (4) beyond (2), the Python the compiled call leaves around the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import statistics
@@ -38,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from hvdrun.runtime.announcements import CODEC, Announcements, Uniform  # noqa: E402
 from hvdrun.runtime.collectives.streams import swap_small  # noqa: E402
+from hvdrun.runtime.compiled import load  # noqa: E402
 from hvdrun.runtime.negotiation import Request  # noqa: E402
 from hvdrun.runtime.reduce import padded  # noqa: E402
 from hvdrun.runtime.transport.base import AbortFlag, RxChannel, TxChannel, Waiter  # noqa: E402
@@ -109,7 +113,7 @@ def python_per_step(nbytes: int, steps: int) -> float:
     message = CODEC.dumps(theirs)
     frame = framed(len(message))
     frame[8:8 + len(message)] = message
-    tx, waiter, (dumps, loads) = _Sink(), Waiter(None, AbortFlag()), CODEC
+    tx, waiter, dumps, loads = _Sink(), Waiter(None, AbortFlag()), CODEC.dumps, CODEC.loads
     started = time.perf_counter()
     for _ in range(steps):
         other = loads(swap_small(tx, _Replay(frame), waiter, dumps(mine)))
@@ -147,8 +151,9 @@ def _swaps(sock: socket.socket, frame: bytes, count: int) -> None:
             got += sock.recv_into(into[got:])
 
 
-def hvdrun_allreduce(nbytes: int, ops: int) -> float:
-    """Rank 0's seconds per ``hvd.allreduce_`` of ``nbytes`` between two ranks on hosts of their own names."""
+def hvdrun_allreduce(nbytes: int, ops: int, compiled: str) -> float:
+    """Rank 0's seconds per ``hvd.allreduce_`` of ``nbytes`` between two ranks on hosts of their own names, with
+    ``HVDRUN_COMPILED=compiled``."""
     from hvdrun.envvars import Rendezvous, worker_env
     from hvdrun.hosts import Host
     from hvdrun.launch.remote.hostfacts import free_ports
@@ -156,7 +161,8 @@ def hvdrun_allreduce(nbytes: int, ops: int) -> float:
 
     rendezvous = Rendezvous("127.0.0.1", *free_ports(2), uuid.uuid4().hex, "step" + uuid.uuid4().hex[:6])
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(nbytes), str(ops)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, **worker_env(slot, rendezvous), "OMP_NUM_THREADS": "1"})
+                              env={**os.environ, **worker_env(slot, rendezvous), "OMP_NUM_THREADS": "1",
+                                   "HVDRUN_COMPILED": compiled})
              for slot in assign_slots([Host("node0", 1), Host("node1", 1)], 2)]
     outputs = [proc.communicate(timeout=300)[0] for proc in procs]
     if any(proc.returncode for proc in procs):
@@ -171,15 +177,22 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=3000, help="allreduces timed (default 3,000)")
     parser.add_argument("--rounds", type=int, default=5, help="each figure's median over this many runs (default 5)")
     args = parser.parse_args()
+    built = load({"HVDRUN_COMPILED": "auto"}) is not None
     runs = [(python_per_step(args.bytes, args.steps), bare_socket_swap(args.bytes, args.steps),
-             hvdrun_allreduce(args.bytes, args.ops)) for _ in range(args.rounds)]  # interleaved: drifts hit all three
-    step, floor, whole = (statistics.median(run[i] for run in runs) for i in range(3))
+             hvdrun_allreduce(args.bytes, args.ops, "off"),
+             hvdrun_allreduce(args.bytes, args.ops, "on") if built else math.nan)
+            for _ in range(args.rounds)]  # interleaved: drifts hit all of them
+    step, floor, python, compiled = (statistics.median(run[i] for run in runs) for i in range(4))
+    rows = [("(1) hvdrun's Python in one doubling step (no system call)", step),
+            ("(2) a swap over loopback TCP, bare blocking sockets", floor),
+            ("(3) hvdrun allreduce, 2 ranks on hosts of their own (one step), pure Python", python),
+            ("left for hvdrun's Python per op: (3) - (1) - (2)", python - step - floor)]
+    if built:
+        rows += [("(4) the same with the compiled steps (hvdrun/runtime/compiled)", compiled),
+                 ("left for hvdrun's Python per op there: (4) - (2)", compiled - floor)]
     print(f"Medians of {args.rounds} rounds:\n\n| {args.bytes:,} B | µs |\n|---|---|\n"
-          f"| hvdrun's Python in one doubling step (no system call) | {step * 1e6:.1f} |\n"
-          f"| a swap over loopback TCP, bare blocking sockets | {floor * 1e6:.1f} |\n"
-          f"| hvdrun allreduce, 2 ranks on hosts of their own (one step) | {whole * 1e6:.1f} |\n"
-          f"| left for hvdrun's Python per op: (3) - (1) - (2) | {(whole - step - floor) * 1e6:.1f} |")
-
+          + "\n".join(f"| {label} | {seconds * 1e6:.1f} |" for label, seconds in rows)
+          + ("" if built else "\n\n(4): the compiled module is not built (make compiled)"))
 
 if __name__ == "__main__":
     main()
