@@ -131,8 +131,8 @@ class Setting:
     doubling_max_bytes: int = DEFAULT_DOUBLING_MAX_BYTES
     halving_max_bytes: int = DEFAULT_HALVING_MAX_BYTES
     # the compiled module (hvdrun/runtime/compiled) runs the steps across hosts of a cycle of held ops (a lone eager
-    # op's, with its data; or a held range's, without): no gamma a step, one for the cycle's Python around the call;
-    # False: every step is Python's
+    # op's, with its data; or a held range's, without) and recursive doubling's core steps: no gamma a step, one for
+    # the Python around the call; False: every step is Python's
     compiled_steps: bool = True
 
     def eager_limit(self, hosts: int, per_host: int, merged: bool) -> int:
@@ -244,10 +244,13 @@ def local_phases(per_host: int, nbytes: float, python: bool = True) -> Cost:
     return steps(2 * (per_host - 1), nbytes / per_host, True, python)
 
 
-def cross_hosts(algorithm: str, hosts: int, nbytes: float, python: bool = True) -> Cost:
-    """The part across hosts; ``nbytes`` is what crosses a host's link in all (L parts of n / L)."""
+def cross_hosts(algorithm: str, hosts: int, nbytes: float, python: bool = True, compiled: bool = False) -> Cost:
+    """The part across hosts; ``nbytes`` is what crosses a host's link in all (L parts of n / L). ``compiled``:
+    recursive doubling's core steps run in one compiled call (one gamma for the call; the fold stays Python)."""
     k, rem = fold(hosts)
     extra = steps(2, nbytes, False, python) if rem else Cost()
+    if algorithm == "doubling" and compiled and python and k:
+        return steps(k, nbytes, False, False) + Cost({"gamma": 1}) + extra
     if algorithm == "ring":
         return steps(2 * (hosts - 1), nbytes / hosts, False, python)
     if algorithm == "doubling":
@@ -282,7 +285,8 @@ def hvdrun_cost(algorithm: str, hosts: int, per_host: int, nbytes: float, settin
     if not hierarchical:
         return flat_allgather(hosts, per_host, setting.message_bytes) + flat_ring(hosts, per_host, nbytes), "flat ring"
     negotiation = hier_allgather(hosts, per_host, setting.message_bytes, setting.held_bytes, setting.compiled_steps)
-    return negotiation + local_phases(per_host, nbytes) + cross_hosts(algorithm, hosts, nbytes), algorithm
+    return negotiation + local_phases(per_host, nbytes) + cross_hosts(algorithm, hosts, nbytes,
+                                                                      compiled=setting.compiled_steps), algorithm
 
 
 def best_hvdrun(hosts: int, per_host: int, nbytes: float, setting: Setting,

@@ -87,9 +87,8 @@ class Cycle:
         self.fusion_threshold = fusion_threshold
         self.table = Table(self.world.size)
         self.cache = ResponseCache(cache_capacity)
-        library = compiled.load() if backend.merges else None
         # the steady state's steps across hosts in one call (None: the pure-Python path; HVDRUN_COMPILED)
-        self.compiled = compiled.UniformSteps(library) if library is not None else None
+        self.compiled = compiled.runner() if backend.merges else None
         self._announcements = Announcements(backend, self.world.rank, self.world.size, self.cache.decode,
                                             self.compiled)
         self.timeline: Timeline | None = None

@@ -15,7 +15,7 @@ from hvdrun.envvars import check_tuning
 from hvdrun.errors import CollectiveError, PeerLostError, UsageError
 from hvdrun.runtime import compiled
 from hvdrun.runtime.announcements import Announcements, HeldRange, Uniform
-from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
+from hvdrun.runtime.collectives.pairwise import Link, Pairwise, core_index, partners
 from hvdrun.runtime.negotiation import Request
 from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM
 from hvdrun.runtime.transport.base import AbortFlag, Waiter
@@ -357,3 +357,47 @@ def test_a_library_built_from_another_version_of_the_source_is_not_used(tmp_path
     with pytest.raises(compiled.CompiledError, match=f"another version of uniform_steps.c .interface "
                                                      f"{compiled.ABI_VERSION - 1}, expected {compiled.ABI_VERSION}"):
         compiled.load({"HVDRUN_COMPILED": "on"}, old)
+
+
+def _doubling(size: int, arrays: list[np.ndarray], reduce,
+              runner_for: Callable[[int], object]) -> tuple[list[np.ndarray], list[int]]:
+    """Pairwise.allreduce_doubling of ``arrays`` (one each, reduced in place), each member in a thread of its own;
+    the arrays, and the bytes each member's links counted as sent."""
+    groups, sockets = _groups(size, AbortFlag())
+    for index, group in enumerate(groups):
+        group.compiled = runner_for(index)  # type: ignore[assignment]
+    errors: list[BaseException] = []
+
+    def member(index: int) -> None:
+        try:
+            groups[index].allreduce_doubling(arrays[index], reduce)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            errors.append(e)
+
+    threads = [threading.Thread(target=member, args=(index,)) for index in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors and not any(thread.is_alive() for thread in threads), errors
+    sent = [sum(group.links[peer].tx.bytes_sent for peer in group.links) for group in groups]
+    for sock in sockets:
+        sock.close()
+    return arrays, sent
+
+
+@pytest.mark.parametrize("size", [2, 4, 6])
+@pytest.mark.parametrize(("dtype", "reduce"), [("float32", np.add), ("float64", np.maximum), ("int64", np.multiply)])
+def test_the_compiled_doubling_gives_the_python_loops_bits_and_bytes(library, size, dtype, reduce):
+    """Recursive doubling of a buffer (the allreduce across hosts up to HVDRUN_DOUBLING_MAX_BYTES): its core steps in
+    one compiled call, each member's operand first as in Python; 6 members fold in and out in Python around it.
+    Compiled, Python and both mixed give the same bits, and every link counts the same bytes sent."""
+    data = [array.repeat(1000) for array in _data(size, dtype, seed=size)]  # 4,000 elements: several TCP segments
+    python, python_sent = _doubling(size, [array.copy() for array in data], reduce, lambda index: None)
+    runner = compiled.UniformSteps(library)
+    fast, fast_sent = _doubling(size, [array.copy() for array in data], reduce, lambda index: runner)
+    mixed, _ = _doubling(size, [array.copy() for array in data], reduce, lambda index: runner if index % 2 else None)
+    assert all(np.array_equal(a, b) and np.array_equal(a, c) for a, b, c in zip(python, fast, mixed, strict=True))
+    assert fast_sent == python_sent and min(python_sent) > 0
+    core = [index for index in range(size) if core_index(index, size) is not None]  # members that fold out: none
+    assert runner.ran == len(core) + len([index for index in core if index % 2])  # compiled run, then mixed

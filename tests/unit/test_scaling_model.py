@@ -72,3 +72,10 @@ def test_compiled_steps_cost_one_python_turn_per_cycle_at_any_number_of_hosts(sc
     assert gamma(1024, True, nbytes=0) == 1 and gamma(1024, True, nbytes=0, held=None) == 10
     cost = scaling.merged_eager(1024, 12, 20, 4096, 128, True)
     assert cost["alpha"] == 10 and cost["gamma"] == 2  # ten steps across; the host's board turn and the cycle's
+
+
+def test_compiled_doubling_pays_one_python_turn_and_its_fold_stays_python(scaling):
+    assert scaling.cross_hosts("doubling", 1024, 65536, compiled=True)["gamma"] == 1
+    assert scaling.cross_hosts("doubling", 1024, 65536)["gamma"] == 10
+    assert scaling.cross_hosts("doubling", 6, 65536, compiled=True)["gamma"] == 3  # two fold steps in Python
+    assert scaling.cross_hosts("halving", 1024, 65536, compiled=True)["gamma"] == 20  # Rabenseifner: Python's

@@ -31,6 +31,7 @@ import numpy as np
 from hvdrun import envvars
 from hvdrun.errors import UsageError
 from hvdrun.ranks import format_ranks
+from hvdrun.runtime import compiled
 from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
 from hvdrun.runtime.collectives.ring import Ring
 from hvdrun.runtime.reduce import ReduceFn, chunk_bounds
@@ -181,7 +182,8 @@ class Hierarchy:
                               links[grid[host][(local - 1) % locals_]].rx, waiter)
             cross_ring = Ring(host, hosts, links[grid[(host + 1) % hosts][local]].tx,
                               links[grid[(host - 1) % hosts][local]].rx, waiter)
-        cross = Pairwise(host, hosts, {member: links[grid[member][local]] for member in partners(host, hosts)}, waiter)
+        cross = Pairwise(host, hosts, {member: links[grid[member][local]] for member in partners(host, hosts)}, waiter,
+                         compiled.runner())
         return cls(grid, rank, local_ring, cross_ring, cross, choice, board)
 
     def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:

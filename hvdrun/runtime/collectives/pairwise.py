@@ -36,6 +36,7 @@ from hvdrun.runtime.collectives.streams import (
     move,
     swap_message,
 )
+from hvdrun.runtime.compiled import StepLink, UniformSteps
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
 from hvdrun.runtime.transport.base import (
     DISCARD,
@@ -103,14 +104,17 @@ class Pairwise:
         waiter: parks the thread when no link can move.
     """
 
-    def __init__(self, member: int, size: int, links: Mapping[int, Link], waiter: Waiter) -> None:
+    def __init__(self, member: int, size: int, links: Mapping[int, Link], waiter: Waiter,
+                 compiled: UniformSteps | None = None) -> None:
         self.member, self.size, self.links, self.waiter = member, size, links, waiter
+        self.compiled = compiled  # runs recursive doubling's core steps in one call (None: Python's loop)
         self.pof2, self.rem = _fold(size)
         self.core = core_index(member, size)
         self._nearest_first = self._core_partners() if self.core is not None else []
         self._merge_plan = self._plan_merge()
         self._doubling_steps = [DoublingStep(links[peer].tx, links[peer].rx, mode) for peer, mode in self._merge_plan]
         self._scratch = np.empty(0, np.uint8)  # reused: a fresh large buffer per op costs its page faults
+        self._core_links: tuple[StepLink, ...] | None = None  # the core steps' sockets, for the compiled doubling
 
     def _incoming(self, like: np.ndarray) -> np.ndarray:
         """A scratch array shaped like ``like`` (contents undefined), reused across collectives."""
@@ -154,12 +158,36 @@ class Pairwise:
         if self.size == 1 or not flat.size:
             return
         self._fold_in(flat, reduce)
-        if self.core is not None:
+        if self.core is not None and not self._compiled_doubling(flat, reduce):
             incoming = self._incoming(flat)
             for peer in self._nearest_first:
                 self._exchange(peer, flat, CopySink(as_bytes(incoming)))
                 reduce(flat, incoming, flat)
         self._fold_out(flat)
+
+    def _compiled_doubling(self, flat: np.ndarray, reduce: ReduceFn) -> bool:
+        """The core steps of :meth:`allreduce_doubling` in one call of the compiled module, on the same wire; False
+        where it cannot take them (not built, a type or reduction it has not, a link that is not a socket or has
+        bytes staged): the Python loop runs them."""
+        runner = self.compiled
+        codes = runner.codes(flat.dtype, reduce) if runner is not None and self._nearest_first else None
+        if codes is None or not flat.flags.c_contiguous:
+            return False
+        links = [self.links[peer] for peer in self._nearest_first]
+        if any(link.rx.staged() for link in links):
+            return False
+        if self._core_links is None:
+            fds = [(link.tx.socket_fd(), link.rx.socket_fd()) for link in links]
+            if any(tx is None or rx is None for tx, rx in fds):
+                return False
+            self._core_links = tuple(StepLink(tx, rx, MERGE_LOWER, getattr(link.rx, "peer", "a peer"))  # type: ignore
+                                     for (tx, rx), link in zip(fds, links, strict=True))
+        assert runner is not None
+        runner.reduce_in_place(flat, *codes, self._core_links, self.waiter)
+        for link in links:
+            link.tx.bytes_sent += runner.frame_bytes(flat.nbytes)
+        self.waiter.progressed()
+        return True
 
     def allreduce_halving(self, flat: np.ndarray, reduce: ReduceFn) -> None:
         """Reduce the contiguous 1-D ``flat`` in place: recursive halving, then recursive doubling."""

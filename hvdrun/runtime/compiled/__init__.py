@@ -28,7 +28,7 @@ import numpy as np
 
 from hvdrun import envvars
 from hvdrun.errors import CollectiveError, HvdrunError, PeerLostError
-from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, SUM
+from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM, ReduceFn, padded
 from hvdrun.runtime.transport.base import MAX_SLEEP_S, TAKE_VALUE, Waiter
 
 SOURCE = Path(__file__).with_name("uniform_steps.c")
@@ -36,11 +36,12 @@ LIBRARY = Path(__file__).with_name("_uniform_steps.so")
 # -fno-trapping-math: FP compares may be evaluated for every element (no trap is assumed), so the reductions
 # with their NaN rule vectorize; results are the same bits
 _FLAGS = ("-O2", "-ftree-vectorize", "-fno-trapping-math", "-fwrapv", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
-ABI_VERSION = 3  # uniform_steps.c's: a library built from another version of the source is not used
+ABI_VERSION = 4  # uniform_steps.c's: a library built from another version of the source is not used
 _HEADER_BYTES = 32
 DONE, SLICE, OTHER, CLOSED, FAILED, UNSUPPORTED = range(6)
 DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 3}
 OPS = {AVERAGE: 0, SUM: 0, MIN: 1, MAX: 2, PRODUCT: 3}  # Horovod's op codes -> the library's (Average: a sum, scaled)
+REDUCTIONS = {REDUCE_FNS[op]: code for op, code in OPS.items()}  # the reduce functions (numpy ufuncs) -> the library's
 SAME = 4  # the library's op for data that must be equal on both sides (not reduced)
 
 
@@ -112,8 +113,9 @@ def load(environ: Mapping[str, str] = os.environ, path: Path = LIBRARY) -> ctype
         problem = f"does not load ({e})"
     else:
         if version == ABI_VERSION:
-            library.hvdrun_uniform_steps.argtypes = [ctypes.c_void_p]
-            library.hvdrun_uniform_steps.restype = ctypes.c_int
+            for function in (library.hvdrun_uniform_steps, library.hvdrun_raw_steps):
+                function.argtypes = [ctypes.c_void_p]
+                function.restype = ctypes.c_int
             return library
         problem = f"was built from another version of {SOURCE.name} (interface {version}, expected {ABI_VERSION})"
     if mode == "on":
@@ -141,7 +143,7 @@ class UniformSteps:
     """
 
     def __init__(self, library: ctypes.CDLL, slice_s: float = MAX_SLEEP_S) -> None:
-        self._function = library.hvdrun_uniform_steps
+        self._function, self._raw_function = library.hvdrun_uniform_steps, library.hvdrun_raw_steps
         self.slice_ns = max(1, int(slice_s * 1e9))
         self.ran = self.handed_over = 0  # calls; calls that stopped inside a step for Python to finish (tests read)
         self._plans: dict[tuple, tuple[_Plan, int, np.ndarray, np.ndarray, tuple]] = {}
@@ -182,12 +184,45 @@ class UniformSteps:
         received = begun if plan.got > scratch.nbytes else scratch[:plan.got].tobytes()
         return Outcome(done, plan.lo, plan.hi, result, frame[plan.sent:], received)
 
+    @staticmethod
+    def codes(dtype: np.dtype, reduce: ReduceFn) -> tuple[int, int] | None:
+        """The library's codes of ``dtype`` and the reduction ``reduce``, or None where it has no such thing."""
+        dtype_code, op_code = DTYPES.get(dtype), REDUCTIONS.get(reduce)  # type: ignore[call-overload]
+        return None if dtype_code is None or op_code is None else (dtype_code, op_code)
+
+    def reduce_in_place(self, flat: np.ndarray, dtype_code: int, op_code: int, links: tuple[StepLink, ...],
+                        waiter: Waiter) -> None:
+        """The core steps of a plain recursive doubling of ``flat`` (contiguous, reduced in place): each step swaps the
+        whole buffer with the partner of ``links`` (padded to 8 bytes, no header) and reduces the partner's copy into
+        this rank's, this rank's operand first, as :meth:`hvdrun.runtime.collectives.pairwise.Pairwise.
+        allreduce_doubling` does in Python, on the same wire.
+
+        Raises:
+            PeerLostError: a partner's connection failed or closed.
+        """
+        layout = (id(links), flat.nbytes, -1, dtype_code, op_code)
+        plan, address, _, _, _ = self._plans.get(layout) or self._plan(layout, links)
+        plan.data, plan.step, plan.sent, plan.got = flat.ctypes.data, 0, 0, 0
+        plan.spin_ns = int(waiter.spin_s * 1e9)
+        self.ran += 1
+        while (status := self._raw_function(address)) == SLICE:
+            waiter.abort.check()
+        if status in (CLOSED, FAILED):
+            raise PeerLostError(self._failure(plan, links[plan.step]))
+        if status != DONE:
+            raise CollectiveError(f"the compiled doubling returned {status} for type {dtype_code} op {op_code}")
+
+    @staticmethod
+    def frame_bytes(nbytes: int) -> int:
+        """What a step of :meth:`reduce_in_place` sends for ``nbytes`` of data."""
+        return padded(nbytes)
+
     def _plan(self, layout: tuple, links: tuple[StepLink, ...]) -> tuple[_Plan, int, np.ndarray, np.ndarray, tuple]:
         _, nbytes, tag, dtype_code, op_code = layout
         tx = (ctypes.c_int32 * len(links))(*(link.tx_fd for link in links))
         rx = (ctypes.c_int32 * len(links))(*(link.rx_fd for link in links))
         modes = (ctypes.c_uint8 * len(links))(*(link.mode for link in links))
-        accumulator = np.zeros(max(nbytes, 8), np.uint8)[:nbytes]
+        accumulator = np.zeros(max(nbytes if tag >= 0 else 0, 8), np.uint8)[:nbytes]  # raw plans reduce in place
         scratch = np.zeros(8 + _HEADER_BYTES + nbytes + 8, np.uint8)
         plan = _Plan(steps=len(links), dtype=dtype_code, op=op_code, tag=tag, nbytes=nbytes, slice_ns=self.slice_ns,
                      data=accumulator.ctypes.data, scratch=scratch.ctypes.data)
@@ -202,3 +237,18 @@ class UniformSteps:
         if plan.error:
             return f"lost the connection to {link.peer}: {os.strerror(plan.error)}"
         return f"{link.peer} closed its connection (did it exit or crash?)"
+
+
+_runner: list[UniformSteps | None] = []
+
+
+def runner() -> UniformSteps | None:
+    """This process's runner of the library, as ``HVDRUN_COMPILED`` asks, loaded on first use (None: Python's path).
+
+    Raises:
+        CompiledError: as :func:`load`.
+    """
+    if not _runner:
+        library = load()
+        _runner.append(UniformSteps(library) if library is not None else None)
+    return _runner[0]

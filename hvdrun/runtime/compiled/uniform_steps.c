@@ -30,7 +30,7 @@ enum { F32 = 0, F64 = 1, I32 = 2, I64 = 3 };
 enum { SUM = 0, MIN = 1, MAX = 2, PRODUCT = 3, SAME = 4 };
 enum { MERGE_UPPER = 0, MERGE_LOWER = 1, DISCARD = 2, SEND_VALUE = 3, TAKE_VALUE = 4 }; /* a step's mode */
 
-#define ABI_VERSION 3 /* compiled/__init__.py's ABI_VERSION */
+#define ABI_VERSION 4 /* compiled/__init__.py's ABI_VERSION */
 #define LENGTH_BYTES 8
 #define HEADER_BYTES 32
 
@@ -141,9 +141,9 @@ static int send_more(Plan *plan, int fd, int empty) {
     return count > 0;
 }
 
-/* Receive more of the partner's frame, never past its end: its length first, then the padded message. */
-static int receive_more(Plan *plan, int fd, int64_t *need) {
-    ssize_t count = recv(fd, plan->scratch + plan->got, (size_t)(*need - plan->got), MSG_DONTWAIT);
+/* Receive up to ``want`` more bytes into scratch: 1 when some came, 0 when none yet, -2 closed, -1 failed. */
+static int receive_some(Plan *plan, int fd, int64_t want) {
+    ssize_t count = recv(fd, plan->scratch + plan->got, (size_t)want, MSG_DONTWAIT);
     if (count == 0) {
         plan->error = 0;
         return -2;
@@ -155,6 +155,14 @@ static int receive_more(Plan *plan, int fd, int64_t *need) {
         return errno == ECONNRESET ? -2 : -1;
     }
     plan->got += count;
+    return 1;
+}
+
+/* Receive more of the partner's frame, never past its end: its length first, then the padded message. */
+static int receive_more(Plan *plan, int fd, int64_t *need) {
+    int status = receive_some(plan, fd, *need - plan->got);
+    if (status <= 0)
+        return status;
     if (plan->got == LENGTH_BYTES && *need == LENGTH_BYTES) {
         int64_t length;
         memcpy(&length, plan->scratch, sizeof length);
@@ -278,6 +286,72 @@ int hvdrun_uniform_steps(Plan *plan) {
         }
         if (!finish_step(plan, mode))
             return OTHER;
+        plan->step++;
+        plan->sent = plan->got = 0;
+    }
+    return DONE;
+}
+
+/* Send what is left of this step's raw frame: the data, then zeros up to 8 bytes. */
+static int send_raw(Plan *plan, int fd) {
+    static const uint8_t zeros[8] = {0};
+    struct iovec parts[2] = {
+        {plan->data, (size_t)plan->nbytes},
+        {(void *)zeros, (size_t)(padded(plan->nbytes) - plan->nbytes)},
+    };
+    int first = plan->sent < plan->nbytes ? 0 : 1;
+    int64_t skip = first ? plan->sent - plan->nbytes : plan->sent;
+    parts[first].iov_base = (uint8_t *)parts[first].iov_base + skip;
+    parts[first].iov_len -= (size_t)skip;
+    struct msghdr msg = {0};
+    msg.msg_iov = parts + first;
+    msg.msg_iovlen = (size_t)(2 - first);
+    ssize_t count = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (count < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+            return 0;
+        plan->error = errno;
+        return errno == EPIPE || errno == ECONNRESET ? -2 : -1;
+    }
+    plan->sent += count;
+    return count > 0;
+}
+
+/* The core steps of a plain recursive doubling of a buffer (hvdrun/runtime/collectives/pairwise.py,
+ * Pairwise.allreduce_doubling): each step swaps the whole buffer, padded to 8 bytes, with no length or header, and
+ * reduces the partner's copy into this rank's, this rank's operand first (as Python's reduce(flat, incoming)). Every
+ * step's mode is ignored; the data is the caller's buffer, reduced in place. */
+int hvdrun_raw_steps(Plan *plan) {
+    if (plan->op < SUM || plan->op > PRODUCT || plan->dtype < F32 || plan->dtype > I64)
+        return UNSUPPORTED;
+    int64_t frame = padded(plan->nbytes);
+    int64_t idle_since = now_ns(), deadline = idle_since + plan->slice_ns;
+    while (plan->step < plan->steps) {
+        int tx = plan->tx_fds[plan->step], rx = plan->rx_fds[plan->step];
+        while (plan->sent < frame || plan->got < frame) {
+            int moved = 0, status;
+            if (plan->sent < frame) {
+                status = send_raw(plan, tx);
+                if (status < 0)
+                    return status == -2 ? CLOSED : FAILED;
+                moved |= status;
+            }
+            if (plan->got < frame) {
+                status = receive_some(plan, rx, frame - plan->got);
+                if (status < 0)
+                    return status == -2 ? CLOSED : FAILED;
+                moved |= status;
+            }
+            if (moved) {
+                idle_since = now_ns();
+                deadline = idle_since + plan->slice_ns;
+                continue;
+            }
+            if (now_ns() >= deadline)
+                return SLICE;
+            wait_a_while(plan, tx, rx, plan->sent < frame, plan->got < frame, idle_since, deadline);
+        }
+        combine(plan, plan->scratch, 1);
         plan->step++;
         plan->sent = plan->got = 0;
     }
