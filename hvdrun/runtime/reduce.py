@@ -34,7 +34,8 @@ REDUCE_FNS = {AVERAGE: np.add, SUM: np.add, MIN: np.minimum, MAX: np.maximum, PR
 REDUCTION_DTYPES = ("int32", "int64", "float16", "float32", "float64")
 MOVEMENT_DTYPES = REDUCTION_DTYPES + ("uint8", "int8", "int16", "bool")
 
-ReduceFn = Callable[[np.ndarray, np.ndarray, np.ndarray], object]  # numpy ufunc: fn(a, b, out=a)
+# a numpy ufunc: fn(a, b, out=a), the output by keyword (numpy 2 deprecates it by position for minimum and maximum)
+ReduceFn = Callable[..., object]
 
 
 def average_divisor(op: int, set_size: int) -> int | None:
@@ -90,9 +91,9 @@ def reduce_in_rank_order(contributions: list[np.ndarray], out: np.ndarray, op: i
     ``out`` may be one of the contributions' memory only if it is the first one.
     """
     combine = REDUCE_FNS[op]
-    combine(contributions[0], contributions[1], out)
+    combine(contributions[0], contributions[1], out=out)
     for contribution in contributions[2:]:
-        combine(out, contribution, out)
+        combine(out, contribution, out=out)
 
 
 def padded(length: int) -> int:

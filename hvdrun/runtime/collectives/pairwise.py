@@ -162,7 +162,7 @@ class Pairwise:
             incoming = self._incoming(flat)
             for peer in self._nearest_first:
                 self._exchange(peer, flat, CopySink(as_bytes(incoming)))
-                reduce(flat, incoming, flat)
+                reduce(flat, incoming, out=flat)
         self._fold_out(flat)
 
     def _compiled_doubling(self, flat: np.ndarray, reduce: ReduceFn) -> bool:
@@ -204,7 +204,7 @@ class Pairwise:
                     else ((middle, high), (low, middle))
                 (k0, k1), (g0, g1) = _elements(bounds, keep), _elements(bounds, give)
                 self._exchange(peer, flat[g0:g1], CopySink(as_bytes(incoming[:k1 - k0])))
-                reduce(flat[k0:k1], incoming[:k1 - k0], flat[k0:k1])
+                reduce(flat[k0:k1], incoming[:k1 - k0], out=flat[k0:k1])
                 steps.append((peer, (k0, k1), (g0, g1)))
                 low, high = keep
             for peer, (k0, k1), (g0, g1) in reversed(steps):  # each step's kept range is reduced: swap them back

@@ -88,7 +88,7 @@ class ReduceSink(Sink):
         if count:
             first = self.received // self.itemsize
             target = self.dst[first:first + count // self.itemsize]
-            self.reduce(target, np.frombuffer(view[:count], dtype=self.dst.dtype), target)
+            self.reduce(target, np.frombuffer(view[:count], dtype=self.dst.dtype), out=target)
         return count
 
 

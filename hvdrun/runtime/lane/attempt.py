@@ -142,9 +142,9 @@ class FastLane:
         verdict = self._await_verdict(g, name, engine_busy)
         if verdict == GO:
             posts, combine = plan.posts[parity], plan.combine
-            combine(posts[0], posts[1], array)
+            combine(posts[0], posts[1], out=array)
             for post in posts[2:]:
-                combine(array, post, array)
+                combine(array, post, out=array)
             if plan.factor != 1.0:
                 scale(array, plan.factor)
             self.used += 1
