@@ -105,9 +105,37 @@ static int combine(Plan *plan, const uint8_t *their_data, int lower) {
     return 1;
 }
 
+static const uint8_t zeros[8] = {0};
+
+/* Send what is left of ``parts`` (``count`` of them) past plan->sent: 1 when some went, 0 when none could yet, -2 when
+ * the peer closed, -1 on another error (plan->error). */
+static int send_parts(Plan *plan, int fd, struct iovec *parts, int count) {
+    int64_t skip = plan->sent;
+    int first = 0;
+    while (first < count && skip >= (int64_t)parts[first].iov_len) {
+        skip -= (int64_t)parts[first].iov_len;
+        first++;
+    }
+    if (first == count)
+        return 0;
+    parts[first].iov_base = (uint8_t *)parts[first].iov_base + skip;
+    parts[first].iov_len -= (size_t)skip;
+    struct msghdr msg = {0};
+    msg.msg_iov = parts + first;
+    msg.msg_iovlen = (size_t)(count - first);
+    ssize_t sent = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (sent < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+            return 0;
+        plan->error = errno;
+        return errno == EPIPE || errno == ECONNRESET ? -2 : -1;
+    }
+    plan->sent += sent;
+    return sent > 0;
+}
+
 /* Send what is left of this step's frame: length, header, data, padding (``empty``: a length of 0, nothing else). */
 static int send_more(Plan *plan, int fd, int empty) {
-    static const uint8_t zeros[8] = {0};
     int64_t message = HEADER_BYTES + plan->nbytes;
     int64_t head[5] = {message, plan->tag, plan->key, plan->lo, plan->hi}; /* the tag and 7 zero bytes: a word */
     struct iovec parts[3] = {
@@ -119,26 +147,7 @@ static int send_more(Plan *plan, int fd, int empty) {
         parts[0] = (struct iovec){(void *)zeros, LENGTH_BYTES};
         parts[1].iov_len = parts[2].iov_len = 0;
     }
-    int64_t skip = plan->sent;
-    int first = 0;
-    while (first < 3 && skip >= (int64_t)parts[first].iov_len) {
-        skip -= (int64_t)parts[first].iov_len;
-        first++;
-    }
-    parts[first].iov_base = (uint8_t *)parts[first].iov_base + skip;
-    parts[first].iov_len -= (size_t)skip;
-    struct msghdr msg = {0};
-    msg.msg_iov = parts + first;
-    msg.msg_iovlen = (size_t)(3 - first);
-    ssize_t count = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-    if (count < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
-            return 0;
-        plan->error = errno;
-        return errno == EPIPE || errno == ECONNRESET ? -2 : -1;
-    }
-    plan->sent += count;
-    return count > 0;
+    return send_parts(plan, fd, parts, 3);
 }
 
 /* Receive up to ``want`` more bytes into scratch: 1 when some came, 0 when none yet, -2 closed, -1 failed. */
@@ -246,6 +255,21 @@ static void wait_a_while(const Plan *plan, int tx, int rx, int sending, int rece
 /* The interface's version: the loader rejects a library built from another one (Plan's layout, the modes, the ops). */
 int hvdrun_uniform_steps_abi(void) { return ABI_VERSION; }
 
+/* After one turn of a step's loop: after progress, the slice starts again; without, wait a while (0: the slice is
+ * over, the caller returns SLICE). */
+static int after_turn(const Plan *plan, int moved, int tx, int rx, int sending, int receiving, int64_t *idle_since,
+                      int64_t *deadline) {
+    if (moved) {
+        *idle_since = now_ns();
+        *deadline = *idle_since + plan->slice_ns;
+        return 1;
+    }
+    if (now_ns() >= *deadline)
+        return 0;
+    wait_a_while(plan, tx, rx, sending, receiving, *idle_since, *deadline);
+    return 1;
+}
+
 int hvdrun_uniform_steps(Plan *plan) {
     if (plan->op < SUM || plan->op > SAME || (plan->op != SAME && (plan->dtype < F32 || plan->dtype > I64)))
         return UNSUPPORTED;
@@ -275,14 +299,8 @@ int hvdrun_uniform_steps(Plan *plan) {
                 if (plan->got == LENGTH_BYTES && need != in_bytes)
                     return OTHER; /* not what this step takes from a uniform partner: the caller reads the rest */
             }
-            if (moved) {
-                idle_since = now_ns();
-                deadline = idle_since + plan->slice_ns;
-                continue;
-            }
-            if (now_ns() >= deadline)
+            if (!after_turn(plan, moved, tx, rx, plan->sent < out_bytes, plan->got < need, &idle_since, &deadline))
                 return SLICE;
-            wait_a_while(plan, tx, rx, plan->sent < out_bytes, plan->got < need, idle_since, deadline);
         }
         if (!finish_step(plan, mode))
             return OTHER;
@@ -294,27 +312,11 @@ int hvdrun_uniform_steps(Plan *plan) {
 
 /* Send what is left of this step's raw frame: the data, then zeros up to 8 bytes. */
 static int send_raw(Plan *plan, int fd) {
-    static const uint8_t zeros[8] = {0};
     struct iovec parts[2] = {
         {plan->data, (size_t)plan->nbytes},
         {(void *)zeros, (size_t)(padded(plan->nbytes) - plan->nbytes)},
     };
-    int first = plan->sent < plan->nbytes ? 0 : 1;
-    int64_t skip = first ? plan->sent - plan->nbytes : plan->sent;
-    parts[first].iov_base = (uint8_t *)parts[first].iov_base + skip;
-    parts[first].iov_len -= (size_t)skip;
-    struct msghdr msg = {0};
-    msg.msg_iov = parts + first;
-    msg.msg_iovlen = (size_t)(2 - first);
-    ssize_t count = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-    if (count < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
-            return 0;
-        plan->error = errno;
-        return errno == EPIPE || errno == ECONNRESET ? -2 : -1;
-    }
-    plan->sent += count;
-    return count > 0;
+    return send_parts(plan, fd, parts, 2);
 }
 
 /* The core steps of a plain recursive doubling of a buffer (hvdrun/runtime/collectives/pairwise.py,
@@ -342,14 +344,8 @@ int hvdrun_raw_steps(Plan *plan) {
                     return status == -2 ? CLOSED : FAILED;
                 moved |= status;
             }
-            if (moved) {
-                idle_since = now_ns();
-                deadline = idle_since + plan->slice_ns;
-                continue;
-            }
-            if (now_ns() >= deadline)
+            if (!after_turn(plan, moved, tx, rx, plan->sent < frame, plan->got < frame, &idle_since, &deadline))
                 return SLICE;
-            wait_a_while(plan, tx, rx, plan->sent < frame, plan->got < frame, idle_since, deadline);
         }
         combine(plan, plan->scratch, 1);
         plan->step++;
