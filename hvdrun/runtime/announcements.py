@@ -42,10 +42,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hvdrun.runtime.backends.base import Backend
-from hvdrun.runtime.compiled import DTYPES, OPS, SAME, StepLink, UniformSteps
+from hvdrun.runtime.collectives.streams import frame_length
+from hvdrun.runtime.compiled import DTYPES, OPS, SAME, StepLink, UniformSteps, frame_bytes_of, step_links
 from hvdrun.runtime.negotiation import Request
-from hvdrun.runtime.reduce import REDUCE_FNS, padded
-from hvdrun.runtime.transport.base import TAKE_VALUE, Codec, DoublingStep, Message, RxChannel, StepsTaken, Waiter
+from hvdrun.runtime.reduce import REDUCE_FNS
+from hvdrun.runtime.transport.base import Codec, DoublingStep, Message, RxChannel, StepsTaken, Waiter
 
 Announcement = tuple[list[tuple[Any, Message | None]], list[str]]  # (items, names blocked on)
 
@@ -151,7 +152,6 @@ def _merge_tally(lower: Tally, upper: Tally) -> Tally:
 
 # a tag (never marshal's first byte: its type codes are printable), key or since, lo, hi; the data follows, 8-aligned
 _UNIFORM = struct.Struct("<B7xqqq")
-_LENGTH = struct.Struct("<Q")  # a frame's length (hvdrun.runtime.collectives.streams)
 UNIFORM_TAG, HELD_RANGE_TAG = 0, 2
 
 
@@ -311,12 +311,11 @@ class Announcements:
                                    begun)
             result = HeldRange(value.keys, value.since, outcome.lo, outcome.hi)
         waiter.progressed()  # the next wait in Python spins first, as after any progress
-        value_frame = 8 + 32 + len(outcome.data) + -(32 + len(outcome.data)) % 8
         for step in steps[:outcome.done]:
-            step.tx.bytes_sent += 8 if step.mode == TAKE_VALUE else value_frame
+            step.tx.bytes_sent += frame_bytes_of(len(outcome.data), step.mode)
         if outcome.received:
             step = steps[outcome.done]
-            step.tx.bytes_sent += (8 if step.mode == TAKE_VALUE else value_frame) - len(outcome.unsent)
+            step.tx.bytes_sent += frame_bytes_of(len(outcome.data), step.mode) - len(outcome.unsent)
         return StepsTaken(result, outcome.done, outcome.unsent, outcome.received)
 
     @staticmethod
@@ -327,7 +326,7 @@ class Announcements:
         if not staged:
             return b""
         view = rx.peek(staged)  # no more than is staged: nothing is read from the socket
-        if len(view) >= 8 and staged > 8 + padded(_LENGTH.unpack_from(view)[0]):
+        if len(view) >= 8 and staged > frame_length(view):
             return None
         begun = bytes(view)
         rx.consume(staged)
@@ -340,10 +339,8 @@ class Announcements:
             return None
         links = self._step_links.get(id(steps))
         if links is None:
-            found = [(step.tx.socket_fd(), step.rx.socket_fd(), step) for step in steps]
-            if any(tx is None or rx is None for tx, rx, _ in found):
+            links = step_links(steps)
+            if links is None:
                 return None
-            links = self._step_links[id(steps)] = tuple(
-                StepLink(tx, rx, step.mode, getattr(step.rx, "peer", "a peer"))  # type: ignore[arg-type]
-                for tx, rx, step in found)
+            self._step_links[id(steps)] = links
         return links

@@ -36,7 +36,7 @@ from hvdrun.runtime.collectives.streams import (
     move,
     swap_message,
 )
-from hvdrun.runtime.compiled import StepLink, UniformSteps
+from hvdrun.runtime.compiled import StepLink, UniformSteps, step_links
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
 from hvdrun.runtime.transport.base import (
     DISCARD,
@@ -114,7 +114,8 @@ class Pairwise:
         self._merge_plan = self._plan_merge()
         self._doubling_steps = [DoublingStep(links[peer].tx, links[peer].rx, mode) for peer, mode in self._merge_plan]
         self._scratch = np.empty(0, np.uint8)  # reused: a fresh large buffer per op costs its page faults
-        self._core_links: tuple[StepLink, ...] | None = None  # the core steps' sockets, for the compiled doubling
+        self._core_steps = [DoublingStep(links[peer].tx, links[peer].rx, MERGE_LOWER) for peer in self._nearest_first]
+        self._core_links: tuple[StepLink, ...] | None = None  # their sockets, for the compiled doubling
 
     def _incoming(self, like: np.ndarray) -> np.ndarray:
         """A scratch array shaped like ``like`` (contents undefined), reused across collectives."""
@@ -173,19 +174,15 @@ class Pairwise:
         codes = runner.codes(flat.dtype, reduce) if runner is not None and self._nearest_first else None
         if codes is None or not flat.flags.c_contiguous:
             return False
-        links = [self.links[peer] for peer in self._nearest_first]
-        if any(link.rx.staged() for link in links):
+        if any(step.rx.staged() for step in self._core_steps):
             return False
+        self._core_links = self._core_links or step_links(self._core_steps)
         if self._core_links is None:
-            fds = [(link.tx.socket_fd(), link.rx.socket_fd()) for link in links]
-            if any(tx is None or rx is None for tx, rx in fds):
-                return False
-            self._core_links = tuple(StepLink(tx, rx, MERGE_LOWER, getattr(link.rx, "peer", "a peer"))  # type: ignore
-                                     for (tx, rx), link in zip(fds, links, strict=True))
+            return False
         assert runner is not None
         runner.reduce_in_place(flat, *codes, self._core_links, self.waiter)
-        for link in links:
-            link.tx.bytes_sent += runner.frame_bytes(flat.nbytes)
+        for step in self._core_steps:
+            step.tx.bytes_sent += runner.frame_bytes(flat.nbytes)
         self.waiter.progressed()
         return True
 

@@ -213,11 +213,12 @@ def _receive_rest(tx: TxChannel, rx: RxChannel, waiter: Waiter, outgoing: memory
     """Receive the peer's frame into ``received`` (its first ``have`` bytes there: the length first, then the whole
     padded message) while sending ``outgoing``; the message."""
     need, size = 8, -1
-    if have >= 8:
-        (size,) = _LENGTH.unpack_from(received)
-        need = 8 + padded(size)
-        received += bytes(need - len(received))
-    while have < need or outgoing:
+    while True:
+        if size < 0 and have >= 8:  # the length came (before the call, or in the last turn): room for the frame
+            (size,), need = _LENGTH.unpack_from(received), frame_length(received)
+            received += bytes(need - len(received))
+        if have >= need and not outgoing:
+            return memoryview(received)[8:8 + size]
         got = 0
         if have < need:
             view = rx.peek(need - have)
@@ -226,12 +227,12 @@ def _receive_rest(tx: TxChannel, rx: RxChannel, waiter: Waiter, outgoing: memory
                 received[have:have + got] = view
                 rx.consume(got)
                 have += got
-                if size < 0 and have == 8:
-                    (size,) = _LENGTH.unpack_from(received)
-                    need = 8 + padded(size)
-                    received += bytes(need - 8)
         outgoing = _push(tx, rx, waiter, outgoing, bool(got))
-    return memoryview(received)[8:8 + size]
+
+
+def frame_length(start: Message | bytearray) -> int:
+    """A frame's whole length (its 8-byte length, the message, the padding), read from its first 8 bytes or more."""
+    return 8 + padded(_LENGTH.unpack_from(start)[0])
 
 
 def _push(tx: TxChannel, rx: RxChannel, waiter: Waiter, outgoing: memoryview, received: bool) -> memoryview:

@@ -20,7 +20,7 @@ import ctypes
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,7 +29,7 @@ import numpy as np
 from hvdrun import envvars
 from hvdrun.errors import CollectiveError, HvdrunError, PeerLostError
 from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM, ReduceFn, padded
-from hvdrun.runtime.transport.base import MAX_SLEEP_S, TAKE_VALUE, Waiter
+from hvdrun.runtime.transport.base import MAX_SLEEP_S, TAKE_VALUE, DoublingStep, Waiter
 
 SOURCE = Path(__file__).with_name("uniform_steps.c")
 LIBRARY = Path(__file__).with_name("_uniform_steps.so")
@@ -79,6 +79,11 @@ def frame_of(tag: int, key: int, lo: int, hi: int, data: bytes, mode: int) -> by
         return bytes(8)
     message = len(data) + _HEADER_BYTES
     return b"".join((np.array([message, tag, key, lo, hi], np.int64).tobytes(), data, bytes(-message % 8)))
+
+
+def frame_bytes_of(nbytes: int, mode: int) -> int:
+    """The length of :func:`frame_of`'s frame for ``nbytes`` of data."""
+    return 8 if mode == TAKE_VALUE else 8 + padded(_HEADER_BYTES + nbytes)
 
 
 def build(output: Path = LIBRARY, source: Path = SOURCE) -> Path:
@@ -134,6 +139,15 @@ class StepLink(NamedTuple):
     peer: str
 
 
+def step_links(steps: Sequence[DoublingStep]) -> tuple[StepLink, ...] | None:
+    """``steps``' sockets as the library takes them, or None when a channel is not a socket."""
+    fds = [(step.tx.socket_fd(), step.rx.socket_fd()) for step in steps]
+    if any(tx is None or rx is None for tx, rx in fds):
+        return None
+    return tuple(StepLink(tx, rx, step.mode, getattr(step.rx, "peer", "a peer"))  # type: ignore[arg-type]
+                 for (tx, rx), step in zip(fds, steps, strict=True))
+
+
 class UniformSteps:
     """Runs the steps of uniform values through the library: one plan (sockets, size, type, op) per layout, reused.
 
@@ -170,12 +184,7 @@ class UniformSteps:
             status = OTHER
         else:
             scratch[:len(begun)] = np.frombuffer(begun, np.uint8)
-            while (status := self._function(address)) == SLICE:
-                waiter.abort.check()
-        if status in (CLOSED, FAILED):
-            raise PeerLostError(self._failure(plan, links[plan.step]))
-        if status not in (DONE, OTHER):
-            raise CollectiveError(f"the compiled steps returned {status} for type {dtype_code} op {op_code}")
+            status = self._call(self._function, address, plan, links, waiter, (DONE, OTHER))
         done, result = plan.step, accumulator.tobytes()
         if status == DONE:
             return Outcome(done, plan.lo, plan.hi, result, b"", b"")
@@ -205,12 +214,7 @@ class UniformSteps:
         plan.data, plan.step, plan.sent, plan.got = flat.ctypes.data, 0, 0, 0
         plan.spin_ns = int(waiter.spin_s * 1e9)
         self.ran += 1
-        while (status := self._raw_function(address)) == SLICE:
-            waiter.abort.check()
-        if status in (CLOSED, FAILED):
-            raise PeerLostError(self._failure(plan, links[plan.step]))
-        if status != DONE:
-            raise CollectiveError(f"the compiled doubling returned {status} for type {dtype_code} op {op_code}")
+        self._call(self._raw_function, address, plan, links, waiter, (DONE,))
 
     @staticmethod
     def frame_bytes(nbytes: int) -> int:
@@ -233,10 +237,24 @@ class UniformSteps:
         return entry
 
     @staticmethod
-    def _failure(plan: _Plan, link: StepLink) -> str:
-        if plan.error:
-            return f"lost the connection to {link.peer}: {os.strerror(plan.error)}"
-        return f"{link.peer} closed its connection (did it exit or crash?)"
+    def _call(function: Callable[[int], int], address: int, plan: _Plan, links: tuple[StepLink, ...], waiter: Waiter,
+              expected: tuple[int, ...]) -> int:
+        """Call ``function`` on the plan at ``address`` until it stops waiting (between its slices, the abort flag and
+        signals get their turn); its status, one of ``expected``.
+
+        Raises:
+            PeerLostError: a partner's connection failed or closed.
+        """
+        while (status := function(address)) == SLICE:
+            waiter.abort.check()
+        if status in (CLOSED, FAILED):
+            link = links[plan.step]
+            if plan.error:
+                raise PeerLostError(f"lost the connection to {link.peer}: {os.strerror(plan.error)}")
+            raise PeerLostError(f"{link.peer} closed its connection (did it exit or crash?)")
+        if status not in expected:
+            raise CollectiveError(f"the compiled steps returned {status} for type {plan.dtype} op {plan.op}")
+        return status
 
 
 _runner: list[UniformSteps | None] = []

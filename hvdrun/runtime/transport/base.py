@@ -152,8 +152,8 @@ class RxChannel(abc.ABC):
 
     def poll_fd(self) -> int | None:
         """A descriptor whose readability says all that :meth:`ready` would say now, so that one poll(2) asks many
-        channels at once (:func:`any_ready`); None (the default): ask :meth:`ready`."""
-        return None
+        channels at once (:func:`any_ready`): a socket with nothing :meth:`staged`; None: ask :meth:`ready`."""
+        return None if self.staged() else self.socket_fd()
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the channel."""

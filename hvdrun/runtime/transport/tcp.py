@@ -115,8 +115,5 @@ class TcpRx(RxChannel):
     def staged(self) -> int:
         return self._end - self._start
 
-    def poll_fd(self) -> int | None:
-        return None if self._end > self._start else self.sock.fileno()  # nothing staged: the socket says it all
-
     def close(self) -> None:
         self.sock.close()
