@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hvdrun import envvars
-from hvdrun.errors import CollectiveError, HvdrunError, PeerLostError
+from hvdrun.errors import CollectiveError, PeerLostError, UsageError
 from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM, ReduceFn, padded
 from hvdrun.runtime.transport.base import MAX_SLEEP_S, TAKE_VALUE, DoublingStep, Waiter
 
@@ -45,8 +45,9 @@ REDUCTIONS = {REDUCE_FNS[op]: code for op, code in OPS.items()}  # the reduce fu
 SAME = 4  # the library's op for data that must be equal on both sides (not reduced)
 
 
-class CompiledError(HvdrunError):
-    """The compiled module could not be built, or ``HVDRUN_COMPILED=on`` and it is not built."""
+class CompiledError(UsageError):
+    """The compiled module could not be built, or ``HVDRUN_COMPILED=on`` and it is not built (a rank says so in one
+    line, as for any other setting that cannot work here)."""
 
 
 class _Plan(ctypes.Structure):
