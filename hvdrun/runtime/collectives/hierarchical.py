@@ -9,6 +9,9 @@ hosts (a ring and a :class:`~hvdrun.runtime.collectives.pairwise.Pairwise` group
   that part among the l-th ranks of every host (L exchanges in parallel, as NCCL runs one ring per
   channel), all-gather inside the host. A host's link carries about 2 (H - 1) / H of the buffer.
   Across hosts: recursive doubling for small parts, Rabenseifner for medium ones, the ring for large.
+  Inside the host, a buffer that fits a post takes the host's post board: two rounds (every rank posts its
+  buffer and reduces its part from the L posts; later posts its reduced part and copies the others'), where
+  the host's ring takes 2 (L - 1) steps in a row; larger buffers take the ring, whose steps overlap.
 - allgather / reducescatter: the same two levels, each rank's block crossing hosts once.
 - broadcast: the root's local rank across hosts (a binomial tree, or the ring for large buffers),
   then a ring inside each host.
@@ -34,9 +37,9 @@ from hvdrun.ranks import format_ranks
 from hvdrun.runtime import compiled
 from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
 from hvdrun.runtime.collectives.ring import Ring
-from hvdrun.runtime.reduce import ReduceFn, chunk_bounds
+from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
 from hvdrun.runtime.transport.base import MARSHAL, Codec, Message
-from hvdrun.runtime.transport.posts import PostBoard
+from hvdrun.runtime.transport.posts import SLOT_BYTES, PostBoard
 
 DEFAULT_DOUBLING_MAX_BYTES = 64 << 10
 DEFAULT_HALVING_MAX_BYTES = 4 << 20
@@ -192,17 +195,40 @@ class Hierarchy:
         if not flat.size:
             return
         bounds = chunk_bounds(flat.size, self.locals)
+        if self.board is not None and flat.nbytes <= SLOT_BYTES:
+            self._allreduce_on_board(flat, reduce, bounds)
+            return
         self.local.reduce_scatter(flat, reduce, bounds, shift=0)  # local rank l owns chunk l + 1
         start, stop = bounds[(self.local_rank + 1) % self.locals]
-        algorithm = self.choice.across_hosts(flat.nbytes, self.hosts)
-        part = flat[start:stop]
+        self._allreduce_across_hosts(flat[start:stop], reduce, flat.nbytes)
+        self.local.all_gather_chunks(flat, bounds)
+
+    def _allreduce_across_hosts(self, part: np.ndarray, reduce: ReduceFn, nbytes: int) -> None:
+        """Allreduce this rank's ``part`` of an ``nbytes`` buffer among its local rank's ranks on every host."""
+        algorithm = self.choice.across_hosts(nbytes, self.hosts)
         if algorithm == "doubling":
             self.cross.allreduce_doubling(part, reduce)
         elif algorithm == "halving":
             self.cross.allreduce_halving(part, reduce)
         else:
             self.cross_ring.allreduce(part, reduce)
-        self.local.all_gather_chunks(flat, bounds)
+
+    def _allreduce_on_board(self, flat: np.ndarray, reduce: ReduceFn, bounds: list[tuple[int, int]]) -> None:
+        """:meth:`allreduce` with the host's post board inside the host: every rank posts its buffer and reduces
+        its part from the L posts in place; the part crosses hosts; every rank posts its reduced part and copies
+        the others'. Two rounds of the board, each one post and one wait. Local rank l owns chunk l + 1, as after
+        the ring's reduce-scatter, so a host without a board (no shared memory) crosses with the same part."""
+        me, dtype = self.local_rank, flat.dtype
+        start, stop = bounds[(me + 1) % self.locals]
+        part = flat[start:stop]
+        for member, post in enumerate(self._post_and_wait(as_bytes(flat))):
+            if member != me and stop > start:
+                reduce(part, np.frombuffer(post, dtype, stop - start, start * dtype.itemsize), out=part)
+        self._allreduce_across_hosts(part, reduce, flat.nbytes)
+        for member, post in enumerate(self._post_and_wait(as_bytes(part))):
+            first, last = bounds[(member + 1) % self.locals]
+            if member != me and last > first:
+                flat[first:last] = np.frombuffer(post, dtype, last - first)
 
     def reducescatter(self, array: np.ndarray, reduce: ReduceFn, bounds: list[tuple[int, int]]) -> None:
         """Reduce in place; afterwards this rank's chunk (element ``bounds[rank]``) is reduced over every rank."""
@@ -259,6 +285,13 @@ class Hierarchy:
 
     def _posted(self, message: Message) -> list[Message] | None:
         """Every local rank's message through the host's post board (None: one was too long for it)."""
+        self._post_and_wait(message)
+        assert self.board is not None
+        return self.board.messages(message)
+
+    def _post_and_wait(self, message: Message) -> list[memoryview]:
+        """Post ``message`` in the board's next round and wait until every local rank posted it: their posts, in
+        place (valid until this rank posts again)."""
         board, waiter = self.board, self.local.waiter
         assert board is not None
         board.post(message)
@@ -266,4 +299,4 @@ class Hierarchy:
         while not board.posted():
             waiter.idle((board.complete,))
         waiter.progressed()
-        return board.messages(message)
+        return board.views()

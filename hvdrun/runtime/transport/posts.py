@@ -103,6 +103,14 @@ class PostBoard:
         return [own if member == self.index else bytes(self.buffers[member][parity][:length])
                 for member, length in enumerate(lengths)]
 
+    def views(self) -> list[memoryview]:
+        """Every rank's post of the current round, in place (no copy), by local rank: valid until this rank posts
+        its next round (a rank overwrites a buffer two rounds on, after every rank posted the round between). Call
+        once :meth:`posted` is true, in a round whose posts all fitted (a collective's data, of a size every rank
+        of the host shares)."""
+        parity = self.round & 1
+        return [self.buffers[member][parity][:words[_LENGTHS + parity]] for member, words in enumerate(self.words)]
+
     def unlink(self) -> None:
         """Remove the names once every rank of the host has opened the board (mappings stay valid)."""
         unlink_names(self.path, *self.bell_paths)

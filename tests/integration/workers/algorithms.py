@@ -11,6 +11,7 @@ import numpy as np
 from hvdrun.runtime import context
 from hvdrun.runtime.collectives.hierarchical import BROADCAST_TREE_MAX_BYTES
 from hvdrun.runtime.negotiation import Request
+from hvdrun.runtime.transport.posts import SLOT_BYTES
 from hvdrun.runtime.transport.tcp import TcpTx
 
 QUICK = sys.argv[1:] == ["quick"]  # fewer sizes and roots: the same paths over real hosts, in less time
@@ -33,6 +34,16 @@ with runtime.engine.paused() as backend:
             maximum = np.full(elements, rank, np.int64)
             backend.allreduce(maximum, np.maximum)
             assert np.all(maximum == size - 1), (algorithm, elements)
+    # several ranks a host: a buffer that fits a post takes the host's board (two rounds), a larger one the ring
+    if hierarchy.board is not None:
+        for algorithm in ("doubling", "ring"):
+            hierarchy.choice = dataclasses.replace(hierarchy.choice, algorithm=algorithm)
+            for elements, rounds in ((size + 3, 2), (SLOT_BYTES // 8, 2), (SLOT_BYTES // 8 + 1, 0)):
+                before, array = hierarchy.board.round, np.arange(elements, dtype=np.int64) + rank
+                backend.allreduce(array, np.add)
+                assert np.array_equal(array, size * np.arange(elements) + size * (size - 1) // 2), (elements, array)
+                assert hierarchy.board.round - before == rounds, (elements, before, hierarchy.board.round)
+                checked += 1
     # reducescatter: rank r gets elements bounds[r] of the sum, blocks of different sizes (some empty)
     counts = [(r % 3) * 5 for r in range(size)]
     total = sum(counts)
