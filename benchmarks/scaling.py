@@ -17,7 +17,8 @@ link) beta (+ gamma for hvdrun); concurrent messages of one step overlap. Algori
     hvdrun flat       one ring through every rank: 2 (N - 1) steps of n / N bytes
     hvdrun ring       reduce-scatter inside the host (L - 1 steps of n / L), L rings across hosts in
                       parallel on n / L each (2 (H - 1) steps, the link carries n / H a step), all-gather
-                      inside the host (L - 1 steps)
+                      inside the host (L - 1 steps); up to 256 KiB (a post) the host's phases are two rounds
+                      of its post board instead
     hvdrun doubling   the same local phases; recursive doubling across hosts: log2 H steps, n on the link
                       each (a non-power-of-two H adds 2 steps of n: MPICH's fold)
     hvdrun halving    the same local phases; Rabenseifner across hosts: 2 log2 H steps, 2 (H - 1) / H n in all
@@ -240,7 +241,11 @@ def hier_allgather(hosts: int, per_host: int, message: float, held: float | None
 
 
 def local_phases(per_host: int, nbytes: float, python: bool = True) -> Cost:
-    """Reduce-scatter and all-gather rings inside a host: 2 (L - 1) steps of n / L through shared memory."""
+    """Reduce-scatter and all-gather inside a host. A buffer that fits a post takes the host's post board: two
+    rounds (a post of n and the own part reduced from the L posts; a post of n / L and the others' parts copied:
+    2 n + (L - 1) / L n through shared memory in all); a larger one the rings, 2 (L - 1) steps of n / L."""
+    if 1 < per_host and nbytes <= POST_BYTES:
+        return steps(2, (2 * nbytes + (per_host - 1) / per_host * nbytes) / 2, True, python)
     return steps(2 * (per_host - 1), nbytes / per_host, True, python)
 
 

@@ -79,3 +79,12 @@ def test_compiled_doubling_pays_one_python_turn_and_its_fold_stays_python(scalin
     assert scaling.cross_hosts("doubling", 1024, 65536)["gamma"] == 10
     assert scaling.cross_hosts("doubling", 6, 65536, compiled=True)["gamma"] == 3  # two fold steps in Python
     assert scaling.cross_hosts("halving", 1024, 65536, compiled=True)["gamma"] == 20  # Rabenseifner: Python's
+
+
+def test_a_buffer_that_fits_a_post_crosses_the_host_in_two_board_rounds_whatever_its_ranks(scaling):
+    """Inside the host, up to a post's size: two Python turns at 2, 4 or 12 ranks a host, where the host's rings
+    take 2 (L - 1); past it, the rings."""
+    post = scaling.POST_BYTES
+    assert [scaling.local_phases(per_host, 64 << 10)["gamma"] for per_host in (2, 4, 12)] == [2, 2, 2]
+    assert [scaling.local_phases(per_host, post + 8)["gamma"] for per_host in (2, 4, 12)] == [2, 6, 22]
+    assert scaling.local_phases(1, 64 << 10) == {}  # one rank a host: nothing inside it
