@@ -72,6 +72,7 @@ from hvdrun.launch.remote.connections import (
 )
 from hvdrun.launch.remote.guard import KILL, TERMINATE, forward_byte
 from hvdrun.launch.remote.hostfacts import HostFacts, free_ports, interface_address
+from hvdrun.protocol.groups import group_hosts, leading_hosts
 from hvdrun.ranks import Slot
 
 if TYPE_CHECKING:
@@ -137,13 +138,16 @@ class SshLauncher(Launcher):
         self._remote: dict[Host, _RemoteHost] = {}
         self._forests: list[AgentForest] = []
         self._local = LocalLauncher(grace_s)
+        self._leading: set[Host] = set()  # first hosts of rendezvous groups (hvdrun.protocol.groups): a port each
 
     def is_remote(self, host: Host) -> bool:
         """Ranks on ``host`` start over SSH."""
         return self.everywhere or not is_local_host(host.name)
 
     def prepare(self, slots: Sequence[Slot], deadline: float) -> None:
-        hosts = [host for host in Counter(slot.host for slot in slots) if self.is_remote(host)]
+        every_host = list(Counter(slot.host for slot in slots))
+        self._leading = set(leading_hosts(every_host, group_hosts(os.environ)))
+        hosts = [host for host in every_host if self.is_remote(host)]
         rank0_host = slots[0].host
         if hosts:
             self._reach(hosts, rank0_host, deadline)
@@ -159,7 +163,8 @@ class SshLauncher(Launcher):
         targets = resolve_targets(hosts, self.ssh)
         agents = [AgentHost(host.name, target, module_command(self.workdir, self.python_for(host), AGENT_MODULE, [],
                                                           self.agent_env),
-                            2 if host == rank0_host else 0) for host, target in zip(hosts, targets, strict=True)]
+                            2 if host == rank0_host else int(host in self._leading))
+                  for host, target in zip(hosts, targets, strict=True)]
         roots = tree_nodes(agents, self.fanout)
         clients = connect_all([targets[root["index"]] for root in roots], self.ssh, deadline)
         forest = AgentForest(roots, clients)
@@ -281,14 +286,30 @@ class SshLauncher(Launcher):
                 if remote.index in remote.forest.reached}
 
     def endpoint(self, host: Host) -> Endpoint:
+        return Endpoint(self._address(host), *self._ports(host, 2))
+
+    def group_endpoint(self, host: Host) -> tuple[str, int] | None:
+        """A group's first host: the port its probe found free (see :meth:`prepare`)."""
+        return self._address(host), self._ports(host, 1)[0]
+
+    def _address(self, host: Host) -> str:
+        """Where every rank reaches a listener of ``host``: its ``--network-interface`` address, else the address
+        hvdrun reached it at (this machine: the address of its route to the remote hosts)."""
         remote = self._remote.get(host)
         if remote is not None:
             assert remote.facts is not None
             reached = peer_address(remote.clients[0])[1] if remote.clients else remote.facts.address
-            return Endpoint(remote.facts.interface_addr or reached or remote.target.hostname, *remote.facts.ports[:2])
+            return remote.facts.interface_addr or reached or remote.target.hostname
         clients = [remote.clients[0] for remote in self._remote.values() if remote.clients]
-        route = peer_address(clients[0])[0] if clients else LOOPBACK
-        return Endpoint(self._local_interface_addr() or route, *free_ports(2))
+        return self._local_interface_addr() or (peer_address(clients[0])[0] if clients else LOOPBACK)
+
+    def _ports(self, host: Host, count: int) -> tuple[int, ...]:
+        """``count`` free ports of ``host``: found by its probe, or here on this machine."""
+        remote = self._remote.get(host)
+        if remote is not None:
+            assert remote.facts is not None
+            return tuple(remote.facts.ports[:count])
+        return free_ports(count)
 
     def cpus(self, host: Host) -> int:
         remote = self._remote.get(host)

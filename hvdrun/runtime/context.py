@@ -14,6 +14,7 @@ from typing import Any
 
 from hvdrun import envvars
 from hvdrun.errors import CollectiveError, NotInitializedError, UsageError
+from hvdrun.protocol.groups import group_place
 from hvdrun.protocol.inspection import VITALS, format_reports
 from hvdrun.protocol.rounds import Assignment
 from hvdrun.runtime.backends.base import Backend, World
@@ -93,8 +94,9 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
         raise UsageError(f"rank {launch.rank}: {envvars.SECRET} and the rendezvous address are required; "
                          "start workers with hvdrun")
     local_size = None if is_elastic(environ) else _local_size(environ)  # elastic: a host's ranks change
+    group = None if is_elastic(environ) else group_place(environ)  # elastic: hosts come and go
     rendezvous = Rendezvous(launch.rank, launch.size, launch.rendezvous_addr, launch.rendezvous_port,
-                            launch.secret.encode(), abort, generation, local_size)
+                            launch.secret.encode(), abort, generation, local_size, group)
     rendezvous.set_reporter(functools.partial(_report, launch, None))  # until the engine runs
     try:
         if name == "gloo":

@@ -17,12 +17,16 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from typing import Any
 
 from hvdrun import envvars
+from hvdrun.errors import RendezvousError
+from hvdrun.protocol.groups import GroupPlace
 from hvdrun.runtime.peers import NeedsPlan, Peer, PeerTable, ring_neighbours
+from hvdrun.runtime.rendezvous.children import Children, wait_listen
 from hvdrun.runtime.rendezvous.client import Client
 from hvdrun.runtime.rendezvous.common import (
     Reporter,
@@ -37,6 +41,8 @@ from hvdrun.runtime.rendezvous.server import RootServer
 from hvdrun.runtime.transport.base import AbortFlag
 
 __all__ = ["Peer", "PeerTable", "Rendezvous", "reserve_listener"]
+
+_GROUP_PORT_WAIT_S = 2.0  # a group's port still held (the last init()'s leader closing it) is waited for this long
 
 
 class Rendezvous:
@@ -56,25 +62,34 @@ class Rendezvous:
         abort: the flag to set when a peer fails.
         generation: how many times this process called init() before; all ranks agree on it.
         local_size: number of ranks on this host (None: unknown; every rank then joins rank 0 itself).
+        group: where this rank's host joins in a job of rendezvous groups (:mod:`.children`; None: rank 0).
     """
 
     def __init__(self, rank: int, size: int, addr: str, port: int, secret: bytes, abort: AbortFlag,
-                 generation: int = 0, local_size: int | None = None) -> None:
+                 generation: int = 0, local_size: int | None = None, group: GroupPlace | None = None) -> None:
         self.rank, self.size, self.addr, self.port = rank, size, addr, port
         self.abort, self.secret, self.generation = abort, secret, generation
-        self.grouped = (local_size or 1) > 1 and sys.platform.startswith("linux") \
-            and os.environ.get(envvars.RENDEZVOUS, "").lower() != "flat"
+        flat = os.environ.get(envvars.RENDEZVOUS, "").lower() == "flat"
+        self.group = None if flat or rank == 0 else group
+        self.grouped = ((local_size or 1) > 1 or (self.group is not None and self.group.leads)) \
+            and sys.platform.startswith("linux") and not flat
         self._server = RootServer(addr, port, size, secret, abort, generation) if rank == 0 else None
         self._client: Client | None = None
         self._leader: HostLeader | None = None
         if rank != 0 and not self.grouped:
-            self._client = Client(Upstream(addr, port), secret, abort, generation)
+            self._client = Client(self._upstream(), secret, abort, generation)
+
+    def _upstream(self, local_name: str | None = None) -> Upstream:
+        """Where this rank (or, as its leader, its host) joins: its group's leader, else rank 0."""
+        if local_name is None and self.group is not None:
+            return Upstream(self.group.addr, self.group.port, group=True)
+        return Upstream(self.addr, self.port, local_name)
 
     def local_address(self, deadline: float) -> str:
         """The address of this rank that the others can reach (the route to rank 0)."""
         if self._server is not None:
             return self.addr
-        if self._client is not None:
+        if self._client is not None and self.group is None:
             return str(self._client.connect(deadline).getsockname()[0])
         return route_to(self.addr, self.port)
 
@@ -89,13 +104,26 @@ class Rendezvous:
         if self._server is not None:
             return self._server.gather(me, deadline, needs, listener)
         if listener is not None:
-            self._leader = HostLeader(Client(Upstream(self.addr, self.port), self.secret, self.abort,
-                                             self.generation), listener)
-            return self._leader.exchange(me, deadline)
+            return self._lead_host(me, listener, deadline)
         if self._client is None:
-            self._client = Client(Upstream(self.addr, self.port, local_name), self.secret, self.abort,
-                                  self.generation)
+            self._client = Client(self._upstream(local_name), self.secret, self.abort, self.generation)
         return self._client.join_table(me, deadline)
+
+    def _lead_host(self, me: Peer, listener: socket.socket, deadline: float) -> PeerTable:
+        """Join for this host as its leader; the leader of a group's first host leads the group too, and joins
+        rank 0 for the whole group."""
+        children = None
+        if self.group is not None and self.group.leads:
+            try:
+                port_deadline = min(deadline, time.monotonic() + _GROUP_PORT_WAIT_S)
+                children = Children(wait_listen(self.group.port, port_deadline), self.secret, self.generation)
+            except OSError as e:
+                listener.close()
+                raise RendezvousError(f"rank {self.rank} leads the rendezvous group at {self.group.addr}:"
+                                      f"{self.group.port} but cannot listen there: {e}") from e
+        upstream = Upstream(self.addr, self.port) if children is not None else self._upstream()
+        self._leader = HostLeader(Client(upstream, self.secret, self.abort, self.generation), listener, children)
+        return self._leader.exchange(me, deadline)
 
     def set_reporter(self, reporter: Reporter) -> None:
         """What this rank answers when asked for its report."""

@@ -34,7 +34,7 @@ class Client:
         self.generation = generation
         self.sock: socket.socket | None = None
         self._closing = False
-        self._lost = f"lost the connection to rank 0 at {upstream.addr}: rank 0 exited or crashed"
+        self.lost = upstream.lost()  # why this rank stops if upstream goes unannounced
         self.reporter: Reporter | None = None  # this rank's report (set by the runtime)
         self._send_lock = threading.Lock()
         self.barriers = Barriers(abort)
@@ -47,12 +47,12 @@ class Client:
         that proves it does not know the job's secret (:class:`AuthError`) is not.
         """
         where = self.upstream.describe()
+        it = "rank 0" if where.startswith("rank 0") else "it"
         while True:
             try:
                 sock = self.upstream.open()
             except OSError as e:
-                self._retry_or_fail(deadline, f"cannot reach {where}: {e.strerror or e}; is "
-                                              f"{'it' if self.upstream.local_name else 'rank 0'} running and the "
+                self._retry_or_fail(deadline, f"cannot reach {where}: {e.strerror or e}; is {it} running and the "
                                               "address reachable?", e)
                 continue
             try:
@@ -111,8 +111,8 @@ class Client:
     def join_table(self, me: Peer, deadline: float) -> PeerTable:
         """Join and start listening for aborts; the table this rank was sent."""
         message = self.join(me, deadline)
-        if len(message) > 3:  # through a host leader: name it if it goes
-            self._lost = f"lost the connection to this host's leader, {message[3]}: it exited or crashed"
+        if len(message) > 3:  # through a leader (the host's or the group's): name it if it goes
+            self.lost = self.upstream.lost(message[3])
         threading.Thread(target=self._watch, name="hvdrun-rendezvous", daemon=True).start()
         return PeerTable.decode(message[1], message[2])
 
@@ -137,7 +137,7 @@ class Client:
                     self.barriers.release(message[1])
         except (OSError, ConnectionError, EOFError, ValueError, IndexError, TypeError):
             if not self._closing:
-                self.abort.set(self._lost)
+                self.abort.set(self.lost)
 
     def send(self, message: Any) -> None:
         """One frame upstream: the watch thread's answers and the caller's messages never interleave."""

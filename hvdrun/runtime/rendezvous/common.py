@@ -133,15 +133,32 @@ def route_to(addr: str, port: int) -> str:
 
 @dataclass(frozen=True)
 class Upstream:
-    """Where a rank joins: rank 0 over TCP, or its host's leader over a local socket (``local_name``)."""
+    """Where a rank joins: rank 0 over TCP, its rendezvous group's leader over TCP (``group``), or its host's
+    leader over a local socket (``local_name``)."""
 
     addr: str
     port: int
     local_name: str | None = None
+    group: bool = False
 
     def describe(self) -> str:
-        """``rank 0 at ADDR:PORT`` or ``this host's leader`` (whichever local rank bound the host's socket first)."""
-        return "this host's leader" if self.local_name else f"rank 0 at {self.addr}:{self.port}"
+        """``rank 0 at ADDR:PORT``, ``its rendezvous group's leader at ADDR:PORT`` or ``this host's leader``
+        (whichever local rank bound the host's socket first)."""
+        if self.local_name:
+            return "this host's leader"
+        who = "its rendezvous group's leader" if self.group else "rank 0"
+        return f"{who} at {self.addr}:{self.port}"
+
+    def lost(self, leader: str | None = None) -> str:
+        """Why a rank stops when its connection upstream ends unannounced; ``leader``: the rank that leads, as the
+        table it sent named it."""
+        named = f", {leader}," if leader else ""
+        if self.local_name and leader:  # (rank 0's host: rank 0 leads it, and its table names no leader)
+            return f"lost the connection to this host's leader, {leader}: it exited or crashed"
+        if self.group:
+            return f"lost the connection to its rendezvous group's leader{named} at {self.addr}:{self.port}: it " \
+                "exited or crashed"
+        return f"lost the connection to rank 0 at {self.addr}: rank 0 exited or crashed"
 
     def open(self) -> socket.socket:
         """A connected socket (not yet authenticated)."""

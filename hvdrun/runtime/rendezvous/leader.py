@@ -10,6 +10,10 @@ the host, and from then on relays:
 * up, from its ranks: aborts, and a rank that disconnects without a goodbye, named as rank 0 would name it.
 
 If rank 0 goes, the leader tells its ranks with the words every rank used when it watched rank 0 itself.
+
+The leader of a rendezvous group's first host also leads the group (:mod:`.children`): the group's other hosts
+join it over TCP as they would join rank 0, and it joins rank 0 for them all, relaying as it does for its host.
+Its ``up`` is then rank 0; a member host's leader's ``up`` is its group's leader.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from hvdrun.protocol.inspection import SIGNAL
 from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
 from hvdrun.runtime.peers import Peer, PeerTable
 from hvdrun.runtime.readiness import readable
+from hvdrun.runtime.rendezvous.children import Child, Children
 from hvdrun.runtime.rendezvous.client import Client
 from hvdrun.runtime.rendezvous.common import (
     HANDSHAKE_TIMEOUT_S,
@@ -57,13 +62,14 @@ class HostLeader:
     """The leader of one host's ranks (see the module docstring).
 
     Args:
-        up: this rank's connection to rank 0 (not yet joined).
+        up: this rank's connection to rank 0, or to its group's leader (not yet joined).
         listener: the local socket the host's ranks join (this rank bound it first: it leads the host).
+        children: the other hosts of the group this host leads (None: it leads no group).
     """
 
-    def __init__(self, up: Client, listener: socket.socket) -> None:
+    def __init__(self, up: Client, listener: socket.socket, children: Children | None = None) -> None:
         self.up, self.abort = up, up.abort
-        self.listener = listener
+        self.listener, self.children = listener, children
         self.locals: dict[socket.socket, Peer] = {}
         self._said_bye: set[socket.socket] = set()
         self._pending: dict[int, _Pending] = {}
@@ -93,11 +99,13 @@ class HostLeader:
         while True:
             remaining = deadline + HANDSHAKE_TIMEOUT_S - time.monotonic()
             if remaining <= 0:
-                self._fail_locals("rank 0 did not answer the rendezvous in time")
-                raise RendezvousError(f"rank 0 at {self.up.addr} did not answer the rendezvous in time")
-            ready = readable([self.listener, sock], min(remaining, 0.5))
-            if self.listener in ready:
-                peer = self._admit_local()
+                self._fail_locals(f"{self.up.upstream.describe()} did not answer the rendezvous in time")
+                raise RendezvousError(f"{self.up.upstream.describe()} did not answer the rendezvous in time")
+            below = [self.children.listener, *self.children.by_sock] if self.children is not None else []
+            ready = readable([self.listener, sock, *below], min(remaining, 0.5))
+            joined = [self._admit_local()] if self.listener in ready else []
+            joined += self._children_rows(ready)
+            for peer in joined:
                 if peer is not None:
                     rows.append(astuple(peer))
                     send_frame(sock, ("rows", [list(astuple(peer))]))
@@ -107,6 +115,16 @@ class HostLeader:
                     sock = self._rejoin(rows, deadline)
                     continue
                 return self._hand_out(message)
+
+    def _children_rows(self, ready: list[Any]) -> list[Peer]:
+        """The ranks that joined through this group's other hosts in ``ready`` (nothing without a group)."""
+        children = self.children
+        if children is None:
+            return []
+        joined = children.admit() if children.listener in ready else []
+        for sock in [sock for sock in ready if sock in children.by_sock]:
+            joined += children.more_rows(sock)
+        return joined
 
     def _answer_of_rank0(self) -> tuple[Any, ...]:
         try:
@@ -130,11 +148,15 @@ class HostLeader:
             self._fail_locals(str(message[1]))
             raise RendezvousError(str(message[1]))
         assert self.me is not None and self.up.sock is not None
+        if len(message) > 3:  # from its group's leader: name it if it goes
+            self.up.lost = self.up.upstream.lost(message[3])
         for sock in list(self.locals):
             try:
                 self._send(sock, ("table", message[1], message[2], self.me.describe()))
             except OSError:  # it died waiting: the watch reports it, named
                 pass
+        if self.children is not None:  # the group's table (its members' needs): each host takes its own part
+            self.children.send_all(("table", message[1], message[2], self.me.describe()), self._send)
         self.up.sock.settimeout(None)
         self._watcher = threading.Thread(target=self._watch, name="hvdrun-host-leader", daemon=True)
         self._watcher.start()
@@ -166,7 +188,7 @@ class HostLeader:
         return peer
 
     def _fail_locals(self, why: str) -> None:
-        for sock in list(self.locals):
+        for sock in [*self.locals, *(self.children.by_sock if self.children is not None else ())]:
             try:
                 send_frame(sock, ("error", why))
             except OSError:
@@ -178,7 +200,7 @@ class HostLeader:
         assert up is not None
         while not self._closing:
             live = [sock for sock in self.locals if sock not in self._said_bye]
-            watched: list[Any] = [up, self._wake_read, *live]
+            watched: list[Any] = [up, self._wake_read, *live, *(self.children.live() if self.children else ())]
             try:
                 ready = readable(watched, self._next_timeout())
             except (OSError, ValueError):
@@ -190,6 +212,8 @@ class HostLeader:
             for sock in ready:
                 if sock in self.locals:
                     self._from_local(sock)
+                elif self.children is not None and sock in self.children.by_sock:
+                    self._from_child(*self.children.receive(sock))
             self._answer_reports()
 
     def _next_timeout(self) -> float:
@@ -204,7 +228,7 @@ class HostLeader:
             kind = message[0]
         except (OSError, ConnectionError, EOFError, ValueError, IndexError, TypeError):
             if not self._closing:
-                self._abort_all(f"lost the connection to rank 0 at {self.up.addr}: rank 0 exited or crashed")
+                self._abort_all(self.up.lost)
             return False
         if kind == "abort":
             self._abort_all(str(message[1]))
@@ -244,12 +268,35 @@ class HostLeader:
             self._abort_all(reason)
             self._up_send(("abort", reason))
 
+    def _from_child(self, child: Child, message: Any) -> None:
+        """One message of another host of this group, as rank 0 would take it."""
+        kind = message[0] if isinstance(message, tuple) and message else None
+        if kind == "bye":
+            child.said_bye = True
+        elif kind in ("report", "reports"):
+            pending = self._pending.get(message[1])
+            if pending is not None and kind == "report":
+                pending.reports[child.first.rank] = message[2]
+            elif pending is not None:
+                pending.reports.update(message[2])
+                pending.absent.update(message[3])
+        elif kind == "abort":
+            self._up_send(("abort", message[1]))
+        elif kind == "ready":
+            self._reached(message[1], message[2])
+        elif not self._closing:
+            child.said_bye = True  # no longer watched
+            reason = f"{child.first.describe()} disconnected without shutting down: it exited or crashed"
+            self._abort_all(reason)
+            self._up_send(("abort", reason))
+
     def _ask_reports(self, request: int, timeout_s: float, what: str) -> None:
         live = {sock: peer for sock, peer in self.locals.items() if sock not in self._said_bye}
-        # answer rank 0 before its own wait ends
+        # answer rank 0 before its own wait ends (a group's: before its leader's wait ends)
         pending = _Pending(request, {peer.rank for peer in live.values()}, timeout_s * 0.8)
         pending.absent.update({peer.rank: "it left the job" for sock, peer in self.locals.items()
                                if sock in self._said_bye})
+        self._ask_children(pending, timeout_s * 0.8, what)
         own = report_or_none(self.reporter, what)
         if own is not None and self.me is not None:
             pending.reports[self.me.rank] = own
@@ -259,6 +306,21 @@ class HostLeader:
             except OSError as e:
                 pending.absent[peer.rank] = f"its control connection failed: {e}"
         self._pending[request] = pending
+
+    def _ask_children(self, pending: _Pending, timeout_s: float, what: str) -> None:
+        """Forward a report request to the group's other hosts; their ranks are expected in ``pending``."""
+        if self.children is None:
+            return
+        for child in self.children.by_sock.values():
+            ranks = {peer.rank for peer in child.peers}
+            if child.said_bye:
+                pending.absent.update({rank: "it left the job" for rank in ranks})
+                continue
+            try:
+                self._send(child.sock, ("report?", pending.request, timeout_s, what))
+                pending.expected |= ranks
+            except OSError as e:
+                pending.absent.update({rank: f"its control connection failed: {e}" for rank in ranks})
 
     def _answer_reports(self) -> None:
         for request, pending in list(self._pending.items()):
@@ -274,11 +336,14 @@ class HostLeader:
         self._to_locals(("abort", reason))
 
     def _to_locals(self, message: Any) -> None:
+        """``message`` to this host's ranks and to the group's other hosts."""
         for sock in [s for s in self.locals if s not in self._said_bye]:
             try:
                 self._send(sock, message)
             except OSError:
                 pass
+        if self.children is not None:
+            self.children.send_all(message, self._send)
 
     def _send(self, sock: socket.socket, message: Any) -> None:
         with self._send_lock:
@@ -296,8 +361,9 @@ class HostLeader:
         self.barriers.wait(number, deadline)
 
     def _reached(self, number: int, count: int) -> None:
-        if self.barriers.add(number, count) == len(self.locals) + 1:
-            self._up_send(("ready", number, len(self.locals) + 1))
+        behind = len(self.locals) + 1 + (len(self.children.ranks()) if self.children is not None else 0)
+        if self.barriers.add(number, count) == behind:
+            self._up_send(("ready", number, behind))
 
     # -- leaving ------------------------------------------------------------------------------------------
     def report_failure(self, reason: str) -> None:
@@ -319,5 +385,7 @@ class HostLeader:
         self._to_locals(("bye",))
         for sock in self.locals:
             sock.close()
+        if self.children is not None:
+            self.children.close()
         self.listener.close()
         self.up.close()

@@ -40,6 +40,8 @@ if mode == "die":
 if mode == "stacks" and rank == 0:
     reports, absent = runtime.rendezvous.gather_reports()
     print(f"reports from ranks {[r['rank'] for r in reports]}, absent {sorted(absent)}", flush=True)
+    server = runtime.rendezvous._server
+    print(f"rank 0 admitted {len(server.conns)} connections for {len(server.members)} ranks", flush=True)
 allreduce("last")
 print(f"rank {rank}: ok", flush=True)
 context.shutdown()
