@@ -112,8 +112,8 @@ class Rendezvous:
         restart_count: which attempt of the job this is (0: the first; ``--max-restarts``).
         max_restarts: how many restarts the job may make.
         run_id: torchrun's ``TORCHELASTIC_RUN_ID``, the same for every attempt (default: ``job_id``).
-        groups: where each group of hosts joins in a large job (``HVDRUN_RENDEZVOUS_GROUPS``, see
-            :mod:`hvdrun.protocol.groups`; empty: every host joins rank 0).
+        tree: where each host of a large job joins (``HVDRUN_RENDEZVOUS_TREE``, see :mod:`hvdrun.protocol.tree`;
+            empty: every host joins rank 0).
     """
 
     addr: str
@@ -124,7 +124,7 @@ class Rendezvous:
     restart_count: int = 0
     max_restarts: int = 0
     run_id: str = ""
-    groups: str = ""
+    tree: str = ""
 
 
 def job_env(rendezvous: Rendezvous) -> dict[str, str]:
@@ -136,7 +136,7 @@ def job_env(rendezvous: Rendezvous) -> dict[str, str]:
         PYTHONUNBUFFERED: "1", TORCHELASTIC_RUN_ID: rendezvous.run_id or rendezvous.job_id, **TORCHELASTIC,
         RESTART_COUNT: str(rendezvous.restart_count), TORCHELASTIC_RESTART_COUNT: str(rendezvous.restart_count),
         TORCHELASTIC_MAX_RESTARTS: str(rendezvous.max_restarts),
-        **({RENDEZVOUS_GROUPS: rendezvous.groups} if rendezvous.groups else {}),
+        **({RENDEZVOUS_TREE: rendezvous.tree} if rendezvous.tree else {}),
     }
 
 
@@ -145,7 +145,7 @@ def rendezvous_of(environ: Mapping[str, str]) -> Rendezvous:
     return Rendezvous(environ[RENDEZVOUS_ADDR], int(environ[RENDEZVOUS_PORT]), int(environ[TORCH_MASTER_PORT]),
                       environ[SECRET], environ[JOB_ID], int(environ.get(RESTART_COUNT, 0)),
                       int(environ.get(TORCHELASTIC_MAX_RESTARTS, 0)), environ.get(TORCHELASTIC_RUN_ID, ""),
-                      environ.get(RENDEZVOUS_GROUPS, ""))
+                      environ.get(RENDEZVOUS_TREE, ""))
 
 
 def topology_env(place: Any) -> dict[str, str]:
@@ -342,9 +342,9 @@ START_TIMEOUT = "HVDRUN_START_TIMEOUT"
 TRANSPORT = "HVDRUN_TRANSPORT"
 # flat: every rank joins rank 0 itself (default: a host's ranks join through its local rank 0, runtime/rendezvous/)
 RENDEZVOUS = "HVDRUN_RENDEZVOUS"
-# set by the launcher past RENDEZVOUS_GROUP_HOSTS hosts: where each group of hosts joins (rendezvous/children.py)
-RENDEZVOUS_GROUPS = "HVDRUN_RENDEZVOUS_GROUPS"
-RENDEZVOUS_GROUP_HOSTS = "HVDRUN_RENDEZVOUS_GROUP_HOSTS"  # hosts per group (the launcher's; default 32)
+# set by the launcher past RENDEZVOUS_FANOUT + 1 hosts: the rendezvous tree of hosts (hvdrun/protocol/tree.py)
+RENDEZVOUS_TREE = "HVDRUN_RENDEZVOUS_TREE"
+RENDEZVOUS_FANOUT = "HVDRUN_RENDEZVOUS_FANOUT"  # hosts each leader admits (the launcher's; default 32)
 FUSION_THRESHOLD = ("HVDRUN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD")
 STALL_WARNING_S = ("HVDRUN_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS")
 STALL_ERROR_S = ("HVDRUN_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")

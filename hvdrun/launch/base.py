@@ -100,10 +100,10 @@ class Launcher(abc.ABC):
     def endpoint(self, host: Host) -> Endpoint:
         """Where rank 0, running on ``host``, can be reached by every rank."""
 
-    def group_endpoint(self, host: Host) -> tuple[str, int] | None:
-        """Where the leader of a rendezvous group whose first host is ``host`` listens (:mod:`hvdrun.protocol.groups`):
-        an address every host of the group reaches and a port free there; None where this launcher reserved none
-        (then every host joins rank 0). Default: None."""
+    def tree_endpoint(self, host: Host) -> tuple[str, int] | None:
+        """Where the leader of ``host``, an inner host of the rendezvous tree (:mod:`hvdrun.protocol.tree`), admits
+        its children: an address they reach and a port free there; None where this launcher reserved none (then
+        every host joins rank 0). Default: None."""
         return None
 
     def cpus(self, host: Host) -> int:

@@ -27,7 +27,7 @@ from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.plan import ElasticPlan, JobPlan, start_timeout_s
 from hvdrun.launch.stacks import print_stacks, signal_ranks, stacks_on_demand
 from hvdrun.launch.supervision import WorkerGroup
-from hvdrun.protocol.groups import group_hosts, groups_value, leading_hosts
+from hvdrun.protocol.tree import fanout, inner_hosts, tree_value
 from hvdrun.ranks import Slot, assign_slots, total_slots
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
             plan = stage_environment(plan, launcher, write)
             endpoint = launcher.endpoint(plan.slots[0].host)
             rendezvous = Rendezvous(endpoint.addr, endpoint.port, endpoint.master_port, secret, job_id, attempt,
-                                    options.max_restarts, run_id or job_id, rendezvous_groups(launcher, plan.slots))
+                                    options.max_restarts, run_id or job_id, rendezvous_tree(launcher, plan.slots))
             specs = plan.specs(rendezvous, launcher.cpus)
             observation.ranks_starting(rendezvous, specs, launcher.reached_at())
             with stacks_on_demand(rendezvous, len(plan.slots), write):
@@ -150,15 +150,15 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
         remove_files(shm_files_glob(job_id))  # left by ranks killed during init() (their guards remove them too)
 
 
-def rendezvous_groups(launcher: Launcher, slots: Sequence[Slot]) -> str:
-    """``HVDRUN_RENDEZVOUS_GROUPS`` for a job on ``slots`` (:mod:`hvdrun.protocol.groups`): empty while the job has
-    at most a group of hosts, or where ``launcher`` reserved no endpoint for a group (every host joins rank 0)."""
-    per_group = group_hosts(os.environ)
-    endpoints = [launcher.group_endpoint(host)
-                 for host in leading_hosts(list(dict.fromkeys(slot.host for slot in slots)), per_group)]
+def rendezvous_tree(launcher: Launcher, slots: Sequence[Slot]) -> str:
+    """``HVDRUN_RENDEZVOUS_TREE`` for a job on ``slots`` (:mod:`hvdrun.protocol.tree`): empty while rank 0 admits
+    every host, or where ``launcher`` reserved no endpoint on an inner host (every host then joins rank 0)."""
+    per_leader = fanout(os.environ)
+    endpoints = [launcher.tree_endpoint(host)
+                 for host in inner_hosts(list(dict.fromkeys(slot.host for slot in slots)), per_leader)]
     if any(endpoint is None for endpoint in endpoints):
         return ""
-    return groups_value(per_group, [endpoint for endpoint in endpoints if endpoint is not None])
+    return tree_value(per_leader, [endpoint for endpoint in endpoints if endpoint is not None])
 
 
 def stage_environment(plan: JobPlan, launcher: Launcher, write: Callable[[str], None]) -> JobPlan:

@@ -72,7 +72,7 @@ from hvdrun.launch.remote.connections import (
 )
 from hvdrun.launch.remote.guard import KILL, TERMINATE, forward_byte
 from hvdrun.launch.remote.hostfacts import HostFacts, free_ports, interface_address
-from hvdrun.protocol.groups import group_hosts, leading_hosts
+from hvdrun.protocol.tree import fanout, inner_hosts
 from hvdrun.ranks import Slot
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ class SshLauncher(Launcher):
         self._remote: dict[Host, _RemoteHost] = {}
         self._forests: list[AgentForest] = []
         self._local = LocalLauncher(grace_s)
-        self._leading: set[Host] = set()  # first hosts of rendezvous groups (hvdrun.protocol.groups): a port each
+        self._inner: set[Host] = set()  # hosts that admit others in the rendezvous tree (hvdrun.protocol.tree)
 
     def is_remote(self, host: Host) -> bool:
         """Ranks on ``host`` start over SSH."""
@@ -146,7 +146,7 @@ class SshLauncher(Launcher):
 
     def prepare(self, slots: Sequence[Slot], deadline: float) -> None:
         every_host = list(Counter(slot.host for slot in slots))
-        self._leading = set(leading_hosts(every_host, group_hosts(os.environ)))
+        self._inner = set(inner_hosts(every_host, fanout(os.environ)))
         hosts = [host for host in every_host if self.is_remote(host)]
         rank0_host = slots[0].host
         if hosts:
@@ -163,7 +163,7 @@ class SshLauncher(Launcher):
         targets = resolve_targets(hosts, self.ssh)
         agents = [AgentHost(host.name, target, module_command(self.workdir, self.python_for(host), AGENT_MODULE, [],
                                                           self.agent_env),
-                            2 if host == rank0_host else int(host in self._leading))
+                            2 if host == rank0_host else int(host in self._inner))
                   for host, target in zip(hosts, targets, strict=True)]
         roots = tree_nodes(agents, self.fanout)
         clients = connect_all([targets[root["index"]] for root in roots], self.ssh, deadline)
@@ -288,8 +288,8 @@ class SshLauncher(Launcher):
     def endpoint(self, host: Host) -> Endpoint:
         return Endpoint(self._address(host), *self._ports(host, 2))
 
-    def group_endpoint(self, host: Host) -> tuple[str, int] | None:
-        """A group's first host: the port its probe found free (see :meth:`prepare`)."""
+    def tree_endpoint(self, host: Host) -> tuple[str, int] | None:
+        """An inner host of the rendezvous tree: the port its probe found free (see :meth:`prepare`)."""
         return self._address(host), self._ports(host, 1)[0]
 
     def _address(self, host: Host) -> str:

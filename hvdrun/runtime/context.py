@@ -14,9 +14,9 @@ from typing import Any
 
 from hvdrun import envvars
 from hvdrun.errors import CollectiveError, NotInitializedError, UsageError
-from hvdrun.protocol.groups import group_place
 from hvdrun.protocol.inspection import VITALS, format_reports
 from hvdrun.protocol.rounds import Assignment
+from hvdrun.protocol.tree import tree_place
 from hvdrun.runtime.backends.base import Backend, World
 from hvdrun.runtime.backends.torchdist import open_store
 from hvdrun.runtime.collectives.hierarchical import (
@@ -94,9 +94,9 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
         raise UsageError(f"rank {launch.rank}: {envvars.SECRET} and the rendezvous address are required; "
                          "start workers with hvdrun")
     local_size = None if is_elastic(environ) else _local_size(environ)  # elastic: a host's ranks change
-    group = None if is_elastic(environ) else group_place(environ)  # elastic: hosts come and go
+    tree = None if is_elastic(environ) else tree_place(environ)  # elastic: hosts come and go
     rendezvous = Rendezvous(launch.rank, launch.size, launch.rendezvous_addr, launch.rendezvous_port,
-                            launch.secret.encode(), abort, generation, local_size, group)
+                            launch.secret.encode(), abort, generation, local_size, tree)
     rendezvous.set_reporter(functools.partial(_report, launch, None))  # until the engine runs
     try:
         if name == "gloo":

@@ -24,7 +24,7 @@ from typing import Any
 
 from hvdrun import envvars
 from hvdrun.errors import RendezvousError
-from hvdrun.protocol.groups import GroupPlace
+from hvdrun.protocol.tree import TreePlace
 from hvdrun.runtime.peers import NeedsPlan, Peer, PeerTable, ring_neighbours
 from hvdrun.runtime.rendezvous.children import Children, wait_listen
 from hvdrun.runtime.rendezvous.client import Client
@@ -42,7 +42,7 @@ from hvdrun.runtime.transport.base import AbortFlag
 
 __all__ = ["Peer", "PeerTable", "Rendezvous", "reserve_listener"]
 
-_GROUP_PORT_WAIT_S = 2.0  # a group's port still held (the last init()'s leader closing it) is waited for this long
+_TREE_PORT_WAIT_S = 2.0  # a tree port still held (the last init()'s leader closing it) is waited for this long
 
 
 class Rendezvous:
@@ -62,16 +62,17 @@ class Rendezvous:
         abort: the flag to set when a peer fails.
         generation: how many times this process called init() before; all ranks agree on it.
         local_size: number of ranks on this host (None: unknown; every rank then joins rank 0 itself).
-        group: where this rank's host joins in a job of rendezvous groups (:mod:`.children`; None: rank 0).
+        tree: where this rank's host sits in a large job's rendezvous tree (:mod:`hvdrun.protocol.tree`; None: it
+            joins rank 0 and admits no other host).
     """
 
     def __init__(self, rank: int, size: int, addr: str, port: int, secret: bytes, abort: AbortFlag,
-                 generation: int = 0, local_size: int | None = None, group: GroupPlace | None = None) -> None:
+                 generation: int = 0, local_size: int | None = None, tree: TreePlace | None = None) -> None:
         self.rank, self.size, self.addr, self.port = rank, size, addr, port
         self.abort, self.secret, self.generation = abort, secret, generation
         flat = os.environ.get(envvars.RENDEZVOUS, "").lower() == "flat"
-        self.group = None if flat or rank == 0 else group
-        self.grouped = ((local_size or 1) > 1 or (self.group is not None and self.group.leads)) \
+        self.tree = None if flat or rank == 0 else tree
+        self.grouped = ((local_size or 1) > 1 or (self.tree is not None and self.tree.port is not None)) \
             and sys.platform.startswith("linux") and not flat
         self._server = RootServer(addr, port, size, secret, abort, generation) if rank == 0 else None
         self._client: Client | None = None
@@ -80,16 +81,16 @@ class Rendezvous:
             self._client = Client(self._upstream(), secret, abort, generation)
 
     def _upstream(self, local_name: str | None = None) -> Upstream:
-        """Where this rank (or, as its leader, its host) joins: its group's leader, else rank 0."""
-        if local_name is None and self.group is not None:
-            return Upstream(self.group.addr, self.group.port, group=True)
+        """Where this rank (or, as its leader, its host) joins: its parent host's leader in the tree, else rank 0."""
+        if local_name is None and self.tree is not None and self.tree.parent is not None:
+            return Upstream(*self.tree.parent, group=True)
         return Upstream(self.addr, self.port, local_name)
 
     def local_address(self, deadline: float) -> str:
         """The address of this rank that the others can reach (the route to rank 0)."""
         if self._server is not None:
             return self.addr
-        if self._client is not None and self.group is None:
+        if self._client is not None and (self.tree is None or self.tree.parent is None):
             return str(self._client.connect(deadline).getsockname()[0])
         return route_to(self.addr, self.port)
 
@@ -110,19 +111,19 @@ class Rendezvous:
         return self._client.join_table(me, deadline)
 
     def _lead_host(self, me: Peer, listener: socket.socket, deadline: float) -> PeerTable:
-        """Join for this host as its leader; the leader of a group's first host leads the group too, and joins
-        rank 0 for the whole group."""
+        """Join for this host as its leader; on an inner host of the tree, admit its children too and join for them
+        all."""
         children = None
-        if self.group is not None and self.group.leads:
+        if self.tree is not None and self.tree.port is not None:
             try:
-                port_deadline = min(deadline, time.monotonic() + _GROUP_PORT_WAIT_S)
-                children = Children(wait_listen(self.group.port, port_deadline), self.secret, self.generation)
+                port_deadline = min(deadline, time.monotonic() + _TREE_PORT_WAIT_S)
+                children = Children(wait_listen(self.tree.port, port_deadline), self.secret, self.generation)
             except OSError as e:
                 listener.close()
-                raise RendezvousError(f"rank {self.rank} leads the rendezvous group at {self.group.addr}:"
-                                      f"{self.group.port} but cannot listen there: {e}") from e
-        upstream = Upstream(self.addr, self.port) if children is not None else self._upstream()
-        self._leader = HostLeader(Client(upstream, self.secret, self.abort, self.generation), listener, children)
+                raise RendezvousError(f"rank {self.rank} admits other hosts of the rendezvous tree on port "
+                                      f"{self.tree.port} but cannot listen there: {e}") from e
+        self._leader = HostLeader(Client(self._upstream(), self.secret, self.abort, self.generation), listener,
+                                  children)
         return self._leader.exchange(me, deadline)
 
     def set_reporter(self, reporter: Reporter) -> None:

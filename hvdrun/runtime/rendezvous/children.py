@@ -1,14 +1,11 @@
-"""A rendezvous group: hosts that join a group leader instead of rank 0, so that rank 0's admissions grow with
-the number of groups, not of hosts.
+"""The hosts a leader admits in a large job's rendezvous tree (:mod:`hvdrun.protocol.tree`), so that rank 0's
+admissions, and every leader's, stay at most the tree's fan-out whatever the number of hosts.
 
-The launcher cuts a large job's hosts into groups (:mod:`hvdrun.protocol.groups`). Group 0 joins rank 0 (it runs
-there); in group g > 0 the leader of the group's first host listens on the group's endpoint, and the group's
-other hosts (their leaders, or a host's only rank) join it there, as they would join rank 0. The group leader is
-a host leader (:mod:`.leader`) with :class:`Children` below it: it sends their records up as they arrive (rank 0
-still names exactly the ranks that never came), hands them the table rank 0 sent, and relays, as for its own
-host's ranks: down, aborts, signals, barrier releases, goodbyes and report requests; up, aborts, reports, barrier
-arrivals (counted for the whole group) and a child that drops without a goodbye, named. Rank 0 holds one
-connection per group: about H / G + G admissions in a row instead of H.
+An inner host's leader (a host leader, :mod:`.leader`) listens on the port the launcher found free there; its
+children (other hosts' leaders, or a host's only rank) join it as they would join rank 0. It sends their records
+up as they arrive (rank 0 still names exactly the ranks that never came), hands them the table it receives, and
+relays, as for its own host's ranks: down, aborts, signals, barrier releases, goodbyes and report requests; up,
+aborts, reports, barrier arrivals (counted for its whole subtree) and a child that drops without a goodbye, named.
 """
 
 from __future__ import annotations
@@ -23,7 +20,8 @@ from hvdrun.runtime.rendezvous.common import HANDSHAKE_TIMEOUT_S
 
 
 class Child:
-    """One connection below a group leader: another host's leader (its host's ranks), or a host's only rank."""
+    """One connection below a leader in the tree: a child host's leader (its subtree's ranks), or a host's only
+    rank."""
 
     def __init__(self, sock: socket.socket, peers: list[Peer]) -> None:
         self.sock, self.peers = sock, peers
@@ -36,10 +34,10 @@ class Child:
 
 
 class Children:
-    """The connections below a group leader (see the module docstring).
+    """The child hosts of a leader in the tree (see the module docstring).
 
     Args:
-        listener: the group's TCP endpoint, bound by this host's leader.
+        listener: where this host's leader admits its children (TCP).
         secret: the job's secret; a connection that does not prove it is refused.
         generation: this process's init() generation; a child of another one is told to retry (as rank 0 does).
     """
@@ -68,7 +66,7 @@ class Children:
             authenticate_client(sock, self.secret)
             generation, row = recv_frame(sock)
             if generation != self.generation:
-                send_frame(sock, ("retry", f"the group's leader is at init #{self.generation}, not #{generation}"))
+                send_frame(sock, ("retry", f"its parent's leader is at init #{self.generation}, not #{generation}"))
                 sock.close()
                 return []
             peers = [Peer(*r) for r in row] if isinstance(row, list) else [Peer(*row)]
@@ -118,7 +116,8 @@ class Children:
 
 
 def wait_listen(port: int, deadline: float) -> socket.socket:
-    """The group leader's endpoint on ``port``, every interface (its address is how the members reach it);
+    """Where an inner host's leader admits its children: ``port``, every interface (the launcher gave the children
+    the address);
     retried until ``deadline`` while the port is still held (the last init()'s leader closing it).
 
     Raises:

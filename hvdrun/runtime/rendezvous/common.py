@@ -133,8 +133,8 @@ def route_to(addr: str, port: int) -> str:
 
 @dataclass(frozen=True)
 class Upstream:
-    """Where a rank joins: rank 0 over TCP, its rendezvous group's leader over TCP (``group``), or its host's
-    leader over a local socket (``local_name``)."""
+    """Where a rank joins: rank 0 over TCP, its parent host's leader in the rendezvous tree over TCP (``group``),
+    or its host's leader over a local socket (``local_name``)."""
 
     addr: str
     port: int
@@ -142,11 +142,11 @@ class Upstream:
     group: bool = False
 
     def describe(self) -> str:
-        """``rank 0 at ADDR:PORT``, ``its rendezvous group's leader at ADDR:PORT`` or ``this host's leader``
+        """``rank 0 at ADDR:PORT``, ``its parent in the rendezvous tree at ADDR:PORT`` or ``this host's leader``
         (whichever local rank bound the host's socket first)."""
         if self.local_name:
             return "this host's leader"
-        who = "its rendezvous group's leader" if self.group else "rank 0"
+        who = "its parent in the rendezvous tree" if self.group else "rank 0"
         return f"{who} at {self.addr}:{self.port}"
 
     def lost(self, leader: str | None = None) -> str:
@@ -156,8 +156,8 @@ class Upstream:
         if self.local_name and leader:  # (rank 0's host: rank 0 leads it, and its table names no leader)
             return f"lost the connection to this host's leader, {leader}: it exited or crashed"
         if self.group:
-            return f"lost the connection to its rendezvous group's leader{named} at {self.addr}:{self.port}: it " \
-                "exited or crashed"
+            return f"lost the connection to its parent in the rendezvous tree{named} at {self.addr}:{self.port}: " \
+                "it exited or crashed"
         return f"lost the connection to rank 0 at {self.addr}: rank 0 exited or crashed"
 
     def open(self) -> socket.socket:

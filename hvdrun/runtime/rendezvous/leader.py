@@ -11,9 +11,9 @@ the host, and from then on relays:
 
 If rank 0 goes, the leader tells its ranks with the words every rank used when it watched rank 0 itself.
 
-The leader of a rendezvous group's first host also leads the group (:mod:`.children`): the group's other hosts
-join it over TCP as they would join rank 0, and it joins rank 0 for them all, relaying as it does for its host.
-Its ``up`` is then rank 0; a member host's leader's ``up`` is its group's leader.
+In a large job's rendezvous tree (:mod:`hvdrun.protocol.tree`) a leader's ``up`` is its parent host's leader
+(rank 0 for the first hosts), and an inner host's leader admits its child hosts (:mod:`.children`) over TCP as
+rank 0 would, and joins for its whole subtree, relaying as it does for its own host.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ class HostLeader:
     """The leader of one host's ranks (see the module docstring).
 
     Args:
-        up: this rank's connection to rank 0, or to its group's leader (not yet joined).
+        up: this rank's connection to rank 0, or to its parent host's leader in the tree (not yet joined).
         listener: the local socket the host's ranks join (this rank bound it first: it leads the host).
-        children: the other hosts of the group this host leads (None: it leads no group).
+        children: the hosts this host admits in the tree (None: a leaf, or no tree).
     """
 
     def __init__(self, up: Client, listener: socket.socket, children: Children | None = None) -> None:
@@ -117,7 +117,7 @@ class HostLeader:
                 return self._hand_out(message)
 
     def _children_rows(self, ready: list[Any]) -> list[Peer]:
-        """The ranks that joined through this group's other hosts in ``ready`` (nothing without a group)."""
+        """The ranks that joined through this host's children in ``ready`` (nothing without children)."""
         children = self.children
         if children is None:
             return []
@@ -148,14 +148,14 @@ class HostLeader:
             self._fail_locals(str(message[1]))
             raise RendezvousError(str(message[1]))
         assert self.me is not None and self.up.sock is not None
-        if len(message) > 3:  # from its group's leader: name it if it goes
+        if len(message) > 3:  # from its parent's leader: name it if it goes
             self.up.lost = self.up.upstream.lost(message[3])
         for sock in list(self.locals):
             try:
                 self._send(sock, ("table", message[1], message[2], self.me.describe()))
             except OSError:  # it died waiting: the watch reports it, named
                 pass
-        if self.children is not None:  # the group's table (its members' needs): each host takes its own part
+        if self.children is not None:  # the subtree's table (every rank's needs): each host takes its own part
             self.children.send_all(("table", message[1], message[2], self.me.describe()), self._send)
         self.up.sock.settimeout(None)
         self._watcher = threading.Thread(target=self._watch, name="hvdrun-host-leader", daemon=True)
@@ -269,7 +269,7 @@ class HostLeader:
             self._up_send(("abort", reason))
 
     def _from_child(self, child: Child, message: Any) -> None:
-        """One message of another host of this group, as rank 0 would take it."""
+        """One message of a child host, as rank 0 would take it."""
         kind = message[0] if isinstance(message, tuple) and message else None
         if kind == "bye":
             child.said_bye = True
@@ -292,7 +292,7 @@ class HostLeader:
 
     def _ask_reports(self, request: int, timeout_s: float, what: str) -> None:
         live = {sock: peer for sock, peer in self.locals.items() if sock not in self._said_bye}
-        # answer rank 0 before its own wait ends (a group's: before its leader's wait ends)
+        # answer before the asker's own wait ends (shorter a level down the tree)
         pending = _Pending(request, {peer.rank for peer in live.values()}, timeout_s * 0.8)
         pending.absent.update({peer.rank: "it left the job" for sock, peer in self.locals.items()
                                if sock in self._said_bye})
@@ -308,7 +308,7 @@ class HostLeader:
         self._pending[request] = pending
 
     def _ask_children(self, pending: _Pending, timeout_s: float, what: str) -> None:
-        """Forward a report request to the group's other hosts; their ranks are expected in ``pending``."""
+        """Forward a report request to the child hosts; their subtrees' ranks are expected in ``pending``."""
         if self.children is None:
             return
         for child in self.children.by_sock.values():
@@ -336,7 +336,7 @@ class HostLeader:
         self._to_locals(("abort", reason))
 
     def _to_locals(self, message: Any) -> None:
-        """``message`` to this host's ranks and to the group's other hosts."""
+        """``message`` to this host's ranks and to its child hosts."""
         for sock in [s for s in self.locals if s not in self._said_bye]:
             try:
                 self._send(sock, message)

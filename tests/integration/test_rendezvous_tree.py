@@ -1,0 +1,84 @@
+"""The rendezvous tree (hvdrun/protocol/tree.py, runtime/rendezvous/children.py): past HVDRUN_RENDEZVOUS_FANOUT + 1
+hosts, each host's leader joins its parent host's leader, which admits it as rank 0 would and joins for its whole
+subtree, relaying failures, reports, barriers and goodbyes; rank 0 admits at most the fan-out. Ranks given host names
+of their own are separate hosts to the runtime. Fan-out 2 here: five hosts a (ranks 0, 1), b (2), c (3, 4), d (5, 6),
+e (7) make a -> b c, b -> d e; nine hosts of one rank make three levels (n0 -> n1 n2, n1 -> n3 n4, n3 -> n7 n8)."""
+
+import re
+
+import pytest
+
+from hvdrun.launch.remote.hostfacts import free_ports
+from hvdrun.protocol.tree import tree_value
+from tests.integration.test_host_leaders import WORKER
+
+HOSTS = [("a", 2), ("b", 1), ("c", 2), ("d", 2), ("e", 1)]
+NINE = [(f"n{h}", 1) for h in range(9)]
+
+
+@pytest.fixture
+def tree_env() -> dict[str, str]:
+    """Fan-out 2, the endpoints of inner hosts 1, 2, 3 on this machine (a job uses those its hosts need)."""
+    return {"HVDRUN_RENDEZVOUS_TREE": tree_value(2, [("127.0.0.1", port) for port in free_ports(3)])}
+
+
+def _finish(procs: dict) -> dict[int, tuple[str, str]]:
+    return {rank: proc.communicate(timeout=90) for rank, proc in procs.items()}
+
+
+@pytest.mark.parametrize("hosts, size, admitted", [(HOSTS, 8, "3 connections for 7 ranks"),
+                                                   (NINE, 9, "2 connections for 8 ranks")],
+                         ids=["2-levels", "3-levels"])
+def test_hosts_join_through_their_parents_and_reports_come_back_up_the_tree(spawn_ranks, tree_env, hosts, size,
+                                                                             admitted):
+    procs = spawn_ranks(WORKER, size, args=("stacks",), hosts=hosts, env=tree_env)
+    outputs = _finish(procs)
+    for rank, (stdout, stderr) in outputs.items():
+        assert procs[rank].returncode == 0 and f"rank {rank}: ok" in stdout, stderr[-2000:]
+    assert f"reports from ranks {list(range(size))}, absent []" in outputs[0][0]
+    assert f"rank 0 admitted {admitted}" in outputs[0][0], outputs[0][0]  # not one per host
+
+
+@pytest.mark.parametrize("hosts, victim, named", [
+    (HOSTS, 5, "rank 5 (host d,"), (HOSTS, 2, "rank 2 (host b,"), (HOSTS, 7, "rank 7 (host e,"),
+    (HOSTS, 3, "(host c,"), (HOSTS, 0, "rank 0"), (NINE, 3, "rank 3 (host n3,"), (NINE, 8, "rank 8 (host n8,")],
+    ids=["a-leaf-hosts-rank", "an-inner-hosts-lone-leader", "a-lone-leaf", "rank-0s-child", "rank-0",
+         "a-middle-leader", "a-deepest-leaf"])
+def test_a_death_anywhere_in_the_tree_reaches_every_rank_named(spawn_ranks, tree_env, hosts, victim, named):
+    size = sum(slots for _, slots in hosts)
+    procs = spawn_ranks(WORKER, size, args=("die", str(victim)), hosts=hosts, env=tree_env)
+    outputs = _finish(procs)
+    assert procs[victim].returncode == -9
+    for rank, (stdout, stderr) in outputs.items():
+        if rank == victim:
+            continue
+        assert procs[rank].returncode == 0, stderr[-2000:]
+        seconds = float(re.search(r"raised after ([\d.]+) s", stdout).group(1))
+        assert seconds < 30, stdout  # a bound against hanging, not a timing claim
+        assert named in stdout, stdout  # by rank 0, or by the leader the victim's death cut them off from
+
+
+def test_a_rank_that_never_comes_under_a_parent_is_named_exactly_and_its_subtree_hears_it(spawn_ranks, tree_env):
+    procs = spawn_ranks(WORKER, 8, ranks=[0, 1, 2, 3, 4, 5, 7], args=("ok",), hosts=HOSTS,
+                        env={**tree_env, "HVDRUN_START_TIMEOUT": "3"})
+    outputs = _finish(procs)
+    assert all(proc.returncode != 0 for proc in procs.values())
+    for rank in (0, 2, 3, 5, 7):  # rank 0, the missing rank's grandparent, another child of rank 0, its host, a sibling
+        assert "ranks 6 never joined rank 0" in outputs[rank][1], (rank, outputs[rank][1][-2000:])
+
+
+def test_hvdrun_over_ssh_builds_the_tree_on_four_real_hosts(run_hvdrun, hvdrun_env, ssh_hosts):
+    """The launcher's side: past HVDRUN_RENDEZVOUS_FANOUT + 1 hosts it finds a free port on every inner host (its
+    probe) and gives every rank the endpoints; with fan-out 2, rank 0's h1 admits h2 and h3, and h2 admits h4."""
+    hvdrun_env["HVDRUN_RENDEZVOUS_FANOUT"] = "2"
+    done = run_hvdrun("-H", ssh_hosts.hosts(1, count=4), *ssh_hosts.args(), WORKER, "stacks", timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reports from ranks [0, 1, 2, 3], absent []" in done.stdout, done.stdout[-2000:]
+    assert "rank 0 admitted 2 connections for 3 ranks" in done.stdout, done.stdout[-2000:]
+
+
+def test_a_bad_fanout_is_a_usage_error(run_hvdrun, hvdrun_env, ssh_hosts):
+    hvdrun_env["HVDRUN_RENDEZVOUS_FANOUT"] = "1"
+    done = run_hvdrun("-H", ssh_hosts.hosts(1, count=2), *ssh_hosts.args(), WORKER, "ok", timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "HVDRUN_RENDEZVOUS_FANOUT='1': expected a whole number of hosts, at least 2" in done.stderr
