@@ -11,15 +11,18 @@ H hosts, L ranks per host, C cores per host, N = H L. What each part costs (seco
     c_rank     per rank, from exec to past init(): interpreter, imports, join, set-up (fit: slope of `hvdrun -np N`)
     c_ssh      per SSH connection, at the process that opens it (paramiko's handshake and the channel: Python)
     t_agent    per host, its agent: one Python start, then the fork server
-    c_join     per host, at rank 0: admit its leader, send its table, two set-up barriers (one message each)
+    c_join     per connection a leader admits (rank 0's included): its handshake, its table, two set-up barriers
+    c_row      per rank, at rank 0: its record read and put in the tables (every record reaches rank 0)
     t_link     per link a rank dials (TCP connect + the job secret's handshake); a rank dials log2 H + 2
     alpha      one control-plane hop between hosts
 
     launch     flat: H c_ssh at hvdrun, then one t_agent;   tree (fan-out k): ceil(log_k H) levels of
                k c_ssh + t_agent (each agent opens its children's connections in parallel with its siblings)
     on a host  L c_spawn / C + L c_rank / min(L, C)   (the host's ranks start in parallel on its cores)
-    rendezvous H c_join at rank 0 (one connection per host: the leaders), + 2 levels x 3 barriers x alpha;
-               without host leaders (every rank on rank 0, the old star): N c_join instead
+    rendezvous the rendezvous tree (fan-out F, hvdrun/protocol/tree.py): rank 0 and every leader admit at most F
+               hosts, d = ceil(log_F H) levels: d F c_join + N c_row + 2 (d + 1) x 3 barriers x alpha;
+               without the tree (every host's leader on rank 0): H c_join; without host leaders (every rank
+               on rank 0, the old star): N c_join
     links      (log2 H + 2) t_link
 
     T(H, L) = t_cli + launch + on a host + rendezvous + links
@@ -31,8 +34,9 @@ device (NCCL) initialisation; published anchors for those are printed beside the
 Fitting (``--fit``): on this machine every host and rank shares the same few cores, so each measured CPU term
 is divided by the machine's cores: local runs give t_cli, c_spawn and c_rank (linear in N); namespace-host runs
 give c_ssh (hvdrun's own CPU per host it connects to, ``flat cpu``) and t_agent (the per-host slope of the tree
-runs once the ranks' CPU, c_ssh and c_join are taken out); c_join comes from benchmarks/rendezvous_cost.py
-(``--c-join``), t_link and alpha are set (``--t-link``, ``--alpha``), not fitted.
+runs once the ranks' CPU, c_ssh and c_join are taken out); c_join and c_row come from
+benchmarks/rendezvous_cost.py (``--c-join``, ``--c-row``: 0.93 ms a connection of 12 ranks, 16.2 ms of 1,536),
+t_link and alpha are set (``--t-link``, ``--alpha``), not fitted.
 """
 
 from __future__ import annotations
@@ -63,9 +67,11 @@ class Params:
     c_ssh: float = 0.030
     t_agent: float = 0.15
     c_join: float = 0.0009
+    c_row: float = 10e-6
     t_link: float = 0.001
     alpha: float = 20e-6
     fanout: int = 32
+    rendezvous_fanout: int = 32
     cores: int = 32
 
 
@@ -86,17 +92,23 @@ def host_time(p: Params, per_host: int) -> float:
     return per_host * p.c_spawn / p.cores + per_host * p.c_rank / min(per_host, p.cores)
 
 
-def rendezvous_time(p: Params, hosts: int, per_host: int, leaders: bool = True) -> float:
-    """Rank 0's serial work (one connection per host, or per rank without leaders) and the barriers' hops."""
-    joins = hosts if leaders else hosts * per_host
-    return joins * p.c_join + 2 * 3 * p.alpha
+def rendezvous_time(p: Params, hosts: int, per_host: int, leaders: bool = True, tree: bool = True) -> float:
+    """The admissions in a row (along the rendezvous tree's depth, at most its fan-out each; without the tree one
+    per host at rank 0; without leaders one per rank), every record at rank 0, and the barriers' hops."""
+    if not leaders:
+        return hosts * per_host * p.c_join + 2 * 3 * p.alpha
+    if not tree or hosts <= p.rendezvous_fanout + 1:
+        return hosts * p.c_join + 2 * 3 * p.alpha
+    depth = levels(hosts, p.rendezvous_fanout)
+    return depth * p.rendezvous_fanout * p.c_join + hosts * per_host * p.c_row + 2 * (depth + 1) * 3 * p.alpha
 
 
-def startup_time(p: Params, hosts: int, per_host: int, tree: bool = True, leaders: bool = True) -> float:
+def startup_time(p: Params, hosts: int, per_host: int, tree: bool = True, leaders: bool = True,
+                 rendezvous_tree: bool = True) -> float:
     """T(H, L): hvdrun to every rank past init()."""
     links = (math.log2(hosts) + 2) * p.t_link if hosts > 1 else 0.0
     return (p.t_cli + launch_time(p, hosts, tree) + host_time(p, per_host)
-            + rendezvous_time(p, hosts, per_host, leaders) + links)
+            + rendezvous_time(p, hosts, per_host, leaders, rendezvous_tree) + links)
 
 
 # -- fitting ---------------------------------------------------------------------------------------------------
@@ -168,15 +180,18 @@ def _fit_hosts(params: Params, results: list[dict], machine_cores: int) -> tuple
 
 # -- output ----------------------------------------------------------------------------------------------------
 def prediction_table(p: Params, hosts: list[int], per_host: list[int]) -> str:
-    """Markdown: T(H, L) with the tree and leaders, and without them (flat fan-out, star rendezvous)."""
-    lines = ["| hosts x ranks | hvdrun (tree + leaders) | launch / on a host / rendezvous | flat SSH fan-out | "
-             "star rendezvous (no leaders) |", "|---|---|---|---|---|"]
+    """Markdown: T(H, L) with the trees and leaders, and without each (flat fan-out, every leader on rank 0, star
+    rendezvous)."""
+    lines = ["| hosts x ranks | hvdrun (trees + leaders) | launch / on a host / rendezvous | flat SSH fan-out | "
+             "rendezvous without its tree | star rendezvous (no leaders) |", "|---|---|---|---|---|---|"]
     for h in hosts:
         for L in per_host:
             parts = (launch_time(p, h), host_time(p, L), rendezvous_time(p, h, L))
             lines.append(f"| {h:,} x {L} | {startup_time(p, h, L):.1f} s | "
                          f"{parts[0]:.1f} / {parts[1]:.1f} / {parts[2]:.2f} s | "
-                         f"{startup_time(p, h, L, tree=False):.1f} s | {startup_time(p, h, L, leaders=False):.1f} s |")
+                         f"{startup_time(p, h, L, tree=False):.1f} s | "
+                         f"{startup_time(p, h, L, rendezvous_tree=False):.1f} s | "
+                         f"{startup_time(p, h, L, leaders=False):.1f} s |")
     return "\n".join(lines)
 
 
@@ -184,8 +199,10 @@ def growth_line(p: Params, per_host: int) -> str:
     """How T grows per added host: the derivative's shape (log steps from the tree, c_join from rank 0)."""
     samples = [(h, startup_time(p, h, per_host)) for h in (64, 512, 1024, 4096)]
     steps = ", ".join(f"{a:,}->{b:,}: +{tb - ta:.2f} s" for (a, ta), (b, tb) in zip(samples, samples[1:], strict=False))
-    return (f"Growth at {per_host} ranks per host: {steps}; per added host {p.c_join * 1e3:.2f} ms at rank 0 (linear, "
-            f"small) plus a tree level every x{p.fanout} hosts ({p.fanout * p.c_ssh + p.t_agent:.2f} s).")
+    return (f"Growth at {per_host} ranks per host: {steps}; per added host {per_host * p.c_row * 1e3:.2f} ms of "
+            f"records at rank 0 (linear, small), a launch level every x{p.fanout} hosts "
+            f"({p.fanout * p.c_ssh + p.t_agent:.2f} s) and a rendezvous level every x{p.rendezvous_fanout} "
+            f"({p.rendezvous_fanout * p.c_join:.3f} s).")
 
 
 def main() -> None:

@@ -1,0 +1,34 @@
+"""The start-up model's rendezvous (``benchmarks/startup_model.py``): with the rendezvous tree, the admissions in a
+row grow with its depth (a logarithm of the hosts), not with the hosts; every record still reaches rank 0."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "startup_model.py"
+
+
+@pytest.fixture(scope="module")
+def model():
+    spec = importlib.util.spec_from_file_location("hvdrun_startup_model", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_admissions_grow_with_the_trees_depth_and_records_with_the_ranks(model):
+    p = model.Params(c_row=0.0, alpha=0.0)  # the admissions alone
+    assert model.rendezvous_time(p, 33, 12) == pytest.approx(33 * p.c_join)  # rank 0 admits every host
+    admissions = [model.rendezvous_time(p, hosts, 12) / (p.rendezvous_fanout * p.c_join) for hosts in
+                  (34, 1_024, 4_096, 32_768)]
+    assert admissions == pytest.approx([2, 2, 3, 3])  # levels of at most 32 admissions each
+    without = model.rendezvous_time(p, 4_096, 12, tree=False)
+    assert without == pytest.approx(4_096 * p.c_join) and without > 40 * model.rendezvous_time(p, 4_096, 12)
+    records = model.Params(c_join=0.0, alpha=0.0)
+    assert model.rendezvous_time(records, 4_096, 12) == pytest.approx(4_096 * 12 * records.c_row)
