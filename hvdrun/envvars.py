@@ -136,7 +136,7 @@ def job_env(rendezvous: Rendezvous) -> dict[str, str]:
         PYTHONUNBUFFERED: "1", TORCHELASTIC_RUN_ID: rendezvous.run_id or rendezvous.job_id, **TORCHELASTIC,
         RESTART_COUNT: str(rendezvous.restart_count), TORCHELASTIC_RESTART_COUNT: str(rendezvous.restart_count),
         TORCHELASTIC_MAX_RESTARTS: str(rendezvous.max_restarts),
-        **({RENDEZVOUS_TREE: rendezvous.tree} if rendezvous.tree else {}),
+        RENDEZVOUS_TREE: rendezvous.tree,  # always: an empty value keeps a tree in hvdrun's own environment out
     }
 
 

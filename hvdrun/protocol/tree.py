@@ -31,11 +31,11 @@ class TreePlace:
 
     Attributes:
         parent: the endpoint of its parent host's leader (None: rank 0 is its parent).
-        port: where its leader admits the host's children (None: it has none).
+        listen: its own endpoint, where its leader admits the host's children (None: it has none).
     """
 
     parent: tuple[str, int] | None
-    port: int | None
+    listen: tuple[str, int] | None
 
 
 def fanout(environ: Mapping[str, str]) -> int:
@@ -86,7 +86,7 @@ def tree_place(environ: Mapping[str, str]) -> TreePlace | None:
             return None
         parent = parent_of(host, per_leader)
         return TreePlace(endpoints[parent - 1] if parent else None,
-                         endpoints[host - 1][1] if host <= len(endpoints) else None)
+                         endpoints[host - 1] if host <= len(endpoints) else None)
     except (KeyError, ValueError, IndexError):
         return None
 

@@ -8,12 +8,13 @@ import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from hvdrun import envvars
-from hvdrun.errors import CollectiveError, NotInitializedError, UsageError
+from hvdrun.errors import CollectiveError, NotInitializedError, RendezvousError, UsageError
 from hvdrun.protocol.inspection import VITALS, format_reports
 from hvdrun.protocol.rounds import Assignment
 from hvdrun.protocol.tree import tree_place
@@ -35,6 +36,7 @@ from hvdrun.runtime.transport.base import AbortFlag
 from hvdrun.runtime.vitals import rank_vitals
 
 BACKENDS = ("ring", "mpi", "gloo")
+_CAUSE_WAIT_S = 1.0  # how long a rank that failed to join waits to hear a peer's failure that caused it
 DEFAULT_FUSION_BYTES = 64 << 20
 DEFAULT_EAGER_BYTES = 64 << 10
 DEFAULT_START_TIMEOUT_S = 60.0
@@ -111,9 +113,26 @@ def _connect(launch: envvars.LaunchInfo, environ: Mapping[str, str], abort: Abor
                                      algorithm_choice(environ),
                                      envvars.wait_policy(environ)), rendezvous
     except BaseException as e:
-        rendezvous.report_failure(f"rank {launch.rank} failed while joining the job: {e}")  # none waits for it
+        cause = _heard_cause(abort, e)
+        rendezvous.report_failure(f"rank {launch.rank} failed while joining the job: {cause or e}")  # none waits
         rendezvous.close()
+        if cause is not None:
+            raise RendezvousError(f"{cause} (here: {e})") from e
         raise
+
+
+def _heard_cause(abort: AbortFlag, error: BaseException) -> str | None:
+    """Why the job stops, when ``error`` (a peer that could not be reached while joining) is only its symptom: a
+    peer that failed first makes its neighbours' connections fail before its failure reaches them over the control
+    connections (a refused or reset connection, a shared-memory segment already removed), so wait a moment for it
+    (None: no other failure was heard; ``error`` is the cause)."""
+    if not isinstance(error, Exception) or isinstance(error, UsageError):
+        return None
+    deadline = time.monotonic() + _CAUSE_WAIT_S
+    while abort.reason is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    reason = abort.reason
+    return reason if reason is not None and reason not in str(error) else None
 
 
 def _local_size(environ: Mapping[str, str]) -> int | None:

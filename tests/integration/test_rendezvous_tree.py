@@ -5,11 +5,16 @@ of their own are separate hosts to the runtime. Fan-out 2 here: five hosts a (ra
 e (7) make a -> b c, b -> d e; nine hosts of one rank make three levels (n0 -> n1 n2, n1 -> n3 n4, n3 -> n7 n8)."""
 
 import re
+import socket
+import subprocess
+import threading
+import time
 
 import pytest
 
 from hvdrun.launch.remote.hostfacts import free_ports
 from hvdrun.protocol.tree import tree_value
+from tests.conftest import threads_of
 from tests.integration.test_host_leaders import WORKER
 
 HOSTS = [("a", 2), ("b", 1), ("c", 2), ("d", 2), ("e", 1)]
@@ -22,8 +27,19 @@ def tree_env() -> dict[str, str]:
     return {"HVDRUN_RENDEZVOUS_TREE": tree_value(2, [("127.0.0.1", port) for port in free_ports(3)])}
 
 
-def _finish(procs: dict) -> dict[int, tuple[str, str]]:
-    return {rank: proc.communicate(timeout=90) for rank, proc in procs.items()}
+def _finish(procs: dict, timeout_s: float = 90) -> dict[int, tuple[str, str]]:
+    """Every rank's (stdout, stderr); a job still running after ``timeout_s`` fails with every rank's threads."""
+    outputs, deadline = {}, time.monotonic() + timeout_s
+    for rank, proc in procs.items():
+        try:
+            outputs[rank] = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            left = {r: p for r, p in procs.items() if p.poll() is None}
+            dumps = [f"rank {r}: {threads_of(p.pid)}" for r, p in left.items()]
+            done = [f"rank {r} ended {procs[r].returncode}: {out[-600:]!r} {err[-1500:]!r}" for r, (out, err) in
+                    outputs.items()]
+            pytest.fail(f"ranks {list(left)} still running after {timeout_s:g} s\n" + "\n".join(dumps + done))
+    return outputs
 
 
 @pytest.mark.parametrize("hosts, size, admitted", [(HOSTS, 8, "3 connections for 7 ranks"),
@@ -82,3 +98,48 @@ def test_a_bad_fanout_is_a_usage_error(run_hvdrun, hvdrun_env, ssh_hosts):
     done = run_hvdrun("-H", ssh_hosts.hosts(1, count=2), *ssh_hosts.args(), WORKER, "ok", timeout=60)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "HVDRUN_RENDEZVOUS_FANOUT='1': expected a whole number of hosts, at least 2" in done.stderr
+
+
+def test_a_child_that_dies_during_the_gather_is_named_once_the_table_is_out_not_at_the_timeout(spawn_ranks, tree_env):
+    """Rank 5 leads host d under b and dies after joining, while the job waits for rank 6: its records went up, so
+    the gather completes once rank 6 comes (it leads host d now); then b's leader names rank 5 on every rank,
+    within seconds instead of at the start timeout."""
+    env = {**tree_env, "HVDRUN_START_TIMEOUT": "60"}
+    procs = spawn_ranks(WORKER, 8, ranks=[0, 1, 2, 3, 4, 5, 7], args=("ok",), hosts=HOSTS, env=env)
+    time.sleep(4)  # every started rank joined its leader (9 processes share 2 cores in CI)
+    procs[5].kill()
+    procs[5].wait(10)
+    started = time.monotonic()
+    procs.update(spawn_ranks(WORKER, 8, ranks=[6], args=("ok",), hosts=HOSTS, env=env,
+                             rendezvous=spawn_ranks.rendezvous))
+    outputs = _finish({rank: proc for rank, proc in procs.items() if rank != 5})
+    assert time.monotonic() - started < 45, "waited for the start timeout"  # a bound against hanging
+    for rank, (_, stderr) in outputs.items():
+        assert procs[rank].returncode != 0
+        assert "rank 5 (host d," in stderr, (rank, stderr[-2000:])
+
+
+def test_connections_that_never_authenticate_do_not_hold_up_a_parents_gather(spawn_ranks, tree_env):
+    """Twenty silent connections to host b's tree port while its subtree joins: each handshake runs on its own
+    thread and is dropped after its deadline, so the job starts as if they were not there."""
+    port = int(tree_env["HVDRUN_RENDEZVOUS_TREE"].split(";")[1].split(",")[0].rpartition(":")[2])
+    silent: list[socket.socket] = []
+
+    def flood() -> None:
+        deadline = time.monotonic() + 30
+        while len(silent) < 20 and time.monotonic() < deadline:
+            try:
+                silent.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+            except OSError:
+                time.sleep(0.02)
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    procs = spawn_ranks(WORKER, 8, args=("ok",), hosts=HOSTS, env=tree_env)
+    outputs = _finish(procs)
+    thread.join(5)
+    for sock in silent:
+        sock.close()
+    assert len(silent) == 20, len(silent)
+    for rank, (stdout, stderr) in outputs.items():
+        assert procs[rank].returncode == 0 and f"rank {rank}: ok" in stdout, stderr[-2000:]

@@ -31,8 +31,9 @@ def test_each_rank_finds_its_parent_and_its_port_from_the_endpoints_and_its_host
     assert value == "2;10.0.0.2:4001,fe80::3:4002,10.0.0.4:4003"
     place = {host: tree_place({"HVDRUN_RENDEZVOUS_TREE": value, "GROUP_RANK": str(host)}) for host in range(9)}
     assert place[0] is None  # rank 0's host
-    assert place[1] == TreePlace(None, 4001) and place[2] == TreePlace(None, 4002)  # rank 0's children
-    assert place[3] == TreePlace(("10.0.0.2", 4001), 4003) and place[4] == TreePlace(("10.0.0.2", 4001), None)
+    assert place[1] == TreePlace(None, ("10.0.0.2", 4001)) and place[2] == TreePlace(None, ("fe80::3", 4002))
+    assert place[3] == TreePlace(("10.0.0.2", 4001), ("10.0.0.4", 4003))
+    assert place[4] == TreePlace(("10.0.0.2", 4001), None)
     assert place[5] == place[6] == TreePlace(("fe80::3", 4002), None)
     assert place[7] == place[8] == TreePlace(("10.0.0.4", 4003), None)
 

@@ -42,8 +42,6 @@ from hvdrun.runtime.transport.base import AbortFlag
 
 __all__ = ["Peer", "PeerTable", "Rendezvous", "reserve_listener"]
 
-_TREE_PORT_WAIT_S = 2.0  # a tree port still held (the last init()'s leader closing it) is waited for this long
-
 
 class Rendezvous:
     """One rank's membership in the job's control plane.
@@ -72,7 +70,7 @@ class Rendezvous:
         self.abort, self.secret, self.generation = abort, secret, generation
         flat = os.environ.get(envvars.RENDEZVOUS, "").lower() == "flat"
         self.tree = None if flat or rank == 0 else tree
-        self.grouped = ((local_size or 1) > 1 or (self.tree is not None and self.tree.port is not None)) \
+        self.grouped = ((local_size or 1) > 1 or (self.tree is not None and self.tree.listen is not None)) \
             and sys.platform.startswith("linux") and not flat
         self._server = RootServer(addr, port, size, secret, abort, generation) if rank == 0 else None
         self._client: Client | None = None
@@ -114,14 +112,14 @@ class Rendezvous:
         """Join for this host as its leader; on an inner host of the tree, admit its children too and join for them
         all."""
         children = None
-        if self.tree is not None and self.tree.port is not None:
+        if self.tree is not None and self.tree.listen is not None:
+            addr, port = self.tree.listen
             try:
-                port_deadline = min(deadline, time.monotonic() + _TREE_PORT_WAIT_S)
-                children = Children(wait_listen(self.tree.port, port_deadline), self.secret, self.generation)
+                children = Children(wait_listen(addr, port, deadline), self.secret, self.generation, self.size)
             except OSError as e:
                 listener.close()
-                raise RendezvousError(f"rank {self.rank} admits other hosts of the rendezvous tree on port "
-                                      f"{self.tree.port} but cannot listen there: {e}") from e
+                raise RendezvousError(f"rank {self.rank} admits other hosts of the rendezvous tree at {addr}:{port} "
+                                      f"but cannot listen there: {e}") from e
         self._leader = HostLeader(Client(self._upstream(), self.secret, self.abort, self.generation), listener,
                                   children)
         return self._leader.exchange(me, deadline)

@@ -101,7 +101,7 @@ class HostLeader:
             if remaining <= 0:
                 self._fail_locals(f"{self.up.upstream.describe()} did not answer the rendezvous in time")
                 raise RendezvousError(f"{self.up.upstream.describe()} did not answer the rendezvous in time")
-            below = [self.children.listener, *self.children.by_sock] if self.children is not None else []
+            below = self.children.gather_fds() if self.children is not None else []
             ready = readable([self.listener, sock, *below], min(remaining, 0.5))
             joined = [self._admit_local()] if self.listener in ready else []
             joined += self._children_rows(ready)
@@ -121,7 +121,9 @@ class HostLeader:
         children = self.children
         if children is None:
             return []
-        joined = children.admit() if children.listener in ready else []
+        if children.listener in ready:
+            children.accept()
+        joined = children.take_admitted() if children.wake_fd in ready else []
         for sock in [sock for sock in ready if sock in children.by_sock]:
             joined += children.more_rows(sock)
         return joined
@@ -157,6 +159,9 @@ class HostLeader:
                 pass
         if self.children is not None:  # the subtree's table (every rank's needs): each host takes its own part
             self.children.send_all(("table", message[1], message[2], self.me.describe()), self._send)
+            self.children.table_sent = True
+            for child in self.children.lost():  # went during the gather: named now, as rank 0 names a dead rank
+                self._from_child(child, None)
         self.up.sock.settimeout(None)
         self._watcher = threading.Thread(target=self._watch, name="hvdrun-host-leader", daemon=True)
         self._watcher.start()
@@ -200,7 +205,8 @@ class HostLeader:
         assert up is not None
         while not self._closing:
             live = [sock for sock in self.locals if sock not in self._said_bye]
-            watched: list[Any] = [up, self._wake_read, *live, *(self.children.live() if self.children else ())]
+            below = [self.children.listener, self.children.wake_fd, *self.children.live()] if self.children else []
+            watched: list[Any] = [up, self._wake_read, *live, *below]
             try:
                 ready = readable(watched, self._next_timeout())
             except (OSError, ValueError):
@@ -214,6 +220,10 @@ class HostLeader:
                     self._from_local(sock)
                 elif self.children is not None and sock in self.children.by_sock:
                     self._from_child(*self.children.receive(sock))
+                elif self.children is not None and sock is self.children.listener:
+                    self.children.accept()  # late: refused once its handshake is done
+                elif self.children is not None and sock == self.children.wake_fd:
+                    self.children.take_admitted()
             self._answer_reports()
 
     def _next_timeout(self) -> float:
@@ -268,27 +278,31 @@ class HostLeader:
             self._abort_all(reason)
             self._up_send(("abort", reason))
 
-    def _from_child(self, child: Child, message: Any) -> None:
-        """One message of a child host, as rank 0 would take it."""
-        kind = message[0] if isinstance(message, tuple) and message else None
-        if kind == "bye":
-            child.said_bye = True
-        elif kind in ("report", "reports"):
-            pending = self._pending.get(message[1])
-            if pending is not None and kind == "report":
-                pending.reports[child.first.rank] = message[2]
-            elif pending is not None:
-                pending.reports.update(message[2])
-                pending.absent.update(message[3])
-        elif kind == "abort":
-            self._up_send(("abort", message[1]))
-        elif kind == "ready":
-            self._reached(message[1], message[2])
-        elif not self._closing:
-            child.said_bye = True  # no longer watched
-            reason = f"{child.first.describe()} disconnected without shutting down: it exited or crashed"
-            self._abort_all(reason)
-            self._up_send(("abort", reason))
+    def _from_child(self, child: Child, message: tuple[Any, ...] | None) -> None:
+        """One message of a child host, as rank 0 would take it (None: its connection ended). Reports go up as they
+        come, a frame per child, so that no frame holds a whole subtree's stacks."""
+        try:
+            if message is None:
+                raise ValueError("its connection ended")
+            kind = message[0]
+            if kind == "bye":
+                child.said_bye = True
+            elif kind == "report":
+                self._up_send(("reports", message[1], {child.first.rank: message[2]}, {}))
+            elif kind == "reports":
+                self._up_send(message)
+            elif kind == "abort":
+                self._up_send(("abort", message[1]))
+            elif kind == "ready":
+                self._reached(message[1], message[2])
+            else:
+                raise ValueError(kind)
+        except (ValueError, IndexError, TypeError):
+            if not self._closing:
+                child.said_bye = True  # no longer watched
+                reason = f"{child.first.describe()} disconnected without shutting down: it exited or crashed"
+                self._abort_all(reason)
+                self._up_send(("abort", reason))
 
     def _ask_reports(self, request: int, timeout_s: float, what: str) -> None:
         live = {sock: peer for sock, peer in self.locals.items() if sock not in self._said_bye}
@@ -308,17 +322,17 @@ class HostLeader:
         self._pending[request] = pending
 
     def _ask_children(self, pending: _Pending, timeout_s: float, what: str) -> None:
-        """Forward a report request to the child hosts; their subtrees' ranks are expected in ``pending``."""
+        """Forward a report request to the child hosts (each answers up on its own, :meth:`_from_child`); why the
+        ones that cannot answer have no report goes in ``pending``."""
         if self.children is None:
             return
         for child in self.children.by_sock.values():
             ranks = {peer.rank for peer in child.peers}
-            if child.said_bye:
+            if child.said_bye or child.lost:
                 pending.absent.update({rank: "it left the job" for rank in ranks})
                 continue
             try:
                 self._send(child.sock, ("report?", pending.request, timeout_s, what))
-                pending.expected |= ranks
             except OSError as e:
                 pending.absent.update({rank: f"its control connection failed: {e}" for rank in ranks})
 
