@@ -19,20 +19,23 @@ from hvdrun.errors import RendezvousError
 from hvdrun.protocol.wire import AuthError, authenticate_client, authenticate_server, recv_frame, send_frame
 from hvdrun.runtime.collectives.pairwise import Link
 from hvdrun.runtime.peers import Peer
+from hvdrun.runtime.transport.base import AbortFlag
 from hvdrun.runtime.transport.shm import ShmRx, ShmSegment, ShmTx
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx, tune
 
 CONNECT_TIMEOUT_S = 30.0
 RING, LINK = "ring", "link"
+_ABORT_POLL_S = 0.05  # how often a wait for a peer's connection looks at the abort flag
 
 
 class Acceptor:
     """Accepts, in a thread, the connections this rank expects: ``(purpose, rank)`` pairs, until they have all come
-    or ``deadline`` (``time.monotonic()``) passes."""
+    or ``deadline`` (``time.monotonic()``) passes. ``abort``: a wait for a connection ends as soon as it is set (a
+    peer that failed will never dial)."""
 
     def __init__(self, listener: socket.socket, expected: Iterable[tuple[str, int]], secret: bytes,
-                 deadline: float) -> None:
-        self.expected, self.secret, self.deadline = set(expected), secret, deadline
+                 deadline: float, abort: AbortFlag | None = None) -> None:
+        self.expected, self.secret, self.deadline, self.abort = set(expected), secret, deadline, abort
         self.accepted: dict[tuple[str, int], socket.socket] = {}
         self.error: str | None = None
         self._closed = False
@@ -89,11 +92,14 @@ class Acceptor:
 
         Raises:
             RendezvousError: some did not connect in time; names every one of them.
+            CollectiveError: the job was aborted meanwhile (its reason).
         """
         keys = [(purpose, peer.rank) for peer in peers]
         with self._arrived:
-            self._arrived.wait_for(lambda: all(key in self.accepted for key in keys),
-                                   max(self.deadline - time.monotonic(), 0))
+            while not all(key in self.accepted for key in keys) and time.monotonic() < self.deadline:
+                if self.abort is not None:
+                    self.abort.check()
+                self._arrived.wait(min(max(self.deadline - time.monotonic(), 0), _ABORT_POLL_S))
             missing = [peer for peer, key in zip(peers, keys, strict=True) if key not in self.accepted]
             if missing:
                 raise RendezvousError(

@@ -127,7 +127,7 @@ class NativeBackend(Backend):
             host_ranks = _host_ranks(grid, rank) if own is not None else []
             if len(host_ranks) > 1 and host_ranks[0] == rank:
                 posts = PostBoard(job_key, rank, len(host_ranks), 0, create=True)
-            acceptor = Acceptor(listener, _expected(me, peers, own, partners - local), secret, deadline)
+            acceptor = Acceptor(listener, _expected(me, peers, own, partners - local), secret, deadline, abort)
             tx, rx, segments = _channels(me, peers, own, acceptor, job_key, secret, deadline)
             channels += [tx, rx]
             remote = sorted(partners - local)  # links across hosts: this rank dials the higher ranks, all at once
