@@ -372,10 +372,12 @@ def shutdown() -> None:
         runtime, _runtime = _runtime, None
     if runtime is None:
         return
-    runtime.engine.stop(SHUTDOWN_TIMEOUT_S)
+    failed = runtime.engine.stop(SHUTDOWN_TIMEOUT_S)
     if runtime.engine.timeline is not None:
         runtime.engine.timeline.close()
     if runtime.rendezvous is not None:
+        if failed is not None:  # peers still in the shutdown would wait for this rank: tell them, as a failure does
+            runtime.rendezvous.report_failure(f"rank {runtime.world.rank} could not complete the shutdown: {failed}")
         runtime.rendezvous.close()
     if runtime.device is not None:
         runtime.device.close()

@@ -236,13 +236,16 @@ class Engine:
         return not (ledger.taken or self._loop.holding or ledger.failure is not None or ledger.stopped
                     or self._cycle.holding or self._cycle.timeline is not None or JOIN in self._cycle.table.entries)
 
-    def stop(self, timeout_s: float) -> None:
-        """Negotiate a shutdown with every rank (bounded by ``timeout_s``), then stop the thread."""
+    def stop(self, timeout_s: float) -> str | None:
+        """Negotiate a shutdown with every rank (bounded by ``timeout_s``), then stop the thread; why the shutdown
+        did not complete on every rank (None: it did)."""
+        failed = None
         try:
             self.submit(Request(SHUTDOWN, "shutdown")).wait(timeout_s)
-        except (CollectiveError, TimeoutError):
-            pass
+        except (CollectiveError, TimeoutError) as e:
+            failed = str(e) or "it timed out"
         self._loop.stop(timeout_s)
+        return failed
 
     # -- failure: the progress loop reports here ---------------------------------------------
     def _fail_from(self, error: Exception) -> None:

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
+import termios
+import time
 
 from hvdrun.errors import PeerLostError
 from hvdrun.runtime.transport.base import RxChannel, TxChannel
 
 STAGING_BYTES = 4 << 20
 SOCKET_BUFFER_BYTES = 4 << 20
+CLOSE_FLUSH_S = 1.0  # how long a closing channel waits for its peer to take what it sent
+
+
+def _unacknowledged(sock: socket.socket) -> int:
+    """Bytes sent on ``sock`` that the peer has not acknowledged yet (Linux's SIOCOUTQ; 0 where unknown)."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0])
+    except (OSError, ValueError):
+        return 0
 
 
 def tune(sock: socket.socket) -> None:
@@ -43,6 +56,12 @@ class TcpTx(TxChannel):
         return self.sock.fileno()
 
     def close(self) -> None:
+        """Close once the peer has every byte sent, waiting at most :data:`CLOSE_FLUSH_S`: a rank that leaves the
+        job first must not cut off what its successor still reads (closed with bytes in flight, the successor read
+        the stream's end before them, on loopback under load)."""
+        deadline = time.monotonic() + CLOSE_FLUSH_S
+        while _unacknowledged(self.sock) and time.monotonic() < deadline:
+            time.sleep(0.001)
         self.sock.close()
 
 
