@@ -170,3 +170,22 @@ def test_a_waiter_with_bytes_staged_does_not_sleep(pair, monkeypatch):
     base.Waiter(None, AbortFlag()).sleep([rx_b], [], 5.0)  # returns at once
     rx_b.consume(16)
     monkeypatch.undo()
+
+
+def test_frames_a_peer_sent_before_leaving_are_all_taken_before_its_end_is_raised(pair):
+    """The shutdown's last cycle: a peer sends its last frames and closes at once; a swap that reads ahead of the
+    frame it needs meets the stream's end with frames still staged, and must hand them out first (it lost them, and
+    the rank's shutdown ended early while its own successor waited for it)."""
+    from hvdrun.runtime.collectives.streams import swap_message
+
+    tx_a, _, tx_b, rx_b = pair
+    frames = [f"frame {i}".encode() * 3 for i in range(4)]
+    for frame in frames:  # what swap_message sends: length, message, padding
+        tx_a.sock.sendall(len(frame).to_bytes(8, "little") + frame + bytes(-len(frame) % 8))
+    tx_a.sock.shutdown(socket.SHUT_WR)  # then it leaves
+    waiter = Waiter(None, AbortFlag())
+    rx_b.peek(1)  # everything, and the end, arrive in one read
+    got = [bytes(swap_message(tx_b, rx_b, waiter, b"mine")) for _ in frames]
+    assert got == frames
+    with pytest.raises(PeerLostError, match="peer b closed its connection"):
+        swap_message(tx_b, rx_b, waiter, b"mine")

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import fcntl
 import socket
-import struct
-import termios
-import time
 
 from hvdrun.errors import PeerLostError
 from hvdrun.runtime.transport.base import RxChannel, TxChannel
 
 STAGING_BYTES = 4 << 20
 SOCKET_BUFFER_BYTES = 4 << 20
-CLOSE_FLUSH_S = 1.0  # how long a closing channel waits for its peer to take what it sent
-
-
-def _unacknowledged(sock: socket.socket) -> int:
-    """Bytes sent on ``sock`` that the peer has not acknowledged yet (Linux's SIOCOUTQ; 0 where unknown)."""
-    try:
-        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0])
-    except (OSError, ValueError):
-        return 0
 
 
 def tune(sock: socket.socket) -> None:
@@ -56,23 +43,21 @@ class TcpTx(TxChannel):
         return self.sock.fileno()
 
     def close(self) -> None:
-        """Close once the peer has every byte sent, waiting at most :data:`CLOSE_FLUSH_S`: a rank that leaves the
-        job first must not cut off what its successor still reads (closed with bytes in flight, the successor read
-        the stream's end before them, on loopback under load)."""
-        deadline = time.monotonic() + CLOSE_FLUSH_S
-        while _unacknowledged(self.sock) and time.monotonic() < deadline:
-            time.sleep(0.001)
         self.sock.close()
 
 
 class TcpRx(RxChannel):
-    """Receives from the previous rank into a staging buffer that :meth:`peek` exposes."""
+    """Receives from the previous rank into a staging buffer that :meth:`peek` exposes.
+
+    The end of the stream (or its failure) is raised only once every byte staged before it has been taken: a peer
+    that sends its last frames and leaves at once (the shutdown's last cycle) must not take them with it."""
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock, self.peer = sock, peer
         self._buffer = bytearray(STAGING_BYTES)
         self._view = memoryview(self._buffer)
         self._start = self._end = 0
+        self._ended: PeerLostError | None = None  # the stream's end, met while bytes were still staged
 
     def peek(self, limit: int) -> memoryview:
         if self._start == self._end:
@@ -98,11 +83,18 @@ class TcpRx(RxChannel):
         return self._receive(dst)
 
     def _fill(self) -> None:
-        self._end += self._receive(self._view[self._end:])
+        try:
+            self._end += self._receive(self._view[self._end:])
+        except PeerLostError as e:
+            if self._end == self._start:
+                raise
+            self._ended = e  # raised once the staged bytes are taken
 
     def _receive(self, into: memoryview) -> int:
         if not len(into):  # a full buffer: recv_into would return 0, which means a closed connection
             return 0
+        if self._ended is not None:
+            raise self._ended
         try:
             count = self.sock.recv_into(into)
         except BlockingIOError:
