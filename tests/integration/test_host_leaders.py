@@ -32,7 +32,11 @@ def test_ranks_join_through_their_hosts_leaders_and_reports_come_back_through_th
                          ids=["a-leaders-rank-dies", "a-leader-dies", "rank-0-dies"])
 def test_a_death_anywhere_reaches_every_rank_through_the_leaders(spawn_ranks, victim, named):
     procs = spawn_ranks(WORKER, 6, args=("die", str(victim)), hosts=HOSTS)
-    outputs = _finish(procs)
+    assert_the_others_raised_naming(procs, _finish(procs), victim, named)
+
+
+def assert_the_others_raised_naming(procs: dict, outputs: dict[int, tuple[str, str]], victim: int, named: str) -> None:
+    """``victim`` was killed (the worker's ``die`` mode); every other rank raised within a bound, naming ``named``."""
     assert procs[victim].returncode == -9
     for rank, (stdout, stderr) in outputs.items():
         if rank == victim:

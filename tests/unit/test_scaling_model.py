@@ -3,23 +3,15 @@ step whatever the number of ranks, where every rank's announcement reaching ever
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "scaling.py"
+from tests.benchmark_module import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def scaling():
-    spec = importlib.util.spec_from_file_location("hvdrun_scaling_model", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_module("scaling") as module:
+        yield module
 
 
 def link_bytes_per_step(scaling, hosts: int, per_host: int, held: int | None) -> float:

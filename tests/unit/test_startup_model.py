@@ -3,23 +3,15 @@ row grow with its depth (a logarithm of the hosts), not with the hosts; every re
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "startup_model.py"
+from tests.benchmark_module import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def model():
-    spec = importlib.util.spec_from_file_location("hvdrun_startup_model", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_module("startup_model") as module:
+        yield module
 
 
 def test_admissions_grow_with_the_trees_depth_and_records_with_the_ranks(model):
