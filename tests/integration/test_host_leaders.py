@@ -4,6 +4,7 @@ joins rank 0 for them and relays failures, reports and goodbyes. Ranks given hos
 
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -90,3 +91,21 @@ def _leads(pid: int) -> bool:
         return False
     sockets = [link.removeprefix("socket:[").removesuffix("]") for link in links if link.startswith("socket:")]
     return any(inode in inodes for inode in sockets)
+
+
+def test_a_hosts_leader_stops_its_host_at_once_when_one_of_its_ranks_fails_without_waiting_for_rank_0(spawn_ranks,
+                                                                                                       tmp_path):
+    """A rank of host b that is not its leader reports a failure while rank 0 is stopped (it relays nothing): b's
+    leader tells b's ranks itself (rank 0 tells the others once it runs again)."""
+    flag = tmp_path / "reporter"
+    procs = spawn_ranks(WORKER, 6, args=("report", str(flag)), hosts=HOSTS)
+    assert wait_until(lambda: any(_leads(procs[rank].pid) for rank in (2, 3)), 60), "no rank of host b leads it"
+    time.sleep(2)  # every rank waits for the flag (6 processes share 2 cores in CI)
+    leader = next(rank for rank in (2, 3) if _leads(procs[rank].pid))
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    try:
+        flag.write_text(str(5 - leader))
+        stdout, stderr = procs[leader].communicate(timeout=30)  # far below any timeout of the job
+    finally:
+        os.kill(procs[0].pid, signal.SIGCONT)
+    assert f"rank {leader} raised after" in stdout and f"rank {5 - leader} gives up" in stdout, (stdout, stderr[-2000:])

@@ -268,7 +268,8 @@ class HostLeader:
             pending = self._pending.get(message[1])
             if pending is not None:
                 pending.reports[peer.rank] = message[2]
-        elif kind == "abort":
+        elif kind == "abort":  # this host and the subtree at once, without waiting for rank 0 (which may be gone)
+            self._abort_all(str(message[1]))
             self._up_send(("abort", message[1]))
         elif kind == "ready":
             self._reached(message[1], message[2])
@@ -291,7 +292,8 @@ class HostLeader:
                 self._up_send(("reports", message[1], {child.first.rank: message[2]}, {}))
             elif kind == "reports":
                 self._up_send(message)
-            elif kind == "abort":
+            elif kind == "abort":  # as a local rank's
+                self._abort_all(str(message[1]))
                 self._up_send(("abort", message[1]))
             elif kind == "ready":
                 self._reached(message[1], message[2])
