@@ -26,13 +26,14 @@ def bind_host(addr: str) -> str:
     return addr
 
 
-def listen(addr: str, port: int, backlog: int) -> socket.socket:
-    """A listening socket on ``bind_host(addr):port``; a port taken by someone else is retried for a while.
+def listen(addr: str, port: int, backlog: int, until: float | None = None) -> socket.socket:
+    """A listening socket on ``bind_host(addr):port``; a port taken by someone else is retried for a while (until the
+    monotonic time ``until`` when given: an earlier init()'s listener may still be closing).
 
     Raises:
         RendezvousError: the port stayed taken.
     """
-    deadline = time.monotonic() + _BIND_RETRY_S
+    deadline = time.monotonic() + _BIND_RETRY_S if until is None else until
     while True:
         try:
             return socket.create_server((bind_host(addr), port), backlog=max(backlog, MIN_BACKLOG))

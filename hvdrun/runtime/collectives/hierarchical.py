@@ -199,9 +199,14 @@ class Hierarchy:
             self._allreduce_on_board(flat, reduce, bounds)
             return
         self.local.reduce_scatter(flat, reduce, bounds, shift=0)  # local rank l owns chunk l + 1
-        start, stop = bounds[(self.local_rank + 1) % self.locals]
+        start, stop = self._owned(bounds, self.local_rank)
         self._allreduce_across_hosts(flat[start:stop], reduce, flat.nbytes)
         self.local.all_gather_chunks(flat, bounds)
+
+    def _owned(self, bounds: list[tuple[int, int]], local: int) -> tuple[int, int]:
+        """The chunk local rank ``local`` reduces and carries across hosts: ``l + 1``, where the host's ring
+        reduce-scatter (shift 0) leaves it."""
+        return bounds[(local + 1) % self.locals]
 
     def _allreduce_across_hosts(self, part: np.ndarray, reduce: ReduceFn, nbytes: int) -> None:
         """Allreduce this rank's ``part`` of an ``nbytes`` buffer among its local rank's ranks on every host."""
@@ -216,17 +221,17 @@ class Hierarchy:
     def _allreduce_on_board(self, flat: np.ndarray, reduce: ReduceFn, bounds: list[tuple[int, int]]) -> None:
         """:meth:`allreduce` with the host's post board inside the host: every rank posts its buffer and reduces
         its part from the L posts in place; the part crosses hosts; every rank posts its reduced part and copies
-        the others'. Two rounds of the board, each one post and one wait. Local rank l owns chunk l + 1, as after
-        the ring's reduce-scatter, so a host without a board (no shared memory) crosses with the same part."""
+        the others'. Two rounds of the board, each one post and one wait. Each rank owns the part the ring's
+        reduce-scatter leaves it, so a host without a board (no shared memory) crosses with the same part."""
         me, dtype = self.local_rank, flat.dtype
-        start, stop = bounds[(me + 1) % self.locals]
+        start, stop = self._owned(bounds, me)
         part = flat[start:stop]
         for member, post in enumerate(self._post_and_wait(as_bytes(flat))):
             if member != me and stop > start:
                 reduce(part, np.frombuffer(post, dtype, stop - start, start * dtype.itemsize), out=part)
         self._allreduce_across_hosts(part, reduce, flat.nbytes)
         for member, post in enumerate(self._post_and_wait(as_bytes(part))):
-            first, last = bounds[(member + 1) % self.locals]
+            first, last = self._owned(bounds, member)
             if member != me and last > first:
                 flat[first:last] = np.frombuffer(post, dtype, last - first)
 

@@ -24,9 +24,10 @@ from typing import Any
 
 from hvdrun import envvars
 from hvdrun.errors import RendezvousError
+from hvdrun.protocol.sockets import MIN_BACKLOG, listen
 from hvdrun.protocol.tree import TreePlace
 from hvdrun.runtime.peers import NeedsPlan, Peer, PeerTable, ring_neighbours
-from hvdrun.runtime.rendezvous.children import Children, wait_listen
+from hvdrun.runtime.rendezvous.children import Children
 from hvdrun.runtime.rendezvous.client import Client
 from hvdrun.runtime.rendezvous.common import (
     Reporter,
@@ -81,7 +82,7 @@ class Rendezvous:
     def _upstream(self, local_name: str | None = None) -> Upstream:
         """Where this rank (or, as its leader, its host) joins: its parent host's leader in the tree, else rank 0."""
         if local_name is None and self.tree is not None and self.tree.parent is not None:
-            return Upstream(*self.tree.parent, group=True)
+            return Upstream(*self.tree.parent, tree_parent=True)
         return Upstream(self.addr, self.port, local_name)
 
     def local_address(self, deadline: float) -> str:
@@ -113,13 +114,12 @@ class Rendezvous:
         all."""
         children = None
         if self.tree is not None and self.tree.listen is not None:
-            addr, port = self.tree.listen
-            try:
-                children = Children(wait_listen(addr, port, deadline), self.secret, self.generation, self.size)
-            except OSError as e:
+            try:  # the launcher's address for it (as the children reach it); an earlier init()'s may be closing
+                children = Children(listen(*self.tree.listen, MIN_BACKLOG, until=deadline), self.secret,
+                                    self.generation, self.size)
+            except RendezvousError as e:
                 listener.close()
-                raise RendezvousError(f"rank {self.rank} admits other hosts of the rendezvous tree at {addr}:{port} "
-                                      f"but cannot listen there: {e}") from e
+                raise RendezvousError(f"rank {self.rank} admits other hosts of the rendezvous tree: {e}") from e
         self._leader = HostLeader(Client(self._upstream(), self.secret, self.abort, self.generation), listener,
                                   children)
         return self._leader.exchange(me, deadline)

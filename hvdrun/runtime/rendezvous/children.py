@@ -14,13 +14,11 @@ import os
 import queue
 import socket
 import threading
-import time
 from typing import Any
 
-from hvdrun.protocol.sockets import bind_host
 from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
 from hvdrun.runtime.peers import Peer
-from hvdrun.runtime.rendezvous.common import HANDSHAKE_TIMEOUT_S, drop_handshake
+from hvdrun.runtime.rendezvous.common import HANDSHAKE_TIMEOUT_S, handshake_on_thread
 
 _HANDSHAKES = 64  # unauthenticated connections handled at once; more are refused (a flood cannot stall the gather)
 
@@ -84,20 +82,11 @@ class Children:
             sock, _ = self.listener.accept()
         except OSError:
             return
-        if not self._handshakes.acquire(blocking=False):
-            sock.close()
-            return
-        threading.Thread(target=self._admit_within_deadline, args=(sock,), name="hvdrun-admit-child",
-                         daemon=True).start()
+        handshake_on_thread(sock, self._handshakes, self._admit)
 
-    def _admit_within_deadline(self, sock: socket.socket) -> None:
-        watchdog = threading.Timer(HANDSHAKE_TIMEOUT_S, drop_handshake, args=(sock,))
-        watchdog.start()
-        try:
-            peers = self._handshake(sock)
-        finally:
-            watchdog.cancel()
-            self._handshakes.release()
+    def _admit(self, sock: socket.socket) -> None:
+        """A child's handshake (on its own thread): handed to the gather loop, woken by the pipe."""
+        peers = self._handshake(sock)
         if peers:
             self._admitted.put((sock, peers))
             os.write(self._wake_write, b"\0")
@@ -190,19 +179,3 @@ class Children:
             except OSError:
                 pass
 
-
-def wait_listen(addr: str, port: int, deadline: float) -> socket.socket:
-    """Where an inner host's leader admits its children: ``port`` at ``addr`` (the address the launcher gave the
-    children; every interface for a name), retried until ``deadline`` while the port is still held (the last
-    init()'s leader closing it).
-
-    Raises:
-        OSError: the port stays taken.
-    """
-    while True:
-        try:
-            return socket.create_server((bind_host(addr), port), backlog=128)
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)

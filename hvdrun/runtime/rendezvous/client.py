@@ -47,7 +47,7 @@ class Client:
         that proves it does not know the job's secret (:class:`AuthError`) is not.
         """
         where = self.upstream.describe()
-        it = "rank 0" if where.startswith("rank 0") else "it"
+        it = "rank 0" if self.upstream.is_rank0 else "it"
         while True:
             try:
                 sock = self.upstream.open()
@@ -111,7 +111,7 @@ class Client:
     def join_table(self, me: Peer, deadline: float) -> PeerTable:
         """Join and start listening for aborts; the table this rank was sent."""
         message = self.join(me, deadline)
-        if len(message) > 3:  # through a leader (the host's or the group's): name it if it goes
+        if len(message) > 3:  # through a leader (the host's, or a parent host's in the tree): name it if it goes
             self.lost = self.upstream.lost(message[3])
         threading.Thread(target=self._watch, name="hvdrun-rendezvous", daemon=True).start()
         return PeerTable.decode(message[1], message[2])

@@ -18,6 +18,7 @@ from hvdrun import envvars
 from hvdrun.errors import RendezvousError
 from hvdrun.protocol.inspection import REPORT_TIMEOUT_S, STACKS
 from hvdrun.protocol.sockets import MIN_BACKLOG, listen
+from hvdrun.runtime.peers import Peer
 from hvdrun.runtime.transport.base import AbortFlag
 
 HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this, whatever it sends
@@ -71,12 +72,39 @@ def signal_self(signum: Any) -> None:
         pass
 
 
+def disconnected(peer: Peer) -> str:
+    """Why the job stops when ``peer``'s control connection ends without a goodbye (as rank 0 and leaders say it)."""
+    return f"{peer.describe()} disconnected without shutting down: it exited or crashed"
+
+
 def drop_handshake(sock: socket.socket) -> None:
     """End a handshake that took too long (the admitting thread's recv then fails)."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def handshake_on_thread(sock: socket.socket, handshakes: threading.BoundedSemaphore,
+                        handshake: Callable[[socket.socket], object]) -> None:
+    """Run ``handshake(sock)`` for an accepted connection on a thread of its own, dropped after
+    :data:`HANDSHAKE_TIMEOUT_S`; with every one of ``handshakes`` taken, refuse it (a flood of connections that never
+    authenticate must not stop the serving loop, nor hold it up)."""
+    if not handshakes.acquire(blocking=False):
+        sock.close()
+        return
+
+    def within_deadline() -> None:
+        watchdog = threading.Timer(HANDSHAKE_TIMEOUT_S, drop_handshake, args=(sock,))
+        watchdog.name = "hvdrun-handshake-watchdog"
+        watchdog.start()
+        try:
+            handshake(sock)
+        finally:
+            watchdog.cancel()
+            handshakes.release()
+
+    threading.Thread(target=within_deadline, name="hvdrun-admit", daemon=True).start()
 
 
 def local_socket_name(secret: bytes, generation: int, host_key: str) -> str:
@@ -133,20 +161,25 @@ def route_to(addr: str, port: int) -> str:
 
 @dataclass(frozen=True)
 class Upstream:
-    """Where a rank joins: rank 0 over TCP, its parent host's leader in the rendezvous tree over TCP (``group``),
-    or its host's leader over a local socket (``local_name``)."""
+    """Where a rank joins: rank 0 over TCP, its parent host's leader in the rendezvous tree over TCP
+    (``tree_parent``), or its host's leader over a local socket (``local_name``)."""
 
     addr: str
     port: int
     local_name: str | None = None
-    group: bool = False
+    tree_parent: bool = False
+
+    @property
+    def is_rank0(self) -> bool:
+        """Whether this is rank 0 itself (over TCP)."""
+        return not (self.local_name or self.tree_parent)
 
     def describe(self) -> str:
         """``rank 0 at ADDR:PORT``, ``its parent in the rendezvous tree at ADDR:PORT`` or ``this host's leader``
         (whichever local rank bound the host's socket first)."""
         if self.local_name:
             return "this host's leader"
-        who = "its parent in the rendezvous tree" if self.group else "rank 0"
+        who = "rank 0" if self.is_rank0 else "its parent in the rendezvous tree"
         return f"{who} at {self.addr}:{self.port}"
 
     def lost(self, leader: str | None = None) -> str:
@@ -155,7 +188,7 @@ class Upstream:
         named = f", {leader}," if leader else ""
         if self.local_name and leader:  # (rank 0's host: rank 0 leads it, and its table names no leader)
             return f"lost the connection to this host's leader, {leader}: it exited or crashed"
-        if self.group:
+        if self.tree_parent:
             return f"lost the connection to its parent in the rendezvous tree{named} at {self.addr}:{self.port}: " \
                 "it exited or crashed"
         return f"lost the connection to rank 0 at {self.addr}: rank 0 exited or crashed"

@@ -36,6 +36,7 @@ from hvdrun.runtime.rendezvous.common import (
     HANDSHAKE_TIMEOUT_S,
     Barriers,
     Reporter,
+    disconnected,
     report_or_none,
     report_request,
     same_user,
@@ -218,13 +219,18 @@ class HostLeader:
             for sock in ready:
                 if sock in self.locals:
                     self._from_local(sock)
-                elif self.children is not None and sock in self.children.by_sock:
-                    self._from_child(*self.children.receive(sock))
-                elif self.children is not None and sock is self.children.listener:
-                    self.children.accept()  # late: refused once its handshake is done
-                elif self.children is not None and sock == self.children.wake_fd:
-                    self.children.take_admitted()
+                elif self.children is not None:
+                    self._from_below(self.children, sock)
             self._answer_reports()
+
+    def _from_below(self, children: Children, ready: Any) -> None:
+        """After the table: a child's message, or a late connection (refused once its handshake is done)."""
+        if ready in children.by_sock:
+            self._from_child(*children.receive(ready))
+        elif ready is children.listener:
+            children.accept()
+        elif ready == children.wake_fd:
+            children.take_admitted()
 
     def _next_timeout(self) -> float:
         if not self._pending:
@@ -269,15 +275,12 @@ class HostLeader:
             if pending is not None:
                 pending.reports[peer.rank] = message[2]
         elif kind == "abort":  # this host and the subtree at once, without waiting for rank 0 (which may be gone)
-            self._abort_all(str(message[1]))
-            self._up_send(("abort", message[1]))
+            self.report_failure(str(message[1]))
         elif kind == "ready":
             self._reached(message[1], message[2])
         elif not self._closing:
             self._said_bye.add(sock)  # no longer watched
-            reason = f"{peer.describe()} disconnected without shutting down: it exited or crashed"
-            self._abort_all(reason)
-            self._up_send(("abort", reason))
+            self.report_failure(disconnected(peer))
 
     def _from_child(self, child: Child, message: tuple[Any, ...] | None) -> None:
         """One message of a child host, as rank 0 would take it (None: its connection ended). Reports go up as they
@@ -293,8 +296,7 @@ class HostLeader:
             elif kind == "reports":
                 self._up_send(message)
             elif kind == "abort":  # as a local rank's
-                self._abort_all(str(message[1]))
-                self._up_send(("abort", message[1]))
+                self.report_failure(str(message[1]))
             elif kind == "ready":
                 self._reached(message[1], message[2])
             else:
@@ -302,9 +304,7 @@ class HostLeader:
         except (ValueError, IndexError, TypeError):
             if not self._closing:
                 child.said_bye = True  # no longer watched
-                reason = f"{child.first.describe()} disconnected without shutting down: it exited or crashed"
-                self._abort_all(reason)
-                self._up_send(("abort", reason))
+                self.report_failure(disconnected(child.first))
 
     def _ask_reports(self, request: int, timeout_s: float, what: str) -> None:
         live = {sock: peer for sock, peer in self.locals.items() if sock not in self._said_bye}

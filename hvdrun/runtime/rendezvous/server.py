@@ -20,7 +20,8 @@ from hvdrun.runtime.rendezvous.common import (
     HANDSHAKE_TIMEOUT_S,
     Barriers,
     Reporter,
-    drop_handshake,
+    disconnected,
+    handshake_on_thread,
     listener_for,
     report_or_none,
     same_user,
@@ -181,20 +182,7 @@ class RootServer:
         if listener is self.local_listener and not same_user(sock):
             sock.close()
             return
-        if not self._handshakes.acquire(blocking=False):
-            sock.close()  # a flood of connections that never authenticate: refuse, keep serving the job
-            return
-        threading.Thread(target=self._admit_within_deadline, args=(sock,), name="hvdrun-admit", daemon=True).start()
-
-    def _admit_within_deadline(self, sock: socket.socket) -> None:
-        watchdog = threading.Timer(HANDSHAKE_TIMEOUT_S, drop_handshake, args=(sock,))
-        watchdog.name = "hvdrun-handshake-watchdog"
-        watchdog.start()
-        try:
-            self._admit(sock)
-        finally:
-            watchdog.cancel()
-            self._handshakes.release()
+        handshake_on_thread(sock, self._handshakes, self._admit)
 
     def _admit(self, sock: socket.socket) -> None:
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -291,7 +279,7 @@ class RootServer:
         elif kind == "abort":
             self.broadcast_abort(str(message[1]))
         else:
-            self.broadcast_abort(f"{conn.first.describe()} disconnected without shutting down: it exited or crashed")
+            self.broadcast_abort(disconnected(conn.first))
 
     def _take_reports(self, conn: _Conn, message: tuple[Any, ...]) -> None:
         """A rank's report, or a host leader's reports for its ranks and why some have none."""

@@ -100,8 +100,7 @@ class PostBoard:
         if TOO_LONG in lengths:
             self.too_long += 1
             return None
-        return [own if member == self.index else bytes(self.buffers[member][parity][:length])
-                for member, length in enumerate(lengths)]
+        return [own if member == self.index else bytes(post) for member, post in enumerate(self.views())]
 
     def views(self) -> list[memoryview]:
         """Every rank's post of the current round, in place (no copy), by local rank: valid until this rank posts
