@@ -42,11 +42,29 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hvdrun.runtime.backends.base import Backend
+from hvdrun.runtime.collectives.pairwise import Pairwise
 from hvdrun.runtime.collectives.streams import frame_length
-from hvdrun.runtime.compiled import DTYPES, OPS, SAME, StepLink, UniformSteps, frame_bytes_of, step_links
+from hvdrun.runtime.compiled import (
+    DTYPES,
+    OPS,
+    SAME,
+    StepLink,
+    UniformSteps,
+    WholeSteps,
+    frame_bytes_of,
+    step_links,
+)
 from hvdrun.runtime.negotiation import Request
 from hvdrun.runtime.reduce import REDUCE_FNS
-from hvdrun.runtime.transport.base import Codec, DoublingStep, Message, RxChannel, StepsTaken, Waiter
+from hvdrun.runtime.transport.base import (
+    Codec,
+    DoublingStep,
+    Message,
+    RxChannel,
+    StepsTaken,
+    TxChannel,
+    Waiter,
+)
 
 Announcement = tuple[list[tuple[Any, Message | None]], list[str]]  # (items, names blocked on)
 
@@ -175,6 +193,29 @@ def _loads(message: Message) -> Any:
 
 
 CODEC = Codec(_dumps, _loads)
+WHOLE = "whole"  # Announcements.exchange_whole's word for "the whole job's value is in the array"
+
+
+class _WholeRoute(NamedTuple):
+    """A lone op's way through :meth:`Announcements.exchange_whole`: the compiled steps, prepared; the doubling they
+    belong to (Python resumes it where they stop) and its waiter; the channels Python may have read ahead on; what
+    each step sends, counted on its channel."""
+
+    steps: WholeSteps
+    doubling: Pairwise
+    waiter: Waiter
+    channels: tuple[RxChannel, ...]
+    sent: tuple[tuple[TxChannel, int], ...]
+
+
+def _count_sent(steps: Sequence[DoublingStep], nbytes: int, done: int, unsent: bytes, received: bytes) -> None:
+    """Count on each channel what the compiled module sent for a uniform value of ``nbytes``: ``done`` whole steps,
+    and of the next one (begun when ``received``) its frame but ``unsent``."""
+    for step in steps[:done]:
+        step.tx.bytes_sent += frame_bytes_of(nbytes, step.mode)
+    if received:
+        step = steps[done]
+        step.tx.bytes_sent += frame_bytes_of(nbytes, step.mode) - len(unsent)
 
 
 class Announcements:
@@ -195,6 +236,10 @@ class Announcements:
         self._compiled = compiled
         self._step_links: dict[int, tuple[StepLink, ...]] = {}  # by id() of the doubling's steps (fixed per group)
         self.codec = Codec(_dumps, _loads, self._compiled_steps if compiled is not None else None)
+        # where every rank's value merges in one doubling, the compiled module may run a lone op whole (exchange_whole)
+        self._whole = backend.whole_doubling() if compiled is not None and backend.merges else None
+        self._routes: dict[int, _WholeRoute] = {}  # exchange_whole's, by request number
+        self._address: tuple[np.ndarray | None, int] = (None, 0)  # the last array exchange_whole wrote, its address
 
     def exchange(self, announcement: Announcement, held: Mapping[int, int] | None = None, cycle: int = 0,
                  flush: bool = False, lone: tuple[int, Message] | None = None) -> Agreement:
@@ -235,6 +280,55 @@ class Announcements:
         :meth:`agreement` turns into the cycle's agreement."""
         self._cycle = cycle
         return self.backend.allgather_merged(Uniform(key, self.rank, self.rank, data), self._merge, self.codec)
+
+    def exchange_whole(self, key: int, data: Message, cycle: int, array: np.ndarray, factor: float) -> Any:
+        """:meth:`exchange_lone` of ``array`` (contiguous; ``data`` is its bytes), where the compiled module runs the
+        steps and, when every rank sent the same, writes the whole job's value into ``array`` multiplied by
+        ``factor``: :data:`WHOLE` then. Else what :meth:`exchange_lone` gives, ``array`` untouched (the steps go on
+        in Python from where the module stopped, on the same wire)."""
+        route = self._routes.get(key)
+        if route is None:
+            route = self._route(key, array.nbytes, factor)
+        if route is None or any(rx.staged() for rx in route.channels):  # (Python read ahead: its turn)
+            return self.exchange_lone(key, data, cycle)
+        self._cycle = cycle
+        cached, address = self._address
+        if cached is not array:
+            address = array.ctypes.data  # a microsecond: remembered for the array that comes back each step
+            self._address = (array, address)
+        outcome = route.steps.run(address)
+        route.waiter.progressed()  # the next wait in Python spins first, as after any progress
+        if outcome is None:
+            for channel, sent in route.sent:
+                channel.bytes_sent += sent
+            return WHOLE
+        _count_sent(route.doubling.doubling_steps, array.nbytes, outcome.done, outcome.unsent, outcome.received)
+        value = Uniform(key, outcome.lo, outcome.hi, outcome.data)
+        return route.doubling.resume_merged(StepsTaken(value, outcome.done, outcome.unsent, outcome.received),
+                                            self._merge, self.codec)
+
+    def _route(self, key: int, nbytes: int, factor: float) -> _WholeRoute | None:
+        """:meth:`exchange_whole`'s way for the request ``key`` (every op of it has ``nbytes`` and ``factor``),
+        remembered; None where the compiled module does not take it (a type or op it does not reduce, an integer
+        type to scale, a channel that is not a socket)."""
+        doubling, compiled = self._whole, self._compiled
+        if doubling is None or compiled is None:
+            return None
+        steps = doubling.doubling_steps
+        links = self._links(steps)
+        dtype, _, op = self._layout(key)
+        dtype_code, op_code = DTYPES.get(dtype), OPS.get(op)
+        if links is None or dtype_code is None or op_code is None or (factor != 1.0 and dtype.kind != "f"):
+            return None
+        whole = compiled.whole(UNIFORM_TAG, key, self.rank, self.size, nbytes, dtype_code, op_code, factor, links,
+                               doubling.waiter)
+        channels = tuple({id(step.rx): step.rx for step in steps}.values())
+        route = _WholeRoute(whole, doubling, doubling.waiter, channels,
+                            tuple((step.tx, frame_bytes_of(nbytes, step.mode)) for step in steps))
+        if len(self._routes) >= 4096:
+            self._routes.clear()
+        self._routes[key] = route
+        return route
 
     def agreement(self, merged: Any) -> Agreement:
         """The agreement of a cycle whose values merged into ``merged``."""
@@ -311,11 +405,7 @@ class Announcements:
                                    begun)
             result = HeldRange(value.keys, value.since, outcome.lo, outcome.hi)
         waiter.progressed()  # the next wait in Python spins first, as after any progress
-        for step in steps[:outcome.done]:
-            step.tx.bytes_sent += frame_bytes_of(len(outcome.data), step.mode)
-        if outcome.received:
-            step = steps[outcome.done]
-            step.tx.bytes_sent += frame_bytes_of(len(outcome.data), step.mode) - len(outcome.unsent)
+        _count_sent(steps, len(outcome.data), outcome.done, outcome.unsent, outcome.received)
         return StepsTaken(result, outcome.done, outcome.unsent, outcome.received)
 
     @staticmethod

@@ -21,7 +21,7 @@ import numpy as np
 
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime import compiled, verdicts
-from hvdrun.runtime.announcements import Agreement, Announcements, Tally, Uniform, last_ranks
+from hvdrun.runtime.announcements import WHOLE, Agreement, Announcements, Tally, Uniform, last_ranks
 from hvdrun.runtime.backends.base import Backend
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.executors import EXECUTORS, allreduce_flat, reduce_contributions, stand_in
@@ -145,8 +145,14 @@ class Cycle:
         held = self.held
         since = time.monotonic()
         cycle, _ = held.begin_cycle()
-        merged = self._announcements.exchange_lone(key, payload, cycle)
         size = self.world.size
+        if request.prescale == 1.0:  # the payload is the array's own bytes: the whole value may go straight there
+            merged = self._announcements.exchange_whole(key, payload, cycle, array,
+                                                        final_factor(request.op, request.postscale, size))
+            if merged is WHOLE:
+                return None
+        else:
+            merged = self._announcements.exchange_lone(key, payload, cycle)
         if type(merged) is Uniform and merged.key == key and merged.lo == 0 and merged.hi == size - 1:
             flat = array.reshape(-1)
             flat[...] = np.frombuffer(merged.data, array.dtype)

@@ -205,14 +205,16 @@ class Engine:
         try:
             if not self.ledger.claim(name):
                 return False
-            with self._loop.counted():
-                flight = self.recorder.take_off(name, "allreduce", array.nbytes)
-                try:
-                    agreed = self._cycle.express(request, payload, array)
-                except Exception as e:  # as in the progress loop: every op of this rank fails, the others are told
-                    flight.land()
-                    self._fail_from(e)
-                    raise CollectiveError(self.ledger.failure or str(e)) from e
+            loop = self._loop
+            loop.cycle_begins()
+            flight = self.recorder.take_off(name, "allreduce", array.nbytes)
+            try:
+                agreed = self._cycle.express(request, payload, array)
+            except Exception as e:  # as in the progress loop: every op of this rank fails, the others are told
+                flight.land()
+                self._fail_from(e)
+                raise CollectiveError(self.ledger.failure or str(e)) from e
+            loop.cycle_ended()
             if agreed is None:
                 flight.land()
                 self.ledger.release_name(name)

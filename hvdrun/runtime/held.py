@@ -50,6 +50,8 @@ class HeldRequests:
     def begin_cycle(self) -> tuple[int, list[int]]:
         """A new cycle's number, and the numbers this rank flushes in it (no longer held)."""
         self.cycle += 1
+        if not self.flushing:
+            return self.cycle, []
         flushed = [key for key in self._held if key in self.flushing]
         for key in flushed:
             del self._held[key]

@@ -122,11 +122,12 @@ class ProgressLoop:
         self._last_driven = time.monotonic()
         self._progress.release()
 
-    @contextlib.contextmanager
-    def counted(self) -> Iterator[None]:
-        """One cycle (the progress lock held): counted as it starts, and the last cycle's time once it ends well."""
+    def cycle_begins(self) -> None:
+        """One cycle (the progress lock held) is counted as it starts; :meth:`cycle_ended` once it ends well."""
         self.cycles += 1
-        yield
+
+    def cycle_ended(self) -> None:
+        """The cycle :meth:`cycle_begins` counted ended well: the last cycle's time."""
         self._last_cycle = time.monotonic()
 
     # -- driving: whoever holds self._progress runs cycles --------------------------------------
@@ -175,9 +176,10 @@ class ProgressLoop:
             not self.backend.wakeable and time.monotonic() - self._last_cycle >= self.cycle_time_s)
 
     def _cycle_once(self) -> None:
-        with self.counted():
-            new, waiting = self.ledger.take_new(DEADLOCK_CONFIRM_S)
-            self._cycle.run(new, waiting)
+        self.cycle_begins()
+        new, waiting = self.ledger.take_new(DEADLOCK_CONFIRM_S)
+        self._cycle.run(new, waiting)
+        self.cycle_ended()
 
     def _probe_due(self, waiting_since: float) -> bool:
         """Blocked for a while, and no cycle for as long: ask every rank what it waits for."""

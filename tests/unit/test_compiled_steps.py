@@ -14,10 +14,10 @@ import pytest
 from hvdrun.envvars import check_tuning
 from hvdrun.errors import CollectiveError, PeerLostError, UsageError
 from hvdrun.runtime import compiled
-from hvdrun.runtime.announcements import Announcements, HeldRange, Uniform
+from hvdrun.runtime.announcements import WHOLE, Announcements, HeldRange, Uniform
 from hvdrun.runtime.collectives.pairwise import Link, Pairwise, core_index, partners
 from hvdrun.runtime.negotiation import Request
-from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM
+from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM, scale
 from hvdrun.runtime.transport.base import AbortFlag, Waiter
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx, tune
 
@@ -31,7 +31,19 @@ def library(tmp_path_factory):
 
 
 class _Merging:
+    """A merging backend's stand-in: ``doubling`` is what it says merges every rank's value by itself."""
+
     merges = True
+
+    def __init__(self, doubling: Pairwise | None = None) -> None:
+        self.doubling = doubling
+
+    def whole_doubling(self) -> Pairwise | None:
+        return self.doubling
+
+    def allgather_merged(self, value, merge, codec):  # noqa: ANN001, ANN201 - the backend's signature
+        assert self.doubling is not None
+        return self.doubling.allgather_merged(value, merge, codec)
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -86,6 +98,83 @@ def _run_members(size: int, values: list, library_for: Callable[[int], object], 
     for sock in sockets:
         sock.close()
     return results
+
+
+def _run_whole(size: int, arrays: list[np.ndarray], whole: Callable[[int], bool], library, op: int = SUM,  # noqa: ANN001
+               factor: float = 1.0, keys: list[int] | None = None, rounds: int = 1) -> list[list]:
+    """Each member's results of ``rounds`` lone exchanges of its array (the same array each round): WHOLE where the
+    compiled module wrote the whole value into it, else the merged value; members where ``whole(index)`` is False
+    take Python's :meth:`Announcements.exchange_lone`, as a rank without the library does."""
+    dtype = arrays[0].dtype
+    wire = Request("grad", "allreduce", dtype.name, arrays[0].shape, op).wire()
+    groups, sockets = _groups(size, AbortFlag())
+    results: list[list] = [[] for _ in range(size)]
+
+    def member(index: int) -> None:
+        compiled_member = whole(index)
+        runner = compiled.UniformSteps(library) if compiled_member else None
+        announcements = Announcements(_Merging(groups[index]), index, size, lambda key: wire, runner)  # type: ignore
+        key = KEY if keys is None else keys[index]
+        try:
+            for cycle in range(1, rounds + 1):
+                data = arrays[index].tobytes()
+                if compiled_member:
+                    results[index].append(announcements.exchange_whole(key, data, cycle, arrays[index], factor))
+                else:
+                    results[index].append(announcements.exchange_lone(key, data, cycle))
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            results[index].append(e)
+
+    threads = [threading.Thread(target=member, args=(index,)) for index in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    for sock in sockets:
+        sock.close()
+    return results
+
+
+@pytest.mark.parametrize(("dtype", "op", "factor"), [("float32", AVERAGE, 1 / 3), ("float64", SUM, 0.5),
+                                                     ("int32", MAX, 1.0), ("int64", PRODUCT, 1.0)])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_whole_exchange_writes_the_scaled_value_into_the_array(library, dtype, op, factor, size):
+    data = _data(size, dtype, seed=size)
+    arrays = [row.copy() for row in data]
+    results = _run_whole(size, arrays, lambda index: True, library, op, factor)
+    python = _run_whole(size, [row.copy() for row in data], lambda index: False, library, op)[0][0]
+    scaled = np.frombuffer(python.data, dtype).copy()
+    scale(scaled, factor)  # what the Python path does with the merged value (Cycle._express_steady)
+    assert all(result == [WHOLE] for result in results)
+    assert all(array.tobytes() == scaled.tobytes() for array in arrays)
+
+
+def test_whole_members_and_python_members_are_partners(library):
+    size = 4
+    data = _data(size, "float32", seed=3)
+    arrays = [row.copy() for row in data]
+    results = _run_whole(size, arrays, lambda index: index % 2 == 1, library, SUM, rounds=3)
+    python = [merged for index in (0, 2) for merged in results[index]]
+    assert all(result == [WHOLE] * 3 for result in (results[1], results[3]))
+    assert all(type(merged) is Uniform and (merged.lo, merged.hi) == (0, 3) for merged in python)
+    # the compiled members' arrays hold each round's sum, which they send in the next one; the last is everyone's
+    assert arrays[1].tobytes() == arrays[3].tobytes() == bytes(results[0][-1].data) == bytes(results[2][-1].data)
+    first = (data[0] + data[1]) + (data[2] + data[3])
+    assert bytes(results[0][0].data) == first.tobytes()
+
+
+def test_a_whole_exchange_that_meets_another_value_leaves_the_array_and_python_goes_on(library):
+    size = 4
+    data = _data(size, "float32", seed=4)
+    arrays = [row.copy() for row in data]
+    results = _run_whole(size, arrays, lambda index: True, library, SUM, keys=[KEY, KEY, KEY, KEY + 1], rounds=2)
+    for index in range(size):
+        assert arrays[index].tobytes() == data[index].tobytes()  # untouched: the cycle's agreement decides
+        for merged in results[index]:
+            assert merged is not WHOLE and not isinstance(merged, Exception)
+    assert len({repr(Announcements(_Merging(), 0, size, lambda key: None)._general(results[index][-1])[2])
+                for index in range(size)}) == 1  # every member ends with the same tallies
 
 
 def _uniform(index: int, data: np.ndarray) -> Uniform:

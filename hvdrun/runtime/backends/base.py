@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,6 +13,9 @@ from hvdrun.ranks import Topology, topologies
 from hvdrun.runtime.lane import FastLane
 from hvdrun.runtime.reduce import ReduceFn
 from hvdrun.runtime.transport.base import MARSHAL, Codec, Message
+
+if TYPE_CHECKING:
+    from hvdrun.runtime.collectives.pairwise import Pairwise
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,11 @@ class Backend(abc.ABC):
         """Every rank's ``value`` (carried by ``codec``) merged in rank order by ``merge(lower, upper)``, the same on
         every rank (only where ``merges``)."""
         raise NotImplementedError(f"the {self.name} backend does not merge values")
+
+    def whole_doubling(self) -> Pairwise | None:
+        """The doubling that merges every rank's value by itself, where :meth:`allgather_merged` is only that (one rank
+        a host, over the native backend): its steps may be run elsewhere and resumed there. None: another shape."""
+        return None
 
     @abc.abstractmethod
     def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:

@@ -31,7 +31,7 @@ from hvdrun.runtime.collectives.hierarchical import (
     link_partners_at,
     uneven_hosts_note,
 )
-from hvdrun.runtime.collectives.pairwise import Link
+from hvdrun.runtime.collectives.pairwise import Link, Pairwise
 from hvdrun.runtime.lane import FastLane, create_board, open_lane
 from hvdrun.runtime.peers import Layout, NeedsPlan, Peer
 from hvdrun.runtime.readiness import readable
@@ -186,6 +186,10 @@ class NativeBackend(Backend):
         if self.hierarchy is None:
             return super().allgather_merged(value, merge, codec)
         return self.hierarchy.allgather_merged(value, merge, codec)
+
+    def whole_doubling(self) -> Pairwise | None:
+        hierarchy = self.hierarchy
+        return hierarchy.cross if hierarchy is not None and hierarchy.locals == 1 else None
 
     def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
         (self.hierarchy or self.ring).allreduce(array, reduce)

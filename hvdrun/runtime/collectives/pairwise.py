@@ -22,7 +22,7 @@ are commutative, so every member ends with the same bits.
 from __future__ import annotations
 
 import marshal
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,7 @@ from hvdrun.runtime.transport.base import (
     DoublingStep,
     Message,
     RxChannel,
+    StepsTaken,
     TxChannel,
     Waiter,
 )
@@ -279,13 +280,21 @@ class Pairwise:
         """
         if self.size == 1:
             return value
-        start = 0
         taken = codec.steps(value, self._doubling_steps, self.waiter) if codec.steps is not None else None
-        if taken is not None:  # the codec ran steps itself; where it stopped inside one, that step ends here
-            value, start = taken.value, taken.done
-            if taken.received:
-                value = self._merge_step(start, value, merge, codec, (taken.unsent, taken.received))
-                start += 1
+        return self.resume_merged(taken or StepsTaken(value, 0, b"", b""), merge, codec)
+
+    @property
+    def doubling_steps(self) -> Sequence[DoublingStep]:
+        """The steps of :meth:`allgather_merged`, for a codec (or a caller) that runs some of them itself."""
+        return self._doubling_steps
+
+    def resume_merged(self, taken: StepsTaken, merge: Callable[[Any, Any], Any], codec: Codec = MARSHAL) -> Any:
+        """:meth:`allgather_merged` from where ``taken`` says another loop stopped: after ``taken.done`` steps (inside
+        the next one when ``taken.received``, which this loop finishes)."""
+        value, start = taken.value, taken.done
+        if taken.received:
+            value = self._merge_step(start, value, merge, codec, (taken.unsent, taken.received))
+            start += 1
         for index in range(start, len(self._merge_plan)):
             value = self._merge_step(index, value, merge, codec)
         return value

@@ -36,9 +36,9 @@ LIBRARY = Path(__file__).with_name("_uniform_steps.so")
 # -fno-trapping-math: FP compares may be evaluated for every element (no trap is assumed), so the reductions
 # with their NaN rule vectorize; results are the same bits
 _FLAGS = ("-O2", "-ftree-vectorize", "-fno-trapping-math", "-fwrapv", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
-ABI_VERSION = 4  # uniform_steps.c's: a library built from another version of the source is not used
+ABI_VERSION = 5  # uniform_steps.c's: a library built from another version of the source is not used
 _HEADER_BYTES = 32
-DONE, SLICE, OTHER, CLOSED, FAILED, UNSUPPORTED = range(6)
+DONE, SLICE, OTHER, CLOSED, FAILED, UNSUPPORTED, WHOLE = range(7)
 DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 3}
 OPS = {AVERAGE: 0, SUM: 0, MIN: 1, MAX: 2, PRODUCT: 3}  # Horovod's op codes -> the library's (Average: a sum, scaled)
 REDUCTIONS = {REDUCE_FNS[op]: code for op, code in OPS.items()}  # the reduce functions (numpy ufuncs) -> the library's
@@ -57,7 +57,9 @@ class _Plan(ctypes.Structure):
                 ("slice_ns", ctypes.c_int64), ("key", ctypes.c_int64), ("data", ctypes.c_void_p),
                 ("scratch", ctypes.c_void_p), ("step", ctypes.c_int64), ("lo", ctypes.c_int64),
                 ("hi", ctypes.c_int64), ("sent", ctypes.c_int64), ("got", ctypes.c_int64),
-                ("error", ctypes.c_int32), ("unused2", ctypes.c_int32)]
+                ("error", ctypes.c_int32), ("unused2", ctypes.c_int32), ("source", ctypes.c_void_p),
+                ("target", ctypes.c_void_p), ("factor", ctypes.c_double), ("ranks", ctypes.c_int64),
+                ("rank", ctypes.c_int64)]
 
 
 class Outcome(NamedTuple):
@@ -119,7 +121,7 @@ def load(environ: Mapping[str, str] = os.environ, path: Path = LIBRARY) -> ctype
         problem = f"does not load ({e})"
     else:
         if version == ABI_VERSION:
-            for function in (library.hvdrun_uniform_steps, library.hvdrun_raw_steps):
+            for function in (library.hvdrun_uniform_steps, library.hvdrun_raw_steps, library.hvdrun_whole_steps):
                 function.argtypes = [ctypes.c_void_p]
                 function.restype = ctypes.c_int
             return library
@@ -159,6 +161,7 @@ class UniformSteps:
 
     def __init__(self, library: ctypes.CDLL, slice_s: float = MAX_SLEEP_S) -> None:
         self._function, self._raw_function = library.hvdrun_uniform_steps, library.hvdrun_raw_steps
+        self._whole_function = library.hvdrun_whole_steps
         self.slice_ns = max(1, int(slice_s * 1e9))
         self.ran = self.handed_over = 0  # calls; calls that stopped inside a step for Python to finish (tests read)
         self._plans: dict[tuple, tuple[_Plan, int, np.ndarray, np.ndarray, tuple]] = {}
@@ -186,13 +189,34 @@ class UniformSteps:
         else:
             scratch[:len(begun)] = np.frombuffer(begun, np.uint8)
             status = self._call(self._function, address, plan, links, waiter, (DONE, OTHER))
+        return self._outcome(status, entry, links, tag, begun)
+
+    def _outcome(self, status: int, entry: tuple, links: tuple[StepLink, ...], tag: int, begun: bytes) -> Outcome:
+        """The Outcome of a plan's call that ended with ``status`` (DONE, or OTHER: handed over to Python)."""
+        plan, _, accumulator, scratch, _ = entry
         done, result = plan.step, accumulator.tobytes()
         if status == DONE:
             return Outcome(done, plan.lo, plan.hi, result, b"", b"")
         self.handed_over += 1
-        frame = frame_of(tag, key, plan.lo, plan.hi, result, links[done].mode)
+        frame = frame_of(tag, plan.key, plan.lo, plan.hi, result, links[done].mode)
         received = begun if plan.got > scratch.nbytes else scratch[:plan.got].tobytes()
         return Outcome(done, plan.lo, plan.hi, result, frame[plan.sent:], received)
+
+    def whole(self, tag: int, key: int, rank: int, ranks: int, nbytes: int, dtype_code: int, op_code: int,
+              factor: float, links: tuple[StepLink, ...], waiter: Waiter) -> WholeSteps:
+        """A lone op's steps where the whole job's value goes straight into the caller's array, prepared once for
+        the uniform value ``(key, rank, rank, nbytes of data)`` whose header starts with ``tag``, reduced by
+        ``op_code`` as ``dtype_code`` over ``links`` and multiplied by ``factor`` (1.0 for integer types)."""
+        layout = (id(links), nbytes, tag, dtype_code, op_code, factor, ranks, rank, key)
+        entry = self._plans.get(layout) or self._plan(layout, links)
+        entry[0].spin_ns = int(waiter.spin_s * 1e9)
+        return WholeSteps(self, entry, links, waiter)
+
+    def run_whole(self, entry: tuple, address: int, links: tuple[StepLink, ...], waiter: Waiter) -> Outcome | None:
+        """:class:`WholeSteps`' call of the plan ``entry`` (at ``address``, its source and target set)."""
+        self.ran += 1
+        status = self._call(self._whole_function, address, entry[0], links, waiter, (WHOLE, DONE, OTHER))
+        return None if status == WHOLE else self._outcome(status, entry, links, entry[0].tag, b"")
 
     @staticmethod
     def codes(dtype: np.dtype, reduce: ReduceFn) -> tuple[int, int] | None:
@@ -223,7 +247,7 @@ class UniformSteps:
         return padded(nbytes)
 
     def _plan(self, layout: tuple, links: tuple[StepLink, ...]) -> tuple[_Plan, int, np.ndarray, np.ndarray, tuple]:
-        _, nbytes, tag, dtype_code, op_code = layout
+        _, nbytes, tag, dtype_code, op_code = layout[:5]
         tx = (ctypes.c_int32 * len(links))(*(link.tx_fd for link in links))
         rx = (ctypes.c_int32 * len(links))(*(link.rx_fd for link in links))
         modes = (ctypes.c_uint8 * len(links))(*(link.mode for link in links))
@@ -231,6 +255,8 @@ class UniformSteps:
         scratch = np.zeros(8 + _HEADER_BYTES + nbytes + 8, np.uint8)
         plan = _Plan(steps=len(links), dtype=dtype_code, op=op_code, tag=tag, nbytes=nbytes, slice_ns=self.slice_ns,
                      data=accumulator.ctypes.data, scratch=scratch.ctypes.data)
+        if len(layout) > 5:  # a whole plan's (whole())
+            plan.factor, plan.ranks, plan.rank, plan.key = layout[5:]
         plan.tx_fds, plan.rx_fds, plan.modes = (ctypes.cast(array, ctypes.c_void_p) for array in (tx, rx, modes))
         if len(self._plans) >= 256:
             self._plans.clear()
@@ -256,6 +282,27 @@ class UniformSteps:
         if status not in expected:
             raise CollectiveError(f"the compiled steps returned {status} for type {plan.dtype} op {plan.op}")
         return status
+
+
+class WholeSteps:
+    """:meth:`UniformSteps.whole`'s prepared steps: :meth:`run` per op."""
+
+    __slots__ = ("_steps", "_entry", "_address", "_plan", "_links", "_waiter")
+
+    def __init__(self, steps: UniformSteps, entry: tuple, links: tuple[StepLink, ...], waiter: Waiter) -> None:
+        self._steps, self._entry, self._links, self._waiter = steps, entry, links, waiter
+        self._plan, self._address = entry[0], entry[1]
+
+    def run(self, address: int) -> Outcome | None:
+        """One op of the contiguous data at ``address``: None when the whole job's value was written there; else
+        how far the steps went (the data there untouched), as :meth:`UniformSteps.run` says it.
+
+        Raises:
+            PeerLostError: a partner's connection failed or closed.
+        """
+        plan = self._plan
+        plan.source = plan.target = address
+        return self._steps.run_whole(self._entry, self._address, self._links, self._waiter)
 
 
 _runner: list[UniformSteps | None] = []

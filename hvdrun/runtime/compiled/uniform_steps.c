@@ -25,12 +25,12 @@
 #include <sys/uio.h>
 #include <time.h>
 
-enum { DONE = 0, SLICE = 1, OTHER = 2, CLOSED = 3, FAILED = 4, UNSUPPORTED = 5 };
+enum { DONE = 0, SLICE = 1, OTHER = 2, CLOSED = 3, FAILED = 4, UNSUPPORTED = 5, WHOLE = 6 };
 enum { F32 = 0, F64 = 1, I32 = 2, I64 = 3 };
 enum { SUM = 0, MIN = 1, MAX = 2, PRODUCT = 3, SAME = 4 };
 enum { MERGE_UPPER = 0, MERGE_LOWER = 1, DISCARD = 2, SEND_VALUE = 3, TAKE_VALUE = 4 }; /* a step's mode */
 
-#define ABI_VERSION 4 /* compiled/__init__.py's ABI_VERSION */
+#define ABI_VERSION 5 /* compiled/__init__.py's ABI_VERSION */
 #define LENGTH_BYTES 8
 #define HEADER_BYTES 32
 
@@ -50,6 +50,12 @@ typedef struct {
     int64_t sent, got;    /* bytes of this step's frames sent and received */
     int32_t error;        /* errno of FAILED, and of CLOSED when the peer reset */
     int32_t unused2;
+    /* hvdrun_whole_steps only */
+    const uint8_t *source; /* copied into data as an op begins (then NULL: a call after a SLICE goes on) */
+    uint8_t *target;       /* the whole job's value goes here, multiplied by factor */
+    double factor;         /* 1.0, or a float type's final factor (Average's 1/ranks, a postscale) */
+    int64_t ranks;         /* the job's ranks: the range 0..ranks-1 is the whole job */
+    int64_t rank;          /* this rank: its range as an op begins */
 } Plan;
 
 static int64_t padded(int64_t n) { return (n + 7) & ~(int64_t)7; }
@@ -352,4 +358,41 @@ int hvdrun_raw_steps(Plan *plan) {
         plan->sent = plan->got = 0;
     }
     return DONE;
+}
+
+/* The whole job's value, scaled, into plan->target: mine * factor as numpy's multiply gives it (a float32 array times
+ * a Python float multiplies in float32); integer types are only copied (the caller scales them). */
+static void write_whole(const Plan *plan) {
+    int64_t i, count;
+    if (plan->factor == 1.0 || (plan->dtype != F32 && plan->dtype != F64)) {
+        memmove(plan->target, plan->data, (size_t)plan->nbytes);
+    } else if (plan->dtype == F32) {
+        const float *mine = (const float *)plan->data;
+        float *out = (float *)plan->target, factor = (float)plan->factor;
+        for (i = 0, count = plan->nbytes / 4; i < count; i++)
+            out[i] = mine[i] * factor;
+    } else {
+        const double *mine = (const double *)plan->data;
+        double *out = (double *)plan->target, factor = plan->factor;
+        for (i = 0, count = plan->nbytes / 8; i < count; i++)
+            out[i] = mine[i] * factor;
+    }
+}
+
+/* A lone allreduce of the steady state in one call: an op begins when plan->source is set (this rank's data, copied
+ * into plan->data; its range this rank; no step begun) and goes through hvdrun_uniform_steps; when every step merged
+ * and the range is the whole job, the value is written to plan->target, scaled (WHOLE). Any other status is
+ * hvdrun_uniform_steps', with plan->data merged as far as the steps went. */
+int hvdrun_whole_steps(Plan *plan) {
+    if (plan->source != NULL) {
+        memcpy(plan->data, plan->source, (size_t)plan->nbytes);
+        plan->source = NULL;
+        plan->lo = plan->hi = plan->rank;
+        plan->step = plan->sent = plan->got = 0;
+    }
+    int status = hvdrun_uniform_steps(plan);
+    if (status != DONE || plan->lo != 0 || plan->hi != plan->ranks - 1)
+        return status;
+    write_whole(plan);
+    return WHOLE;
 }
