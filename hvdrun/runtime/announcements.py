@@ -42,14 +42,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hvdrun.runtime.backends.base import Backend
-from hvdrun.runtime.collectives.pairwise import Pairwise
+from hvdrun.runtime.collectives.hierarchical import MergedPath
 from hvdrun.runtime.collectives.streams import frame_length
 from hvdrun.runtime.compiled import (
     DTYPES,
     OPS,
+    POSTS_DIFFER,
     SAME,
+    Outcome,
     StepLink,
     UniformSteps,
+    WholeBoard,
     WholeSteps,
     frame_bytes_of,
     step_links,
@@ -65,6 +68,7 @@ from hvdrun.runtime.transport.base import (
     TxChannel,
     Waiter,
 )
+from hvdrun.runtime.transport.posts import SLOT_BYTES
 
 Announcement = tuple[list[tuple[Any, Message | None]], list[str]]  # (items, names blocked on)
 
@@ -197,13 +201,12 @@ WHOLE = "whole"  # Announcements.exchange_whole's word for "the whole job's valu
 
 
 class _WholeRoute(NamedTuple):
-    """A lone op's way through :meth:`Announcements.exchange_whole`: the compiled steps, prepared; the doubling they
-    belong to (Python resumes it where they stop) and its waiter; the channels Python may have read ahead on; what
-    each step sends, counted on its channel."""
+    """A lone op's way through :meth:`Announcements.exchange_whole`: the compiled steps, prepared; the merged path
+    they run (Python goes on along it where they stop); the channels Python may have read ahead on; what each step
+    across hosts sends, counted on its channel."""
 
     steps: WholeSteps
-    doubling: Pairwise
-    waiter: Waiter
+    path: MergedPath
     channels: tuple[RxChannel, ...]
     sent: tuple[tuple[TxChannel, int], ...]
 
@@ -236,8 +239,8 @@ class Announcements:
         self._compiled = compiled
         self._step_links: dict[int, tuple[StepLink, ...]] = {}  # by id() of the doubling's steps (fixed per group)
         self.codec = Codec(_dumps, _loads, self._compiled_steps if compiled is not None else None)
-        # where every rank's value merges in one doubling, the compiled module may run a lone op whole (exchange_whole)
-        self._whole = backend.whole_doubling() if compiled is not None and backend.merges else None
+        # where the backend says how its values merge, the compiled module may run a lone op whole (exchange_whole)
+        self._path = backend.merged_path() if compiled is not None and backend.merges else None
         self._routes: dict[int, _WholeRoute] = {}  # exchange_whole's, by request number
         self._address: tuple[np.ndarray | None, int] = (None, 0)  # the last array exchange_whole wrote, its address
 
@@ -283,9 +286,9 @@ class Announcements:
 
     def exchange_whole(self, key: int, data: Message, cycle: int, array: np.ndarray, factor: float) -> Any:
         """:meth:`exchange_lone` of ``array`` (contiguous; ``data`` is its bytes), where the compiled module runs the
-        steps and, when every rank sent the same, writes the whole job's value into ``array`` multiplied by
-        ``factor``: :data:`WHOLE` then. Else what :meth:`exchange_lone` gives, ``array`` untouched (the steps go on
-        in Python from where the module stopped, on the same wire)."""
+        whole exchange (the host's board, then the steps across hosts) and, when every rank sent the same, writes
+        the job's value into ``array`` multiplied by ``factor``: :data:`WHOLE` then. Else what :meth:`exchange_lone`
+        gives, ``array`` untouched (Python goes on from where the module stopped, on the same wire)."""
         route = self._routes.get(key)
         if route is None:
             route = self._route(key, array.nbytes, factor)
@@ -297,34 +300,44 @@ class Announcements:
             address = array.ctypes.data  # a microsecond: remembered for the array that comes back each step
             self._address = (array, address)
         outcome = route.steps.run(address)
-        route.waiter.progressed()  # the next wait in Python spins first, as after any progress
+        path = route.path
+        path.cross.waiter.progressed()  # the next wait in Python spins first, as after any progress
         if outcome is None:
             for channel, sent in route.sent:
                 channel.bytes_sent += sent
             return WHOLE
-        _count_sent(route.doubling.doubling_steps, array.nbytes, outcome.done, outcome.unsent, outcome.received)
+        if outcome == POSTS_DIFFER:  # the host's posts of this round: Python merges them and goes on
+            assert path.hierarchy is not None
+            value = Uniform(key, self.rank, self.rank, data)
+            return path.hierarchy.merge_posted(value, _dumps(value), self._merge, self.codec)
+        assert isinstance(outcome, Outcome)
+        _count_sent(path.cross.doubling_steps, array.nbytes, outcome.done, outcome.unsent, outcome.received)
         value = Uniform(key, outcome.lo, outcome.hi, outcome.data)
-        return route.doubling.resume_merged(StepsTaken(value, outcome.done, outcome.unsent, outcome.received),
-                                            self._merge, self.codec)
+        return path.cross.resume_merged(StepsTaken(value, outcome.done, outcome.unsent, outcome.received),
+                                        self._merge, self.codec)
 
     def _route(self, key: int, nbytes: int, factor: float) -> _WholeRoute | None:
         """:meth:`exchange_whole`'s way for the request ``key`` (every op of it has ``nbytes`` and ``factor``),
         remembered; None where the compiled module does not take it (a type or op it does not reduce, an integer
-        type to scale, a channel that is not a socket)."""
-        doubling, compiled = self._whole, self._compiled
-        if doubling is None or compiled is None:
+        type to scale, a channel that is not a socket, a value too long for the host's board)."""
+        path, compiled = self._path, self._compiled
+        if path is None or compiled is None or (path.board is not None and _UNIFORM.size + nbytes > SLOT_BYTES):
             return None
-        steps = doubling.doubling_steps
-        links = self._links(steps)
+        steps = path.cross.doubling_steps
+        links = self._links(steps) if steps else ()
         dtype, _, op = self._layout(key)
         dtype_code, op_code = DTYPES.get(dtype), OPS.get(op)
         if links is None or dtype_code is None or op_code is None or (factor != 1.0 and dtype.kind != "f"):
             return None
+        board = None
+        if path.board is not None:
+            assert path.hierarchy is not None
+            board = WholeBoard(path.board, path.member, path.first_rank, path.hierarchy.wait_posted)
         whole = compiled.whole(UNIFORM_TAG, key, self.rank, self.size, nbytes, dtype_code, op_code, factor, links,
-                               doubling.waiter)
+                               path.cross.waiter, board)
         channels = tuple({id(step.rx): step.rx for step in steps}.values())
-        route = _WholeRoute(whole, doubling, doubling.waiter, channels,
-                            tuple((step.tx, frame_bytes_of(nbytes, step.mode)) for step in steps))
+        sent = tuple((step.tx, frame_bytes_of(nbytes, step.mode)) for step in steps)
+        route = _WholeRoute(whole, path, channels, sent)
         if len(self._routes) >= 4096:
             self._routes.clear()
         self._routes[key] = route

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
+import uuid
 from collections.abc import Callable
 
 import numpy as np
@@ -15,10 +17,13 @@ from hvdrun.envvars import check_tuning
 from hvdrun.errors import CollectiveError, PeerLostError, UsageError
 from hvdrun.runtime import compiled
 from hvdrun.runtime.announcements import WHOLE, Announcements, HeldRange, Uniform
+from hvdrun.runtime.collectives.hierarchical import MergedPath
 from hvdrun.runtime.collectives.pairwise import Link, Pairwise, core_index, partners
 from hvdrun.runtime.negotiation import Request
 from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM, scale
 from hvdrun.runtime.transport.base import AbortFlag, Waiter
+from hvdrun.runtime.transport.posts import PostBoard
+from hvdrun.runtime.transport.shm import shm_supported
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx, tune
 
 KEY = 7
@@ -38,8 +43,8 @@ class _Merging:
     def __init__(self, doubling: Pairwise | None = None) -> None:
         self.doubling = doubling
 
-    def whole_doubling(self) -> Pairwise | None:
-        return self.doubling
+    def merged_path(self) -> MergedPath | None:
+        return MergedPath(self.doubling, None, 0, self.doubling.member, None) if self.doubling is not None else None
 
     def allgather_merged(self, value, merge, codec):  # noqa: ANN001, ANN201 - the backend's signature
         assert self.doubling is not None
@@ -490,3 +495,62 @@ def test_the_compiled_doubling_gives_the_python_loops_bits_and_bytes(library, si
     assert fast_sent == python_sent and min(python_sent) > 0
     core = [index for index in range(size) if core_index(index, size) is not None]  # members that fold out: none
     assert runner.ran == len(core) + len([index for index in core if index % 2])  # compiled run, then mixed
+
+
+def _board_members(members: int) -> list[PostBoard]:
+    key = f"whole{uuid.uuid4().hex[:8]}-0"
+    boards = [PostBoard(key, 4, members, 0, create=True)]
+    boards += [PostBoard(key, 4, members, index, create=False) for index in range(1, members)]
+    boards[0].unlink()
+    return boards
+
+
+def _wait_posted(board: PostBoard) -> Callable[[], None]:
+    def wait() -> None:
+        deadline = time.monotonic() + 10
+        while not board.posted():
+            assert time.monotonic() < deadline, "a member never posted"
+            time.sleep(1e-4)
+    return wait
+
+
+@pytest.mark.skipif(not shm_supported(), reason="needs /dev/shm on x86-64")
+def test_whole_ops_of_a_host_meet_on_its_board_with_compiled_and_python_members(library):
+    """A job of one host of three ranks: two compiled members and one that posts as Python's codec
+    does; rounds of the same op give the reduced value to the compiled ones (the Python one reads the same posts);
+    a round where the Python member posts another value leaves the arrays untouched: POSTS_DIFFER, every post there."""
+    boards = _board_members(3)
+    runner = compiled.UniformSteps(library)
+    key, data = 11, _data(3, "float32", seed=5)
+    steps = [runner.whole(0, key, member, 3, 16, 0, 0, 1 / 3, (), Waiter(None, AbortFlag(), spin_s=1e-4),
+                          compiled.WholeBoard(boards[member], member, 0, _wait_posted(boards[member])))
+             for member in (0, 1)]
+    try:
+        for python_key in (key, key, key + 1, key):  # the third round: another op on the Python member
+            arrays = [row.copy() for row in data]
+            results: list = [None, None]
+
+            def member(index: int, arrays: list = arrays, results: list = results) -> None:
+                results[index] = steps[index].run(arrays[index].ctypes.data)
+
+            threads = [threading.Thread(target=member, args=(index,)) for index in (0, 1)]
+            for thread in threads:
+                thread.start()
+            boards[2].post(b"".join((np.array([0, python_key, 2, 2], np.int64).tobytes(), data[2].tobytes())))
+            for thread in threads:
+                thread.join(10)
+            _wait_posted(boards[2])()
+            posts = boards[2].messages(b"")
+            assert posts is not None and len(posts) == 3
+            expected = (data[0] + data[1]) + data[2]
+            scale(expected, 1 / 3)
+            if python_key == key:
+                assert results == [None, None]
+                assert arrays[0].tobytes() == arrays[1].tobytes() == expected.tobytes()
+            else:
+                assert results == [compiled.POSTS_DIFFER] * 2
+                assert all(arrays[index].tobytes() == data[index].tobytes() for index in (0, 1))
+            assert all(bytes(posts[index])[32:] == data[index].tobytes() for index in (0, 1))  # what each posted
+    finally:
+        for board in boards:
+            board.close()

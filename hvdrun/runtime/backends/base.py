@@ -15,7 +15,7 @@ from hvdrun.runtime.reduce import ReduceFn
 from hvdrun.runtime.transport.base import MARSHAL, Codec, Message
 
 if TYPE_CHECKING:
-    from hvdrun.runtime.collectives.pairwise import Pairwise
+    from hvdrun.runtime.collectives.hierarchical import MergedPath
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,9 @@ class Backend(abc.ABC):
         every rank (only where ``merges``)."""
         raise NotImplementedError(f"the {self.name} backend does not merge values")
 
-    def whole_doubling(self) -> Pairwise | None:
-        """The doubling that merges every rank's value by itself, where :meth:`allgather_merged` is only that (one rank
-        a host, over the native backend): its steps may be run elsewhere and resumed there. None: another shape."""
+    def merged_path(self) -> MergedPath | None:
+        """How :meth:`allgather_merged` goes, for a caller that runs its steps itself (the compiled module); None:
+        not known, or not a path it can run."""
         return None
 
     @abc.abstractmethod

@@ -25,13 +25,14 @@ from hvdrun.runtime.collectives import Ring
 from hvdrun.runtime.collectives.hierarchical import (
     AlgorithmChoice,
     Hierarchy,
+    MergedPath,
     check_same_settings,
     grid_of,
     link_partners,
     link_partners_at,
     uneven_hosts_note,
 )
-from hvdrun.runtime.collectives.pairwise import Link, Pairwise
+from hvdrun.runtime.collectives.pairwise import Link
 from hvdrun.runtime.lane import FastLane, create_board, open_lane
 from hvdrun.runtime.peers import Layout, NeedsPlan, Peer
 from hvdrun.runtime.readiness import readable
@@ -187,9 +188,8 @@ class NativeBackend(Backend):
             return super().allgather_merged(value, merge, codec)
         return self.hierarchy.allgather_merged(value, merge, codec)
 
-    def whole_doubling(self) -> Pairwise | None:
-        hierarchy = self.hierarchy
-        return hierarchy.cross if hierarchy is not None and hierarchy.locals == 1 else None
+    def merged_path(self) -> MergedPath | None:
+        return self.hierarchy.merged_path() if self.hierarchy is not None else None
 
     def allreduce(self, array: np.ndarray, reduce: ReduceFn) -> None:
         (self.hierarchy or self.ring).allreduce(array, reduce)

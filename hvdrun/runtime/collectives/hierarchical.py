@@ -27,7 +27,7 @@ import functools
 import marshal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from hvdrun.runtime import compiled
 from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
 from hvdrun.runtime.collectives.ring import Ring
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
-from hvdrun.runtime.transport.base import MARSHAL, Codec, Message
+from hvdrun.runtime.transport.base import MARSHAL, MAX_SLEEP_S, Codec, Message
 from hvdrun.runtime.transport.posts import SLOT_BYTES, PostBoard
 
 DEFAULT_DOUBLING_MAX_BYTES = 64 << 10
@@ -145,6 +145,18 @@ def link_partners_at(grid: list[list[int]], host: int, local: int) -> set[int]:
                  grid[(host + 1) % hosts][local], grid[(host - 1) % hosts][local]}
         found |= {grid[member][local] for member in partners(host, hosts)}
     return found
+
+
+class MergedPath(NamedTuple):
+    """:meth:`Hierarchy.allgather_merged`'s way, for a caller that runs its steps itself: the doubling across hosts,
+    the host's post board (None: one rank a host), this rank's place on it, the host's first rank (its ranks are
+    consecutive), and the hierarchy (whose :meth:`~Hierarchy.merge_posted` goes on from the board)."""
+
+    cross: Pairwise
+    board: PostBoard | None
+    member: int
+    first_rank: int
+    hierarchy: Hierarchy | None
 
 
 class Hierarchy:
@@ -282,17 +294,34 @@ class Hierarchy:
         if self.locals == 1:
             return self.cross.allgather_merged(value, merge, codec)
         message = codec.dumps(value)
-        messages = self._posted(message) if self.board is not None else None
+        if self.board is not None:
+            self._post_and_wait(message)
+        return self.merge_posted(value, message, merge, codec)
+
+    def merge_posted(self, value: Any, message: Message, merge: Callable[[Any, Any], Any], codec: Codec) -> Any:
+        """:meth:`allgather_merged` once this rank posted ``value`` (as ``message``) on the board and every local
+        rank posted this round (the compiled module may have posted it; without a board, nothing was posted)."""
+        messages = self.board.messages(message) if self.board is not None else None
         if messages is None:  # no board, or a message too long for it (every rank of the host sees which)
             messages = self.local.allgather_messages(message)
         values = [value if local == self.local_rank else codec.loads(m) for local, m in enumerate(messages)]
         return self.cross.allgather_merged(functools.reduce(merge, values), merge, codec)
 
-    def _posted(self, message: Message) -> list[Message] | None:
-        """Every local rank's message through the host's post board (None: one was too long for it)."""
-        self._post_and_wait(message)
-        assert self.board is not None
-        return self.board.messages(message)
+    def merged_path(self) -> MergedPath | None:
+        """How :meth:`allgather_merged` goes, for a caller that runs its steps itself (the compiled module); None
+        where it cannot: ranks of a host that share no board, or whose ranks are not consecutive."""
+        ranks = self.grid[self.host]
+        if self.locals > 1 and (self.board is None or ranks != list(range(ranks[0], ranks[0] + self.locals))):
+            return None
+        return MergedPath(self.cross, self.board if self.locals > 1 else None, self.local_rank, ranks[0], self)
+
+    def wait_posted(self) -> None:
+        """Sleep until every local rank posted this rank's round of the board (posted already)."""
+        board, waiter = self.board, self.local.waiter
+        assert board is not None
+        while not board.posted():
+            waiter.sleep((board.complete,), (), MAX_SLEEP_S)
+        waiter.progressed()
 
     def _post_and_wait(self, message: Message) -> list[memoryview]:
         """Post ``message`` in the board's next round and wait until every local rank posted it: their posts, in

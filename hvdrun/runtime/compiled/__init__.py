@@ -30,15 +30,16 @@ from hvdrun import envvars
 from hvdrun.errors import CollectiveError, PeerLostError, UsageError
 from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM, ReduceFn, padded
 from hvdrun.runtime.transport.base import MAX_SLEEP_S, TAKE_VALUE, DoublingStep, Waiter
+from hvdrun.runtime.transport.posts import SLOT_BYTES, PostBoard
 
 SOURCE = Path(__file__).with_name("uniform_steps.c")
 LIBRARY = Path(__file__).with_name("_uniform_steps.so")
 # -fno-trapping-math: FP compares may be evaluated for every element (no trap is assumed), so the reductions
 # with their NaN rule vectorize; results are the same bits
 _FLAGS = ("-O2", "-ftree-vectorize", "-fno-trapping-math", "-fwrapv", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
-ABI_VERSION = 5  # uniform_steps.c's: a library built from another version of the source is not used
+ABI_VERSION = 6  # uniform_steps.c's: a library built from another version of the source is not used
 _HEADER_BYTES = 32
-DONE, SLICE, OTHER, CLOSED, FAILED, UNSUPPORTED, WHOLE = range(7)
+DONE, SLICE, OTHER, CLOSED, FAILED, UNSUPPORTED, WHOLE, BOARD_WAIT, POSTS_DIFFER = range(9)
 DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 3}
 OPS = {AVERAGE: 0, SUM: 0, MIN: 1, MAX: 2, PRODUCT: 3}  # Horovod's op codes -> the library's (Average: a sum, scaled)
 REDUCTIONS = {REDUCE_FNS[op]: code for op, code in OPS.items()}  # the reduce functions (numpy ufuncs) -> the library's
@@ -59,7 +60,10 @@ class _Plan(ctypes.Structure):
                 ("hi", ctypes.c_int64), ("sent", ctypes.c_int64), ("got", ctypes.c_int64),
                 ("error", ctypes.c_int32), ("unused2", ctypes.c_int32), ("source", ctypes.c_void_p),
                 ("target", ctypes.c_void_p), ("factor", ctypes.c_double), ("ranks", ctypes.c_int64),
-                ("rank", ctypes.c_int64)]
+                ("rank", ctypes.c_int64), ("members", ctypes.c_int64), ("member", ctypes.c_int64),
+                ("first_rank", ctypes.c_int64), ("round", ctypes.c_int64), ("words", ctypes.c_void_p),
+                ("posts", ctypes.c_void_p), ("bells", ctypes.c_void_p), ("post_bytes", ctypes.c_int64),
+                ("phase", ctypes.c_int32), ("unused3", ctypes.c_int32)]
 
 
 class Outcome(NamedTuple):
@@ -164,6 +168,7 @@ class UniformSteps:
         self._whole_function = library.hvdrun_whole_steps
         self.slice_ns = max(1, int(slice_s * 1e9))
         self.ran = self.handed_over = 0  # calls; calls that stopped inside a step for Python to finish (tests read)
+        self.wholes = 0  # calls of whole ops (WholeSteps), of ``ran``
         self._plans: dict[tuple, tuple[_Plan, int, np.ndarray, np.ndarray, tuple]] = {}
 
     def run(self, tag: int, key: int, lo: int, hi: int, data: bytes | memoryview | np.ndarray, dtype_code: int,
@@ -203,20 +208,44 @@ class UniformSteps:
         return Outcome(done, plan.lo, plan.hi, result, frame[plan.sent:], received)
 
     def whole(self, tag: int, key: int, rank: int, ranks: int, nbytes: int, dtype_code: int, op_code: int,
-              factor: float, links: tuple[StepLink, ...], waiter: Waiter) -> WholeSteps:
+              factor: float, links: tuple[StepLink, ...], waiter: Waiter,
+              board: WholeBoard | None = None) -> WholeSteps:
         """A lone op's steps where the whole job's value goes straight into the caller's array, prepared once for
         the uniform value ``(key, rank, rank, nbytes of data)`` whose header starts with ``tag``, reduced by
-        ``op_code`` as ``dtype_code`` over ``links`` and multiplied by ``factor`` (1.0 for integer types)."""
-        layout = (id(links), nbytes, tag, dtype_code, op_code, factor, ranks, rank, key)
-        entry = self._plans.get(layout) or self._plan(layout, links)
-        entry[0].spin_ns = int(waiter.spin_s * 1e9)
-        return WholeSteps(self, entry, links, waiter)
+        ``op_code`` as ``dtype_code`` over ``links`` (the steps across hosts) and multiplied by ``factor`` (1.0 for
+        integer types); on a host of several ranks, their values meet on ``board`` first."""
+        entry = self._plan((id(links), nbytes, tag, dtype_code, op_code), links, remember=False)
+        plan, kept = entry[0], list(entry[4])
+        plan.factor, plan.ranks, plan.rank, plan.key, plan.members = factor, ranks, rank, key, 1
+        plan.spin_ns = int(waiter.spin_s * 1e9)
+        if board is not None:
+            words, posts = board.board.addresses()
+            arrays = ((ctypes.c_void_p * len(words))(*words), (ctypes.c_void_p * len(posts))(*posts),
+                      (ctypes.c_int32 * len(words))(*board.board.bell_fds))
+            plan.words, plan.posts, plan.bells = (ctypes.cast(array, ctypes.c_void_p) for array in arrays)
+            plan.members, plan.member, plan.first_rank = len(words), board.member, board.first_rank
+            plan.post_bytes = SLOT_BYTES
+            kept += arrays
+        return WholeSteps(self, (*entry[:4], tuple(kept)), links, waiter, board)
 
-    def run_whole(self, entry: tuple, address: int, links: tuple[StepLink, ...], waiter: Waiter) -> Outcome | None:
-        """:class:`WholeSteps`' call of the plan ``entry`` (at ``address``, its source and target set)."""
+    def run_whole(self, entry: tuple, links: tuple[StepLink, ...], waiter: Waiter,
+                  board: WholeBoard | None) -> Outcome | int | None:
+        """:class:`WholeSteps`' calls of the plan ``entry`` (its source and target set) until it ends: None when the
+        whole value was written; POSTS_DIFFER (the board's posts of this round are not one uniform value); else
+        how far the steps across hosts went."""
         self.ran += 1
-        status = self._call(self._whole_function, address, entry[0], links, waiter, (WHOLE, DONE, OTHER))
-        return None if status == WHOLE else self._outcome(status, entry, links, entry[0].tag, b"")
+        self.wholes += 1
+        plan, address = entry[0], entry[1]
+        expected = (WHOLE, DONE, OTHER, BOARD_WAIT, POSTS_DIFFER)
+        while (status := self._call(self._whole_function, address, plan, links, waiter, expected)) == BOARD_WAIT:
+            assert board is not None
+            board.wait()
+        if status == WHOLE:
+            return None
+        if status == POSTS_DIFFER:
+            self.handed_over += 1
+            return POSTS_DIFFER
+        return self._outcome(status, entry, links, plan.tag, b"")
 
     @staticmethod
     def codes(dtype: np.dtype, reduce: ReduceFn) -> tuple[int, int] | None:
@@ -246,8 +275,9 @@ class UniformSteps:
         """What a step of :meth:`reduce_in_place` sends for ``nbytes`` of data."""
         return padded(nbytes)
 
-    def _plan(self, layout: tuple, links: tuple[StepLink, ...]) -> tuple[_Plan, int, np.ndarray, np.ndarray, tuple]:
-        _, nbytes, tag, dtype_code, op_code = layout[:5]
+    def _plan(self, layout: tuple, links: tuple[StepLink, ...],
+              remember: bool = True) -> tuple[_Plan, int, np.ndarray, np.ndarray, tuple]:
+        _, nbytes, tag, dtype_code, op_code = layout
         tx = (ctypes.c_int32 * len(links))(*(link.tx_fd for link in links))
         rx = (ctypes.c_int32 * len(links))(*(link.rx_fd for link in links))
         modes = (ctypes.c_uint8 * len(links))(*(link.mode for link in links))
@@ -255,12 +285,12 @@ class UniformSteps:
         scratch = np.zeros(8 + _HEADER_BYTES + nbytes + 8, np.uint8)
         plan = _Plan(steps=len(links), dtype=dtype_code, op=op_code, tag=tag, nbytes=nbytes, slice_ns=self.slice_ns,
                      data=accumulator.ctypes.data, scratch=scratch.ctypes.data)
-        if len(layout) > 5:  # a whole plan's (whole())
-            plan.factor, plan.ranks, plan.rank, plan.key = layout[5:]
         plan.tx_fds, plan.rx_fds, plan.modes = (ctypes.cast(array, ctypes.c_void_p) for array in (tx, rx, modes))
-        if len(self._plans) >= 256:
-            self._plans.clear()
-        entry = self._plans[layout] = (plan, ctypes.addressof(plan), accumulator, scratch, (tx, rx, modes, links))
+        entry = (plan, ctypes.addressof(plan), accumulator, scratch, (tx, rx, modes, links))
+        if remember:
+            if len(self._plans) >= 256:
+                self._plans.clear()
+            self._plans[layout] = entry
         return entry
 
     @staticmethod
@@ -284,25 +314,41 @@ class UniformSteps:
         return status
 
 
+class WholeBoard(NamedTuple):
+    """A host's post board as :meth:`UniformSteps.whole` takes it: this rank's place on it, the host's first rank
+    (member m is rank ``first_rank + m``), and ``wait()``, which sleeps until every member posted this rank's round
+    (the library spins a while, then hands the wait to Python, which sleeps as its waiters do)."""
+
+    board: PostBoard
+    member: int
+    first_rank: int
+    wait: Callable[[], None]
+
+
 class WholeSteps:
     """:meth:`UniformSteps.whole`'s prepared steps: :meth:`run` per op."""
 
-    __slots__ = ("_steps", "_entry", "_address", "_plan", "_links", "_waiter")
+    __slots__ = ("_steps", "_entry", "_plan", "_links", "_waiter", "_board")
 
-    def __init__(self, steps: UniformSteps, entry: tuple, links: tuple[StepLink, ...], waiter: Waiter) -> None:
-        self._steps, self._entry, self._links, self._waiter = steps, entry, links, waiter
-        self._plan, self._address = entry[0], entry[1]
+    def __init__(self, steps: UniformSteps, entry: tuple, links: tuple[StepLink, ...], waiter: Waiter,
+                 board: WholeBoard | None) -> None:
+        self._steps, self._entry, self._links, self._waiter, self._board = steps, entry, links, waiter, board
+        self._plan = entry[0]
 
-    def run(self, address: int) -> Outcome | None:
+    def run(self, address: int) -> Outcome | int | None:
         """One op of the contiguous data at ``address``: None when the whole job's value was written there; else
-        how far the steps went (the data there untouched), as :meth:`UniformSteps.run` says it.
+        (the data there untouched) POSTS_DIFFER, where the host's posts of this op's board round are not one
+        uniform value, or how far the steps across hosts went, as :meth:`UniformSteps.run` says it.
 
         Raises:
             PeerLostError: a partner's connection failed or closed.
         """
-        plan = self._plan
+        plan, board = self._plan, self._board
         plan.source = plan.target = address
-        return self._steps.run_whole(self._entry, self._address, self._links, self._waiter)
+        if board is not None:
+            board.board.round += 1
+            plan.round = board.board.round
+        return self._steps.run_whole(self._entry, self._links, self._waiter, board)
 
 
 _runner: list[UniformSteps | None] = []

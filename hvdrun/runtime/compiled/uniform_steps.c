@@ -24,13 +24,16 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
+#include <unistd.h>
 
-enum { DONE = 0, SLICE = 1, OTHER = 2, CLOSED = 3, FAILED = 4, UNSUPPORTED = 5, WHOLE = 6 };
+enum { DONE = 0, SLICE = 1, OTHER = 2, CLOSED = 3, FAILED = 4, UNSUPPORTED = 5, WHOLE = 6, BOARD_WAIT = 7, POSTS_DIFFER = 8 };
+enum { STEPS = 0, BOARD = 1 }; /* hvdrun_whole_steps' phase: the steps across hosts; waiting for the host's posts */
+enum { ROUND_WORD = 0, LENGTH_WORDS = 1, SLEEPING_WORD = 3 }; /* a board slot's header (transport/posts.py) */
 enum { F32 = 0, F64 = 1, I32 = 2, I64 = 3 };
 enum { SUM = 0, MIN = 1, MAX = 2, PRODUCT = 3, SAME = 4 };
 enum { MERGE_UPPER = 0, MERGE_LOWER = 1, DISCARD = 2, SEND_VALUE = 3, TAKE_VALUE = 4 }; /* a step's mode */
 
-#define ABI_VERSION 5 /* compiled/__init__.py's ABI_VERSION */
+#define ABI_VERSION 6 /* compiled/__init__.py's ABI_VERSION */
 #define LENGTH_BYTES 8
 #define HEADER_BYTES 32
 
@@ -56,6 +59,16 @@ typedef struct {
     double factor;         /* 1.0, or a float type's final factor (Average's 1/ranks, a postscale) */
     int64_t ranks;         /* the job's ranks: the range 0..ranks-1 is the whole job */
     int64_t rank;          /* this rank: its range as an op begins */
+    /* hvdrun_whole_steps on a host of several ranks: its post board (hvdrun/runtime/transport/posts.py) */
+    int64_t members, member;     /* the host's ranks (1: no board), this rank's place among them */
+    int64_t first_rank;          /* the host's first rank: member m is rank first_rank + m */
+    int64_t round;               /* the board round this op posts */
+    int64_t *const *words;       /* per member: its slot's header words */
+    uint8_t *const *posts;       /* per member, per round parity: its post buffer (2 * members) */
+    const int32_t *bells;        /* per member: the FIFO that wakes it */
+    int64_t post_bytes;          /* a post's capacity */
+    int32_t phase;               /* STEPS or BOARD */
+    int32_t unused3;
 } Plan;
 
 static int64_t padded(int64_t n) { return (n + 7) & ~(int64_t)7; }
@@ -379,16 +392,90 @@ static void write_whole(const Plan *plan) {
     }
 }
 
-/* A lone allreduce of the steady state in one call: an op begins when plan->source is set (this rank's data, copied
- * into plan->data; its range this rank; no step begun) and goes through hvdrun_uniform_steps; when every step merged
- * and the range is the whole job, the value is written to plan->target, scaled (WHOLE). Any other status is
- * hvdrun_uniform_steps', with plan->data merged as far as the steps went. */
+/* Post this rank's uniform value on the host's board in plan->round (the message Python's codec writes: the 32-byte
+ * header and the data, no length word), publish the round, and ring the members that sleep. */
+static void post_on_board(Plan *plan) {
+    int64_t parity = plan->round & 1, *me = plan->words[plan->member];
+    uint8_t *post = plan->posts[plan->member * 2 + parity];
+    int64_t head[4] = {plan->tag, plan->key, plan->lo, plan->hi};
+    memcpy(post, head, HEADER_BYTES);
+    memcpy(post + HEADER_BYTES, plan->data, (size_t)plan->nbytes);
+    me[LENGTH_WORDS + parity] = HEADER_BYTES + plan->nbytes;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    __atomic_store_n(&me[ROUND_WORD], plan->round, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the round before the sleeping words: a sleeper sees one or the other */
+    for (int64_t m = 0; m < plan->members; m++) {
+        if (m != plan->member && __atomic_load_n(&plan->words[m][SLEEPING_WORD], __ATOMIC_ACQUIRE)) {
+            ssize_t ignored = write(plan->bells[m], zeros, 1); /* a full FIFO wakes it as well */
+            (void)ignored;
+        }
+    }
+}
+
+static int all_posted(const Plan *plan) {
+    for (int64_t m = 0; m < plan->members; m++)
+        if (__atomic_load_n(&plan->words[m][ROUND_WORD], __ATOMIC_ACQUIRE) < plan->round)
+            return 0;
+    return 1;
+}
+
+/* Every member's post as one uniform value of the host's ranks, reduced in member order into plan->data (as Python's
+ * merge of the posts, lower ranks first): 0 when a post is anything else (the caller merges them in Python). */
+static int merge_posts(Plan *plan) {
+    int64_t parity = plan->round & 1;
+    for (int64_t m = 0; m < plan->members; m++) {
+        int64_t head[4];
+        if (plan->words[m][LENGTH_WORDS + parity] != HEADER_BYTES + plan->nbytes)
+            return 0;
+        memcpy(head, plan->posts[m * 2 + parity], sizeof head);
+        if (head[0] != plan->tag || head[1] != plan->key || head[2] != plan->first_rank + m || head[3] != head[2])
+            return 0;
+    }
+    memcpy(plan->data, plan->posts[parity] + HEADER_BYTES, (size_t)plan->nbytes);
+    for (int64_t m = 1; m < plan->members; m++)
+        combine(plan, plan->posts[m * 2 + parity] + HEADER_BYTES, 1);
+    plan->lo = plan->first_rank;
+    plan->hi = plan->first_rank + plan->members - 1;
+    return 1;
+}
+
+/* The host's posts, spinning (yielding the core) at most spin_ns: BOARD_WAIT when they are not all there (the caller
+ * sleeps until they are and calls again), POSTS_DIFFER when they are not one uniform value, else 0 (merged). */
+static int gather_posts(Plan *plan) {
+    int64_t began = now_ns();
+    while (!all_posted(plan)) {
+        if (now_ns() - began >= plan->spin_ns)
+            return BOARD_WAIT;
+        sched_yield();
+    }
+    plan->phase = STEPS;
+    return merge_posts(plan) ? 0 : POSTS_DIFFER;
+}
+
+/* A lone allreduce of the steady state in one call. An op begins when plan->source is set: this rank's data is
+ * copied into plan->data, its range is this rank, no step is begun; on a host of several ranks it is posted on the
+ * board, and the posts of the host, once all there, are reduced into the host's value. That value goes through
+ * hvdrun_uniform_steps across hosts; when every step merged and the range is the whole job, it is written to
+ * plan->target, scaled (WHOLE). Else: BOARD_WAIT (call again once every member posted), POSTS_DIFFER (Python merges
+ * the posts of this round), or hvdrun_uniform_steps' status, plan->data merged as far as the steps went. */
 int hvdrun_whole_steps(Plan *plan) {
+    if (plan->members > 1 && HEADER_BYTES + plan->nbytes > plan->post_bytes)
+        return UNSUPPORTED;
     if (plan->source != NULL) {
         memcpy(plan->data, plan->source, (size_t)plan->nbytes);
         plan->source = NULL;
         plan->lo = plan->hi = plan->rank;
         plan->step = plan->sent = plan->got = 0;
+        plan->phase = STEPS;
+        if (plan->members > 1) {
+            post_on_board(plan);
+            plan->phase = BOARD;
+        }
+    }
+    if (plan->phase == BOARD) {
+        int status = gather_posts(plan);
+        if (status)
+            return status;
     }
     int status = hvdrun_uniform_steps(plan);
     if (status != DONE || plan->lo != 0 || plan->hi != plan->ranks - 1)

@@ -22,6 +22,7 @@ single stores, which x86-64 keeps in order (as the shared-memory rings, :mod:`.s
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -109,6 +110,21 @@ class PostBoard:
         of the host shares)."""
         parity = self.round & 1
         return [self.buffers[member][parity][:words[_LENGTHS + parity]] for member, words in enumerate(self.words)]
+
+    def addresses(self) -> tuple[list[int], list[int]]:
+        """Where the board lies in this process's memory, for the compiled module: each member's header words, and
+        each member's post buffers (parity 0, then 1). Valid while the board is open."""
+        anchor = ctypes.c_char.from_buffer(self.map)  # an export of the map, released as it goes
+        base = ctypes.addressof(anchor)
+        del anchor
+        stride = _HEADER + 2 * SLOT_BYTES
+        words = [base + member * stride for member in range(self.members)]
+        return words, [address + _HEADER + parity * SLOT_BYTES for address in words for parity in (0, 1)]
+
+    @property
+    def bell_fds(self) -> list[int]:
+        """Each member's bell (its FIFO), by local rank."""
+        return list(self._bell_fds)
 
     def unlink(self) -> None:
         """Remove the names once every rank of the host has opened the board (mappings stay valid)."""
