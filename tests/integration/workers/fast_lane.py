@@ -158,8 +158,8 @@ report("threads", results == {0: True, 1: True} and bool(torch.equal(after, torc
 print(f"LANE rank {rank} used {used()}", flush=True)
 print(f"EXPRESS rank {rank} used {engine.express_used}", flush=True)
 steps = engine.compiled  # HVDRUN_COMPILED, as this rank applied it
-print(f"COMPILED rank {rank} " + ("off" if steps is None else f"ran {steps.ran} whole {steps.wholes} handed over {steps.handed_over}"),
-      flush=True)
+ran = "off" if steps is None else f"ran {steps.ran} whole {steps.wholes} handed over {steps.handed_over}"
+print(f"COMPILED rank {rank} {ran}", flush=True)
 spins = lane.spins_before_yield if lane is not None else "-"  # HVDRUN_WAIT_POLICY, as this rank applied it
 print(f"WAIT rank {rank} spin {engine.backend.ring.waiter.spin_s:g} s, lane spins {spins}", flush=True)
 hvd.shutdown()
