@@ -48,6 +48,7 @@ from hvdrun.runtime.compiled import (
     DTYPES,
     OPS,
     POSTS_DIFFER,
+    RESULT_OTHER,
     SAME,
     Outcome,
     StepLink,
@@ -306,15 +307,20 @@ class Announcements:
             for channel, sent in route.sent:
                 channel.bytes_sent += sent
             return WHOLE
+        hierarchy = path.hierarchy
         if outcome == POSTS_DIFFER:  # the host's posts of this round: Python merges them and goes on
-            assert path.hierarchy is not None
+            assert hierarchy is not None
             value = Uniform(key, self.rank, self.rank, data)
-            return path.hierarchy.merge_posted(value, _dumps(value), self._merge, self.codec)
+            return hierarchy.merge_posted(value, _dumps(value), self._merge, self.codec)
+        if outcome == RESULT_OTHER:  # the leader's result, posted in the round the module waited for
+            assert hierarchy is not None
+            return hierarchy.posted_result(self.codec)
         assert isinstance(outcome, Outcome)
         _count_sent(path.cross.doubling_steps, array.nbytes, outcome.done, outcome.unsent, outcome.received)
         value = Uniform(key, outcome.lo, outcome.hi, outcome.data)
-        return path.cross.resume_merged(StepsTaken(value, outcome.done, outcome.unsent, outcome.received),
-                                        self._merge, self.codec)
+        merged = path.cross.resume_merged(StepsTaken(value, outcome.done, outcome.unsent, outcome.received),
+                                          self._merge, self.codec)
+        return hierarchy.shared_result(merged, self.codec) if path.board is not None and hierarchy else merged
 
     def _route(self, key: int, nbytes: int, factor: float) -> _WholeRoute | None:
         """:meth:`exchange_whole`'s way for the request ``key`` (every op of it has ``nbytes`` and ``factor``),
@@ -336,7 +342,8 @@ class Announcements:
         whole = compiled.whole(UNIFORM_TAG, key, self.rank, self.size, nbytes, dtype_code, op_code, factor, links,
                                path.cross.waiter, board)
         channels = tuple({id(step.rx): step.rx for step in steps}.values())
-        sent = tuple((step.tx, frame_bytes_of(nbytes, step.mode)) for step in steps)
+        leads = path.board is None or path.member == 0  # only a host's leader crosses
+        sent = tuple((step.tx, frame_bytes_of(nbytes, step.mode)) for step in steps) if leads else ()
         route = _WholeRoute(whole, path, channels, sent)
         if len(self._routes) >= 4096:
             self._routes.clear()

@@ -516,15 +516,17 @@ def _wait_posted(board: PostBoard) -> Callable[[], None]:
 
 @pytest.mark.skipif(not shm_supported(), reason="needs /dev/shm on x86-64")
 def test_whole_ops_of_a_host_meet_on_its_board_with_compiled_and_python_members(library):
-    """A job of one host of three ranks: two compiled members and one that posts as Python's codec
-    does; rounds of the same op give the reduced value to the compiled ones (the Python one reads the same posts);
-    a round where the Python member posts another value leaves the arrays untouched: POSTS_DIFFER, every post there."""
+    """A job of one host of three ranks: two compiled members (member 0 leads) and one that posts as Python's path
+    does. Rounds of the same op: the leader posts the reduced value in a second round, where the others read it
+    (the Python member its message, the compiled one into its array). A round where the Python member posts another
+    value leaves the arrays untouched: POSTS_DIFFER on both, and the rounds after it go on."""
     boards = _board_members(3)
     runner = compiled.UniformSteps(library)
     key, data = 11, _data(3, "float32", seed=5)
     steps = [runner.whole(0, key, member, 3, 16, 0, 0, 1 / 3, (), Waiter(None, AbortFlag(), spin_s=1e-4),
                           compiled.WholeBoard(boards[member], member, 0, _wait_posted(boards[member])))
              for member in (0, 1)]
+    python = boards[2]
     try:
         for python_key in (key, key, key + 1, key):  # the third round: another op on the Python member
             arrays = [row.copy() for row in data]
@@ -536,13 +538,20 @@ def test_whole_ops_of_a_host_meet_on_its_board_with_compiled_and_python_members(
             threads = [threading.Thread(target=member, args=(index,)) for index in (0, 1)]
             for thread in threads:
                 thread.start()
-            boards[2].post(b"".join((np.array([0, python_key, 2, 2], np.int64).tobytes(), data[2].tobytes())))
+            python.post(b"".join((np.array([0, python_key, 2, 2], np.int64).tobytes(), data[2].tobytes())))
+            _wait_posted(python)()
+            posts = python.messages(b"")
+            assert posts is not None and all(bytes(posts[index])[32:] == data[index].tobytes() for index in (0, 1))
+            total = (data[0] + data[1]) + data[2]
+            if python_key == key:  # the result round: this member posts nothing and reads the leader's
+                python.post(b"")
+                _wait_posted(python)()
+                result = python.messages(b"")
+                assert result is not None
+                assert bytes(result[0]) == np.array([0, key, 0, 2], np.int64).tobytes() + total.tobytes()
             for thread in threads:
                 thread.join(10)
-            _wait_posted(boards[2])()
-            posts = boards[2].messages(b"")
-            assert posts is not None and len(posts) == 3
-            expected = (data[0] + data[1]) + data[2]
+            expected = total.copy()
             scale(expected, 1 / 3)
             if python_key == key:
                 assert results == [None, None]
@@ -550,7 +559,7 @@ def test_whole_ops_of_a_host_meet_on_its_board_with_compiled_and_python_members(
             else:
                 assert results == [compiled.POSTS_DIFFER] * 2
                 assert all(arrays[index].tobytes() == data[index].tobytes() for index in (0, 1))
-            assert all(bytes(posts[index])[32:] == data[index].tobytes() for index in (0, 1))  # what each posted
+        assert boards[0].round == boards[1].round == python.round == 7
     finally:
         for board in boards:
             board.close()

@@ -18,7 +18,9 @@ hosts (a ring and a :class:`~hvdrun.runtime.collectives.pairwise.Pairwise` group
 - negotiation (every rank's message): all-gather inside the host, then recursive doubling of the
   hosts' bundles: L - 1 + log2(H) steps, not N - 1. Merged negotiation (every cycle's announcements, see
   :mod:`hvdrun.runtime.announcements`) takes the host's post board inside the host: one post and one wait
-  (:mod:`hvdrun.runtime.transport.posts`), then log2(H) steps.
+  (:mod:`hvdrun.runtime.transport.posts`); then the host's leader (local rank 0) alone runs log2(H) steps across
+  hosts, so that a host's link carries one copy of each step's value, not L, and posts the job's value in a
+  second round of the board, where the others read it.
 """
 
 from __future__ import annotations
@@ -290,7 +292,8 @@ class Hierarchy:
 
     def allgather_merged(self, value: Any, merge: Callable[[Any, Any], Any], codec: Codec = MARSHAL) -> Any:
         """Every rank's ``value`` merged in rank order (``merge(lower, upper)``): inside the host (all-gathered
-        over shared memory, merged in local order), then across hosts by recursive doubling."""
+        over shared memory, merged in local order), then across hosts by recursive doubling among the hosts'
+        leaders, whose result the others read from the board."""
         if self.locals == 1:
             return self.cross.allgather_merged(value, merge, codec)
         message = codec.dumps(value)
@@ -304,8 +307,32 @@ class Hierarchy:
         messages = self.board.messages(message) if self.board is not None else None
         if messages is None:  # no board, or a message too long for it (every rank of the host sees which)
             messages = self.local.allgather_messages(message)
+        if self.local_rank:  # the leader merges and crosses; this rank reads the result in the next round
+            return self.shared_result(None, codec)
         values = [value if local == self.local_rank else codec.loads(m) for local, m in enumerate(messages)]
-        return self.cross.allgather_merged(functools.reduce(merge, values), merge, codec)
+        return self.shared_result(self.cross.allgather_merged(functools.reduce(merge, values), merge, codec), codec)
+
+    def shared_result(self, result: Any, codec: Codec) -> Any:
+        """The leader's ``result`` of a merged exchange, on every rank of the host: the leader posts it, the
+        others an empty message, in one round of the board (the host's ring where there is no board or it does
+        not fit); the others' ``result`` is ignored."""
+        message = codec.dumps(result) if self.local_rank == 0 else b""
+        messages = None
+        if self.board is not None:
+            self._post_and_wait(message)
+            messages = self.board.messages(message)  # None on every rank where the leader's did not fit
+        if messages is None:
+            messages = self.local.allgather_messages(message)
+        return result if self.local_rank == 0 else codec.loads(messages[0])
+
+    def posted_result(self, codec: Codec) -> Any:
+        """The leader's result of this rank's current round, which this rank already posted (the compiled module
+        did) and every rank of the host posted."""
+        assert self.board is not None
+        messages = self.board.messages(b"")
+        if messages is None:  # the leader's did not fit: the ring, as shared_result's others go on
+            return codec.loads(self.local.allgather_messages(b"")[0])
+        return codec.loads(messages[0])
 
     def merged_path(self) -> MergedPath | None:
         """How :meth:`allgather_merged` goes, for a caller that runs its steps itself (the compiled module); None

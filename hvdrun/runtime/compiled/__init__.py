@@ -37,9 +37,9 @@ LIBRARY = Path(__file__).with_name("_uniform_steps.so")
 # -fno-trapping-math: FP compares may be evaluated for every element (no trap is assumed), so the reductions
 # with their NaN rule vectorize; results are the same bits
 _FLAGS = ("-O2", "-ftree-vectorize", "-fno-trapping-math", "-fwrapv", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
-ABI_VERSION = 6  # uniform_steps.c's: a library built from another version of the source is not used
+ABI_VERSION = 7  # uniform_steps.c's: a library built from another version of the source is not used
 _HEADER_BYTES = 32
-DONE, SLICE, OTHER, CLOSED, FAILED, UNSUPPORTED, WHOLE, BOARD_WAIT, POSTS_DIFFER = range(9)
+DONE, SLICE, OTHER, CLOSED, FAILED, UNSUPPORTED, WHOLE, BOARD_WAIT, POSTS_DIFFER, RESULT_OTHER = range(10)
 DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 3}
 OPS = {AVERAGE: 0, SUM: 0, MIN: 1, MAX: 2, PRODUCT: 3}  # Horovod's op codes -> the library's (Average: a sum, scaled)
 REDUCTIONS = {REDUCE_FNS[op]: code for op, code in OPS.items()}  # the reduce functions (numpy ufuncs) -> the library's
@@ -231,20 +231,23 @@ class UniformSteps:
     def run_whole(self, entry: tuple, links: tuple[StepLink, ...], waiter: Waiter,
                   board: WholeBoard | None) -> Outcome | int | None:
         """:class:`WholeSteps`' calls of the plan ``entry`` (its source and target set) until it ends: None when the
-        whole value was written; POSTS_DIFFER (the board's posts of this round are not one uniform value); else
-        how far the steps across hosts went."""
+        whole value was written; POSTS_DIFFER (the board's posts of the op's round are not one uniform value) or
+        RESULT_OTHER (the leader posted another value as the result); else how far the steps across hosts went."""
         self.ran += 1
         self.wholes += 1
         plan, address = entry[0], entry[1]
-        expected = (WHOLE, DONE, OTHER, BOARD_WAIT, POSTS_DIFFER)
+        expected = (WHOLE, DONE, OTHER, BOARD_WAIT, POSTS_DIFFER, RESULT_OTHER)
         while (status := self._call(self._whole_function, address, plan, links, waiter, expected)) == BOARD_WAIT:
             assert board is not None
+            board.board.round = plan.round  # the round the library posted and waits for
             board.wait()
+        if board is not None:
+            board.board.round = plan.round
         if status == WHOLE:
             return None
-        if status == POSTS_DIFFER:
+        if status in (POSTS_DIFFER, RESULT_OTHER):
             self.handed_over += 1
-            return POSTS_DIFFER
+            return status
         return self._outcome(status, entry, links, plan.tag, b"")
 
     @staticmethod
@@ -315,9 +318,10 @@ class UniformSteps:
 
 
 class WholeBoard(NamedTuple):
-    """A host's post board as :meth:`UniformSteps.whole` takes it: this rank's place on it, the host's first rank
-    (member m is rank ``first_rank + m``), and ``wait()``, which sleeps until every member posted this rank's round
-    (the library spins a while, then hands the wait to Python, which sleeps as its waiters do)."""
+    """A host's post board as :meth:`UniformSteps.whole` takes it: this rank's place on it (member 0 leads: it
+    merges the host's posts, runs the steps across hosts and posts the result in the next round), the host's first
+    rank (member m is rank ``first_rank + m``), and ``wait()``, which sleeps until every member posted this rank's
+    round (the library spins a while, then hands the wait to Python, which sleeps as its waiters do)."""
 
     board: PostBoard
     member: int
@@ -338,7 +342,8 @@ class WholeSteps:
     def run(self, address: int) -> Outcome | int | None:
         """One op of the contiguous data at ``address``: None when the whole job's value was written there; else
         (the data there untouched) POSTS_DIFFER, where the host's posts of this op's board round are not one
-        uniform value, or how far the steps across hosts went, as :meth:`UniformSteps.run` says it.
+        uniform value; RESULT_OTHER, where the host's leader posted another value as the result; or how far the
+        steps across hosts went (the leader's, or one rank a host), as :meth:`UniformSteps.run` says it.
 
         Raises:
             PeerLostError: a partner's connection failed or closed.

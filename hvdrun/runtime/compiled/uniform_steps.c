@@ -26,14 +26,16 @@
 #include <time.h>
 #include <unistd.h>
 
-enum { DONE = 0, SLICE = 1, OTHER = 2, CLOSED = 3, FAILED = 4, UNSUPPORTED = 5, WHOLE = 6, BOARD_WAIT = 7, POSTS_DIFFER = 8 };
-enum { STEPS = 0, BOARD = 1 }; /* hvdrun_whole_steps' phase: the steps across hosts; waiting for the host's posts */
+enum { DONE = 0, SLICE = 1, OTHER = 2, CLOSED = 3, FAILED = 4, UNSUPPORTED = 5, WHOLE = 6, BOARD_WAIT = 7, POSTS_DIFFER = 8,
+       RESULT_OTHER = 9 };
+/* hvdrun_whole_steps' phase: the steps across hosts; the host's posts of the op's round; the leader's result */
+enum { STEPS = 0, BOARD = 1, RESULT = 2 };
 enum { ROUND_WORD = 0, LENGTH_WORDS = 1, SLEEPING_WORD = 3 }; /* a board slot's header (transport/posts.py) */
 enum { F32 = 0, F64 = 1, I32 = 2, I64 = 3 };
 enum { SUM = 0, MIN = 1, MAX = 2, PRODUCT = 3, SAME = 4 };
 enum { MERGE_UPPER = 0, MERGE_LOWER = 1, DISCARD = 2, SEND_VALUE = 3, TAKE_VALUE = 4 }; /* a step's mode */
 
-#define ABI_VERSION 6 /* compiled/__init__.py's ABI_VERSION */
+#define ABI_VERSION 7 /* compiled/__init__.py's ABI_VERSION */
 #define LENGTH_BYTES 8
 #define HEADER_BYTES 32
 
@@ -392,15 +394,18 @@ static void write_whole(const Plan *plan) {
     }
 }
 
-/* Post this rank's uniform value on the host's board in plan->round (the message Python's codec writes: the 32-byte
- * header and the data, no length word), publish the round, and ring the members that sleep. */
-static void post_on_board(Plan *plan) {
+/* Post on the host's board in plan->round: this rank's uniform value (the message Python's codec writes: the 32-byte
+ * header and the data, no length word), or (``empty``) an empty message; publish the round, ring the members that
+ * sleep. */
+static void post_on_board(Plan *plan, int empty) {
     int64_t parity = plan->round & 1, *me = plan->words[plan->member];
     uint8_t *post = plan->posts[plan->member * 2 + parity];
-    int64_t head[4] = {plan->tag, plan->key, plan->lo, plan->hi};
-    memcpy(post, head, HEADER_BYTES);
-    memcpy(post + HEADER_BYTES, plan->data, (size_t)plan->nbytes);
-    me[LENGTH_WORDS + parity] = HEADER_BYTES + plan->nbytes;
+    if (!empty) {
+        int64_t head[4] = {plan->tag, plan->key, plan->lo, plan->hi};
+        memcpy(post, head, HEADER_BYTES);
+        memcpy(post + HEADER_BYTES, plan->data, (size_t)plan->nbytes);
+    }
+    me[LENGTH_WORDS + parity] = empty ? 0 : HEADER_BYTES + plan->nbytes;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     __atomic_store_n(&me[ROUND_WORD], plan->round, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the round before the sleeping words: a sleeper sees one or the other */
@@ -419,8 +424,9 @@ static int all_posted(const Plan *plan) {
     return 1;
 }
 
-/* Every member's post as one uniform value of the host's ranks, reduced in member order into plan->data (as Python's
- * merge of the posts, lower ranks first): 0 when a post is anything else (the caller merges them in Python). */
+/* Every member's post as one uniform value of the host's ranks, reduced in member order into plan->data by the
+ * leader (member 0; as Python's merge of the posts, lower ranks first): 0 when a post is anything else (the caller
+ * merges them in Python; every member sees the same posts, so all of them do). */
 static int merge_posts(Plan *plan) {
     int64_t parity = plan->round & 1;
     for (int64_t m = 0; m < plan->members; m++) {
@@ -431,6 +437,8 @@ static int merge_posts(Plan *plan) {
         if (head[0] != plan->tag || head[1] != plan->key || head[2] != plan->first_rank + m || head[3] != head[2])
             return 0;
     }
+    if (plan->member != 0)
+        return 1; /* the leader merges and crosses; this rank reads its result */
     memcpy(plan->data, plan->posts[parity] + HEADER_BYTES, (size_t)plan->nbytes);
     for (int64_t m = 1; m < plan->members; m++)
         combine(plan, plan->posts[m * 2 + parity] + HEADER_BYTES, 1);
@@ -439,25 +447,42 @@ static int merge_posts(Plan *plan) {
     return 1;
 }
 
-/* The host's posts, spinning (yielding the core) at most spin_ns: BOARD_WAIT when they are not all there (the caller
- * sleeps until they are and calls again), POSTS_DIFFER when they are not one uniform value, else 0 (merged). */
-static int gather_posts(Plan *plan) {
+/* Every member's post of plan->round, spinning (yielding the core) at most spin_ns: 0 when they are there, else
+ * BOARD_WAIT (the caller sleeps until they are and calls again). */
+static int await_posts(const Plan *plan) {
     int64_t began = now_ns();
     while (!all_posted(plan)) {
         if (now_ns() - began >= plan->spin_ns)
             return BOARD_WAIT;
         sched_yield();
     }
-    plan->phase = STEPS;
-    return merge_posts(plan) ? 0 : POSTS_DIFFER;
+    return 0;
+}
+
+/* The leader's post of the result round as the whole job's value of this op, into plan->data: 0 when it is another
+ * value (Python reads it). */
+static int take_result(Plan *plan) {
+    int64_t parity = plan->round & 1, head[4];
+    if (plan->words[0][LENGTH_WORDS + parity] != HEADER_BYTES + plan->nbytes)
+        return 0;
+    memcpy(head, plan->posts[parity], sizeof head);
+    if (head[0] != plan->tag || head[1] != plan->key || head[2] != 0 || head[3] != plan->ranks - 1)
+        return 0;
+    memcpy(plan->data, plan->posts[parity] + HEADER_BYTES, (size_t)plan->nbytes);
+    plan->lo = 0;
+    plan->hi = plan->ranks - 1;
+    return 1;
 }
 
 /* A lone allreduce of the steady state in one call. An op begins when plan->source is set: this rank's data is
- * copied into plan->data, its range is this rank, no step is begun; on a host of several ranks it is posted on the
- * board, and the posts of the host, once all there, are reduced into the host's value. That value goes through
- * hvdrun_uniform_steps across hosts; when every step merged and the range is the whole job, it is written to
- * plan->target, scaled (WHOLE). Else: BOARD_WAIT (call again once every member posted), POSTS_DIFFER (Python merges
- * the posts of this round), or hvdrun_uniform_steps' status, plan->data merged as far as the steps went. */
+ * copied into plan->data, its range is this rank, no step is begun. On a host of several ranks it is posted on the
+ * board; once the host's posts are all there, the leader (member 0) reduces them into the host's value, and the
+ * others post an empty message in the next round. The leader's value (every rank's, on a host of one rank) goes
+ * through hvdrun_uniform_steps across hosts; on a host of several ranks the leader posts the job's value in that next
+ * round, which every member reads once all of it is posted. When the value is the whole job's, it is written to
+ * plan->target, scaled (WHOLE). Else: BOARD_WAIT (call again once every member posted plan->round), POSTS_DIFFER
+ * (Python merges the posts of this round), RESULT_OTHER (the leader posted another value: Python reads it), or
+ * hvdrun_uniform_steps' status, plan->data merged as far as the steps went. */
 int hvdrun_whole_steps(Plan *plan) {
     if (plan->members > 1 && HEADER_BYTES + plan->nbytes > plan->post_bytes)
         return UNSUPPORTED;
@@ -468,18 +493,38 @@ int hvdrun_whole_steps(Plan *plan) {
         plan->step = plan->sent = plan->got = 0;
         plan->phase = STEPS;
         if (plan->members > 1) {
-            post_on_board(plan);
+            post_on_board(plan, 0);
             plan->phase = BOARD;
         }
     }
     if (plan->phase == BOARD) {
-        int status = gather_posts(plan);
-        if (status)
-            return status;
+        if (await_posts(plan))
+            return BOARD_WAIT;
+        if (!merge_posts(plan))
+            return POSTS_DIFFER;
+        plan->phase = STEPS;
+        if (plan->member != 0) {
+            plan->round++;
+            post_on_board(plan, 1);
+            plan->phase = RESULT;
+        }
     }
-    int status = hvdrun_uniform_steps(plan);
-    if (status != DONE || plan->lo != 0 || plan->hi != plan->ranks - 1)
-        return status;
+    if (plan->phase == STEPS) {
+        int status = hvdrun_uniform_steps(plan);
+        if (status != DONE || plan->lo != 0 || plan->hi != plan->ranks - 1)
+            return status;
+        if (plan->members > 1) {
+            plan->round++;
+            post_on_board(plan, 0);
+            plan->phase = RESULT;
+        }
+    }
+    if (plan->phase == RESULT) {
+        if (await_posts(plan))
+            return BOARD_WAIT;
+        if (plan->member != 0 && !take_result(plan))
+            return RESULT_OTHER;
+    }
     write_whole(plan);
     return WHOLE;
 }
