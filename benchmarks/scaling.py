@@ -200,43 +200,49 @@ def merged_eager(hosts: int, per_host: int, message: float, nbytes: float, held:
 
     Inside the host the ranks all-gather their values (``message`` + ``nbytes`` each) on the host's post board
     (one step: a post and a wait, each rank copying the L - 1 other posts; a value past a post's size takes the
-    host's ring, L - 1 steps) and each reduces the L payloads; across hosts all L local ranks run recursive
-    doubling at once: at step j a rank sends the headers of 2^j L ranks and one reduced copy of the data, and
+    host's ring, L - 1 steps) and the host's leader reduces the L payloads; across hosts the leaders alone run
+    recursive doubling: at step j a leader sends the headers of 2^j L ranks and one reduced copy of the data, and
     reduces the copy it receives (MPICH's fold for a non-power-of-two H: fold-in one host's value, fold-out
-    everything). A host's link carries L times what one rank sends. With ``nbytes`` 0, the hierarchical negotiation.
+    everything); a host's link carries one copy. The leader then posts the job's value in a second round of the
+    board, where the others read it. With ``nbytes`` 0, the hierarchical negotiation.
 
     ``held``: the ops are cached and held (:attr:`Setting.held_bytes`): every value, inside the host and at every
     step across, is one tally of ``held`` bytes (with the data), whatever the number of ranks it stands for.
-    ``compiled``: a held cycle's steps across hosts (MPICH's fold included) run in one compiled call: no gamma a
-    step, one for the cycle's Python around the call.
+    ``compiled``: a held cycle (a lone eager op's, with its data, or a held range's) runs whole in one compiled
+    call: its board rounds and its steps across hosts (MPICH's fold included), no gamma for any of them, one for the
+    cycle's Python around the call.
     """
-    compiled = compiled and held is not None
+    whole = compiled = compiled and held is not None
     if held is not None:
         message = held
-    if 1 < per_host and message + nbytes <= POST_BYTES:
-        local = steps(1, per_host * (message + nbytes), True, True)
-    else:
-        local = steps(per_host - 1, message + nbytes, True, True)
     k, rem = fold(hosts)
 
-    def headers(ranks_hosts: int) -> float:  # what one rank sends of the announcements of ``ranks_hosts`` hosts
+    def headers(ranks_hosts: int) -> float:  # what a leader sends of the announcements of ``ranks_hosts`` hosts
         return held if held is not None else per_host * message * ranks_hosts
 
-    cross = Cost({"gamma": 1}) if compiled and (k or rem) else Cost()
-    for j in range(k):  # step j: every one of the L ranks sends 2^j hosts' headers (or one tally) and the data
-        cross = cross + steps(1, per_host * (headers(1 << j) + nbytes), False, not compiled)
+    def board_round(post: float) -> Cost:  # every rank of the host posts ``post`` bytes and reads the L posts
+        if per_host == 1:
+            return Cost()
+        if post <= POST_BYTES:
+            return steps(1, per_host * post, True, not whole)
+        return steps(per_host - 1, post, True, True)
+
+    cross = Cost({"gamma": 1}) if compiled and (k or rem or per_host > 1) else Cost()
+    for j in range(k):  # step j: the leader sends 2^j hosts' headers (or one tally) and the data
+        cross = cross + steps(1, headers(1 << j) + nbytes, False, not compiled)
     if rem:  # fold in (one host's value), fold out (everything)
-        cross = cross + steps(1, per_host * (headers(1) + nbytes), False, not compiled) + \
-            steps(1, per_host * (headers(hosts) + nbytes), False, not compiled)
+        cross = cross + steps(1, headers(1) + nbytes, False, not compiled) + \
+            steps(1, headers(hosts) + nbytes, False, not compiled)
     reductions = (per_host - 1 + k + (1 if rem else 0)) * nbytes  # the host's L payloads, then one per step
+    local = board_round(message + nbytes) + board_round(headers(hosts) + nbytes)  # the posts, then the result
     return local + cross + (Cost({"beta_local": reductions}) if reductions else Cost())
 
 
 def hier_allgather(hosts: int, per_host: int, message: float, held: float | None = None,
                    compiled: bool = False) -> Cost:
-    """All-gather inside the host, then the announcements merged across hosts by recursive doubling, all L local
-    ranks at once (what a rank sends doubles every step: the same bytes as all-gathering the hosts' bundles; with
-    ``held``, one tally a step)."""
+    """All-gather inside the host, then the announcements merged across hosts by recursive doubling among the
+    hosts' leaders (what a leader sends doubles every step: the same bytes as all-gathering the hosts' bundles; with
+    ``held``, one tally a step), then the job's value through the board."""
     return merged_eager(hosts, per_host, message, 0, held, compiled)
 
 

@@ -34,6 +34,7 @@ verdicts and messages).
 
 from __future__ import annotations
 
+import ctypes
 import marshal
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -243,6 +244,7 @@ class Announcements:
         # where the backend says how its values merge, the compiled module may run a lone op whole (exchange_whole)
         self._path = backend.merged_path() if compiled is not None and backend.merges else None
         self._routes: dict[int, _WholeRoute] = {}  # exchange_whole's, by request number
+        self._held_routes: dict[int, _WholeRoute] = {}  # _held_whole's, by the size of the numbers
         self._address: tuple[np.ndarray | None, int] = (None, 0)  # the last array exchange_whole wrote, its address
 
     def exchange(self, announcement: Announcement, held: Mapping[int, int] | None = None, cycle: int = 0,
@@ -275,6 +277,8 @@ class Announcements:
             tallies = {key: began.setdefault(since, ({since: 1}, since, (self.rank, self.rank)))
                        for key, since in held.items()}
             value = (announced, alone, tallies, flush)
+        if type(value) is HeldRange and (merged := self._held_whole(value)) is not None:
+            return self.agreement(merged)
         return self.agreement(self.backend.allgather_merged(value, self._merge, self.codec))
 
     def exchange_lone(self, key: int, data: Message, cycle: int) -> Any:
@@ -287,9 +291,10 @@ class Announcements:
 
     def exchange_whole(self, key: int, data: Message, cycle: int, array: np.ndarray, factor: float) -> Any:
         """:meth:`exchange_lone` of ``array`` (contiguous; ``data`` is its bytes), where the compiled module runs the
-        whole exchange (the host's board, then the steps across hosts) and, when every rank sent the same, writes
-        the job's value into ``array`` multiplied by ``factor``: :data:`WHOLE` then. Else what :meth:`exchange_lone`
-        gives, ``array`` untouched (Python goes on from where the module stopped, on the same wire)."""
+        whole exchange (the host's board, the steps across hosts, the leader's result) and, when every rank sent the
+        same, writes the job's value into ``array`` multiplied by ``factor``: :data:`WHOLE` then. Else what
+        :meth:`exchange_lone` gives, ``array`` untouched (Python goes on from where the module stopped, on the same
+        wire)."""
         route = self._routes.get(key)
         if route is None:
             route = self._route(key, array.nbytes, factor)
@@ -301,53 +306,86 @@ class Announcements:
             address = array.ctypes.data  # a microsecond: remembered for the array that comes back each step
             self._address = (array, address)
         outcome = route.steps.run(address)
-        path = route.path
-        path.cross.waiter.progressed()  # the next wait in Python spins first, as after any progress
+        route.path.cross.waiter.progressed()  # the next wait in Python spins first, as after any progress
         if outcome is None:
             for channel, sent in route.sent:
                 channel.bytes_sent += sent
             return WHOLE
+        return self._after_whole(route, outcome, Uniform(key, self.rank, self.rank, data))
+
+    def _held_whole(self, value: HeldRange) -> HeldRange | Any | None:
+        """A held range's cycle (this rank's ``value``) run whole by the compiled module, as :meth:`exchange_whole`
+        runs a lone op: every rank's merged value; None where the module does not take it."""
+        route = self._held_routes.get(len(value.keys))
+        if route is None:
+            route = self._route(0, len(value.keys), 1.0, HELD_RANGE_TAG)
+        if route is None or any(rx.staged() for rx in route.channels):
+            return None
+        address = ctypes.cast(ctypes.c_char_p(value.keys), ctypes.c_void_p).value or 0  # the bytes' own buffer
+        outcome = route.steps.run(address, value.since)
+        route.path.cross.waiter.progressed()
+        if outcome is None:
+            for channel, sent in route.sent:
+                channel.bytes_sent += sent
+            return HeldRange(value.keys, value.since, 0, self.size - 1)
+        return self._after_whole(route, outcome, value)
+
+    def _after_whole(self, route: _WholeRoute, outcome: Outcome | int, value: Uniform | HeldRange) -> Any:
+        """The merged value of an exchange of this rank's ``value`` where the compiled call stopped short
+        (``outcome``): Python goes on along the route's path from there."""
+        path = route.path
         hierarchy = path.hierarchy
         if outcome == POSTS_DIFFER:  # the host's posts of this round: Python merges them and goes on
             assert hierarchy is not None
-            value = Uniform(key, self.rank, self.rank, data)
             return hierarchy.merge_posted(value, _dumps(value), self._merge, self.codec)
         if outcome == RESULT_OTHER:  # the leader's result, posted in the round the module waited for
             assert hierarchy is not None
             return hierarchy.posted_result(self.codec)
         assert isinstance(outcome, Outcome)
-        _count_sent(path.cross.doubling_steps, array.nbytes, outcome.done, outcome.unsent, outcome.received)
-        value = Uniform(key, outcome.lo, outcome.hi, outcome.data)
+        _count_sent(path.cross.doubling_steps, len(outcome.data), outcome.done, outcome.unsent, outcome.received)
+        if isinstance(value, Uniform):
+            value = Uniform(value.key, outcome.lo, outcome.hi, outcome.data)
+        else:
+            value = HeldRange(value.keys, value.since, outcome.lo, outcome.hi)
         merged = path.cross.resume_merged(StepsTaken(value, outcome.done, outcome.unsent, outcome.received),
                                           self._merge, self.codec)
         return hierarchy.shared_result(merged, self.codec) if path.board is not None and hierarchy else merged
 
-    def _route(self, key: int, nbytes: int, factor: float) -> _WholeRoute | None:
-        """:meth:`exchange_whole`'s way for the request ``key`` (every op of it has ``nbytes`` and ``factor``),
-        remembered; None where the compiled module does not take it (a type or op it does not reduce, an integer
-        type to scale, a channel that is not a socket, a value too long for the host's board)."""
+    def _route(self, key: int, nbytes: int, factor: float, tag: int = UNIFORM_TAG) -> _WholeRoute | None:
+        """The compiled module's way for a lone op of the request ``key`` (every op of it has ``nbytes`` and
+        ``factor``), or (``tag`` HELD_RANGE_TAG) for held ranges of ``nbytes`` of numbers; remembered. None where
+        the module does not take it (a type or op it does not reduce, an integer type to scale, a channel that is
+        not a socket, a value too long for the host's board)."""
         path, compiled = self._path, self._compiled
         if path is None or compiled is None or (path.board is not None and _UNIFORM.size + nbytes > SLOT_BYTES):
             return None
         steps = path.cross.doubling_steps
         links = self._links(steps) if steps else ()
-        dtype, _, op = self._layout(key)
-        dtype_code, op_code = DTYPES.get(dtype), OPS.get(op)
-        if links is None or dtype_code is None or op_code is None or (factor != 1.0 and dtype.kind != "f"):
+        dtype_code: int | None
+        op_code: int | None
+        if tag == HELD_RANGE_TAG:
+            dtype_code, op_code = 0, SAME
+        else:
+            dtype, _, op = self._layout(key)
+            dtype_code, op_code = DTYPES.get(dtype), OPS.get(op)
+            if dtype_code is None or op_code is None or (factor != 1.0 and dtype.kind != "f"):
+                return None
+        if links is None or dtype_code is None or op_code is None:
             return None
         board = None
         if path.board is not None:
             assert path.hierarchy is not None
             board = WholeBoard(path.board, path.member, path.first_rank, path.hierarchy.wait_posted)
-        whole = compiled.whole(UNIFORM_TAG, key, self.rank, self.size, nbytes, dtype_code, op_code, factor, links,
+        whole = compiled.whole(tag, key, self.rank, self.size, nbytes, dtype_code, op_code, factor, links,
                                path.cross.waiter, board)
         channels = tuple({id(step.rx): step.rx for step in steps}.values())
         leads = path.board is None or path.member == 0  # only a host's leader crosses
         sent = tuple((step.tx, frame_bytes_of(nbytes, step.mode)) for step in steps) if leads else ()
         route = _WholeRoute(whole, path, channels, sent)
-        if len(self._routes) >= 4096:
-            self._routes.clear()
-        self._routes[key] = route
+        routes = self._held_routes if tag == HELD_RANGE_TAG else self._routes
+        if len(routes) >= 4096:
+            routes.clear()
+        routes[nbytes if tag == HELD_RANGE_TAG else key] = route
         return route
 
     def agreement(self, merged: Any) -> Agreement:

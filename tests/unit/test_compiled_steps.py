@@ -365,6 +365,47 @@ def test_a_member_holding_something_else_hands_the_held_steps_to_python(library,
     assert sum(tallies[9][0].values()) == holders  # the tally counts every member that holds 9, whatever else
 
 
+def _exchange_held(size: int, held: list[dict[int, int]], library, rounds: int = 2) -> tuple[list, list]:  # noqa: ANN001
+    """Each member's agreements of ``rounds`` cycles in which it holds ``held[member]`` (number -> cycle it began)
+    and says nothing else, through :meth:`Announcements.exchange` over a real doubling; and the runners."""
+    groups, sockets = _groups(size, AbortFlag())
+    runners = [compiled.UniformSteps(library) for _ in range(size)]
+    agreements: list[list] = [[] for _ in range(size)]
+
+    def member(index: int) -> None:
+        announcements = Announcements(_Merging(groups[index]), index, size, lambda key: None, runners[index])
+        try:
+            for cycle in range(8, 8 + rounds):
+                agreements[index].append(announcements.exchange(([], []), held[index], cycle))
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            agreements[index].append(e)
+
+    threads = [threading.Thread(target=member, args=(index,)) for index in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    for sock in sockets:
+        sock.close()
+    return agreements, runners
+
+
+def test_a_held_cycle_runs_whole_and_a_member_holding_other_numbers_hands_it_to_python(library):
+    """A cycle of held ops (no data) runs whole in the compiled call: every rank's tallies say each number is
+    held by every rank; where one member holds other numbers, the call stops and Python's merge gives the tallies
+    that count the holders; the cycles after it run whole again."""
+    same = {3: 7, 5: 7, 9: 7}
+    agreements, runners = _exchange_held(4, [same] * 4, library)
+    assert [runner.wholes for runner in runners] == [2] * 4
+    for rounds in agreements:
+        assert all(agreement.tallies == dict.fromkeys((3, 5, 9), ({7: 4}, 7, (0, 3))) for agreement in rounds)
+    agreements, runners = _exchange_held(4, [same, same, same, {3: 7, 5: 7}], library, rounds=1)
+    assert all(sum(rounds[0].tallies[9][0].values()) == 3 and sum(rounds[0].tallies[3][0].values()) == 4
+               for rounds in agreements)
+    assert all(runner.handed_over == 1 for runner in runners)
+
+
 @pytest.mark.parametrize("size", [3, 5, 6])
 def test_the_fold_of_a_group_that_is_no_power_of_two_runs_compiled_too(library, size):
     """MPICH's fold: members 0, 2, ... hand their value to the next member and take the final value back; every

@@ -332,24 +332,30 @@ class WholeBoard(NamedTuple):
 class WholeSteps:
     """:meth:`UniformSteps.whole`'s prepared steps: :meth:`run` per op."""
 
-    __slots__ = ("_steps", "_entry", "_plan", "_links", "_waiter", "_board")
+    __slots__ = ("_steps", "_entry", "_plan", "_links", "_waiter", "_board", "_writes")
 
     def __init__(self, steps: UniformSteps, entry: tuple, links: tuple[StepLink, ...], waiter: Waiter,
                  board: WholeBoard | None) -> None:
         self._steps, self._entry, self._links, self._waiter, self._board = steps, entry, links, waiter, board
         self._plan = entry[0]
+        self._writes = self._plan.op != SAME  # a held range's numbers are only checked, written nowhere
 
-    def run(self, address: int) -> Outcome | int | None:
-        """One op of the contiguous data at ``address``: None when the whole job's value was written there; else
-        (the data there untouched) POSTS_DIFFER, where the host's posts of this op's board round are not one
-        uniform value; RESULT_OTHER, where the host's leader posted another value as the result; or how far the
-        steps across hosts went (the leader's, or one rank a host), as :meth:`UniformSteps.run` says it.
+    def run(self, address: int, key: int | None = None) -> Outcome | int | None:
+        """One op of the contiguous data at ``address`` (``key``: the header's number, where it changes from op to
+        op: a held range's cycle): None when the whole job's value was written there (a held range's: every rank
+        holds the same numbers); else (the data there untouched) POSTS_DIFFER, where the host's posts of this op's
+        board round are not one uniform value; RESULT_OTHER, where the host's leader posted another value as the
+        result; or how far the steps across hosts went (the leader's, or one rank a host), as
+        :meth:`UniformSteps.run` says it.
 
         Raises:
             PeerLostError: a partner's connection failed or closed.
         """
         plan, board = self._plan, self._board
-        plan.source = plan.target = address
+        plan.source = address
+        plan.target = address if self._writes else None
+        if key is not None:
+            plan.key = key
         if board is not None:
             board.board.round += 1
             plan.round = board.board.round

@@ -26,8 +26,8 @@
 #include <time.h>
 #include <unistd.h>
 
-enum { DONE = 0, SLICE = 1, OTHER = 2, CLOSED = 3, FAILED = 4, UNSUPPORTED = 5, WHOLE = 6, BOARD_WAIT = 7, POSTS_DIFFER = 8,
-       RESULT_OTHER = 9 };
+enum { DONE = 0, SLICE = 1, OTHER = 2, CLOSED = 3, FAILED = 4, UNSUPPORTED = 5, WHOLE = 6, BOARD_WAIT = 7,
+       POSTS_DIFFER = 8, RESULT_OTHER = 9 };
 /* hvdrun_whole_steps' phase: the steps across hosts; the host's posts of the op's round; the leader's result */
 enum { STEPS = 0, BOARD = 1, RESULT = 2 };
 enum { ROUND_WORD = 0, LENGTH_WORDS = 1, SLEEPING_WORD = 3 }; /* a board slot's header (transport/posts.py) */
@@ -57,7 +57,7 @@ typedef struct {
     int32_t unused2;
     /* hvdrun_whole_steps only */
     const uint8_t *source; /* copied into data as an op begins (then NULL: a call after a SLICE goes on) */
-    uint8_t *target;       /* the whole job's value goes here, multiplied by factor */
+    uint8_t *target;       /* the whole job's value goes here, multiplied by factor (NULL: nowhere, a SAME value) */
     double factor;         /* 1.0, or a float type's final factor (Average's 1/ranks, a postscale) */
     int64_t ranks;         /* the job's ranks: the range 0..ranks-1 is the whole job */
     int64_t rank;          /* this rank: its range as an op begins */
@@ -436,6 +436,8 @@ static int merge_posts(Plan *plan) {
         memcpy(head, plan->posts[m * 2 + parity], sizeof head);
         if (head[0] != plan->tag || head[1] != plan->key || head[2] != plan->first_rank + m || head[3] != head[2])
             return 0;
+        if (plan->op == SAME && memcmp(plan->posts[m * 2 + parity] + HEADER_BYTES, plan->data, (size_t)plan->nbytes))
+            return 0;
     }
     if (plan->member != 0)
         return 1; /* the leader merges and crosses; this rank reads its result */
@@ -468,21 +470,25 @@ static int take_result(Plan *plan) {
     memcpy(head, plan->posts[parity], sizeof head);
     if (head[0] != plan->tag || head[1] != plan->key || head[2] != 0 || head[3] != plan->ranks - 1)
         return 0;
+    if (plan->op == SAME && memcmp(plan->posts[parity] + HEADER_BYTES, plan->data, (size_t)plan->nbytes))
+        return 0;
     memcpy(plan->data, plan->posts[parity] + HEADER_BYTES, (size_t)plan->nbytes);
     plan->lo = 0;
     plan->hi = plan->ranks - 1;
     return 1;
 }
 
-/* A lone allreduce of the steady state in one call. An op begins when plan->source is set: this rank's data is
- * copied into plan->data, its range is this rank, no step is begun. On a host of several ranks it is posted on the
- * board; once the host's posts are all there, the leader (member 0) reduces them into the host's value, and the
- * others post an empty message in the next round. The leader's value (every rank's, on a host of one rank) goes
- * through hvdrun_uniform_steps across hosts; on a host of several ranks the leader posts the job's value in that next
- * round, which every member reads once all of it is posted. When the value is the whole job's, it is written to
- * plan->target, scaled (WHOLE). Else: BOARD_WAIT (call again once every member posted plan->round), POSTS_DIFFER
- * (Python merges the posts of this round), RESULT_OTHER (the leader posted another value: Python reads it), or
- * hvdrun_uniform_steps' status, plan->data merged as far as the steps went. */
+/* A lone allreduce of the steady state in one call (or a held range's cycle, op SAME). An op begins when
+ * plan->source is set: this rank's data is copied into plan->data, its range is this rank, no step is begun. On a
+ * host of several ranks it is posted on the board; once the host's posts are all there, the leader (member 0)
+ * reduces them into the host's value, and the others post an empty message in the next round. The leader's value
+ * (every rank's, on a host of one rank) goes through hvdrun_uniform_steps across hosts; on a host of several ranks
+ * the leader posts the job's value in that next round, which every member reads once all of it is posted. When the
+ * value is the whole job's, it is written to plan->target, scaled (WHOLE; a held range's numbers, which every rank
+ * must share, are checked equal at every merge and written nowhere: plan->target is NULL). Else: BOARD_WAIT (call
+ * again once every member posted plan->round), POSTS_DIFFER (Python merges the posts of this round), RESULT_OTHER
+ * (the leader posted another value: Python reads it), or hvdrun_uniform_steps' status, plan->data merged as far as
+ * the steps went. */
 int hvdrun_whole_steps(Plan *plan) {
     if (plan->members > 1 && HEADER_BYTES + plan->nbytes > plan->post_bytes)
         return UNSUPPORTED;
@@ -525,6 +531,7 @@ int hvdrun_whole_steps(Plan *plan) {
         if (plan->member != 0 && !take_result(plan))
             return RESULT_OTHER;
     }
-    write_whole(plan);
+    if (plan->target != NULL)
+        write_whole(plan);
     return WHOLE;
 }
