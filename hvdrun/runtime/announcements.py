@@ -203,7 +203,7 @@ WHOLE = "whole"  # Announcements.exchange_whole's word for "the whole job's valu
 
 
 class _WholeRoute(NamedTuple):
-    """A lone op's way through :meth:`Announcements.exchange_whole`: the compiled steps, prepared; the merged path
+    """A lone op's (or a held range's) way through the compiled module's whole ops: the steps, prepared; the merged path
     they run (Python goes on along it where they stop); the channels Python may have read ahead on; what each step
     across hosts sends, counted on its channel."""
 
@@ -305,15 +305,12 @@ class Announcements:
         if cached is not array:
             address = array.ctypes.data  # a microsecond: remembered for the array that comes back each step
             self._address = (array, address)
-        outcome = route.steps.run(address)
-        route.path.cross.waiter.progressed()  # the next wait in Python spins first, as after any progress
+        outcome = self._run_route(route, address)
         if outcome is None:
-            for channel, sent in route.sent:
-                channel.bytes_sent += sent
             return WHOLE
         return self._after_whole(route, outcome, Uniform(key, self.rank, self.rank, data))
 
-    def _held_whole(self, value: HeldRange) -> HeldRange | Any | None:
+    def _held_whole(self, value: HeldRange) -> Any:
         """A held range's cycle (this rank's ``value``) run whole by the compiled module, as :meth:`exchange_whole`
         runs a lone op: every rank's merged value; None where the module does not take it."""
         route = self._held_routes.get(len(value.keys))
@@ -322,13 +319,21 @@ class Announcements:
         if route is None or any(rx.staged() for rx in route.channels):
             return None
         address = ctypes.cast(ctypes.c_char_p(value.keys), ctypes.c_void_p).value or 0  # the bytes' own buffer
-        outcome = route.steps.run(address, value.since)
-        route.path.cross.waiter.progressed()
+        outcome = self._run_route(route, address, value.since)
+        if outcome is None:
+            return HeldRange(value.keys, value.since, 0, self.size - 1)
+        return self._after_whole(route, outcome, value)
+
+    @staticmethod
+    def _run_route(route: _WholeRoute, address: int, key: int | None = None) -> Outcome | int | None:
+        """One op along ``route`` (its data at ``address``; ``key``: the header's number, where it changes): as
+        :meth:`WholeSteps.run` says, what each step across hosts sent counted when it went through."""
+        outcome = route.steps.run(address, key)
+        route.path.cross.waiter.progressed()  # the next wait in Python spins first, as after any progress
         if outcome is None:
             for channel, sent in route.sent:
                 channel.bytes_sent += sent
-            return HeldRange(value.keys, value.since, 0, self.size - 1)
-        return self._after_whole(route, outcome, value)
+        return outcome
 
     def _after_whole(self, route: _WholeRoute, outcome: Outcome | int, value: Uniform | HeldRange) -> Any:
         """The merged value of an exchange of this rank's ``value`` where the compiled call stopped short
