@@ -555,19 +555,34 @@ def _wait_posted(board: PostBoard) -> Callable[[], None]:
     return wait
 
 
+def _python_member_posts(board: PostBoard, key: int, rank: int, data: np.ndarray) -> list:
+    """A rank on Python's path: posts its uniform value as the codec writes it, and reads the round's posts."""
+    board.post(b"".join((np.array([0, key, rank, rank], np.int64).tobytes(), data.tobytes())))
+    _wait_posted(board)()
+    posts = board.messages(b"")
+    assert posts is not None
+    return posts
+
+
+def _in_threads(*calls: Callable[[], None]) -> list[threading.Thread]:
+    threads = [threading.Thread(target=call) for call in calls]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 @pytest.mark.skipif(not shm_supported(), reason="needs /dev/shm on x86-64")
-def test_whole_ops_of_a_host_meet_on_its_board_with_compiled_and_python_members(library):
-    """A job of one host of three ranks: two compiled members (member 0 leads) and one that posts as Python's path
-    does. Rounds of the same op: the leader posts the reduced value in a second round, where the others read it
-    (the Python member its message, the compiled one into its array). A round where the Python member posts another
-    value leaves the arrays untouched: POSTS_DIFFER on both, and the rounds after it go on."""
+def test_whole_ops_of_one_host_meet_on_its_board_with_compiled_and_python_members(library):
+    """A job of one host of three ranks: two compiled members and one that posts as Python's path does. Rounds of
+    the same op give every compiled member the reduced value (nothing crosses hosts, so every member reduces the
+    posts: no result round). A round where the Python member posts another value leaves the arrays untouched:
+    POSTS_DIFFER on both, and the rounds after it go on."""
     boards = _board_members(3)
     runner = compiled.UniformSteps(library)
     key, data = 11, _data(3, "float32", seed=5)
     steps = [runner.whole(0, key, member, 3, 16, 0, 0, 1 / 3, (), Waiter(None, AbortFlag(), spin_s=1e-4),
                           compiled.WholeBoard(boards[member], member, 0, _wait_posted(boards[member])))
              for member in (0, 1)]
-    python = boards[2]
     try:
         for python_key in (key, key, key + 1, key):  # the third round: another op on the Python member
             arrays = [row.copy() for row in data]
@@ -576,23 +591,12 @@ def test_whole_ops_of_a_host_meet_on_its_board_with_compiled_and_python_members(
             def member(index: int, arrays: list = arrays, results: list = results) -> None:
                 results[index] = steps[index].run(arrays[index].ctypes.data)
 
-            threads = [threading.Thread(target=member, args=(index,)) for index in (0, 1)]
-            for thread in threads:
-                thread.start()
-            python.post(b"".join((np.array([0, python_key, 2, 2], np.int64).tobytes(), data[2].tobytes())))
-            _wait_posted(python)()
-            posts = python.messages(b"")
-            assert posts is not None and all(bytes(posts[index])[32:] == data[index].tobytes() for index in (0, 1))
-            total = (data[0] + data[1]) + data[2]
-            if python_key == key:  # the result round: this member posts nothing and reads the leader's
-                python.post(b"")
-                _wait_posted(python)()
-                result = python.messages(b"")
-                assert result is not None
-                assert bytes(result[0]) == np.array([0, key, 0, 2], np.int64).tobytes() + total.tobytes()
+            threads = _in_threads(lambda: member(0), lambda: member(1))
+            posts = _python_member_posts(boards[2], python_key, 2, data[2])
             for thread in threads:
                 thread.join(10)
-            expected = total.copy()
+            assert all(bytes(posts[index])[32:] == data[index].tobytes() for index in (0, 1))  # what each posted
+            expected = (data[0] + data[1]) + data[2]
             scale(expected, 1 / 3)
             if python_key == key:
                 assert results == [None, None]
@@ -600,7 +604,49 @@ def test_whole_ops_of_a_host_meet_on_its_board_with_compiled_and_python_members(
             else:
                 assert results == [compiled.POSTS_DIFFER] * 2
                 assert all(arrays[index].tobytes() == data[index].tobytes() for index in (0, 1))
-        assert boards[0].round == boards[1].round == python.round == 7
+        assert boards[0].round == boards[1].round == boards[2].round == 4  # one round an op
     finally:
+        for board in boards:
+            board.close()
+
+
+@pytest.mark.skipif(not shm_supported(), reason="needs /dev/shm on x86-64")
+def test_a_hosts_leader_crosses_alone_and_posts_the_jobs_value_for_its_host(library):
+    """Host A (ranks 0 and 1: the compiled leader and a rank on Python's path) and host B (rank 2, compiled): the
+    leader reduces its host's posts, crosses to B, and posts the job's value in a second round, where the Python
+    member reads it (as Hierarchy.shared_result's others do); B and the leader write it into their arrays."""
+    boards = _board_members(2)
+    a_end, b_end = _tcp_pair()
+    runner = compiled.UniformSteps(library)
+    key, data = 11, _data(3, "float64", seed=6)
+    waiter = Waiter(None, AbortFlag(), spin_s=1e-4)
+    leader = runner.whole(0, key, 0, 3, 32, 1, 0, 1.0, (compiled.StepLink(a_end.fileno(), a_end.fileno(), 1, "b"),),
+                          waiter, compiled.WholeBoard(boards[0], 0, 0, _wait_posted(boards[0])))
+    other = runner.whole(0, key, 2, 3, 32, 1, 0, 1.0, (compiled.StepLink(b_end.fileno(), b_end.fileno(), 0, "a"),),
+                         Waiter(None, AbortFlag(), spin_s=1e-4))
+    total = (data[0] + data[1]) + data[2]
+    try:
+        for _ in range(3):
+            arrays = [data[0].copy(), None, data[2].copy()]
+            results: dict = {}
+
+            def run(index: int, steps: compiled.WholeSteps, arrays: list = arrays, results: dict = results) -> None:
+                results[index] = steps.run(arrays[index].ctypes.data)
+
+            threads = _in_threads(lambda: run(0, leader), lambda: run(2, other))
+            _python_member_posts(boards[1], key, 1, data[1])
+            boards[1].post(b"")  # the result round: nothing to say, the leader's value to read
+            _wait_posted(boards[1])()
+            result = boards[1].messages(b"")
+            for thread in threads:
+                thread.join(10)
+            assert result is not None
+            assert bytes(result[0]) == np.array([0, key, 0, 2], np.int64).tobytes() + total.tobytes()
+            assert results == {0: None, 2: None}
+            assert arrays[0].tobytes() == arrays[2].tobytes() == total.tobytes()
+        assert boards[0].round == boards[1].round == 6  # two rounds an op
+    finally:
+        a_end.close()
+        b_end.close()
         for board in boards:
             board.close()

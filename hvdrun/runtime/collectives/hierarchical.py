@@ -18,9 +18,9 @@ hosts (a ring and a :class:`~hvdrun.runtime.collectives.pairwise.Pairwise` group
 - negotiation (every rank's message): all-gather inside the host, then recursive doubling of the
   hosts' bundles: L - 1 + log2(H) steps, not N - 1. Merged negotiation (every cycle's announcements, see
   :mod:`hvdrun.runtime.announcements`) takes the host's post board inside the host: one post and one wait
-  (:mod:`hvdrun.runtime.transport.posts`); then the host's leader (local rank 0) alone runs log2(H) steps across
-  hosts, so that a host's link carries one copy of each step's value, not L, and posts the job's value in a
-  second round of the board, where the others read it.
+  (:mod:`hvdrun.runtime.transport.posts`); then, where there are several hosts, the host's leader (local rank 0)
+  alone runs log2(H) steps across hosts, so that a host's link carries one copy of each step's value, not L, and
+  posts the job's value in a second round of the board, where the others read it.
 """
 
 from __future__ import annotations
@@ -307,10 +307,13 @@ class Hierarchy:
         messages = self.board.messages(message) if self.board is not None else None
         if messages is None:  # no board, or a message too long for it (every rank of the host sees which)
             messages = self.local.allgather_messages(message)
-        if self.local_rank:  # the leader merges and crosses; this rank reads the result in the next round
+        if self.hosts > 1 and self.local_rank:  # the leader merges and crosses; this rank reads its result next
             return self.shared_result(None, codec)
         values = [value if local == self.local_rank else codec.loads(m) for local, m in enumerate(messages)]
-        return self.shared_result(self.cross.allgather_merged(functools.reduce(merge, values), merge, codec), codec)
+        merged = functools.reduce(merge, values)
+        if self.hosts == 1:  # nothing to cross: every rank has the job's value
+            return merged
+        return self.shared_result(self.cross.allgather_merged(merged, merge, codec), codec)
 
     def shared_result(self, result: Any, codec: Codec) -> Any:
         """The leader's ``result`` of a merged exchange, on every rank of the host: the leader posts it, the

@@ -439,8 +439,8 @@ static int merge_posts(Plan *plan) {
         if (plan->op == SAME && memcmp(plan->posts[m * 2 + parity] + HEADER_BYTES, plan->data, (size_t)plan->nbytes))
             return 0;
     }
-    if (plan->member != 0)
-        return 1; /* the leader merges and crosses; this rank reads its result */
+    if (plan->member != 0 && plan->steps > 0)
+        return 1; /* the leader merges and crosses; this rank reads its result (one host: every member merges) */
     memcpy(plan->data, plan->posts[parity] + HEADER_BYTES, (size_t)plan->nbytes);
     for (int64_t m = 1; m < plan->members; m++)
         combine(plan, plan->posts[m * 2 + parity] + HEADER_BYTES, 1);
@@ -481,7 +481,8 @@ static int take_result(Plan *plan) {
 /* A lone allreduce of the steady state in one call (or a held range's cycle, op SAME). An op begins when
  * plan->source is set: this rank's data is copied into plan->data, its range is this rank, no step is begun. On a
  * host of several ranks it is posted on the board; once the host's posts are all there, the leader (member 0)
- * reduces them into the host's value, and the others post an empty message in the next round. The leader's value
+ * reduces them into the host's value, and the others post an empty message in the next round (a job of one host:
+ * every member reduces them, and that is the job's value). The leader's value
  * (every rank's, on a host of one rank) goes through hvdrun_uniform_steps across hosts; on a host of several ranks
  * the leader posts the job's value in that next round, which every member reads once all of it is posted. When the
  * value is the whole job's, it is written to plan->target, scaled (WHOLE; a held range's numbers, which every rank
@@ -509,7 +510,7 @@ int hvdrun_whole_steps(Plan *plan) {
         if (!merge_posts(plan))
             return POSTS_DIFFER;
         plan->phase = STEPS;
-        if (plan->member != 0) {
+        if (plan->member != 0 && plan->steps > 0) {
             plan->round++;
             post_on_board(plan, 1);
             plan->phase = RESULT;
@@ -519,7 +520,7 @@ int hvdrun_whole_steps(Plan *plan) {
         int status = hvdrun_uniform_steps(plan);
         if (status != DONE || plan->lo != 0 || plan->hi != plan->ranks - 1)
             return status;
-        if (plan->members > 1) {
+        if (plan->members > 1 && plan->steps > 0) {
             plan->round++;
             post_on_board(plan, 0);
             plan->phase = RESULT;
