@@ -74,6 +74,19 @@ def _groups(size: int, abort: AbortFlag) -> tuple[list[Pairwise], list[socket.so
     return groups, list(ends.values())
 
 
+def _members_in_threads(size: int, member: Callable[[int], None], sockets: list[socket.socket]) -> None:
+    """``member(index)`` for every member, each in a thread of its own, all finished within 30 s; then the sockets
+    closed."""
+    threads = [threading.Thread(target=member, args=(index,)) for index in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    for sock in sockets:
+        sock.close()
+
+
 def _run_members(size: int, values: list, library_for: Callable[[int], object], dtype: str = "float32",
                  op: int = SUM, abort: AbortFlag | None = None, runners: list | None = None) -> list:
     """Every member's merged value (or the exception it raised), each member in a thread of its own; ``runners``
@@ -94,14 +107,7 @@ def _run_members(size: int, values: list, library_for: Callable[[int], object], 
         except Exception as e:  # noqa: BLE001 - the test reads it
             results[index] = e
 
-    threads = [threading.Thread(target=member, args=(index,)) for index in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not any(thread.is_alive() for thread in threads)
-    for sock in sockets:
-        sock.close()
+    _members_in_threads(size, member, sockets)
     return results
 
 
@@ -130,14 +136,7 @@ def _run_whole(size: int, arrays: list[np.ndarray], whole: Callable[[int], bool]
         except Exception as e:  # noqa: BLE001 - the test reads it
             results[index].append(e)
 
-    threads = [threading.Thread(target=member, args=(index,)) for index in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not any(thread.is_alive() for thread in threads)
-    for sock in sockets:
-        sock.close()
+    _members_in_threads(size, member, sockets)
     return results
 
 
@@ -380,14 +379,7 @@ def _exchange_held(size: int, held: list[dict[int, int]], library, rounds: int =
         except Exception as e:  # noqa: BLE001 - the test reads it
             agreements[index].append(e)
 
-    threads = [threading.Thread(target=member, args=(index,)) for index in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not any(thread.is_alive() for thread in threads)
-    for sock in sockets:
-        sock.close()
+    _members_in_threads(size, member, sockets)
     return agreements, runners
 
 
