@@ -304,10 +304,13 @@ class Hierarchy:
     def merge_posted(self, value: Any, message: Message, merge: Callable[[Any, Any], Any], codec: Codec) -> Any:
         """:meth:`allgather_merged` once this rank posted ``value`` (as ``message``) on the board and every local
         rank posted this round (the compiled module may have posted it; without a board, nothing was posted)."""
-        messages = self.board.messages(message) if self.board is not None else None
-        if messages is None:  # no board, or a message too long for it (every rank of the host sees which)
+        reads = self.hosts == 1 or self.local_rank == 0  # else the leader merges and crosses; this rank reads it
+        board = self.board
+        if board is not None and board.all_fit():
+            messages = board.copies(message) if reads else []
+        else:  # no board, or a message too long for it (every rank of the host sees which): the host's ring
             messages = self.local.allgather_messages(message)
-        if self.hosts > 1 and self.local_rank:  # the leader merges and crosses; this rank reads its result next
+        if not reads:
             return self.shared_result(None, codec)
         values = [value if local == self.local_rank else codec.loads(m) for local, m in enumerate(messages)]
         merged = functools.reduce(merge, values)

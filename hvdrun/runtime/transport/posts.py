@@ -93,14 +93,23 @@ class PostBoard:
         r = self.round
         return all(words[_ROUND] >= r for words in self.words)
 
+    def all_fit(self) -> bool:
+        """Whether every rank's message of the current round fitted its post (alike on every rank: each sees every
+        length; a round that did not is counted in ``too_long``). Call once :meth:`posted` is true."""
+        parity = self.round & 1
+        if any(words[_LENGTHS + parity] == TOO_LONG for words in self.words):
+            self.too_long += 1
+            return False
+        return True
+
     def messages(self, own: Message) -> list[Message] | None:
         """Every rank's message of the current round (copied, ``own`` as this rank's), by local rank; None when
-        one did not fit, alike on every rank (each sees every length). Call once :meth:`posted` is true."""
-        parity = self.round & 1
-        lengths = [words[_LENGTHS + parity] for words in self.words]
-        if TOO_LONG in lengths:
-            self.too_long += 1
-            return None
+        one did not fit (:meth:`all_fit`). Call once :meth:`posted` is true."""
+        return self.copies(own) if self.all_fit() else None
+
+    def copies(self, own: Message) -> list[Message]:
+        """Every rank's message of the current round, copied (``own`` as this rank's), by local rank: a round where
+        :meth:`all_fit`."""
         return [own if member == self.index else bytes(post) for member, post in enumerate(self.views())]
 
     def views(self) -> list[memoryview]:
