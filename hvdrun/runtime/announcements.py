@@ -243,8 +243,8 @@ class Announcements:
         self.codec = Codec(_dumps, _loads, self._compiled_steps if compiled is not None else None)
         # where the backend says how its values merge, the compiled module may run a lone op whole (exchange_whole)
         self._path = backend.merged_path() if compiled is not None and backend.merges else None
-        self._routes: dict[int, _WholeRoute] = {}  # exchange_whole's, by request number
-        self._held_routes: dict[int, _WholeRoute] = {}  # _held_whole's, by the size of the numbers
+        self._routes: dict[int, _WholeRoute | None] = {}  # exchange_whole's, by request number (None: never)
+        self._held_routes: dict[int, _WholeRoute | None] = {}  # _held_whole's, by the size of the numbers
         self._address: tuple[np.ndarray | None, int] = (None, 0)  # the last array exchange_whole wrote, its address
 
     def exchange(self, announcement: Announcement, held: Mapping[int, int] | None = None, cycle: int = 0,
@@ -296,7 +296,7 @@ class Announcements:
         :meth:`exchange_lone` gives, ``array`` untouched (Python goes on from where the module stopped, on the same
         wire)."""
         route = self._routes.get(key)
-        if route is None:
+        if route is None and key not in self._routes:
             route = self._route(key, array.nbytes, factor)
         if route is None or any(rx.staged() for rx in route.channels):  # (Python read ahead: its turn)
             return self.exchange_lone(key, data, cycle)
@@ -314,7 +314,7 @@ class Announcements:
         """A held range's cycle (this rank's ``value``) run whole by the compiled module, as :meth:`exchange_whole`
         runs a lone op: every rank's merged value; None where the module does not take it."""
         route = self._held_routes.get(len(value.keys))
-        if route is None:
+        if route is None and len(value.keys) not in self._held_routes:
             route = self._route(0, len(value.keys), 1.0, HELD_RANGE_TAG)
         if route is None or any(rx.staged() for rx in route.channels):
             return None
@@ -358,14 +358,23 @@ class Announcements:
 
     def _route(self, key: int, nbytes: int, factor: float, tag: int = UNIFORM_TAG) -> _WholeRoute | None:
         """The compiled module's way for a lone op of the request ``key`` (every op of it has ``nbytes`` and
-        ``factor``), or (``tag`` HELD_RANGE_TAG) for held ranges of ``nbytes`` of numbers; remembered. None where
-        the module does not take it (a type or op it does not reduce, an integer type to scale, a channel that is
-        not a socket, a value too long for the host's board)."""
+        ``factor``), or (``tag`` HELD_RANGE_TAG) for held ranges of ``nbytes`` of numbers; remembered, None too:
+        where the module never takes it (a type or op it does not reduce, an integer type to scale, a channel that
+        is not a socket, a value too long for the host's board)."""
+        routes = self._held_routes if tag == HELD_RANGE_TAG else self._routes
+        route = self._new_route(key, nbytes, factor, tag)
+        if len(routes) >= 4096:
+            routes.clear()
+        routes[nbytes if tag == HELD_RANGE_TAG else key] = route
+        return route
+
+    def _new_route(self, key: int, nbytes: int, factor: float, tag: int) -> _WholeRoute | None:
+        """:meth:`_route`'s way, made."""
         path, compiled = self._path, self._compiled
         if path is None or compiled is None or (path.board is not None and _UNIFORM.size + nbytes > SLOT_BYTES):
             return None
         steps = path.cross.doubling_steps
-        links = self._links(steps) if steps else ()
+        links = self._socket_links(steps) if steps else ()
         dtype_code: int | None
         op_code: int | None
         if tag == HELD_RANGE_TAG:
@@ -383,15 +392,10 @@ class Announcements:
             board = WholeBoard(path.board, path.member, path.first_rank, path.hierarchy.wait_posted)
         whole = compiled.whole(tag, key, self.rank, self.size, nbytes, dtype_code, op_code, factor, links,
                                path.cross.waiter, board)
+        if path.board is not None and path.member != 0:  # only a host's leader crosses: nothing to watch or count
+            return _WholeRoute(whole, path, (), ())
         channels = tuple({id(step.rx): step.rx for step in steps}.values())
-        leads = path.board is None or path.member == 0  # only a host's leader crosses
-        sent = tuple((step.tx, frame_bytes_of(nbytes, step.mode)) for step in steps) if leads else ()
-        route = _WholeRoute(whole, path, channels, sent)
-        routes = self._held_routes if tag == HELD_RANGE_TAG else self._routes
-        if len(routes) >= 4096:
-            routes.clear()
-        routes[nbytes if tag == HELD_RANGE_TAG else key] = route
-        return route
+        return _WholeRoute(whole, path, channels, tuple((step.tx, frame_bytes_of(nbytes, step.mode)) for step in steps))
 
     def agreement(self, merged: Any) -> Agreement:
         """The agreement of a cycle whose values merged into ``merged``."""
@@ -490,6 +494,10 @@ class Announcements:
         first one's are taken over, :meth:`_staged_frame`)."""
         if not steps or any(step.rx.staged() for step in steps[1:] if step.rx is not steps[0].rx):
             return None
+        return self._socket_links(steps)
+
+    def _socket_links(self, steps: Sequence[DoublingStep]) -> tuple[StepLink, ...] | None:
+        """The steps' sockets (remembered: a group's steps never change), or None when one is not a socket."""
         links = self._step_links.get(id(steps))
         if links is None:
             links = step_links(steps)
