@@ -69,7 +69,7 @@ typedef struct {
     uint8_t *const *posts;       /* per member, per round parity: its post buffer (2 * members) */
     const int32_t *bells;        /* per member: the FIFO that wakes it */
     int64_t post_bytes;          /* a post's capacity */
-    int32_t phase;               /* STEPS or BOARD */
+    int32_t phase;               /* STEPS, BOARD or RESULT */
     int32_t unused3;
 } Plan;
 
@@ -424,21 +424,27 @@ static int all_posted(const Plan *plan) {
     return 1;
 }
 
+/* Whether member m's post of plan->round is this op's uniform value of the ranks lo..hi: its length, its header
+ * (the tag, the number, the range) and, for op SAME, the same data as this rank's. */
+static int post_holds(const Plan *plan, int64_t m, int64_t lo, int64_t hi) {
+    int64_t parity = plan->round & 1, head[4];
+    const uint8_t *post = plan->posts[m * 2 + parity];
+    if (plan->words[m][LENGTH_WORDS + parity] != HEADER_BYTES + plan->nbytes)
+        return 0;
+    memcpy(head, post, sizeof head);
+    if (head[0] != plan->tag || head[1] != plan->key || head[2] != lo || head[3] != hi)
+        return 0;
+    return plan->op != SAME || memcmp(post + HEADER_BYTES, plan->data, (size_t)plan->nbytes) == 0;
+}
+
 /* Every member's post as one uniform value of the host's ranks, reduced in member order into plan->data by the
  * leader (member 0; as Python's merge of the posts, lower ranks first): 0 when a post is anything else (the caller
  * merges them in Python; every member sees the same posts, so all of them do). */
 static int merge_posts(Plan *plan) {
     int64_t parity = plan->round & 1;
-    for (int64_t m = 0; m < plan->members; m++) {
-        int64_t head[4];
-        if (plan->words[m][LENGTH_WORDS + parity] != HEADER_BYTES + plan->nbytes)
+    for (int64_t m = 0; m < plan->members; m++)
+        if (!post_holds(plan, m, plan->first_rank + m, plan->first_rank + m))
             return 0;
-        memcpy(head, plan->posts[m * 2 + parity], sizeof head);
-        if (head[0] != plan->tag || head[1] != plan->key || head[2] != plan->first_rank + m || head[3] != head[2])
-            return 0;
-        if (plan->op == SAME && memcmp(plan->posts[m * 2 + parity] + HEADER_BYTES, plan->data, (size_t)plan->nbytes))
-            return 0;
-    }
     if (plan->member != 0 && plan->steps > 0)
         return 1; /* the leader merges and crosses; this rank reads its result (one host: every member merges) */
     memcpy(plan->data, plan->posts[parity] + HEADER_BYTES, (size_t)plan->nbytes);
@@ -464,15 +470,9 @@ static int await_posts(const Plan *plan) {
 /* The leader's post of the result round as the whole job's value of this op, into plan->data: 0 when it is another
  * value (Python reads it). */
 static int take_result(Plan *plan) {
-    int64_t parity = plan->round & 1, head[4];
-    if (plan->words[0][LENGTH_WORDS + parity] != HEADER_BYTES + plan->nbytes)
+    if (!post_holds(plan, 0, 0, plan->ranks - 1))
         return 0;
-    memcpy(head, plan->posts[parity], sizeof head);
-    if (head[0] != plan->tag || head[1] != plan->key || head[2] != 0 || head[3] != plan->ranks - 1)
-        return 0;
-    if (plan->op == SAME && memcmp(plan->posts[parity] + HEADER_BYTES, plan->data, (size_t)plan->nbytes))
-        return 0;
-    memcpy(plan->data, plan->posts[parity] + HEADER_BYTES, (size_t)plan->nbytes);
+    memcpy(plan->data, plan->posts[plan->round & 1] + HEADER_BYTES, (size_t)plan->nbytes);
     plan->lo = 0;
     plan->hi = plan->ranks - 1;
     return 1;
