@@ -305,11 +305,7 @@ class Hierarchy:
         """:meth:`allgather_merged` once this rank posted ``value`` (as ``message``) on the board and every local
         rank posted this round (the compiled module may have posted it; without a board, nothing was posted)."""
         reads = self.hosts == 1 or self.local_rank == 0  # else the leader merges and crosses; this rank reads it
-        board = self.board
-        if board is not None and board.all_fit():
-            messages = board.copies(message) if reads else []
-        else:  # no board, or a message too long for it (every rank of the host sees which): the host's ring
-            messages = self.local.allgather_messages(message)
+        messages = self._round_messages(message, copied=reads)
         if not reads:
             return self.shared_result(None, codec)
         values = [value if local == self.local_rank else codec.loads(m) for local, m in enumerate(messages)]
@@ -322,23 +318,26 @@ class Hierarchy:
         """The leader's ``result`` of a merged exchange, on every rank of the host: the leader posts it, the
         others an empty message, in one round of the board (the host's ring where there is no board or it does
         not fit); the others' ``result`` is ignored."""
-        message = codec.dumps(result) if self.local_rank == 0 else b""
-        messages = None
+        leads = self.local_rank == 0
+        message = codec.dumps(result) if leads else b""
         if self.board is not None:
             self._post_and_wait(message)
-            messages = self.board.messages(message)  # None on every rank where the leader's did not fit
-        if messages is None:
-            messages = self.local.allgather_messages(message)
-        return result if self.local_rank == 0 else codec.loads(messages[0])
+        messages = self._round_messages(message, copied=not leads)
+        return result if leads else codec.loads(messages[0])
 
     def posted_result(self, codec: Codec) -> Any:
         """The leader's result of this rank's current round, which this rank already posted (the compiled module
         did) and every rank of the host posted."""
-        assert self.board is not None
-        messages = self.board.messages(b"")
-        if messages is None:  # the leader's did not fit: the ring, as shared_result's others go on
-            return codec.loads(self.local.allgather_messages(b"")[0])
-        return codec.loads(messages[0])
+        return codec.loads(self._round_messages(b"", copied=True)[0])
+
+    def _round_messages(self, own: Message, copied: bool) -> list[Message]:
+        """Every local rank's message of this round, by local rank: the board's posts (copied, or none where this
+        rank has no use for them: ``copied`` False); without a board, or where a message did not fit its post
+        (every rank of the host sees which), all of them through the host's ring, this rank's being ``own``."""
+        board = self.board
+        if board is not None and board.all_fit():
+            return board.copies(own) if copied else []
+        return self.local.allgather_messages(own)
 
     def merged_path(self) -> MergedPath | None:
         """How :meth:`allgather_merged` goes, for a caller that runs its steps itself (the compiled module); None
