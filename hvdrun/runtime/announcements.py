@@ -200,6 +200,7 @@ def _loads(message: Message) -> Any:
 
 CODEC = Codec(_dumps, _loads)
 WHOLE = "whole"  # Announcements.exchange_whole's word for "the whole job's value is in the array"
+_UNMADE: Any = object()  # a route not made yet (None: the compiled module never takes that op)
 
 
 class _WholeRoute(NamedTuple):
@@ -295,10 +296,8 @@ class Announcements:
         same, writes the job's value into ``array`` multiplied by ``factor``: :data:`WHOLE` then. Else what
         :meth:`exchange_lone` gives, ``array`` untouched (Python goes on from where the module stopped, on the same
         wire)."""
-        route = self._routes.get(key)
-        if route is None and key not in self._routes:
-            route = self._route(key, array.nbytes, factor)
-        if route is None or any(rx.staged() for rx in route.channels):  # (Python read ahead: its turn)
+        route = self._route(key, array.nbytes, factor)
+        if route is None:
             return self.exchange_lone(key, data, cycle)
         self._cycle = cycle
         cached, address = self._address
@@ -313,10 +312,8 @@ class Announcements:
     def _held_whole(self, value: HeldRange) -> Any:
         """A held range's cycle (this rank's ``value``) run whole by the compiled module, as :meth:`exchange_whole`
         runs a lone op: every rank's merged value; None where the module does not take it."""
-        route = self._held_routes.get(len(value.keys))
-        if route is None and len(value.keys) not in self._held_routes:
-            route = self._route(0, len(value.keys), 1.0, HELD_RANGE_TAG)
-        if route is None or any(rx.staged() for rx in route.channels):
+        route = self._route(0, len(value.keys), 1.0, HELD_RANGE_TAG)
+        if route is None:
             return None
         address = ctypes.cast(ctypes.c_char_p(value.keys), ctypes.c_void_p).value or 0  # the bytes' own buffer
         outcome = self._run_route(route, address, value.since)
@@ -358,14 +355,19 @@ class Announcements:
 
     def _route(self, key: int, nbytes: int, factor: float, tag: int = UNIFORM_TAG) -> _WholeRoute | None:
         """The compiled module's way for a lone op of the request ``key`` (every op of it has ``nbytes`` and
-        ``factor``), or (``tag`` HELD_RANGE_TAG) for held ranges of ``nbytes`` of numbers; remembered, None too:
-        where the module never takes it (a type or op it does not reduce, an integer type to scale, a channel that
-        is not a socket, a value too long for the host's board)."""
-        routes = self._held_routes if tag == HELD_RANGE_TAG else self._routes
-        route = self._new_route(key, nbytes, factor, tag)
-        if len(routes) >= 4096:
-            routes.clear()
-        routes[nbytes if tag == HELD_RANGE_TAG else key] = route
+        ``factor``), or (``tag`` HELD_RANGE_TAG) for held ranges of ``nbytes`` of numbers, made once and
+        remembered. None where the module does not take it: never (a type or op it does not reduce, an integer type
+        to scale, a channel that is not a socket, a value too long for the host's board: remembered too), or not
+        now (Python read ahead on a channel: its turn)."""
+        routes, name = (self._held_routes, nbytes) if tag == HELD_RANGE_TAG else (self._routes, key)
+        route = routes.get(name, _UNMADE)
+        if route is _UNMADE:
+            route = self._new_route(key, nbytes, factor, tag)
+            if len(routes) >= 4096:
+                routes.clear()
+            routes[name] = route
+        if route is None or any(rx.staged() for rx in route.channels):
+            return None
         return route
 
     def _new_route(self, key: int, nbytes: int, factor: float, tag: int) -> _WholeRoute | None:
@@ -375,17 +377,16 @@ class Announcements:
             return None
         steps = path.cross.doubling_steps
         links = self._socket_links(steps) if steps else ()
-        dtype_code: int | None
-        op_code: int | None
+        if links is None:
+            return None
         if tag == HELD_RANGE_TAG:
             dtype_code, op_code = 0, SAME
         else:
             dtype, _, op = self._layout(key)
-            dtype_code, op_code = DTYPES.get(dtype), OPS.get(op)
-            if dtype_code is None or op_code is None or (factor != 1.0 and dtype.kind != "f"):
+            found_dtype, found_op = DTYPES.get(dtype), OPS.get(op)
+            if found_dtype is None or found_op is None or (factor != 1.0 and dtype.kind != "f"):
                 return None
-        if links is None or dtype_code is None or op_code is None:
-            return None
+            dtype_code, op_code = found_dtype, found_op
         board = None
         if path.board is not None:
             assert path.hierarchy is not None
