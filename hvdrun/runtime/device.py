@@ -24,6 +24,7 @@ from typing import Any
 from hvdrun.envvars import DEVICE_BACKEND, DEVICE_ORDINAL, RANK
 from hvdrun.errors import DeviceError, UsageError
 from hvdrun.runtime import gloo_abort
+from hvdrun.runtime.device_buffers import FusionBuffers, SideStreams
 from hvdrun.runtime.negotiation import Entry, Request
 from hvdrun.runtime.reduce import (
     AVERAGE,
@@ -129,6 +130,7 @@ class TorchGroup:
 
         self.group, self.rank, self.size, self.dist = group, rank, size, dist
         self.abort_reason, self.connections = abort_reason, list(connections)
+        self.calls = 0  # collectives run on the group: what fusion saves is counted here
         self.ops: dict[int, Any] = {SUM: dist.ReduceOp.SUM, AVERAGE: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN,
                     MAX: dist.ReduceOp.MAX, PRODUCT: dist.ReduceOp.PRODUCT}
 
@@ -155,6 +157,7 @@ class TorchGroup:
 
     def _finish(self, work: Any) -> None:
         """Wait for ``work`` (with ``abort_reason``: until done or the job aborts)."""
+        self.calls += 1
         if self.abort_reason is None:
             work.wait()
         else:
@@ -206,7 +209,7 @@ class LocalGroup(TorchGroup):
     """The group of a one-rank job: every collective is a local copy."""
 
     def __init__(self) -> None:  # noqa: D107 - no process group to hold
-        self.rank, self.size = 0, 1
+        self.rank, self.size, self.calls = 0, 1, 0
 
     def allreduce(self, tensor: Any, op: int) -> None:
         return None
@@ -240,6 +243,7 @@ class DeviceCollectives:
         self.backend, self._store, self.prefix = backend, store, prefix
         self.rank, self.size, self.timeout_s, self.abort_reason = rank, size, timeout_s, abort_reason
         self._group: TorchGroup | None = None
+        self.buffers, self.streams = FusionBuffers(), SideStreams()
 
     @property
     def group(self) -> TorchGroup:
@@ -252,6 +256,11 @@ class DeviceCollectives:
             self._group = TorchGroup.create(self.backend, self._store, self.prefix, self.rank, self.size,
                                             self.timeout_s, self.abort_reason)
         return self._group
+
+    @property
+    def collectives(self) -> int:
+        """Collectives run on the process group so far (one per fused buffer)."""
+        return self._group.calls if self._group is not None else 0
 
     def _shared_gpu(self) -> bool:
         """Whether two ranks use the same GPU (NCCL refuses that), warned once by rank 0.
@@ -279,10 +288,41 @@ class DeviceCollectives:
         if self._group is not None:
             self._group.close()
         self._group, self._store = None, None
+        self.buffers.clear()
 
     def execute(self, kind: str, batch: list[Entry], tensors: list[Any]) -> list[Any]:
-        """One result per tensor of ``batch`` (device ops are never fused)."""
-        return [getattr(self, f"_{kind}")(entry, tensor) for entry, tensor in zip(batch, tensors, strict=True)]
+        """One result per tensor of ``batch``, on the device's side stream: a batch of several allreduces or
+        broadcasts (the plan fuses only ops that agree) runs as one collective on a fusion buffer."""
+        with self.streams.running(tensors):
+            if len(batch) > 1 and kind in ("allreduce", "broadcast"):
+                return getattr(self, f"_fused_{kind}")(batch[0].first, tensors)
+            return [getattr(self, f"_{kind}")(entry, tensor) for entry, tensor in zip(batch, tensors, strict=True)]
+
+    def _fused_allreduce(self, request: Request, tensors: list[Any]) -> list[Any]:
+        """Tensors of one dtype and device reduced as one flat buffer, scaled there (one pass each way)."""
+        import torch
+
+        flat, views = self.buffers.views(tensors)
+        flattened = [t.view(-1) for t in tensors]
+        torch._foreach_copy_(views, flattened)
+        self.allreduce(request, flat)
+        torch._foreach_copy_(flattened, views)
+        return tensors
+
+    def _fused_broadcast(self, request: Request, tensors: list[Any]) -> list[Any]:
+        """Tensors of any dtypes broadcast from one root as one buffer of bytes."""
+        import torch
+
+        pieces = [as_rows_of_bytes(t).view(-1) for t in tensors if t.numel()]
+        if not pieces:
+            return tensors
+        flat, views = self.buffers.views(pieces)
+        if self.rank == request.root:
+            torch._foreach_copy_(views, pieces)
+        self.group.broadcast(flat, request.root)
+        if self.rank != request.root:
+            torch._foreach_copy_(pieces, views)
+        return tensors
 
     def _allreduce(self, entry: Entry, tensor: Any) -> Any:
         return self.allreduce(entry.first, tensor)

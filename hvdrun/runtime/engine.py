@@ -92,6 +92,11 @@ class Engine:
         return self._loop.cycles
 
     @property
+    def fusion_threshold(self) -> int:
+        """Largest fused allreduce buffer, in bytes (``HOROVOD_FUSION_THRESHOLD``)."""
+        return self._cycle.fusion_threshold
+
+    @property
     def table(self) -> Table:
         """The negotiation table (identical on every rank)."""
         return self._cycle.table

@@ -322,15 +322,21 @@ class Table:
 
 
 def fusable(entry: Entry) -> tuple | None:
-    """The key shared by allreduces that may run as one fused buffer, or None."""
+    """The key shared by ops that may run as one fused buffer, or None: allreduces of one dtype, device, op,
+    scaling and process set; on the device path also broadcasts of one root (moved as bytes, any dtype)."""
     request = entry.first
-    if entry.error or request.kind != "allreduce" or entry.payloads or request.device != "cpu":
+    if entry.error or entry.payloads:
         return None
-    return (request.dtype, request.op, request.prescale, request.postscale, request.process_set)
+    if request.kind == "allreduce":
+        return (request.kind, request.dtype, request.device, request.op, request.prescale, request.postscale,
+                request.process_set)
+    if request.kind == "broadcast" and request.device != "cpu":
+        return (request.kind, request.device, request.root, request.process_set)
+    return None
 
 
 def plan(ready: list[Entry], threshold_bytes: int) -> Iterator[list[Entry]]:
-    """Group consecutive compatible allreduces up to ``threshold_bytes`` (grouped ops always together)."""
+    """Group consecutive compatible ops (:func:`fusable`) up to ``threshold_bytes`` (grouped ops always together)."""
     batch: list[Entry] = []
     batch_bytes = 0
     if len(ready) == 1:

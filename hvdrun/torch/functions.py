@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from hvdrun.runtime import context
-from hvdrun.torch.ops import allgather, broadcast_, broadcast_async_, synchronize
+from hvdrun.torch.ops import allgather, broadcast_, broadcasts_async_, synchronize
 
 
 def _rank() -> int:
@@ -34,10 +34,9 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         items = [p if isinstance(p, tuple) else (f"param.{i}", p) for i, p in enumerate(params)]
     else:
         raise ValueError(f"params must be a dict or a list of tensors or (name, tensor) pairs, got {type(params)}")
-    handles = [broadcast_async_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank,
-                                name=f"broadcast.param.{name}")
-               for name, tensor in items if isinstance(tensor, torch.Tensor)]
-    for handle in handles:
+    named = [(f"broadcast.param.{name}", tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor)
+             for name, tensor in items if isinstance(tensor, torch.Tensor)]
+    for handle in broadcasts_async_(named, root_rank):  # one announcement: fused on the device path
         synchronize(handle)
 
 

@@ -20,6 +20,7 @@ import torch
 from hvdrun import envvars
 from hvdrun.runtime import context
 from hvdrun.runtime.blocking import allreduce_unqueued
+from hvdrun.runtime.device_buffers import SideStreams, wait_for_device_ops
 from hvdrun.runtime.handles import Handle
 from hvdrun.runtime.negotiation import GLOBAL_SET, JOIN, Request
 from hvdrun.runtime.reduce import ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM, average_divisor
@@ -108,7 +109,39 @@ def _request(kind: str, array: Any, name: str | None, source: str = "", **fields
     return Request(name, kind, dtypes.wire_name(array), array.shape, source=source, **fields)
 
 
+def _side_streams() -> SideStreams | None:
+    device = context.current().device
+    return device.streams if device is not None else None
+
+
+def _mark_ready(arrays: Sequence[Any]) -> None:
+    """Record where device tensors hold their values, on the submitting thread's stream (see
+    :mod:`hvdrun.runtime.device_buffers`); CPU tensors and numpy arrays need nothing."""
+    streams = None
+    for array in arrays:
+        if isinstance(array, torch.Tensor) and not array.is_cpu:
+            streams = streams or _side_streams()
+            if streams is not None:
+                streams.mark_ready(array)
+
+
+def _device_result(result: Any) -> Any:
+    """``result`` of a finished op, usable on the caller's stream: a device tensor's stream waits (on the device,
+    not the host) for the side stream that produced it."""
+    first = result[0] if isinstance(result, (list, tuple)) and result else result
+    if isinstance(first, torch.Tensor) and not first.is_cpu:
+        wait_for_device_ops(first, _side_streams())
+    return result
+
+
+def _run(request: Request, array: Any) -> Any:
+    """Submit and wait on this thread (the blocking forms), ordered on a device tensor's streams."""
+    _mark_ready((array,))
+    return _device_result(_engine().run(request, array))
+
+
 def _start(request: Request, array: np.ndarray | None, finish: Callable[[Any], Any], wake: bool = True) -> int:
+    _mark_ready((array,))
     handle = _engine().submit(request, array, wake=wake)
     with _handles_lock:
         handle_id = next(_handle_ids)
@@ -131,7 +164,7 @@ def synchronize(handle: int) -> Any:
     if entry is None:
         return None
     try:
-        return entry[1](entry[0].wait())
+        return entry[1](_device_result(entry[0].wait()))
     finally:
         with _handles_lock:
             _handles.pop(handle, None)
@@ -162,6 +195,7 @@ def _written_back(tensor: torch.Tensor, wide: torch.Tensor | None) -> torch.Tens
 
 def _start_group(items: Sequence[tuple[Request, np.ndarray, Callable[[Any], Any]]], wake: bool = True) -> list[int]:
     """Submit a grouped op's requests in one announcement; one handle id per request."""
+    _mark_ready([array for _, array, _ in items])
     handles = _engine().submit_many([(request, array) for request, array, _ in items], wake=wake)
     with _handles_lock:
         ids = [next(_handle_ids) for _ in handles]
@@ -235,7 +269,7 @@ def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | 
         return tensor  # a device tensor: no lane, but the express cycle
     request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set,
                               source=dtypes.source_of(tensor, array))
-    _engine().run(request, array)
+    _run(request, array)
     return _written_back(tensor, wide)
 
 
@@ -405,6 +439,17 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     return _start(request, array, lambda _: tensor)
 
 
+def broadcasts_async_(named: Sequence[tuple[str, torch.Tensor]], root_rank: int) -> list[int]:
+    """Start in-place broadcasts of many named tensors in one announcement (one handle each): the engine sees
+    them in one cycle, and on the device path they go as one fused broadcast per fusion buffer."""
+    items = []
+    for name, tensor in named:
+        array = _check(tensor, MOVEMENT_DTYPES)
+        request = _request("broadcast", array, name, dtypes.source_of(tensor, array), root=int(root_rank))
+        items.append((request, array, lambda _, kept=tensor: kept))
+    return _start_group(items)
+
+
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
     """Start a broadcast into a new tensor."""
     return broadcast_async_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name, process_set)
@@ -413,8 +458,8 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s value; returns it."""
     array = _check(tensor, MOVEMENT_DTYPES)
-    _engine().run(_request("broadcast", array, name, dtypes.source_of(tensor, array), root=int(root_rank),
-                           process_set=set_id(process_set)), array)
+    _run(_request("broadcast", array, name, dtypes.source_of(tensor, array), root=int(root_rank),
+                  process_set=set_id(process_set)), array)
     return tensor
 
 

@@ -21,6 +21,7 @@ import torch
 
 from hvdrun.envvars import OVERLAP
 from hvdrun.runtime import context
+from hvdrun.torch import buckets
 from hvdrun.torch.compression import Compression
 from hvdrun.torch.ops import (
     Adasum,
@@ -67,6 +68,7 @@ def _overlap_policy(params: list[torch.Tensor]) -> bool:
     return any(not p.is_cpu for p in params)
 
 
+_ALONE = -1  # a bucket whose members went out one by one (a sparse gradient among them)
 _Flat = tuple[list[int], str, torch.Tensor, list[torch.Tensor]]  # positions, name, buffer, views of the positions
 
 
@@ -108,6 +110,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._process_set = process_set
         self._overlap = _overlap_policy(all_params)
+        self._buckets = self._build_buckets([p for p in all_params if p not in self._group_of])
+        self._bucket_of = {p: bucket for bucket in self._buckets for p in bucket.params}
         member = process_set is None or process_set.included()
         if (context.current().world.size > 1 or context.current().assignment is not None) and member:
             for index, param in enumerate(all_params):
@@ -130,6 +134,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _reset_passes(self) -> None:
         self._fired[:] = [0] * len(self._fired)
+        for bucket in self._buckets:
+            bucket.reset()
+
+    def _build_buckets(self, params: list[torch.Tensor]) -> list[buckets.Bucket]:
+        """Buckets of ``params`` when gradients go out during backward (:mod:`hvdrun.torch.buckets`); none without
+        overlap (all go out flattened at step()) or with a compressor other than none and fp16 (each gradient is
+        compressed on its own, and the engine fuses what is ready together)."""
+        known = (Compression.none, Compression.fp16)
+        runtime = context.current()
+        alone = runtime.world.size == 1 and runtime.assignment is None  # no hooks: nothing to bucket
+        if not self._overlap or self._compression not in known or alone:
+            return []
+        return buckets.build(params, self._parameter_names.__getitem__, self._compression is Compression.fp16,
+                             context.current().engine.fusion_threshold)
+
+    def _submit_bucket(self, bucket: buckets.Bucket) -> None:
+        """One allreduce of ``bucket``'s gradients in its buffer; where one is sparse (and stays sparse), each
+        member goes out on its own instead."""
+        if not self.sparse_as_dense and any(p.grad is not None and p.grad.is_sparse for p in bucket.params):
+            bucket.handle = _ALONE
+            for param in bucket.params:
+                self._submit_alone(param)
+            return
+        prescale, postscale = self._scales()
+        buffer = bucket.fill([self._dense_grad(p) for p in bucket.params])
+        bucket.handle = allreduce_async_(buffer, name=bucket.name, op=self.op, prescale_factor=prescale,
+                                         postscale_factor=postscale, process_set=self._process_set)
 
     def _scales(self) -> tuple[float, float]:
         if self.op == Average:
@@ -140,6 +171,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if param in self._group_of:
             self._submit_group_if_complete(self._group_of[param])
             return
+        bucket = self._bucket_of.get(param)
+        if bucket is not None:
+            bucket.fired += 1
+            if bucket.complete:
+                self._submit_bucket(bucket)
+            return
+        self._submit_alone(param)
+
+    def _submit_alone(self, param: torch.Tensor) -> None:
         if param.grad is not None and param.grad.is_sparse and not self.sparse_as_dense:
             self._handles[param] = (None, "sparse")
             return
@@ -248,7 +288,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 param.grad = torch.zeros_like(param)
         if self._overlap:
             for param in waiting:
-                self._submit(param)
+                if param not in self._bucket_of:
+                    self._submit(param)
+            for bucket in self._buckets:
+                if bucket.handle is None:
+                    self._submit_bucket(bucket)
         else:
             self._submit_together(waiting)
         for index in range(len(self._groups)):
@@ -261,6 +305,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 compressed, compression_ctx = ctx
                 if output is not param.grad:
                     self._dense_grad(param).copy_(self._compression.decompress(output, compression_ctx))
+        for bucket in self._buckets:
+            if bucket.handle is not None and bucket.handle != _ALONE:
+                synchronize(bucket.handle)
+                bucket.drain([cast(torch.Tensor, p.grad) for p in bucket.params])
         for handle, params, compressed, views in self._together:
             self._take_results(synchronize(handle), params, compressed, views)
         self._together = []
@@ -328,7 +376,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's zero_grad; refused while allreduces are pending."""
-        if any(handle is not None for handle, _ in self._handles.values()) or self._group_handles:
+        if (any(handle is not None for handle, _ in self._handles.values()) or self._group_handles
+                or any(bucket.handle is not None for bucket in self._buckets)):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
                                  "cause a race condition.")

@@ -1,0 +1,128 @@
+"""What the device path keeps between ops: fusion buffers on the device and the side stream its collectives run on.
+
+**Fusion buffers.** Ready device ops that agree (kind, dtype, device, op, scaling) are copied into one flat buffer,
+reduced or broadcast by one collective and copied back (Horovod's fusion buffer, DDP's buckets). The buffers are
+kept per dtype and device and only grow, so a training step allocates nothing.
+
+**The side stream** (CUDA and XPU). The engine's thread never queues work on the stream the model computes on: a
+fused op waits (on the device, through an event) for the point where its tensors were ready, runs its copies, the
+collective and its scaling on a stream of its own, and whoever takes the result makes its own stream wait for that
+side stream (:func:`wait_for_device_ops`). Nothing blocks the host. CPU tensors (the gloo stand-in) have no
+streams: every call here is then a no-op, and the same code runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+_STREAMED = ("cuda", "xpu")
+
+
+def _has_streams(device: Any) -> bool:
+    return getattr(device, "type", "cpu") in _STREAMED
+
+
+class FusionBuffers:
+    """One growing flat buffer per (dtype, device): the fused ops' staging area, reused by every cycle."""
+
+    def __init__(self) -> None:  # noqa: D107
+        self._buffers: dict[tuple[Any, Any], Any] = {}
+
+    def flat(self, dtype: Any, device: Any, count: int) -> Any:
+        """The first ``count`` elements of the buffer for ``dtype`` on ``device`` (grown when too small)."""
+        import torch
+
+        key = (dtype, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < count:
+            buffer = self._buffers[key] = torch.empty(count, dtype=dtype, device=device)
+        return buffer[:count]
+
+    def views(self, tensors: Sequence[Any]) -> tuple[Any, list[Any]]:
+        """A flat buffer for ``tensors`` (one dtype and device) and each one's piece of it, flattened."""
+        sizes = [t.numel() for t in tensors]
+        flat = self.flat(tensors[0].dtype, tensors[0].device, sum(sizes))
+        return flat, list(flat.split(sizes))
+
+    def clear(self) -> None:
+        """Let go of every buffer (the device memory returns to torch's allocator)."""
+        self._buffers.clear()
+
+
+class SideStreams:
+    """The stream each device's collectives run on, and the events that order them against the model's stream.
+
+    The thread that submits a device tensor records where it became ready (:meth:`mark_ready`); the engine's
+    thread makes the side stream wait for that event before touching it (:meth:`running`).
+    """
+
+    def __init__(self) -> None:  # noqa: D107
+        self._streams: dict[Any, Any] = {}
+        self._ready: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def stream_of(self, device: Any) -> Any:
+        """The side stream of ``device`` (made on first use), or None for a device without streams."""
+        if not _has_streams(device):
+            return None
+        stream = self._streams.get(device)
+        if stream is None:
+            import torch
+
+            stream = self._streams[device] = torch.Stream(device=device)
+        return stream
+
+    def mark_ready(self, tensor: Any) -> None:
+        """Record, on the submitting thread's current stream, the point where ``tensor`` holds its value."""
+        if not _has_streams(tensor.device):
+            return
+        import torch
+
+        event = torch.Event(device=tensor.device)
+        event.record(torch.accelerator.current_stream(tensor.device))
+        with self._lock:
+            self._ready[id(tensor)] = event
+
+    @contextmanager
+    def running(self, tensors: Sequence[Any]) -> Iterator[None]:
+        """Run the body on the side stream of ``tensors``' device, after the events of their readiness (or, for a
+        tensor submitted without one, after everything queued on the device's current stream so far)."""
+        device = tensors[0].device if tensors else None
+        stream = self.stream_of(device)
+        if stream is None:
+            yield
+            return
+        import torch
+
+        with self._lock:
+            events = [self._ready.pop(id(t), None) for t in tensors]
+        for event in dict.fromkeys(events):
+            if event is None:
+                stream.wait_stream(torch.accelerator.current_stream(device))
+            else:
+                stream.wait_event(event)
+        for tensor in tensors:
+            tensor.record_stream(stream)  # the allocator must not reuse its memory before the side stream is done
+        with stream:
+            yield
+
+    def context(self, device: Any) -> Any:
+        """A context that makes ``device``'s side stream current (nothing for a device without streams)."""
+        stream = self.stream_of(device)
+        return stream if stream is not None else nullcontext()
+
+
+def wait_for_device_ops(result: Any, streams: SideStreams | None) -> None:
+    """Make the current stream of ``result``'s device wait for the device path's side stream: the result of a
+    device op may then be used on it (no host wait). Tensors without streams need nothing."""
+    if streams is None or not hasattr(result, "device"):
+        return
+    stream = streams.stream_of(result.device)
+    if stream is not None and "torch" in sys.modules:
+        import torch
+
+        torch.accelerator.current_stream(result.device).wait_stream(stream)

@@ -1,0 +1,114 @@
+"""Gradient buckets: DistributedOptimizer's gradients reduced during backward, a bucket at a time (DDP's buckets,
+Horovod's fusion buffer).
+
+With overlap on (device parameters), a gradient used to go out alone the moment its hook fired: one engine op, one
+negotiation and one collective per tensor. Instead, parameters are laid out once into buckets in the order backward
+produces their gradients (the reverse of registration, as DDP assumes), one dtype and device per bucket, up to a cap:
+the first bucket small (1 MiB, so communication starts early), the others up to the fusion threshold (at most 25 MiB,
+DDP's default, so that backward still has work to overlap). When every gradient of a bucket has fired, it is copied
+into the bucket's flat buffer, cast on the way when fp16 compression applies, and the buffer goes out as one
+``allreduce_async_``; ``synchronize()`` copies the reduced buffer back into the gradients (cast back), one
+``_foreach_copy_`` a bucket.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+MIB = 1 << 20
+FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
+BUCKET_CAP_BYTES = 25 * MIB  # DistributedDataParallel's bucket_cap_mb default
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients go out together, and the flat buffer they go out in."""
+
+    params: list[torch.Tensor]
+    name: str
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    fired: int = 0  # members whose gradient is ready this step
+    handle: int | None = field(default=None)
+
+    @property
+    def complete(self) -> bool:
+        """Every member's gradient is ready."""
+        return self.fired == len(self.params)
+
+    def fill(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Copy ``grads`` into the buffer (cast to its dtype) and return the buffer."""
+        torch._foreach_copy_(self.views, list(grads))
+        return self.buffer
+
+    def drain(self, grads: Sequence[torch.Tensor]) -> None:
+        """Copy the reduced buffer back into ``grads`` (cast to theirs)."""
+        torch._foreach_copy_(list(grads), self.views)
+
+    def reset(self) -> None:
+        """Ready for the next step."""
+        self.fired, self.handle = 0, None
+
+
+def wire_dtype(param: torch.Tensor, fp16: bool) -> torch.dtype:
+    """The dtype a parameter's gradient travels as: float16 for floating ones under fp16 compression."""
+    return torch.float16 if fp16 and param.dtype.is_floating_point else param.dtype
+
+
+def bucket_caps(fusion_threshold: int) -> tuple[int, int]:
+    """The first bucket's cap and the others', in bytes, for the job's fusion threshold (0: no fusion, a bucket
+    a parameter, as Horovod's threshold 0 means)."""
+    cap = min(fusion_threshold, BUCKET_CAP_BYTES)
+    return min(FIRST_BUCKET_BYTES, cap), cap
+
+
+def assign(sizes: Sequence[int], kinds: Sequence[object], first_cap: int, cap: int) -> list[list[int]]:
+    """Positions grouped into buckets: consecutive positions of one kind (dtype and device), each bucket closed
+    when the next member would take it past its cap (a member larger than the cap gets a bucket of its own). The
+    first bucket closed takes ``first_cap``, later ones ``cap``. Pure: ``sizes`` in bytes, in backward's order.
+
+    >>> assign([4, 4, 4, 4], ["f"] * 4, first_cap=4, cap=8)
+    [[0], [1, 2], [3]]
+    """
+    buckets: list[list[int]] = []
+    open_: dict[object, tuple[list[int], int]] = {}
+    for position, (size, kind) in enumerate(zip(sizes, kinds, strict=True)):
+        members, total = open_.get(kind, ([], 0))
+        limit = first_cap if not buckets else cap
+        if members and total + size > limit:
+            buckets.append(members)
+            members, total = [], 0
+        open_[kind] = (members + [position], total + size)
+    buckets.extend(members for members, _ in open_.values() if members)
+    return sorted(buckets, key=lambda members: members[0])
+
+
+def build(params: Sequence[torch.Tensor], names: Callable[[torch.Tensor], str], fp16: bool,
+          fusion_threshold: int) -> list[Bucket]:
+    """The buckets of ``params`` (in registration order): laid out in backward's order (see :func:`assign`),
+    each named by its members' names and shapes so that ranks whose models differ never sum mismatched layouts."""
+    order = list(reversed(params))
+    dtypes = [wire_dtype(p, fp16) for p in order]
+    sizes = [p.numel() * dtype.itemsize for p, dtype in zip(order, dtypes, strict=True)]
+    kinds = [(dtype, p.device) for p, dtype in zip(order, dtypes, strict=True)]
+    buckets = []
+    for index, members in enumerate(assign(sizes, kinds, *bucket_caps(fusion_threshold))):
+        chosen = [order[i] for i in members]
+        dtype, device = kinds[members[0]]
+        numels = [p.numel() for p in chosen]
+        buffer = torch.empty(sum(numels), dtype=dtype, device=device)
+        views = [piece.view(p.shape) for piece, p in zip(buffer.split(numels), chosen, strict=True)]
+        digest = zlib.crc32(repr([(names(p), tuple(p.shape)) for p in chosen]).encode())
+        name = f"allreduce.bucket.{index}.{str(dtype).removeprefix('torch.')}.{digest:08x}"
+        buckets.append(Bucket(chosen, name, buffer, views))
+    return buckets
+
+
+def total_bytes(buckets: Sequence[Bucket]) -> int:
+    """Bytes of every bucket's buffer."""
+    return sum(math.prod(b.buffer.shape) * b.buffer.element_size() for b in buckets)
