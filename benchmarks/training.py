@@ -4,6 +4,7 @@
     python benchmarks/training.py --ranks 2 --steps 30 --batch-size 32
     python benchmarks/training.py --model many-small   # 200 parameter tensors of 1-16 KB
     python benchmarks/training.py --device-path         # the route a GPU model's gradients take (gloo for NCCL)
+    python benchmarks/training.py --device cuda --ranks 4 --model resnet   # GPUs: NCCL under both (gpu.py --training)
 
 One job started by ``hvdrun`` runs both, in the same processes, on identical models of
 ``examples/synthetic_benchmark.py`` (SmallConvNet, SGD, synthetic 3x64x64 images): blocks of DDP
@@ -14,6 +15,9 @@ zero_grad + forward + backward + step; the time is rank 0's median over the meas
 place: the stand-in for a GPU node), and ``--overlap both`` (the default) times two DistributedOptimizers in the
 same job: one reducing during backward (what GPU parameters get) and one at ``step()`` (the CPU default). Each
 row also gives the device path's collectives per step (none on the native path).
+
+``--device cuda`` (or ``xpu``) trains on the GPUs, one a rank (``hvdrun --gpus-per-node``): DDP on NCCL (XCCL) and
+hvdrun's device path on the same backend; a step's time then ends with the device's synchronize.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def many_small_tensors_class() -> type:
     return ManySmallTensors
 
 
-def hvdrun_optimizer(model_class: type, overlap: str) -> tuple:
+def hvdrun_optimizer(model_class: type, overlap: str, device: str = "cpu") -> tuple:
     """A model and its DistributedOptimizer, reducing during backward (``overlap`` "on") or at step() ("off")."""
     import torch
 
@@ -73,7 +77,7 @@ def hvdrun_optimizer(model_class: type, overlap: str) -> tuple:
     from hvdrun.envvars import OVERLAP
 
     torch.manual_seed(0)
-    model = model_class()
+    model = model_class().to(device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     os.environ[OVERLAP] = "1" if overlap == "on" else "0"  # read when the optimizer is built
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
@@ -89,25 +93,75 @@ def device_collectives() -> int:
     return device.collectives if device is not None else 0
 
 
+def resnet_like_class() -> type:
+    """A ResNet-like model (a stem, 4 stages of 2 residual blocks with batch norm, 64-512 channels; 62 parameter
+    tensors, 11 M parameters, ResNet-18's shape) for 3x64x64 images: the case of convolutional training."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, inputs: int, outputs: int, stride: int) -> None:
+            super().__init__()
+            self.body = nn.Sequential(
+                nn.Conv2d(inputs, outputs, 3, stride, 1, bias=False), nn.BatchNorm2d(outputs), nn.ReLU(),
+                nn.Conv2d(outputs, outputs, 3, 1, 1, bias=False), nn.BatchNorm2d(outputs))
+            self.skip = (nn.Identity() if stride == 1 and inputs == outputs else
+                         nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.body(x) + self.skip(x))
+
+    class ResNetLike(nn.Module):
+        def __init__(self, classes: int = 100) -> None:
+            super().__init__()
+            widths, layers, inputs = (64, 128, 256, 512), [], 64
+            for index, width in enumerate(widths):
+                layers += [Block(inputs, width, 1 if index == 0 else 2), Block(width, width, 1)]
+                inputs = width
+            self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
+            self.stages = nn.Sequential(*layers)
+            self.head = nn.Linear(inputs, classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+    return ResNetLike
+
+
+MODELS = {"convnet": load_model_class, "many-small": many_small_tensors_class, "resnet": resnet_like_class}
+DDP_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}
+
+
+def device_synchronize(device: str) -> None:
+    """Wait for the device's queued work (nothing on the CPU)."""
+    import torch
+
+    if device != "cpu":
+        getattr(torch, device).synchronize()
+
+
 def worker(steps: int, warmup: int, batch_size: int, rounds: int, model_name: str = "convnet",
-           overlap: str = "both") -> None:
-    """Inside one job: DDP (gloo) and DistributedOptimizer (overlap on, off or both) on identical models, in
-    interleaved blocks."""
+           overlap: str = "both", device: str = "cpu") -> None:
+    """Inside one job: DDP and DistributedOptimizer (overlap on, off or both) on identical models, on one backend,
+    in interleaved blocks."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import hvdrun.torch as hvd
 
-    dist.init_process_group("gloo", init_method="env://")
     hvd.init()
-    model_class = many_small_tensors_class() if model_name == "many-small" else load_model_class()
+    if device != "cpu":  # the GPU hvdrun's launcher gave this rank (it pinned LOCAL_RANK's)
+        getattr(torch, device).set_device(hvd.local_rank() % getattr(torch, device).device_count())
+    dist.init_process_group(DDP_BACKENDS[device], init_method="env://")
+    model_class = MODELS[model_name]()
     torch.manual_seed(0)
-    ddp_model = torch.nn.parallel.DistributedDataParallel(model_class())
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model_class().to(device))
     pairs = {"ddp": (ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=0.01))}
     for setting in (("on", "off") if overlap == "both" else (overlap,)):
-        pairs[f"hvdrun-overlap-{setting}"] = hvdrun_optimizer(model_class, setting)
-    data, target = torch.randn(batch_size, 3, 64, 64), torch.randint(0, 100, (batch_size,))
+        pairs[f"hvdrun-overlap-{setting}"] = hvdrun_optimizer(model_class, setting, device)
+    data = torch.randn(batch_size, 3, 64, 64, device=device)
+    target = torch.randint(0, 100, (batch_size,), device=device)
     times: dict[str, list[float]] = {mode: [] for mode in pairs}
     calls: dict[str, int] = dict.fromkeys(pairs, 0)
     per_block = max(steps // rounds, 1)
@@ -119,6 +173,7 @@ def worker(steps: int, warmup: int, batch_size: int, rounds: int, model_name: st
                 optimizer.zero_grad()
                 F.cross_entropy(model(data), target).backward()
                 optimizer.step()
+                device_synchronize(device)
                 if round_index:
                     times[mode].append(time.perf_counter() - start)
                     calls[mode] += device_collectives() - before
@@ -133,10 +188,12 @@ def worker(steps: int, warmup: int, batch_size: int, rounds: int, model_name: st
 
 
 def run_job(ranks: int, args: argparse.Namespace) -> dict[str, dict]:
-    command = [sys.executable, "-m", "hvdrun", "-np", str(ranks), "--no-prefix", str(Path(__file__).resolve()),
-               "--worker", "--steps", str(args.steps), "--warmup", str(args.warmup),
+    """One job of ``ranks`` ranks: rank 0's result of every mode (``ddp``, ``hvdrun-overlap-on``, ...)."""
+    pinning = ["--gpus-per-node", str(ranks)] if args.device != "cpu" else []
+    command = [sys.executable, "-m", "hvdrun", "-np", str(ranks), *pinning, "--no-prefix",
+               str(Path(__file__).resolve()), "--worker", "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--batch-size", str(args.batch_size), "--rounds", str(args.rounds), "--model", args.model,
-               "--overlap", args.overlap]
+               "--overlap", args.overlap, "--device", args.device]
     env = dict(os.environ)
     if args.device_path:
         env.update({CPU_VIA_DEVICE: "1", DEVICE_BACKEND: "gloo"})
@@ -154,8 +211,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=6, help="interleaved blocks per mode")
-    parser.add_argument("--model", choices=("convnet", "many-small"), default="convnet",
-                        help="convnet: SmallConvNet of examples/synthetic_benchmark.py; many-small: 200 tensors")
+    parser.add_argument("--model", choices=tuple(MODELS), default="convnet",
+                        help="convnet: SmallConvNet of examples/synthetic_benchmark.py; many-small: 200 tensors; "
+                             "resnet: ResNet-18's shape")
+    parser.add_argument("--device", choices=tuple(DDP_BACKENDS), default="cpu",
+                        help="where the models train (cuda, xpu: one GPU a rank, DDP on NCCL or XCCL)")
     parser.add_argument("--overlap", choices=("on", "off", "both"), default="both",
                         help="DistributedOptimizer reducing during backward (on), at step() (off), or both timed")
     parser.add_argument("--device-path", action="store_true",
@@ -163,20 +223,30 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.steps, args.warmup, args.batch_size, args.rounds, args.model, args.overlap)
+        worker(args.steps, args.warmup, args.batch_size, args.rounds, args.model, args.overlap, args.device)
         return
-    results = run_job(args.ranks, args)
-    path = "device (gloo stand-in)" if args.device_path else "native"
-    print("| model | path | overlap | ranks | batch/rank | hvdrun step | DDP (gloo) step | DDP time / hvdrun time "
-          "| device collectives / step |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    ddp_s = results["ddp"]["step_s"]
+    print(TABLE_HEAD)
+    print(table_rows(run_job(args.ranks, args), args))
+
+
+TABLE_HEAD = ("| model | path | overlap | ranks | batch/rank | hvdrun step | DDP step | DDP time / hvdrun time "
+              "| device collectives / step |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def table_rows(results: dict[str, dict], args: argparse.Namespace) -> str:
+    """A markdown row for each DistributedOptimizer mode of one job, against its DDP."""
+    if args.device == "cpu":
+        path = "device (gloo stand-in)" if args.device_path else "native"
+    else:
+        path = f"{args.device} ({DDP_BACKENDS[args.device]})"
+    ddp_s, rows = results["ddp"]["step_s"], []
     for mode, row in results.items():
         if mode != "ddp":
             hvd_s = row["step_s"]
-            print(f"| {args.model} | {path} | {mode.rsplit('-', 1)[1]} | {args.ranks} | {args.batch_size} "
-                  f"| {hvd_s * 1e3:.1f} ms | {ddp_s * 1e3:.1f} ms | {ddp_s / hvd_s:.2f}x "
-                  f"| {row['collectives_per_step']:.1f} |")
+            rows.append(f"| {row['model']} | {path} | {mode.rsplit('-', 1)[1]} | {row['ranks']} | {row['batch']} "
+                        f"| {hvd_s * 1e3:.1f} ms | {ddp_s * 1e3:.1f} ms | {ddp_s / hvd_s:.2f}x "
+                        f"| {row['collectives_per_step']:.1f} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

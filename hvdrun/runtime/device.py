@@ -243,6 +243,7 @@ class DeviceCollectives:
         self.backend, self._store, self.prefix = backend, store, prefix
         self.rank, self.size, self.timeout_s, self.abort_reason = rank, size, timeout_s, abort_reason
         self._group: TorchGroup | None = None
+        self._set_groups: dict[tuple[int, ...], TorchGroup] = {}  # process sets' groups, by their global ranks
         self.buffers, self.streams = FusionBuffers(), SideStreams()
 
     @property
@@ -257,10 +258,26 @@ class DeviceCollectives:
                                             self.timeout_s, self.abort_reason)
         return self._group
 
+    def group_of(self, members: Sequence[int]) -> TorchGroup:
+        """The process group of the ranks ``members`` (global ranks, this rank among them): the job's own group
+        for all of them, else one made for the set by its first device op (every member reaches it in the same
+        negotiated order), on the job's backend."""
+        if len(members) == self.size:
+            return self.group
+        key = tuple(members)
+        group = self._set_groups.get(key)
+        if group is None:
+            _ = self.group  # the job's group first: it settles the backend (gloo where ranks share a GPU)
+            group = self._set_groups[key] = TorchGroup.create(
+                self.backend, self._store, f"{self.prefix}/set-{'-'.join(map(str, key))}", key.index(self.rank), len(key),
+                self.timeout_s, self.abort_reason) if len(key) > 1 else LocalGroup()
+        return group
+
     @property
     def collectives(self) -> int:
-        """Collectives run on the process group so far (one per fused buffer)."""
-        return self._group.calls if self._group is not None else 0
+        """Collectives run on the process groups so far (one per fused buffer)."""
+        groups = [self._group, *self._set_groups.values()]
+        return sum(group.calls for group in groups if group is not None)
 
     def _shared_gpu(self) -> bool:
         """Whether two ranks use the same GPU (NCCL refuses that), warned once by rank 0.
@@ -285,31 +302,35 @@ class DeviceCollectives:
 
     def close(self) -> None:
         """Let go of the process group and its store (see :meth:`TorchGroup.close`)."""
-        if self._group is not None:
-            self._group.close()
-        self._group, self._store = None, None
+        for group in [self._group, *self._set_groups.values()]:
+            if group is not None:
+                group.close()
+        self._group, self._store, self._set_groups = None, None, {}
         self.buffers.clear()
 
     def execute(self, kind: str, batch: list[Entry], tensors: list[Any]) -> list[Any]:
         """One result per tensor of ``batch``, on the device's side stream: a batch of several allreduces or
-        broadcasts (the plan fuses only ops that agree) runs as one collective on a fusion buffer."""
+        broadcasts (the plan fuses only ops that agree) runs as one collective on a fusion buffer. A rank outside
+        the ops' process set has nothing to do (its stand-ins are returned as they are)."""
+        if batch[0].members and self.rank not in batch[0].members:
+            return tensors
         with self.streams.running(tensors):
             if len(batch) > 1 and kind in ("allreduce", "broadcast"):
-                return getattr(self, f"_fused_{kind}")(batch[0].first, tensors)
+                return getattr(self, f"_fused_{kind}")(batch[0], tensors)
             return [getattr(self, f"_{kind}")(entry, tensor) for entry, tensor in zip(batch, tensors, strict=True)]
 
-    def _fused_allreduce(self, request: Request, tensors: list[Any]) -> list[Any]:
+    def _fused_allreduce(self, entry: Entry, tensors: list[Any]) -> list[Any]:
         """Tensors of one dtype and device reduced as one flat buffer, scaled there (one pass each way)."""
         import torch
 
         flat, views = self.buffers.views(tensors)
         flattened = [t.view(-1) for t in tensors]
         torch._foreach_copy_(views, flattened)
-        self.allreduce(request, flat)
+        self.allreduce(entry.first, flat, entry.members)
         torch._foreach_copy_(flattened, views)
         return tensors
 
-    def _fused_broadcast(self, request: Request, tensors: list[Any]) -> list[Any]:
+    def _fused_broadcast(self, entry: Entry, tensors: list[Any]) -> list[Any]:
         """Tensors of any dtypes broadcast from one root as one buffer of bytes."""
         import torch
 
@@ -317,26 +338,30 @@ class DeviceCollectives:
         if not pieces:
             return tensors
         flat, views = self.buffers.views(pieces)
-        if self.rank == request.root:
+        root = entry.first.root
+        if self.rank == root:
             torch._foreach_copy_(views, pieces)
-        self.group.broadcast(flat, request.root)
-        if self.rank != request.root:
+        self.group_of(entry.members).broadcast(flat, list(entry.members).index(root))
+        if self.rank != root:
             torch._foreach_copy_(pieces, views)
         return tensors
 
     def _allreduce(self, entry: Entry, tensor: Any) -> Any:
-        return self.allreduce(entry.first, tensor)
+        return self.allreduce(entry.first, tensor, entry.members)
 
-    def allreduce(self, request: Request, tensor: Any) -> Any:
-        """Allreduce ``tensor`` of the whole job in place, by ``request``'s op and scale factors."""
+    def allreduce(self, request: Request, tensor: Any, members: Sequence[int] = ()) -> Any:
+        """Allreduce ``tensor`` in place among ``members`` (global ranks; none given: the whole job), by
+        ``request``'s op and scale factors."""
+        group = self.group_of(members) if members else self.group
         scale_tensor(tensor, request.prescale)
-        self.group.allreduce(tensor, request.op)
-        scale_tensor(tensor, final_factor(request.op, request.postscale, self.size))
+        group.allreduce(tensor, request.op)
+        scale_tensor(tensor, final_factor(request.op, request.postscale, group.size))
         return tensor
 
     def _broadcast(self, entry: Entry, tensor: Any) -> Any:
         if tensor.numel():
-            self.group.broadcast(as_rows_of_bytes(tensor), entry.first.root)
+            members = list(entry.members)
+            self.group_of(members).broadcast(as_rows_of_bytes(tensor), members.index(entry.first.root))
         return tensor
 
     def _allgather(self, entry: Entry, tensor: Any) -> Any:

@@ -23,6 +23,7 @@ from hvdrun.errors import CollectiveError
 from hvdrun.runtime.reduce import OP_NAMES, SUM
 
 GLOBAL_SET = 0
+DEVICE_SET_KINDS = ("allreduce", "broadcast")  # what the device path runs within a process set
 _DEVICE_ITEMSIZES = {"bfloat16": 2}  # device tensors' dtypes that numpy lacks
 JOIN = "__join__"  # the name of hvd.join()'s request
 DEFAULT_CACHE_CAPACITY = 1024  # Horovod's default HOROVOD_CACHE_CAPACITY
@@ -116,8 +117,9 @@ def validate(entry: Entry, size: int) -> str | None:
     if outsiders:
         return (f"{first.kind} '{entry.name}': rank(s) {', '.join(map(str, outsiders))} are not in process set "
                 f"{first.process_set} {list(entry.members)}")
-    if first.device != "cpu" and first.process_set != GLOBAL_SET:
-        return f"{first.kind} '{entry.name}': process sets are not supported with device tensors"
+    if first.device != "cpu" and first.process_set != GLOBAL_SET and first.kind not in DEVICE_SET_KINDS:
+        return (f"{first.kind} '{entry.name}': process sets are not supported with device tensors for this op "
+                f"(device tensors reduce and broadcast within a process set: {', '.join(DEVICE_SET_KINDS)})")
     joined = sorted(set(entry.members) & entry.absent)
     if joined and (first.kind != "allreduce" or first.device != "cpu"):
         ranks = ", ".join(map(str, joined))

@@ -2,7 +2,8 @@
 the elements of the named ops that follow (default 100,000: the ring's path; a few thousand go eager, whole in the
 compiled module where it is built: the survivors then wait inside it, on the host's board or a partner's socket);
 argv[3]: the op of that loop in which the victim dies (default: before the loop; 50: once the op is cached and
-every rank runs it whole)."""
+every rank runs it whole); argv[4] "grouped": the loop's op is a grouped allreduce of two tensors (on the device
+path: one fused collective)."""
 
 import os
 import signal
@@ -18,6 +19,7 @@ hvd.init()
 rank = hvd.rank()
 elements = int(sys.argv[2]) if len(sys.argv) > 2 else 100_000
 dies_at = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+grouped = len(sys.argv) > 4 and sys.argv[4] == "grouped"
 start = time.monotonic()
 try:
     # the victim dies once this op returned to it: a peer still finishing it (waiting on its host's leader for the
@@ -29,7 +31,10 @@ try:
     for i in range(10_000):
         if victim and i == dies_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        hvd.allreduce(torch.ones(elements), name="step")
+        if grouped:
+            hvd.grouped_allreduce([torch.ones(elements), torch.ones(7, dtype=torch.float32)], name="step")
+        else:
+            hvd.allreduce(torch.ones(elements), name="step")
 except hvd.HorovodInternalError as e:
     steps = context.current().engine.compiled
     wholes = steps.wholes if steps is not None else 0
