@@ -88,6 +88,20 @@ def preloaded(monkeypatch):
     return environ
 
 
+def test_a_fork_that_torch_marked_bad_for_gpus_starts_a_new_interpreter(preloaded, tmp_path, monkeypatch):
+    """What a preloaded module that called torch.cuda.device_count() leaves on a CUDA build of torch (seen with
+    torch 2.13.0+cu130 on a machine without a driver: every forked rank's _is_in_bad_fork() was True); the CPU
+    build used here never marks a fork, so the flag is set as torch would set it."""
+    import torch
+
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    assert isinstance(preload.why_not([sys.executable, str(script)], preloaded, bound=False), PythonCommand)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    assert preload.why_not([sys.executable, str(script)], preloaded, bound=False) == (
+        "the preloaded modules queried torch.cuda before the fork (a forked rank could not use its GPU)")
+
+
 def test_a_rank_forks_only_when_nothing_its_interpreter_decides_at_start_differs(preloaded, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "train.py"

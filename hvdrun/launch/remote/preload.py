@@ -179,6 +179,20 @@ def _device_runtime_started() -> bool:
     return any(library in mapped for library in _DEVICE_LIBRARIES)
 
 
+def _poisoned_for_gpus() -> str | None:
+    """Why this forked process could not use a GPU, or None: torch marks a fork "bad" once a preloaded module asked
+    the GPU runtime anything (``torch.cuda.device_count()``), even where no driver answers and nothing was
+    initialised or mapped that :func:`_device_runtime_started` sees; a rank forked from here would then raise
+    "Cannot re-initialize CUDA in forked subprocess" where a new interpreter says what is really there."""
+    torch = sys.modules.get("torch")
+    for name in ("cuda", "xpu"):
+        bad_fork = getattr(getattr(torch, name, None), "_is_in_bad_fork", None)
+        if callable(bad_fork) and bad_fork():
+            return (f"the preloaded modules queried torch.{name} before the fork (a forked rank could not use its "
+                    "GPU)")
+    return None
+
+
 def _same_interpreter(program: str, environ: Mapping[str, str]) -> bool:
     """``program`` (a path, or a name looked up on the rank's PATH) is this interpreter, in this virtualenv."""
     found = program if os.sep in program else shutil.which(program, path=environ.get("PATH", os.defpath))
@@ -222,6 +236,9 @@ def why_not(command: Sequence[str], environ: Mapping[str, str], bound: bool) -> 
     """
     if _preloaded is None:
         return "nothing preloaded"
+    poisoned = _poisoned_for_gpus()
+    if poisoned:
+        return poisoned
     if not command or not _same_interpreter(command[0], environ):
         return f"{command[0] if command else 'nothing'} is not {sys.executable}"
     parsed = parse_python_command(command)
