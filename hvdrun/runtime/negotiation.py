@@ -24,6 +24,7 @@ from hvdrun.runtime.reduce import OP_NAMES, SUM
 
 GLOBAL_SET = 0
 DEVICE_SET_KINDS = ("allreduce", "broadcast")  # what the device path runs within a process set
+MIXED_DEVICES = "mixed: "  # the device of a grouped op's requests whose tensors are on several devices
 _DEVICE_ITEMSIZES = {"bfloat16": 2}  # device tensors' dtypes that numpy lacks
 JOIN = "__join__"  # the name of hvd.join()'s request
 DEFAULT_CACHE_CAPACITY = 1024  # Horovod's default HOROVOD_CACHE_CAPACITY
@@ -117,6 +118,11 @@ def validate(entry: Entry, size: int) -> str | None:
     if outsiders:
         return (f"{first.kind} '{entry.name}': rank(s) {', '.join(map(str, outsiders))} are not in process set "
                 f"{first.process_set} {list(entry.members)}")
+    mixed = {rank: r.device for rank, r in sorted(entry.requests.items()) if r.device.startswith(MIXED_DEVICES)}
+    if mixed:
+        where = "; ".join(f"rank {rank}: {devices.removeprefix(MIXED_DEVICES)}" for rank, devices in mixed.items())
+        return (f"{first.kind} '{entry.name}': a grouped op holds tensors on several devices ({where}); the tensors "
+                "of one grouped op must share one device")
     if first.device != "cpu" and first.process_set != GLOBAL_SET and first.kind not in DEVICE_SET_KINDS:
         return (f"{first.kind} '{entry.name}': process sets are not supported with device tensors for this op "
                 f"(device tensors reduce and broadcast within a process set: {', '.join(DEVICE_SET_KINDS)})")

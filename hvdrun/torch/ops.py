@@ -22,7 +22,7 @@ from hvdrun.runtime import context
 from hvdrun.runtime.blocking import allreduce_unqueued
 from hvdrun.runtime.device_buffers import SideStreams, wait_for_device_ops
 from hvdrun.runtime.handles import Handle
-from hvdrun.runtime.negotiation import GLOBAL_SET, JOIN, Request
+from hvdrun.runtime.negotiation import GLOBAL_SET, JOIN, MIXED_DEVICES, Request
 from hvdrun.runtime.reduce import ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM, average_divisor
 from hvdrun.torch import adasum, dtypes
 from hvdrun.torch.dtypes import MOVEMENT_DTYPES, REDUCTION_DTYPES
@@ -194,7 +194,12 @@ def _written_back(tensor: torch.Tensor, wide: torch.Tensor | None) -> torch.Tens
 
 
 def _start_group(items: Sequence[tuple[Request, np.ndarray, Callable[[Any], Any]]], wake: bool = True) -> list[int]:
-    """Submit a grouped op's requests in one announcement; one handle id per request."""
+    """Submit a grouped op's requests in one announcement; one handle id per request. Tensors on several devices
+    are announced as such (:data:`MIXED_DEVICES`): every rank's negotiation then fails the group, naming them."""
+    devices = sorted({request.device for request, _, _ in items})
+    if len(devices) > 1:
+        items = [(request._replace(device=f"{MIXED_DEVICES}{' and '.join(devices)}"), array, finish)
+                 for request, array, finish in items]
     _mark_ready([array for _, array, _ in items])
     handles = _engine().submit_many([(request, array) for request, array, _ in items], wake=wake)
     with _handles_lock:

@@ -44,3 +44,10 @@ def test_a_rank_killed_during_fused_device_ops_ends_with_the_error_on_every_rank
         raised = re.search(r"raised after ([\d.]+) s", stdout)
         assert raised and float(raised.group(1)) < 60, stdout  # a bound against hanging, not a timing claim
         assert "rank 1" in stdout, stdout
+
+
+def test_mixed_devices_end_in_one_error_on_every_rank_and_the_next_op_works(run_hvdrun):
+    result = run_hvdrun("-np", "2", str(WORKERS / "device_mismatch.py"), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checks = re.findall(r"CHECK (\S+) rank (\d+): (.*)", result.stdout)
+    assert len(checks) == 12 and all(verdict == "ok" for _, _, verdict in checks), checks
