@@ -268,9 +268,10 @@ class DeviceCollectives:
         group = self._set_groups.get(key)
         if group is None:
             _ = self.group  # the job's group first: it settles the backend (gloo where ranks share a GPU)
+            prefix = f"{self.prefix}/set-{'-'.join(map(str, key))}"
             group = self._set_groups[key] = TorchGroup.create(
-                self.backend, self._store, f"{self.prefix}/set-{'-'.join(map(str, key))}", key.index(self.rank), len(key),
-                self.timeout_s, self.abort_reason) if len(key) > 1 else LocalGroup()
+                self.backend, self._store, prefix, key.index(self.rank), len(key), self.timeout_s,
+                self.abort_reason) if len(key) > 1 else LocalGroup()
         return group
 
     @property

@@ -13,10 +13,9 @@ streams: every call here is then a no-op, and the same code runs.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 _STREAMED = ("cuda", "xpu")
@@ -24,6 +23,13 @@ _STREAMED = ("cuda", "xpu")
 
 def _has_streams(device: Any) -> bool:
     return getattr(device, "type", "cpu") in _STREAMED
+
+
+def _module(device: Any) -> Any:
+    """``torch.cuda`` or ``torch.xpu``: their Stream, Event, current_stream and stream context."""
+    import torch
+
+    return getattr(torch, device.type)
 
 
 class FusionBuffers:
@@ -71,19 +77,16 @@ class SideStreams:
             return None
         stream = self._streams.get(device)
         if stream is None:
-            import torch
-
-            stream = self._streams[device] = torch.Stream(device=device)
+            stream = self._streams[device] = _module(device).Stream(device=device)
         return stream
 
     def mark_ready(self, tensor: Any) -> None:
         """Record, on the submitting thread's current stream, the point where ``tensor`` holds its value."""
         if not _has_streams(tensor.device):
             return
-        import torch
-
-        event = torch.Event(device=tensor.device)
-        event.record(torch.accelerator.current_stream(tensor.device))
+        module = _module(tensor.device)
+        event = module.Event()
+        event.record(module.current_stream(tensor.device))
         with self._lock:
             self._ready[id(tensor)] = event
 
@@ -96,24 +99,18 @@ class SideStreams:
         if stream is None:
             yield
             return
-        import torch
-
+        module = _module(device)
         with self._lock:
             events = [self._ready.pop(id(t), None) for t in tensors]
         for event in dict.fromkeys(events):
             if event is None:
-                stream.wait_stream(torch.accelerator.current_stream(device))
+                stream.wait_stream(module.current_stream(device))
             else:
                 stream.wait_event(event)
         for tensor in tensors:
             tensor.record_stream(stream)  # the allocator must not reuse its memory before the side stream is done
-        with stream:
+        with module.stream(stream):
             yield
-
-    def context(self, device: Any) -> Any:
-        """A context that makes ``device``'s side stream current (nothing for a device without streams)."""
-        stream = self.stream_of(device)
-        return stream if stream is not None else nullcontext()
 
 
 def wait_for_device_ops(result: Any, streams: SideStreams | None) -> None:
@@ -122,7 +119,5 @@ def wait_for_device_ops(result: Any, streams: SideStreams | None) -> None:
     if streams is None or not hasattr(result, "device"):
         return
     stream = streams.stream_of(result.device)
-    if stream is not None and "torch" in sys.modules:
-        import torch
-
-        torch.accelerator.current_stream(result.device).wait_stream(stream)
+    if stream is not None:
+        _module(result.device).current_stream(result.device).wait_stream(stream)

@@ -169,8 +169,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         prescale, postscale = self._scales()
         grads = [p.grad for p in bucket.params]
         if any(grad is None or grad.is_sparse for grad in grads):  # no gradient (zeros), or densified
-            grads = [self._dense_grad(p) for p in bucket.params]
-        buffer = bucket.fill(grads)
+            buffer = bucket.fill([self._dense_grad(p) for p in bucket.params])
+        else:
+            buffer = bucket.fill(cast(list[torch.Tensor], grads))
         bucket.handle = allreduce_async_(buffer, name=bucket.name, op=self.op, prescale_factor=prescale,
                                          postscale_factor=postscale, process_set=self._process_set)
 
