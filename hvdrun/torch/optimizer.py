@@ -113,10 +113,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets = self._build_buckets([p for p in all_params if p not in self._group_of])
         self._bucket_of = {p: bucket for bucket in self._buckets for p in bucket.params}
         self._unbucketed = [p for p in self._ungrouped if p not in self._bucket_of]  # in name order
+        self._all_params = all_params
+        self._hooks: list[Any] = []  # each parameter's hook handle (Python hooks), by position
+        self._fast_hooks: list[Any] = []  # the bucketed parameters' hooks once backward's order is known
+        self._arrivals: list[torch.Tensor] | None = [] if self._buckets else None  # backward's order, learning
         member = process_set is None or process_set.included()
         if (context.current().world.size > 1 or context.current().assignment is not None) and member:
-            for index, param in enumerate(all_params):
-                param.register_post_accumulate_grad_hook(self._make_hook(index, self._bucket_of.get(param)))
+            self._hooks = [param.register_post_accumulate_grad_hook(self._make_hook(index, self._bucket_of.get(param)))
+                           for index, param in enumerate(all_params)]
 
     # -- hooks and submission ------------------------------------------------------------------
     def _make_hook(self, index: int, bucket: buckets.Bucket | None) -> Any:
@@ -127,15 +131,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         def hook(param: torch.Tensor) -> None:
             passes = fired[index] + 1
             if passes > self.backward_passes_per_step:
-                raise AssertionError("Gradients were computed more than backward_passes_per_step times before "
-                                     "call to step(). Increase backward_passes_per_step to accumulate gradients "
-                                     "locally.")
+                raise AssertionError(buckets.BPPS_EXCEEDED)
             fired[index] = passes
             if passes != self.backward_passes_per_step or not self._overlap:
                 return
             if bucket is None:
                 self._submit(param)
                 return
+            if self._arrivals is not None:
+                self._arrivals.append(param)
             bucket.fired += 1
             if bucket.complete:
                 self._submit_bucket(bucket)
@@ -145,6 +149,37 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._fired[:] = [0] * len(self._fired)
         for bucket in self._buckets:
             bucket.reset()
+
+    def _learn_backward_order(self) -> None:
+        """After a step in which backward reached every bucketed parameter once (one pass a step), give the buckets
+        their fast hooks (:func:`buckets.install_fast_hooks`); else learn again next step."""
+        if self._arrivals is None:
+            return
+        arrivals, self._arrivals = self._arrivals, []
+        if not arrivals or self.backward_passes_per_step != 1 or not self._hooks:
+            return
+        order = {id(param): position for position, param in enumerate(arrivals)}
+        if len(order) != len(arrivals) or len(order) != len(self._bucket_of):
+            return
+        self._arrivals = None
+        for bucket in self._buckets:
+            for param in bucket.params:
+                self._hooks[self._position[param]].remove()
+            last = max(bucket.params, key=lambda p: order[id(p)])
+            self._fast_hooks += buckets.install_fast_hooks(bucket, last, self._submit_bucket)
+
+    def _use_python_hooks(self) -> None:
+        """Back from fast hooks to every parameter's Python hook (several backward passes a step are counted
+        there), learning backward's order again."""
+        if not self._fast_hooks:
+            return
+        for handle in self._fast_hooks:
+            handle.remove()
+        self._fast_hooks = []
+        for param, bucket in self._bucket_of.items():
+            index = self._position[param]
+            self._hooks[index] = param.register_post_accumulate_grad_hook(self._make_hook(index, bucket))
+        self._arrivals = []
 
     def _build_buckets(self, params: list[torch.Tensor]) -> list[buckets.Bucket]:
         """Buckets of ``params`` when gradients go out during backward (:mod:`hvdrun.torch.buckets`); none without
@@ -315,6 +350,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles.clear()
         self._group_handles.clear()
         self._reset_passes()
+        self._learn_backward_order()
         self._synchronized = True
 
     def _start_pending(self) -> None:
@@ -328,13 +364,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._overlap:
             for param in waiting:
                 self._submit(param)
-            for bucket in self._buckets:
-                if bucket.handle is None:
-                    self._submit_bucket(bucket)
         else:
             self._submit_together(waiting)
         for index in range(len(self._groups)):
             self._submit_group_if_complete(index, force=True)
+        for bucket in self._buckets:
+            if bucket.overfull:  # a member's list.append ran twice: said once, then counted afresh
+                bucket.arrived.clear()
+                raise AssertionError(buckets.BPPS_EXCEEDED)
+            if bucket.handle is None:
+                self._submit_bucket(bucket)
 
     def _take_results(self, output: Any, params: list[torch.Tensor], compressed: list[Any],
                       views: list[torch.Tensor] | None) -> None:
@@ -398,6 +437,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate before each allreduce."""
         self.backward_passes_per_step = passes
+        if passes != 1:
+            self._use_python_hooks()
         self._reset_passes()
 
 

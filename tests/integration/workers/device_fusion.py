@@ -106,13 +106,14 @@ def train_and_compare(label, overlap, compression, passes):
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                          named_parameters=model.named_parameters(), compression=compression,
                                          backward_passes_per_step=passes)
-    worst, calls = 0.0, []
+    worst, calls, during_backward = 0.0, [], []
     for step in range(3):
         wanted = expected_grads(model, step, passes)
         optimizer.zero_grad()
         before = COUNTER.calls
         for micro in range(passes):
             (model(data_of(RANK, step, micro)) / passes).backward()
+        during_backward.append(all(bucket.handle is not None for bucket in optimizer._buckets))
         optimizer.synchronize()
         calls.append(COUNTER.calls - before)
         got = [p.grad for p in model.parameters() if p.requires_grad]
@@ -129,7 +130,8 @@ def train_and_compare(label, overlap, compression, passes):
         dtype = buckets.wire_dtype(param, fp16)
         by_dtype[dtype] = by_dtype.get(dtype, 0) + param.numel() * dtype.itemsize
     most = sum(-(-nbytes // THRESHOLD) for nbytes in by_dtype.values())  # ceil(bytes / threshold) a dtype
-    if overlap == "1":
+    if overlap == "1":  # every bucket went out during backward, with Python hooks (step 0) and fast ones after
+        check(f"{label}.buckets-out-during-backward", all(during_backward), str(during_backward))
         layout = buckets.build(params, lambda p: "x", fp16, THRESHOLD)
         check(f"{label}.one-collective-a-bucket", calls == [len(layout)] * 3 and len(layout) <= most,
               f"{calls} for {len(layout)} buckets, at most {most}")
@@ -138,6 +140,28 @@ def train_and_compare(label, overlap, compression, passes):
     print(f"COUNT {label} rank {RANK}: {calls[-1]}", flush=True)
 
 
+def second_backward_before_step_raises():
+    """A second backward before step() (one pass a step) is refused, with the fast hooks as with Python ones, and
+    training goes on after the step."""
+    import os
+
+    os.environ[OVERLAP] = "1"
+    model = Mixed()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                         named_parameters=model.named_parameters())
+    raised = []
+    for step in range(3):  # step 0 learns backward's order; then the fast hooks
+        optimizer.zero_grad()
+        model(data_of(RANK, step, 0)).backward()
+        try:
+            model(data_of(RANK, step, 1)).backward()
+        except AssertionError as e:
+            raised.append("backward_passes_per_step" in str(e))
+        optimizer.step()
+    check("second-backward-refused", raised == [True] * 3, str(raised))
+
+
+second_backward_before_step_raises()
 for overlap in ("1", "0"):
     for compression in (hvd.Compression.none, hvd.Compression.fp16):
         for passes in (1, 2):
