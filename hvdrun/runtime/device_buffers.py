@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 _STREAMED = ("cuda", "xpu")
+_MAX_READY = 4096  # events of submitted device tensors not yet run
 
 
 def _has_streams(device: Any) -> bool:
@@ -88,7 +89,14 @@ class SideStreams:
         event = module.Event()
         event.record(module.current_stream(tensor.device))
         with self._lock:
+            if len(self._ready) >= _MAX_READY:  # ops that failed before running leave theirs: never let them pile up
+                self._ready.clear()
             self._ready[id(tensor)] = event
+
+    def forget(self, tensor: Any) -> None:
+        """Drop the event :meth:`mark_ready` recorded for ``tensor`` (its op ran without the side stream)."""
+        with self._lock:
+            self._ready.pop(id(tensor), None)
 
     @contextmanager
     def running(self, tensors: Sequence[Any]) -> Iterator[None]:

@@ -269,13 +269,30 @@ def _allreduce_in_place(tensor: torch.Tensor, average: bool | None, name: str | 
             return tensor
     work, wide = _reduced_in(tensor, op)
     array = _check(work, REDUCTION_DTYPES)
-    if (process_set is None and name is not None and isinstance(array, torch.Tensor)
-            and allreduce_unqueued(engine, array, name, op, prescale_factor, postscale_factor, _express_request)):
+    if process_set is None and name is not None and isinstance(array, torch.Tensor) and _express_on_device(
+            engine, array, name, op, prescale_factor, postscale_factor):
         return tensor  # a device tensor: no lane, but the express cycle
     request = _reduce_request(array, name, op, prescale_factor, postscale_factor, process_set,
                               source=dtypes.source_of(tensor, array))
     _run(request, array)
     return _written_back(tensor, wide)
+
+
+def _express_on_device(engine: Any, array: torch.Tensor, name: str, op: int, prescale: float,
+                       postscale: float) -> bool:
+    """The express cycle of a blocking allreduce of a device tensor: run on the caller's stream where every rank
+    took it at once; where it joined the engine's queue instead, the engine's side stream ran it, so the caller's
+    stream waits for that (on the device). False: not taken."""
+    _mark_ready((array,))
+    try:
+        taken = allreduce_unqueued(engine, array, name, op, prescale, postscale, _express_request)
+    finally:
+        streams = _side_streams() if not array.is_cpu else None
+        if streams is not None:
+            streams.forget(array)  # ran on this thread: the event recorded for the engine was not needed
+    if taken:
+        _device_result(array)
+    return taken
 
 
 # what the lane reduces as it is: not float16/bfloat16 (reduced in float32, and a post does not carry the caller's
