@@ -142,3 +142,71 @@ def build(params: Sequence[torch.Tensor], names: Callable[[torch.Tensor], str], 
         name = f"allreduce.bucket.{index}.{str(dtype).removeprefix('torch.')}.{digest:08x}"
         buckets.append(Bucket(chosen, name, buffer, views))
     return buckets
+
+
+class Bucketing:
+    """One DistributedOptimizer's buckets and what they know of a step: which member belongs where, backward's
+    order (learned from the Python hooks of a first step), the fast hooks that replace those, the buckets left to
+    start at ``synchronize()`` and their results to take.
+
+    Args:
+        buckets: the layout (:func:`build`); empty: nothing is bucketed.
+        submit: sends one complete bucket out (the optimizer's: it knows the op and the scaling).
+    """
+
+    def __init__(self, buckets: list[Bucket], submit: Callable[[Bucket], None]) -> None:  # noqa: D107
+        self.buckets, self.submit = buckets, submit
+        self.of = {p: bucket for bucket in buckets for p in bucket.params}
+        self.arrivals: list[torch.Tensor] | None = [] if buckets else None  # backward's order while learning
+        self._fast_hooks: list[Any] = []
+
+    @property
+    def pending(self) -> bool:
+        """A bucket went out and was not synchronized."""
+        return any(bucket.handle is not None for bucket in self.buckets)
+
+    def reset(self) -> None:
+        """Ready for the next step."""
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def start_rest(self) -> None:
+        """Send out the buckets backward did not complete (``synchronize()``); a member that arrived twice in a
+        fast hook (a second backward before step()) is refused here, once."""
+        for bucket in self.buckets:
+            if bucket.overfull:
+                bucket.arrived.clear()
+                raise AssertionError(BPPS_EXCEEDED)
+            if bucket.handle is None:
+                self.submit(bucket)
+
+    def learn(self, python_hooks: list[Any], position: Callable[[torch.Tensor], int], passes: int) -> None:
+        """After a step in which backward reached every bucketed parameter once (one pass a step), replace their
+        Python hooks (``python_hooks[position(param)]``) by fast ones (:func:`install_fast_hooks`); else learn
+        again next step."""
+        if self.arrivals is None:
+            return
+        arrivals, self.arrivals = self.arrivals, []
+        if not arrivals or passes != 1 or not python_hooks:
+            return
+        order = {id(param): index for index, param in enumerate(arrivals)}
+        if len(order) != len(arrivals) or len(order) != len(self.of):
+            return
+        self.arrivals = None
+        for bucket in self.buckets:
+            for param in bucket.params:
+                python_hooks[position(param)].remove()
+            last = max(bucket.params, key=lambda p: order[id(p)])
+            self._fast_hooks += install_fast_hooks(bucket, last, self.submit)
+
+    def unlearn(self, register_python_hook: Callable[[torch.Tensor, Bucket], None]) -> None:
+        """Back from the fast hooks to a Python hook a parameter (several backward passes a step are counted
+        there), learning backward's order again."""
+        if not self._fast_hooks:
+            return
+        for handle in self._fast_hooks:
+            handle.remove()
+        self._fast_hooks = []
+        for param, bucket in self.of.items():
+            register_python_hook(param, bucket)
+        self.arrivals = []

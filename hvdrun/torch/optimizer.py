@@ -110,16 +110,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._process_set = process_set
         self._overlap = _overlap_policy(all_params)
-        self._buckets = self._build_buckets([p for p in all_params if p not in self._group_of])
-        self._bucket_of = {p: bucket for bucket in self._buckets for p in bucket.params}
-        self._unbucketed = [p for p in self._ungrouped if p not in self._bucket_of]  # in name order
-        self._all_params = all_params
-        self._hooks: list[Any] = []  # each parameter's hook handle (Python hooks), by position
-        self._fast_hooks: list[Any] = []  # the bucketed parameters' hooks once backward's order is known
-        self._arrivals: list[torch.Tensor] | None = [] if self._buckets else None  # backward's order, learning
+        self._buckets = buckets.Bucketing(self._build_buckets([p for p in all_params if p not in self._group_of]),
+                                          self._submit_bucket)
+        self._unbucketed = [p for p in self._ungrouped if p not in self._buckets.of]  # in name order
+        self._hooks: list[Any] = []  # each parameter's Python hook, by position
         member = process_set is None or process_set.included()
         if (context.current().world.size > 1 or context.current().assignment is not None) and member:
-            self._hooks = [param.register_post_accumulate_grad_hook(self._make_hook(index, self._bucket_of.get(param)))
+            self._hooks = [param.register_post_accumulate_grad_hook(self._make_hook(index, self._buckets.of.get(param)))
                            for index, param in enumerate(all_params)]
 
     # -- hooks and submission ------------------------------------------------------------------
@@ -138,8 +135,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if bucket is None:
                 self._submit(param)
                 return
-            if self._arrivals is not None:
-                self._arrivals.append(param)
+            arrivals = self._buckets.arrivals
+            if arrivals is not None:
+                arrivals.append(param)
             bucket.fired += 1
             if bucket.complete:
                 self._submit_bucket(bucket)
@@ -147,39 +145,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _reset_passes(self) -> None:
         self._fired[:] = [0] * len(self._fired)
-        for bucket in self._buckets:
-            bucket.reset()
+        self._buckets.reset()
 
-    def _learn_backward_order(self) -> None:
-        """After a step in which backward reached every bucketed parameter once (one pass a step), give the buckets
-        their fast hooks (:func:`buckets.install_fast_hooks`); else learn again next step."""
-        if self._arrivals is None:
-            return
-        arrivals, self._arrivals = self._arrivals, []
-        if not arrivals or self.backward_passes_per_step != 1 or not self._hooks:
-            return
-        order = {id(param): position for position, param in enumerate(arrivals)}
-        if len(order) != len(arrivals) or len(order) != len(self._bucket_of):
-            return
-        self._arrivals = None
-        for bucket in self._buckets:
-            for param in bucket.params:
-                self._hooks[self._position[param]].remove()
-            last = max(bucket.params, key=lambda p: order[id(p)])
-            self._fast_hooks += buckets.install_fast_hooks(bucket, last, self._submit_bucket)
-
-    def _use_python_hooks(self) -> None:
-        """Back from fast hooks to every parameter's Python hook (several backward passes a step are counted
-        there), learning backward's order again."""
-        if not self._fast_hooks:
-            return
-        for handle in self._fast_hooks:
-            handle.remove()
-        self._fast_hooks = []
-        for param, bucket in self._bucket_of.items():
-            index = self._position[param]
-            self._hooks[index] = param.register_post_accumulate_grad_hook(self._make_hook(index, bucket))
-        self._arrivals = []
+    def _python_hook(self, param: torch.Tensor, bucket: buckets.Bucket) -> None:
+        index = self._position[param]
+        self._hooks[index] = param.register_post_accumulate_grad_hook(self._make_hook(index, bucket))
 
     def _build_buckets(self, params: list[torch.Tensor]) -> list[buckets.Bucket]:
         """Buckets of ``params`` when gradients go out during backward (:mod:`hvdrun.torch.buckets`); none without
@@ -333,7 +303,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 compressed, compression_ctx = ctx
                 if output is not param.grad:
                     self._dense_grad(param).copy_(self._compression.decompress(output, compression_ctx))
-        for bucket in self._buckets:
+        for bucket in self._buckets.buckets:
             if bucket.handle is not None and bucket.handle != _ALONE:
                 synchronize(bucket.handle)
                 bucket.drain([cast(torch.Tensor, p.grad) for p in bucket.params])
@@ -350,7 +320,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles.clear()
         self._group_handles.clear()
         self._reset_passes()
-        self._learn_backward_order()
+        self._buckets.learn(self._hooks, self._position.__getitem__, self.backward_passes_per_step)
         self._synchronized = True
 
     def _start_pending(self) -> None:
@@ -368,12 +338,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._submit_together(waiting)
         for index in range(len(self._groups)):
             self._submit_group_if_complete(index, force=True)
-        for bucket in self._buckets:
-            if bucket.overfull:  # a member's list.append ran twice: said once, then counted afresh
-                bucket.arrived.clear()
-                raise AssertionError(buckets.BPPS_EXCEEDED)
-            if bucket.handle is None:
-                self._submit_bucket(bucket)
+        self._buckets.start_rest()
 
     def _take_results(self, output: Any, params: list[torch.Tensor], compressed: list[Any],
                       views: list[torch.Tensor] | None) -> None:
@@ -428,7 +393,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's zero_grad; refused while allreduces are pending."""
         if (any(handle is not None for handle, _ in self._handles.values()) or self._group_handles
-                or any(bucket.handle is not None for bucket in self._buckets)):
+                or self._buckets.pending):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
                                  "cause a race condition.")
@@ -438,7 +403,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Change how many backward passes accumulate before each allreduce."""
         self.backward_passes_per_step = passes
         if passes != 1:
-            self._use_python_hooks()
+            self._buckets.unlearn(self._python_hook)
         self._reset_passes()
 
 

@@ -113,7 +113,7 @@ def train_and_compare(label, overlap, compression, passes):
         before = COUNTER.calls
         for micro in range(passes):
             (model(data_of(RANK, step, micro)) / passes).backward()
-        during_backward.append(all(bucket.handle is not None for bucket in optimizer._buckets))
+        during_backward.append(all(bucket.handle is not None for bucket in optimizer._buckets.buckets))
         optimizer.synchronize()
         calls.append(COUNTER.calls - before)
         got = [p.grad for p in model.parameters() if p.requires_grad]
