@@ -316,6 +316,8 @@ class DeviceCollectives:
         if batch[0].members and self.rank not in batch[0].members:
             return tensors
         with self.streams.running(tensors):
+            if len(batch) > 1 and kind == "allgather":
+                return self._fused_allgather(batch, tensors)
             if len(batch) > 1 and kind in ("allreduce", "broadcast"):
                 return getattr(self, f"_fused_{kind}")(batch[0], tensors)
             return [getattr(self, f"_{kind}")(entry, tensor) for entry, tensor in zip(batch, tensors, strict=True)]
@@ -346,6 +348,31 @@ class DeviceCollectives:
         if self.rank != root:
             torch._foreach_copy_(pieces, views)
         return tensors
+
+    def _fused_allgather(self, batch: list[Entry], tensors: list[Any]) -> list[Any]:
+        """Allgathers of any dtypes and shapes as one: each rank's tensors packed as bytes, one gather of the packs
+        (padded to the largest), then every rank's piece of every tensor taken out in rank order."""
+        import torch
+
+        row_bytes = [math.prod(t.shape[1:]) * t.element_size() for t in tensors]
+        rows = [[entry.requests[r].shape[0] for r in range(self.size)] for entry in batch]
+        packs = [sum(rows[i][r] * row_bytes[i] for i in range(len(batch))) for r in range(self.size)]
+        shapes = [(sum(rows[i]),) + tuple(t.shape[1:]) for i, t in enumerate(tensors)]
+        if not max(packs):
+            return [t.new_empty(shape) for t, shape in zip(tensors, shapes, strict=True)]
+        pieces = [as_rows_of_bytes(t).reshape(-1) for t in tensors]
+        flat, views = self.buffers.views(pieces)
+        torch._foreach_copy_(views, pieces)
+        gathered = self.group.allgather(flat.view(-1, 1), packs).view(-1)
+        parts: list[list[Any]] = [[] for _ in batch]
+        offset = 0
+        for rank in range(self.size):
+            for i in range(len(batch)):
+                size = rows[i][rank] * row_bytes[i]
+                parts[i].append(gathered[offset:offset + size])
+                offset += size
+        return [torch.cat(part).view(t.dtype).reshape(shape) for part, t, shape in zip(parts, tensors, shapes,
+                                                                                        strict=True)]
 
     def _allreduce(self, entry: Entry, tensor: Any) -> Any:
         return self.allreduce(entry.first, tensor, entry.members)

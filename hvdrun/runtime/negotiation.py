@@ -331,7 +331,8 @@ class Table:
 
 def fusable(entry: Entry) -> tuple | None:
     """The key shared by ops that may run as one fused buffer, or None: allreduces of one dtype, device, op,
-    scaling and process set; on the device path also broadcasts of one root (moved as bytes, any dtype)."""
+    scaling and process set; on the device path also broadcasts of one root and allgathers (moved as bytes, any
+    dtypes and shapes)."""
     request = entry.first
     if entry.error or entry.payloads:
         return None
@@ -340,6 +341,8 @@ def fusable(entry: Entry) -> tuple | None:
                 request.process_set)
     if request.kind == "broadcast" and request.device != "cpu":
         return (request.kind, request.device, request.root, request.process_set)
+    if request.kind == "allgather" and request.device != "cpu":
+        return (request.kind, request.device, request.process_set)
     return None
 
 

@@ -36,6 +36,12 @@ def test_device_broadcasts_of_one_root_share_a_buffer_whatever_their_dtypes():
     assert names(list(plan(ready, threshold_bytes=1 << 20))) == [["a", "b"], ["c"], ["d"], ["e"]]
 
 
+def test_device_allgathers_share_a_buffer_whatever_their_dtypes_and_shapes():
+    ready = [entry("a", "allgather"), entry("b", "allgather", dtype="int16"), entry("c", "allgather", device="cpu"),
+             entry("d", "allgather", device="cpu")]
+    assert names(list(plan(ready, threshold_bytes=1 << 20))) == [["a", "b"], ["c"], ["d"]]
+
+
 def test_an_entry_in_error_is_never_fused():
     failed = entry("b")
     failed.error = "mismatch"

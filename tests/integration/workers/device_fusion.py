@@ -185,6 +185,18 @@ _, calls = counted(lambda: hvd.grouped_allreduce_(group, name="grouped", op=hvd.
 check("grouped.average-scaled", all(torch.allclose(t, torch.full_like(t, (SIZE - 1) / 2)) for t in group))
 check("grouped.one-collective", calls == 1, f"{calls} collectives")
 
+# a grouped allgather of tensors of several dtypes and shapes, rows differing by rank (none on rank 0 for one of
+# them): one collective
+parts = [torch.full((RANK + 1, 2), float(RANK)), torch.arange(RANK * 3, dtype=torch.int64),
+         torch.full((1, 2, 2), RANK, dtype=torch.int16)]
+gathered, calls = counted(lambda: hvd.grouped_allgather(parts, name="gathered"))
+wanted = [torch.cat([torch.full((r + 1, 2), float(r)) for r in range(SIZE)]),
+          torch.cat([torch.arange(r * 3, dtype=torch.int64) for r in range(SIZE)]),
+          torch.cat([torch.full((1, 2, 2), r, dtype=torch.int16) for r in range(SIZE)])]
+check("grouped-allgather.values", all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(gathered, wanted,
+                                                                                              strict=True)))
+check("grouped-allgather.one-collective", calls == 1, f"{calls} collectives")
+
 # broadcast_parameters of 200 tensors of mixed dtypes: a few collectives, root's values everywhere
 state = {f"t{i:03d}": torch.full((1 + i % 7,), float(RANK + i), dtype=(torch.float32, torch.int32,
                                                                            torch.float64)[i % 3])
