@@ -2,10 +2,11 @@
 ROCm builds, whose ``torch.cuda`` is HIP and whose NCCL is RCCL), XCCL on Intel GPUs (``xpu``).
 
 Device tensors are negotiated by the engine like any other op (names, mismatch checks,
-ordering); only the execution differs: it runs on the tensors themselves, in place, on a
-process group built from a TCPStore that rank 0 opened at ``init()`` and announced in the
-authenticated rendezvous table. The group is created lazily by the first device op, which every
-rank executes at the same point of the negotiated order.
+ordering); only the execution differs: it runs on a process group built from a TCPStore that rank 0
+opened at ``init()`` and announced in the authenticated rendezvous table, ready ops that agree fused
+into one collective on a flat buffer (:mod:`hvdrun.runtime.device_buffers`), on a side stream of the
+device. The group is created lazily by the first device op, which every rank executes at the same
+point of the negotiated order (a process set's group by its first op).
 
 ``HVDRUN_DEVICE_BACKEND`` picks the group's backend (default: ``nccl`` when CUDA or ROCm is available,
 ``xccl`` when an Intel GPU is and the installed torch has XCCL, ``ccl`` with Intel's oneCCL bindings);
@@ -252,10 +253,9 @@ class DeviceCollectives:
         if self._group is None and self.size == 1:
             self._group = LocalGroup()
         if self._group is None:
-            if self.backend == "nccl" and self._shared_gpu():
-                self.backend = "gloo"
-            self._group = TorchGroup.create(self.backend, self._store, self.prefix, self.rank, self.size,
-                                            self.timeout_s, self.abort_reason)
+            members = range(self.size)
+            self._group = TorchGroup.create(self._backend_of(self.prefix, members), self._store, self.prefix,
+                                            self.rank, self.size, self.timeout_s, self.abort_reason)
         return self._group
 
     def group_of(self, members: Sequence[int]) -> TorchGroup:
@@ -266,13 +266,17 @@ class DeviceCollectives:
             return self.group
         key = tuple(members)
         group = self._set_groups.get(key)
-        if group is None:
-            _ = self.group  # the job's group first: it settles the backend (gloo where ranks share a GPU)
+        if group is None:  # only the members take part: the job's group may not exist yet, nor ever be needed
             prefix = f"{self.prefix}/set-{'-'.join(map(str, key))}"
             group = self._set_groups[key] = TorchGroup.create(
-                self.backend, self._store, prefix, key.index(self.rank), len(key), self.timeout_s,
+                self._backend_of(prefix, key), self._store, prefix, key.index(self.rank), len(key), self.timeout_s,
                 self.abort_reason) if len(key) > 1 else LocalGroup()
         return group
+
+    def _backend_of(self, prefix: str, members: Sequence[int]) -> str:
+        """The backend of a group of ``members``: the job's, but gloo where NCCL would refuse it (two of them on
+        one GPU)."""
+        return "gloo" if self.backend == "nccl" and self._shared_gpu(prefix, members) else self.backend
 
     @property
     def collectives(self) -> int:
@@ -280,22 +284,22 @@ class DeviceCollectives:
         groups = [self._group, *self._set_groups.values()]
         return sum(group.calls for group in groups if group is not None)
 
-    def _shared_gpu(self) -> bool:
-        """Whether two ranks use the same GPU (NCCL refuses that), warned once by rank 0.
+    def _shared_gpu(self, prefix: str, members: Sequence[int]) -> bool:
+        """Whether two of ``members`` use the same GPU (NCCL refuses that), warned once by the first of them.
 
-        Every rank publishes its current device's UUID under the group's prefix and reads all of
-        them, so every rank reaches the same verdict and builds the same kind of group.
+        Every member publishes its current device's UUID under the group's prefix and reads all of
+        them, so every member reaches the same verdict and builds the same kind of group.
         """
         import torch
         import torch.distributed as dist
 
-        store = dist.PrefixStore(self.prefix + "/gpus", self._store)
+        store = dist.PrefixStore(prefix + "/gpus", self._store)
         store.set(str(self.rank), str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid))
         owners: dict[str, list[int]] = {}
-        for rank in range(self.size):
+        for rank in members:
             owners.setdefault(store.get(str(rank)).decode(), []).append(rank)
         shared = [ranks for ranks in owners.values() if len(ranks) > 1]
-        if shared and self.rank == 0:
+        if shared and self.rank == members[0]:
             print(f"hvdrun: ranks {', '.join(map(str, shared[0]))} share one GPU, which NCCL refuses; device "
                   "tensors go through gloo instead (slower). Give each rank its own GPU with --gpus-per-node, "
                   f"or set {DEVICE_BACKEND}=gloo to choose this yourself.", file=sys.stderr, flush=True)
@@ -310,9 +314,9 @@ class DeviceCollectives:
         self.buffers.clear()
 
     def execute(self, kind: str, batch: list[Entry], tensors: list[Any]) -> list[Any]:
-        """One result per tensor of ``batch``, on the device's side stream: a batch of several allreduces or
-        broadcasts (the plan fuses only ops that agree) runs as one collective on a fusion buffer. A rank outside
-        the ops' process set has nothing to do (its stand-ins are returned as they are)."""
+        """One result per tensor of ``batch``, on the device's side stream: a batch of several allreduces,
+        broadcasts or allgathers (the plan fuses only ops that agree) runs as one collective on a fusion buffer. A
+        rank outside the ops' process set has nothing to do (its stand-ins are returned as they are)."""
         if batch[0].members and self.rank not in batch[0].members:
             return tensors
         with self.streams.running(tensors):

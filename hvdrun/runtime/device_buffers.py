@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 _STREAMED = ("cuda", "xpu")
-_MAX_READY = 4096  # events of submitted device tensors not yet run
+_MAX_READY = 4096  # tensors with an event before the ones that happened are dropped
 
 
 def _has_streams(device: Any) -> bool:
@@ -78,20 +78,35 @@ class SideStreams:
             return None
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = _module(device).Stream(device=device)
+            with self._lock:  # the engine's thread and a caller's may both come first
+                stream = self._streams.get(device) or _module(device).Stream(device=device)
+                self._streams[device] = stream
         return stream
 
-    def mark_ready(self, tensor: Any) -> None:
-        """Record, on the submitting thread's current stream, the point where ``tensor`` holds its value."""
-        if not _has_streams(tensor.device):
+    def mark_ready(self, tensors: Sequence[Any]) -> None:
+        """Record, on the submitting thread's current stream, the point where ``tensors`` hold their values: one
+        event a device for all of them (a submission of hundreds of tensors records a handful)."""
+        events: dict[Any, Any] = {}
+        for tensor in tensors:
+            device = tensor.device
+            if _has_streams(device) and device not in events:
+                module = _module(device)
+                events[device] = module.Event()
+                events[device].record(module.current_stream(device))
+        if not events:
             return
-        module = _module(tensor.device)
-        event = module.Event()
-        event.record(module.current_stream(tensor.device))
         with self._lock:
-            if len(self._ready) >= _MAX_READY:  # ops that failed before running leave theirs: never let them pile up
-                self._ready.clear()
-            self._ready[id(tensor)] = event
+            if len(self._ready) >= _MAX_READY:
+                self._prune()
+            for tensor in tensors:
+                if tensor.device in events:
+                    self._ready[id(tensor)] = events[tensor.device]
+
+    def _prune(self) -> None:
+        """Drop the events that have happened (an op that failed before it ran leaves its own behind): waiting on
+        them would be free anyway. Those still pending stay, however many: their ops have yet to run."""
+        for key in [key for key, event in self._ready.items() if event.query()]:
+            del self._ready[key]
 
     def forget(self, tensor: Any) -> None:
         """Drop the event :meth:`mark_ready` recorded for ``tensor`` (its op ran without the side stream)."""
@@ -121,11 +136,16 @@ class SideStreams:
             yield
 
 
-def wait_for_device_ops(result: Any, streams: SideStreams | None) -> None:
-    """Make the current stream of ``result``'s device wait for the device path's side stream: the result of a
-    device op may then be used on it (no host wait). Tensors without streams need nothing."""
-    if streams is None or not hasattr(result, "device"):
+def wait_for_device_ops(results: Sequence[Any], streams: SideStreams | None) -> None:
+    """Make the current stream of each result's device wait for the device path's side stream (on the device,
+    not the host), so the results may be used on it; and tell the allocator they are used there (an output made
+    on the side stream, freed by the caller, must not be handed to the side stream's next op while the caller's
+    kernels still read it). Tensors without streams need nothing."""
+    if streams is None:
         return
-    stream = streams.stream_of(result.device)
-    if stream is not None:
-        _module(result.device).current_stream(result.device).wait_stream(stream)
+    for result in results:
+        stream = streams.stream_of(result.device)
+        if stream is not None:
+            current = _module(result.device).current_stream(result.device)
+            current.wait_stream(stream)
+            result.record_stream(current)

@@ -48,8 +48,12 @@ def identity_of(request: Request) -> float | int:
 
 
 def stand_in(entry: Entry, rank: int) -> LocalOp:
-    """The op of a rank that takes part without a request: zeros if it joined, else the identity (no rows)."""
+    """The op of a rank that takes part without a request: zeros if it joined, else the identity (no rows). A device
+    op gets an empty placeholder: the device path runs nothing for a rank outside the op's set, and joined ranks
+    never reach it (the negotiation refuses device ops with joined ranks); its dtype may be one numpy lacks."""
     request = entry.first
+    if request.device != "cpu":
+        return LocalOp(request, np.empty(0, np.uint8), Handle())
     shape = (0,) + request.shape[1:] if request.kind in ("allgather", "alltoall") else request.shape
     value = 0 if rank in entry.members else identity_of(request)
     return LocalOp(request, np.full(shape, value, dtype=request.dtype or np.uint8), Handle())

@@ -66,7 +66,7 @@ class Bucket:
     @property
     def overfull(self) -> bool:
         """A member arrived twice this step (a second backward before step())."""
-        return len(self.arrived) > len(self.params)
+        return len(self.arrived) > len(self.params) or len(set(map(id, self.arrived))) != len(self.arrived)
 
 
 def install_fast_hooks(bucket: Bucket, last: torch.Tensor, submit: Callable[[Bucket], None]) -> list[Any]:

@@ -117,20 +117,19 @@ def _side_streams() -> SideStreams | None:
 def _mark_ready(arrays: Sequence[Any]) -> None:
     """Record where device tensors hold their values, on the submitting thread's stream (see
     :mod:`hvdrun.runtime.device_buffers`); CPU tensors and numpy arrays need nothing."""
-    streams = None
-    for array in arrays:
-        if isinstance(array, torch.Tensor) and not array.is_cpu:
-            streams = streams or _side_streams()
-            if streams is not None:
-                streams.mark_ready(array)
+    devices = [array for array in arrays if isinstance(array, torch.Tensor) and not array.is_cpu]
+    streams = _side_streams() if devices else None
+    if streams is not None:
+        streams.mark_ready(devices)
 
 
 def _device_result(result: Any) -> Any:
     """``result`` of a finished op, usable on the caller's stream: a device tensor's stream waits (on the device,
     not the host) for the side stream that produced it."""
-    first = result[0] if isinstance(result, (list, tuple)) and result else result
-    if isinstance(first, torch.Tensor) and not first.is_cpu:
-        wait_for_device_ops(first, _side_streams())
+    outputs = result if isinstance(result, (list, tuple)) else (result,)
+    tensors = [t for t in outputs if isinstance(t, torch.Tensor) and not t.is_cpu]
+    if tensors:
+        wait_for_device_ops(tensors, _side_streams())
     return result
 
 
@@ -194,10 +193,11 @@ def _written_back(tensor: torch.Tensor, wide: torch.Tensor | None) -> torch.Tens
 
 
 def _start_group(items: Sequence[tuple[Request, np.ndarray, Callable[[Any], Any]]], wake: bool = True) -> list[int]:
-    """Submit a grouped op's requests in one announcement; one handle id per request. Tensors on several devices
-    are announced as such (:data:`MIXED_DEVICES`): every rank's negotiation then fails the group, naming them."""
+    """Submit requests in one announcement (a grouped op's, or a batch of independent ones); one handle id per
+    request. A grouped op's tensors on several devices are announced as such (:data:`MIXED_DEVICES`): every rank's
+    negotiation then fails the group, naming them. (A batch may mix them: Adam keeps ``step`` on the CPU.)"""
     devices = sorted({request.device for request, _, _ in items})
-    if len(devices) > 1:
+    if len(devices) > 1 and any(request.group_size for request, _, _ in items):  # a grouped op, not a batch
         items = [(request._replace(device=f"{MIXED_DEVICES}{' and '.join(devices)}"), array, finish)
                  for request, array, finish in items]
     _mark_ready([array for _, array, _ in items])

@@ -95,8 +95,8 @@ def test_fusion_buffers_are_kept_and_grow():
 
 def test_cpu_tensors_need_no_streams():
     streams, tensor = SideStreams(), torch.ones(3)
-    streams.mark_ready(tensor)
+    streams.mark_ready([tensor])
     with streams.running([tensor]):
         tensor.add_(1)
-    wait_for_device_ops(tensor, streams)
+    wait_for_device_ops([tensor], streams)
     assert streams.stream_of(tensor.device) is None and tensor.tolist() == [2.0] * 3
