@@ -167,8 +167,10 @@ def _device_collectives(name: str | None, store: Any, backend: Backend, launch: 
         return None
     if store is None:
         store = open_store(launch.rank, launch.size, timeout_s, peers[0].data_addr, peers[0].store_port)
-    return DeviceCollectives(name, store, f"hvdrun-device{generation}", launch.rank, launch.size, timeout_s,
-                             lambda: abort.reason)
+    device = DeviceCollectives(name, store, f"hvdrun-device{generation}", launch.rank, launch.size, timeout_s,
+                               lambda: abort.reason)
+    abort.on_set(device.abort)
+    return device
 
 
 _usage_hook_installed = False

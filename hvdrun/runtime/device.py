@@ -305,6 +305,17 @@ class DeviceCollectives:
                   f"or set {DEVICE_BACKEND}=gloo to choose this yourself.", file=sys.stderr, flush=True)
         return bool(shared)
 
+    def abort(self) -> None:
+        """End the communicators of a backend whose waits never look at the job's abort (NCCL, XCCL: a collective
+        whose peer died waits on the device, and ``work.wait()`` returned long before): their pending kernels end
+        in an error instead of hanging the device until NCCL's watchdog. gloo's waits look at the flag themselves
+        (:mod:`hvdrun.runtime.gloo_abort`)."""
+        for group in [self._group, *self._set_groups.values()]:
+            inner = getattr(group, "group", None)
+            end = getattr(inner, "abort", None) or getattr(inner, "_abort", None)
+            if callable(end) and self.backend != "gloo":
+                end()
+
     def close(self) -> None:
         """Let go of the process group and its store (see :meth:`TorchGroup.close`)."""
         for group in [self._group, *self._set_groups.values()]:

@@ -63,6 +63,15 @@ class Bucket:
         self.fired, self.handle = 0, None
         self.arrived.clear()
 
+    def renew(self) -> None:
+        """A buffer of its own again (after an elastic reset: the failed runtime's side stream may still be at the
+        old one, and the next step's copies would not wait for it). Host buffers have no such stream."""
+        if self.buffer.is_cpu:
+            return
+        self.buffer = torch.empty_like(self.buffer)
+        numels = [p.numel() for p in self.params]
+        self.views = [piece.view(p.shape) for piece, p in zip(self.buffer.split(numels), self.params, strict=True)]
+
     @property
     def overfull(self) -> bool:
         """A member arrived twice this step (a second backward before step())."""
@@ -154,11 +163,13 @@ class Bucketing:
         submit: sends one complete bucket out (the optimizer's: it knows the op and the scaling).
     """
 
-    def __init__(self, buckets: list[Bucket], submit: Callable[[Bucket], None]) -> None:  # noqa: D107
-        self.buckets, self.submit = buckets, submit
+    def __init__(self, buckets: list[Bucket], submit: Callable[[Bucket], None],
+                 python_hook: Callable[[torch.Tensor, Bucket], None]) -> None:  # noqa: D107
+        self.buckets, self.submit, self.python_hook = buckets, submit, python_hook
         self.of = {p: bucket for bucket in buckets for p in bucket.params}
         self.arrivals: list[torch.Tensor] | None = [] if buckets else None  # backward's order while learning
         self._fast_hooks: list[Any] = []
+        self._order_changed = False  # a bucket whose members all arrived did not go out: its last one came early
 
     @property
     def pending(self) -> bool:
@@ -170,6 +181,12 @@ class Bucketing:
         for bucket in self.buckets:
             bucket.reset()
 
+    def renew(self) -> None:
+        """Fresh device buffers (:meth:`Bucket.renew`) and nothing pending: after an elastic reset."""
+        for bucket in self.buckets:
+            bucket.renew()
+            bucket.reset()
+
     def start_rest(self) -> None:
         """Send out the buckets backward did not complete (``synchronize()``); a member that arrived twice in a
         fast hook (a second backward before step()) is refused here, once."""
@@ -178,12 +195,16 @@ class Bucketing:
                 bucket.arrived.clear()
                 raise AssertionError(BPPS_EXCEEDED)
             if bucket.handle is None:
+                self._order_changed |= len(bucket.arrived) == len(bucket.params)
                 self.submit(bucket)
 
     def learn(self, python_hooks: list[Any], position: Callable[[torch.Tensor], int], passes: int) -> None:
         """After a step in which backward reached every bucketed parameter once (one pass a step), replace their
         Python hooks (``python_hooks[position(param)]``) by fast ones (:func:`install_fast_hooks`); else learn
         again next step."""
+        if self._order_changed:  # backward's order is no longer the one learned: learn it again
+            self._order_changed = False
+            self.unlearn()
         if self.arrivals is None:
             return
         arrivals, self.arrivals = self.arrivals, []
@@ -199,14 +220,14 @@ class Bucketing:
             last = max(bucket.params, key=lambda p: order[id(p)])
             self._fast_hooks += install_fast_hooks(bucket, last, self.submit)
 
-    def unlearn(self, register_python_hook: Callable[[torch.Tensor, Bucket], None]) -> None:
+    def unlearn(self) -> None:
         """Back from the fast hooks to a Python hook a parameter (several backward passes a step are counted
-        there), learning backward's order again."""
+        there, and backward's order is learned again)."""
         if not self._fast_hooks:
             return
         for handle in self._fast_hooks:
             handle.remove()
         self._fast_hooks = []
         for param, bucket in self.of.items():
-            register_python_hook(param, bucket)
+            self.python_hook(param, bucket)
         self.arrivals = []

@@ -111,7 +111,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._process_set = process_set
         self._overlap = _overlap_policy(all_params)
         self._buckets = buckets.Bucketing(self._build_buckets([p for p in all_params if p not in self._group_of]),
-                                          self._submit_bucket)
+                                          self._submit_bucket, self._python_hook)
         self._unbucketed = [p for p in self._ungrouped if p not in self._buckets.of]  # in name order
         self._hooks: list[Any] = []  # each parameter's Python hook, by position
         member = process_set is None or process_set.included()
@@ -360,6 +360,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if param.grad is not None and not param.grad.is_sparse:
                 param.grad = param.grad.to_sparse()
         self._densified.clear()
+        self._buckets.renew()
         self._reset_passes()
         self._synchronized = False
 
@@ -403,7 +404,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Change how many backward passes accumulate before each allreduce."""
         self.backward_passes_per_step = passes
         if passes != 1:
-            self._buckets.unlearn(self._python_hook)
+            self._buckets.unlearn()
         self._reset_passes()
 
 

@@ -51,3 +51,11 @@ def test_mixed_devices_end_in_one_error_on_every_rank_and_the_next_op_works(run_
     assert result.returncode == 0, result.stderr[-3000:]
     checks = re.findall(r"CHECK (\S+) rank (\d+): (.*)", result.stdout)
     assert len(checks) == 12 and all(verdict == "ok" for _, _, verdict in checks), checks
+
+
+def test_a_process_sets_device_op_first_in_the_job_then_a_global_one(run_hvdrun, hvdrun_env):
+    hvdrun_env.update(DEVICE_PATH_ON_CPU)
+    result = run_hvdrun("-np", "3", str(WORKERS / "device_set_first.py"), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("set bf16 [3.0, 3.0, 3.0, 3.0, 3.0]") == 2, result.stdout
+    assert result.stdout.count("global [3.0, 3.0]") == 3, result.stdout

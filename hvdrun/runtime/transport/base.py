@@ -74,11 +74,22 @@ class AbortFlag:
 
     def __init__(self) -> None:
         self.reason: str | None = None
+        self._listeners: list[Callable[[], None]] = []
 
     def set(self, reason: str) -> None:
-        """Record the first reason; later ones are ignored."""
+        """Record the first reason (later ones are ignored) and tell the listeners, once."""
         if self.reason is None:
             self.reason = reason
+            for listener in self._listeners:
+                try:
+                    listener()
+                except Exception:  # noqa: BLE001 - a listener's failure must not hide the reason
+                    pass
+
+    def on_set(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (on the thread that sets the flag) when it is set: what cannot check the flag in a
+        loop, as a NCCL communicator whose kernels wait on the device for a dead peer, is ended by it."""
+        self._listeners.append(listener)
 
     def check(self) -> None:
         """Raise CollectiveError if the flag is set."""

@@ -161,7 +161,51 @@ def second_backward_before_step_raises():
     check("second-backward-refused", raised == [True] * 3, str(raised))
 
 
+def backward_order_that_changes_is_learned_again():
+    """A model whose forward uses its parameters in another order from step 3 on: the bucket learned in the first
+    order waits for synchronize() once (its last member came early), then the order is learned again and the
+    bucket goes out during backward; every step's gradients are right."""
+    import os
+
+    os.environ[OVERLAP] = "1"
+
+    class Swapping(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8) * 2)
+            self.swap = False
+
+        def forward(self, x):
+            first, second = (self.b, self.a) if self.swap else (self.a, self.b)
+            return ((first * x).sum() * 3 + second.sum()) * (second * x).sum()
+
+    model = Swapping()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                         named_parameters=model.named_parameters())
+    during, right = [], []
+    for step in range(6):
+        model.swap = step >= 3
+        optimizer.zero_grad()
+        model(data_of(RANK, step, 0)[:1].repeat(8)).backward()
+        during.append(all(bucket.handle is not None for bucket in optimizer._buckets.buckets))
+        optimizer.synchronize()
+        grads = [p.grad.clone() for p in (model.a, model.b)]
+        wanted = [torch.zeros(8), torch.zeros(8)]
+        for rank in range(SIZE):
+            copy = Swapping()
+            copy.load_state_dict(model.state_dict())
+            copy.swap = model.swap
+            copy(data_of(rank, step, 0)[:1].repeat(8)).backward()
+            wanted = [w + p.grad / SIZE for w, p in zip(wanted, (copy.a, copy.b), strict=True)]
+        right.append(all(torch.allclose(g, w) for g, w in zip(grads, wanted, strict=True)))
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    check("order-change.relearned", during == [True, True, True, False, True, True], str(during))
+    check("order-change.gradients", all(right), str(right))
+
+
 second_backward_before_step_raises()
+backward_order_that_changes_is_learned_again()
 for overlap in ("1", "0"):
     for compression in (hvd.Compression.none, hvd.Compression.fp16):
         for passes in (1, 2):
