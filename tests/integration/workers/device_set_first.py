@@ -2,7 +2,9 @@
 alone, the rank outside holds no placeholder of a dtype numpy lacks (bfloat16), and the global op after works."""
 
 import torch
+
 import hvdrun.torch as hvd
+
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 first_two = hvd.add_process_set([0, 1])
