@@ -310,10 +310,12 @@ class DeviceCollectives:
         whose peer died waits on the device, and ``work.wait()`` returned long before): their pending kernels end
         in an error instead of hanging the device until NCCL's watchdog. gloo's waits look at the flag themselves
         (:mod:`hvdrun.runtime.gloo_abort`)."""
+        if self.backend == "gloo":
+            return
         for group in [self._group, *self._set_groups.values()]:
             inner = getattr(group, "group", None)
             end = getattr(inner, "abort", None) or getattr(inner, "_abort", None)
-            if callable(end) and self.backend != "gloo":
+            if callable(end):
                 end()
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ Python frame), and only the last runs Python, which submits the bucket when ever
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,14 +41,13 @@ class Bucket:
     name: str
     buffer: torch.Tensor
     views: list[torch.Tensor]
-    fired: int = 0  # members whose gradient is ready this step (Python hooks)
     handle: int | None = field(default=None)
-    arrived: list[torch.Tensor] = field(default_factory=list)  # members that arrived this step (fast hooks)
+    arrived: list[torch.Tensor] = field(default_factory=list)  # members whose gradient is ready, in backward's order
 
     @property
     def complete(self) -> bool:
         """Every member's gradient is ready."""
-        return self.fired == len(self.params)
+        return len(self.arrived) == len(self.params)
 
     def fill(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Copy ``grads`` into the buffer (cast to its dtype) and return the buffer."""
@@ -60,7 +60,7 @@ class Bucket:
 
     def reset(self) -> None:
         """Ready for the next step (the same ``arrived`` list: the fast hooks hold its ``append``)."""
-        self.fired, self.handle = 0, None
+        self.handle = None
         self.arrived.clear()
 
     def renew(self) -> None:
@@ -69,8 +69,7 @@ class Bucket:
         if self.buffer.is_cpu:
             return
         self.buffer = torch.empty_like(self.buffer)
-        numels = [p.numel() for p in self.params]
-        self.views = [piece.view(p.shape) for piece, p in zip(self.buffer.split(numels), self.params, strict=True)]
+        self.views = shaped_views(self.buffer, [p.shape for p in self.params])
 
     @property
     def overfull(self) -> bool:
@@ -97,6 +96,12 @@ def install_fast_hooks(bucket: Bucket, last: torch.Tensor, submit: Callable[[Buc
 
     handles.append(last.register_post_accumulate_grad_hook(closer))
     return handles
+
+
+def shaped_views(buffer: torch.Tensor, shapes: Sequence[torch.Size | tuple[int, ...]]) -> list[torch.Tensor]:
+    """Consecutive pieces of the flat ``buffer``, one of each shape in turn."""
+    sizes = [math.prod(shape) for shape in shapes]
+    return [piece.view(shape) for piece, shape in zip(buffer.split(sizes), shapes, strict=True)]
 
 
 def wire_dtype(param: torch.Tensor, fp16: bool) -> torch.dtype:
@@ -144,9 +149,8 @@ def build(params: Sequence[torch.Tensor], names: Callable[[torch.Tensor], str], 
     for index, members in enumerate(assign(sizes, kinds, *bucket_caps(fusion_threshold))):
         chosen = [order[i] for i in members]
         dtype, device = kinds[members[0]]
-        numels = [p.numel() for p in chosen]
-        buffer = torch.empty(sum(numels), dtype=dtype, device=device)
-        views = [piece.view(p.shape) for piece, p in zip(buffer.split(numels), chosen, strict=True)]
+        buffer = torch.empty(sum(p.numel() for p in chosen), dtype=dtype, device=device)
+        views = shaped_views(buffer, [p.shape for p in chosen])
         digest = zlib.crc32(repr([(names(p), tuple(p.shape)) for p in chosen]).encode())
         name = f"allreduce.bucket.{index}.{str(dtype).removeprefix('torch.')}.{digest:08x}"
         buckets.append(Bucket(chosen, name, buffer, views))
@@ -155,8 +159,8 @@ def build(params: Sequence[torch.Tensor], names: Callable[[torch.Tensor], str], 
 
 class Bucketing:
     """One DistributedOptimizer's buckets and what they know of a step: which member belongs where, backward's
-    order (learned from the Python hooks of a first step), the fast hooks that replace those, the buckets left to
-    start at ``synchronize()`` and their results to take.
+    order (each bucket's ``arrived`` after a step of Python hooks), the fast hooks that replace those, and the
+    buckets left to start at ``synchronize()``.
 
     Args:
         buckets: the layout (:func:`build`); empty: nothing is bucketed.
@@ -167,8 +171,7 @@ class Bucketing:
                  python_hook: Callable[[torch.Tensor, Bucket], None]) -> None:  # noqa: D107
         self.buckets, self.submit, self.python_hook = buckets, submit, python_hook
         self.of = {p: bucket for bucket in buckets for p in bucket.params}
-        self.arrivals: list[torch.Tensor] | None = [] if buckets else None  # backward's order while learning
-        self._fast_hooks: list[Any] = []
+        self._fast_hooks: list[Any] = []  # none: the members have Python hooks, and backward's order is learned
         self._order_changed = False  # a bucket whose members all arrived did not go out: its last one came early
 
     @property
@@ -199,26 +202,22 @@ class Bucketing:
                 self.submit(bucket)
 
     def learn(self, python_hooks: list[Any], position: Callable[[torch.Tensor], int], passes: int) -> None:
-        """After a step in which backward reached every bucketed parameter once (one pass a step), replace their
-        Python hooks (``python_hooks[position(param)]``) by fast ones (:func:`install_fast_hooks`); else learn
-        again next step."""
+        """At the end of a step (before :meth:`reset`): after one in which backward reached every bucketed
+        parameter once (one pass a step), replace their Python hooks (``python_hooks[position(param)]``) by fast
+        ones (:func:`install_fast_hooks`), the last to arrive in each bucket closing it; else learn again next
+        step."""
         if self._order_changed:  # backward's order is no longer the one learned: learn it again
             self._order_changed = False
             self.unlearn()
-        if self.arrivals is None:
             return
-        arrivals, self.arrivals = self.arrivals, []
-        if not arrivals or passes != 1 or not python_hooks:
+        if self._fast_hooks or passes != 1 or not python_hooks or not all(
+                len(bucket.arrived) == len(set(map(id, bucket.arrived))) == len(bucket.params)
+                for bucket in self.buckets):
             return
-        order = {id(param): index for index, param in enumerate(arrivals)}
-        if len(order) != len(arrivals) or len(order) != len(self.of):
-            return
-        self.arrivals = None
         for bucket in self.buckets:
             for param in bucket.params:
                 python_hooks[position(param)].remove()
-            last = max(bucket.params, key=lambda p: order[id(p)])
-            self._fast_hooks += install_fast_hooks(bucket, last, self.submit)
+            self._fast_hooks += install_fast_hooks(bucket, bucket.arrived[-1], self.submit)
 
     def unlearn(self) -> None:
         """Back from the fast hooks to a Python hook a parameter (several backward passes a step are counted
@@ -230,4 +229,3 @@ class Bucketing:
         self._fast_hooks = []
         for param, bucket in self.of.items():
             self.python_hook(param, bucket)
-        self.arrivals = []

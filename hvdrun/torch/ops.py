@@ -114,10 +114,15 @@ def _side_streams() -> SideStreams | None:
     return device.streams if device is not None else None
 
 
+def _on_device(values: Sequence[Any]) -> list[torch.Tensor]:
+    """The device tensors among ``values`` (not CPU tensors, numpy arrays or anything else)."""
+    return [value for value in values if isinstance(value, torch.Tensor) and not value.is_cpu]
+
+
 def _mark_ready(arrays: Sequence[Any]) -> None:
     """Record where device tensors hold their values, on the submitting thread's stream (see
     :mod:`hvdrun.runtime.device_buffers`); CPU tensors and numpy arrays need nothing."""
-    devices = [array for array in arrays if isinstance(array, torch.Tensor) and not array.is_cpu]
+    devices = _on_device(arrays)
     streams = _side_streams() if devices else None
     if streams is not None:
         streams.mark_ready(devices)
@@ -126,8 +131,7 @@ def _mark_ready(arrays: Sequence[Any]) -> None:
 def _device_result(result: Any) -> Any:
     """``result`` of a finished op, usable on the caller's stream: a device tensor's stream waits (on the device,
     not the host) for the side stream that produced it."""
-    outputs = result if isinstance(result, (list, tuple)) else (result,)
-    tensors = [t for t in outputs if isinstance(t, torch.Tensor) and not t.is_cpu]
+    tensors = _on_device(result if isinstance(result, (list, tuple)) else (result,))
     if tensors:
         wait_for_device_ops(tensors, _side_streams())
     return result
@@ -453,23 +457,24 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
     return synchronize(allgather_async(tensor, name, process_set))
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
-    """Start an in-place broadcast from ``root_rank``."""
+def _broadcast_item(tensor: torch.Tensor, root_rank: int, name: str | None,
+                    process_set: Any = None) -> tuple[Request, Any, Callable[[Any], Any]]:
+    """The request of an in-place broadcast of ``tensor``, its buffer, and what its handle gives back."""
     array = _check(tensor, MOVEMENT_DTYPES)
     request = _request("broadcast", array, name, dtypes.source_of(tensor, array), root=int(root_rank),
                        process_set=set_id(process_set))
-    return _start(request, array, lambda _: tensor)
+    return request, array, lambda _: tensor
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
+    """Start an in-place broadcast from ``root_rank``."""
+    return _start(*_broadcast_item(tensor, root_rank, name, process_set))
 
 
 def broadcasts_async_(named: Sequence[tuple[str, torch.Tensor]], root_rank: int) -> list[int]:
     """Start in-place broadcasts of many named tensors in one announcement (one handle each): the engine sees
     them in one cycle, and on the device path they go as one fused broadcast per fusion buffer."""
-    items = []
-    for name, tensor in named:
-        array = _check(tensor, MOVEMENT_DTYPES)
-        request = _request("broadcast", array, name, dtypes.source_of(tensor, array), root=int(root_rank))
-        items.append((request, array, lambda _, kept=tensor: kept))
-    return _start_group(items)
+    return _start_group([_broadcast_item(tensor, root_rank, name) for name, tensor in named])
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> int:
@@ -479,9 +484,8 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s value; returns it."""
-    array = _check(tensor, MOVEMENT_DTYPES)
-    _run(_request("broadcast", array, name, dtypes.source_of(tensor, array), root=int(root_rank),
-                  process_set=set_id(process_set)), array)
+    request, array, _ = _broadcast_item(tensor, root_rank, name, process_set)
+    _run(request, array)
     return tensor
 
 

@@ -135,10 +135,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if bucket is None:
                 self._submit(param)
                 return
-            arrivals = self._buckets.arrivals
-            if arrivals is not None:
-                arrivals.append(param)
-            bucket.fired += 1
+            bucket.arrived.append(param)
             if bucket.complete:
                 self._submit_bucket(bucket)
         return hook
@@ -256,7 +253,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             sizes = [math.prod(shape) for shape in shapes]
             digest = zlib.crc32(repr(tuple(shapes)).encode())
             buffer = torch.empty(sum(sizes), dtype=kind[0], device=kind[1])
-            views = [piece.view(shape) for piece, shape in zip(buffer.split(sizes), shapes, strict=True)]
+            views = buckets.shaped_views(buffer, shapes)
             layout.append((members, f"allreduce.step.{str(kind[0]).replace('torch.', '')}.{digest:08x}", buffer, views))
         if len(self._layouts) > 16:
             self._layouts.clear()
@@ -319,8 +316,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._densified.clear()
         self._handles.clear()
         self._group_handles.clear()
-        self._reset_passes()
         self._buckets.learn(self._hooks, self._position.__getitem__, self.backward_passes_per_step)
+        self._reset_passes()
         self._synchronized = True
 
     def _start_pending(self) -> None:
