@@ -14,6 +14,7 @@ and the cycle's coordination costs the same bytes at any number of ranks.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Protocol
 
@@ -237,7 +238,7 @@ class Cycle:
             for values, payload in items:
                 table.add(rank, Request.from_wire(cache.decode(values)), payload)
         for entry, error in verdicts.departed(table):
-            self.ledger.finish_local(entry.name, error)
+            self._fail_departed(entry, error)
         ready = table.pop_ready()
         if self.stragglers is not None and ready:
             # requests that all arrived in this cycle had no one last: only counted
@@ -251,6 +252,14 @@ class Cycle:
         blocked = {rank: names for rank, (_, names) in enumerate(decoded) if names}
         if blocked:
             self._fail_deadlock(blocked)
+
+    def _fail_departed(self, entry: Entry, error: CollectiveError) -> None:
+        """Fail an op that ranks which shut down never submitted; one of this rank that nothing waits on (a stray
+        op: a test that failed on this rank only left it) is said on stderr, since no caller will raise it."""
+        if self.ledger.finish_local(entry.name, error) == "unwaited":
+            kind = entry.requests[self.world.rank].kind if self.world.rank in entry.requests else "collective"
+            sys.stderr.write(f"hvdrun: warning: rank {self.world.rank}: {kind} {error} (submitted here and "
+                             "never waited on: a stray op, cleared)\n")
 
     def _add_held_everywhere(self, tallies: dict[int, Tally], now: float, flush: bool) -> list[Arrival]:
         """Put the held requests that every rank holds into the table (:meth:`HeldRequests.settle`); the arrivals

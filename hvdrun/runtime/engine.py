@@ -153,8 +153,12 @@ class Engine:
                 flight.land()
 
     def release_name(self, name: str) -> None:
-        """The op ``name`` finished on this rank: the name may be used again here."""
+        """The op ``name`` finished on this rank: the name may be used again here once the rank goes on."""
         self.ledger.release_name(name)
+
+    def name_seen(self, name: str) -> None:
+        """The caller took up the end of the op ``name``: the name is free at once."""
+        self.ledger.seen(name)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[Backend]:
@@ -222,7 +226,7 @@ class Engine:
             loop.cycle_ended()
             if agreed is None:
                 flight.land()
-                self.ledger.release_name(name)
+                self.ledger.release_name(name, seen=True)
                 self.express_used += 1
                 return True
             op = self.ledger.adopt(request, array, payload)
@@ -240,7 +244,7 @@ class Engine:
         """Nothing of this rank in flight, nothing held, no failure, no timeline, no join: the
         fast lane may take a blocking allreduce (:func:`hvdrun.runtime.lane.try_allreduce`)."""
         ledger = self.ledger
-        return not (ledger.taken or self._loop.holding or ledger.failure is not None or ledger.stopped
+        return not (ledger.taken or ledger.unseen or self._loop.holding or ledger.failure is not None or ledger.stopped
                     or self._cycle.holding or self._cycle.timeline is not None or JOIN in self._cycle.table.entries)
 
     def stop(self, timeout_s: float) -> str | None:

@@ -1,7 +1,7 @@
 """What the engine hands out and keeps per op: the :class:`Handle` (a future) and the :class:`LocalOp` record.
 
-A handle finishes once, with a result or an error, and frees the op's name on this rank as it does (a
-handle nobody synchronizes keeps no name); a caller that waits on it drives the engine's progress on its
+A handle finishes once, with a result or an error, and frees the op's name on this rank as it does, once the
+caller takes up that end or goes on to another collective (:mod:`hvdrun.runtime.submissions`); a caller that waits on it drives the engine's progress on its
 own thread (:meth:`EngineLike.drive_until`) instead of sleeping.
 """
 
@@ -25,7 +25,11 @@ class EngineLike(Protocol):
         ...
 
     def release_name(self, name: str) -> None:
-        """The op ``name`` finished on this rank: its name is free again."""
+        """The op ``name`` finished on this rank: its name is free again once the rank goes on."""
+        ...
+
+    def name_seen(self, name: str) -> None:
+        """The caller took up the end of the op ``name``: its name is free at once."""
         ...
 
 
@@ -48,7 +52,8 @@ class Handle:
         """Record the outcome, free the name and wake waiters (engine side).
 
         Horovod's rule: a name is taken from submission until the op finishes on this rank, whether or not its
-        handle is ever synchronized (the name leaves Horovod's tensor table when the op is performed).
+        handle is ever synchronized (the name leaves Horovod's tensor table when the op is performed); here also
+        until the caller sees it finish or goes on (see :mod:`hvdrun.runtime.submissions`).
         """
         if self._finishing:
             return
@@ -65,6 +70,11 @@ class Handle:
     def done(self) -> bool:
         """True once the collective finished (successfully or not)."""
         return self._done
+
+    def seen(self) -> None:
+        """The caller took up this op's end (``hvd.poll`` said done): its name is free at once."""
+        if self._done and self._engine is not None and self._name is not None:
+            self._engine.name_seen(self._name)
 
     @property
     def name(self) -> str | None:
@@ -84,6 +94,7 @@ class Handle:
             self.block(-1 if timeout_s is None else timeout_s)
         if not self._done:
             raise TimeoutError("collective did not finish in time")
+        self.seen()
         if self._error is not None:
             raise CollectiveError(str(self._error)) from self._error
         return self._result

@@ -1,10 +1,17 @@
 """This rank's collectives from submission until they finish.
 
-The ledger the engine and its cycles share: the names taken on this rank (Horovod's rule: a name is
-taken from submission until the op finishes, synchronized or not), the automatic names (``allreduce.noname.7``,
+The ledger the engine and its cycles share: the names taken on this rank, the automatic names (``allreduce.noname.7``,
 the same on ranks that submit in the same order), the queue of requests not yet announced, the ops in
 flight, the names threads of this rank are blocked on, and the rank's failure. One lock guards all of
 it, and the engine's sleep flags too, so a submission knows whether to wake a sleeping engine.
+
+A name is taken from submission until the op finished *and* this rank went on: its handle was synchronized,
+waited or polled done, or the rank submitted another collective since. Horovod frees a name when its op finishes
+in the background, which in Horovod comes a cycle (milliseconds) after the submitting call returns; here the op
+may finish between two statements of the caller, so "finished" alone would make Horovod's own duplicate-name
+test (two ``allreduce_async`` of one name in a row) pass or fail by a race, and a second op that did not
+raise would wait for a partner that never comes. A handle nobody synchronizes still keeps no name once the rank
+has moved on.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class Submissions:
         self.new: list[LocalOp] = []  # submitted, not yet announced
         self.inflight: dict[str, LocalOp] = {}
         self.taken: set[str] = set()  # names submitted and not yet finished (a superset of inflight's)
+        self.unseen: set[str] = set()  # names of ops that finished since this rank last went on (module docstring)
         self.waiting: list[tuple[str, float]] = []  # (name, since) that threads of this rank are blocked on
         self.async_new = False  # something was submitted for the background thread to announce
         self.sleeping = False  # the background thread sleeps on the wake pipe (set by the progress loop)
@@ -111,6 +119,7 @@ class Submissions:
             if self.stopped:
                 raise CollectiveError("hvdrun has been shut down on this rank")
             self._check_names([op.request.name for op in ops])
+            self.unseen.clear()
             for op in ops:
                 if on_queued is not None:
                     on_queued(op)
@@ -124,8 +133,9 @@ class Submissions:
         """Take ``name`` for an op that runs without the queue (the engine's express cycle): False when this rank
         failed, stopped, or has the name in flight."""
         with self.lock:
-            if self.failure is not None or self.stopped or name in self.taken:
+            if self.failure is not None or self.stopped or name in self.taken or name in self.unseen:
                 return False
+            self.unseen.clear()
             self.taken.add(name)
             return True
 
@@ -142,10 +152,11 @@ class Submissions:
         return op
 
     def _check_names(self, names: list[str]) -> None:
-        taken = next((name for name in names if name in self.taken), None)
+        taken = next((name for name in names if name in self.taken or name in self.unseen), None)
         if taken is not None or len(set(names)) < len(names):
             taken = taken or next(name for name in names if names.count(name) > 1)
-            raise ValueError(f"a collective named '{taken}' is already in progress on this rank; "
+            unsynchronized = " (its handle not yet synchronized)" if taken in self.unseen else ""
+            raise ValueError(f"a collective named '{taken}' is already in progress on this rank{unsynchronized}; "
                              "names must be unique among collectives in flight")
 
     def _local_op(self, request: Request, array: np.ndarray) -> LocalOp:
@@ -163,10 +174,19 @@ class Submissions:
         scale(copy, request.prescale)
         return copy.tobytes()
 
-    def release_name(self, name: str) -> None:
-        """The op ``name`` finished on this rank: the name may be used again here."""
+    def release_name(self, name: str, seen: bool = False) -> None:
+        """The op ``name`` finished on this rank: the name is free again once the rank goes on (at once when the
+        caller has ``seen`` it finish: a blocking op)."""
         with self.lock:
-            self.taken.discard(name)
+            if name in self.taken:
+                self.taken.discard(name)
+                if not seen:
+                    self.unseen.add(name)
+
+    def seen(self, name: str) -> None:
+        """The caller took up the end of the op ``name`` (synchronized, waited or polled it): the name is free."""
+        with self.lock:
+            self.unseen.discard(name)
 
     def take_new(self, confirm_age_s: float) -> tuple[list[LocalOp], list[str]]:
         """The ops to announce in the next cycle, and the names blocked on for at least ``confirm_age_s``."""
@@ -180,12 +200,16 @@ class Submissions:
         with self.lock:
             return [self.inflight.pop(name, None) for name in names]
 
-    def finish_local(self, name: str, error: BaseException) -> None:
-        """Fail this rank's op ``name``, if it is still in flight."""
+    def finish_local(self, name: str, error: BaseException) -> str:
+        """Fail this rank's op ``name``, if it is still in flight; ``absent`` (it was not), ``waited`` (a thread of
+        this rank is blocked on it) or ``unwaited``."""
         with self.lock:
             op = self.inflight.pop(name, None)
-        if op is not None:
-            op.handle.finish(error=error)
+            waited = any(awaited == name for awaited, _ in self.waiting)
+        if op is None:
+            return "absent"
+        op.handle.finish(error=error)
+        return "waited" if waited else "unwaited"
 
     def fail_all(self, reason: str) -> None:
         """Record this rank's failure and fail every op in flight with it."""

@@ -157,7 +157,11 @@ def poll(handle: int) -> bool:
     with _handles_lock:
         if handle not in _handles:
             raise ValueError(f"unknown handle {handle}")
-        return _handles[handle][0].done()
+        entry = _handles[handle][0]
+    if not entry.done():
+        return False
+    entry.seen()
+    return True
 
 
 def synchronize(handle: int) -> Any:
@@ -419,6 +423,11 @@ class _GroupHandle:
 
     def done(self) -> bool:
         return all(h.done() for h in self.handles)
+
+    def seen(self) -> None:
+        """The caller took up the end of every op (see :meth:`Handle.seen`)."""
+        for handle in self.handles:
+            handle.seen()
 
     def wait(self) -> list[Any]:
         """Every output; every handle is waited (and its name freed) even when an earlier one failed."""

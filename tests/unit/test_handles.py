@@ -23,6 +23,9 @@ class _TakenNames:
         time.sleep(0.02)
         self.taken.discard(name)
 
+    def name_seen(self, name: str) -> None:
+        pass
+
 
 def test_a_waiter_that_sees_done_finds_the_name_free() -> None:
     for _ in range(5):

@@ -1,0 +1,73 @@
+"""A name is taken on a rank from submission until its op finished and the rank went on (saw that end, or
+submitted another collective): Horovod's duplicate-name test never races the background thread."""
+
+from __future__ import annotations
+
+import pytest
+
+from hvdrun.runtime.handles import Handle
+from hvdrun.runtime.negotiation import Request
+from hvdrun.runtime.submissions import Submissions
+
+
+class _Engine:
+    """What a handle needs of the engine: the ledger's two calls."""
+
+    def __init__(self) -> None:
+        self.ledger = Submissions(self, world_size=2, eager_bytes=0)
+
+    def drive_until(self, handle: Handle, timeout_s: float | None) -> None:
+        pass
+
+    def release_name(self, name: str) -> None:
+        self.ledger.release_name(name)
+
+    def name_seen(self, name: str) -> None:
+        self.ledger.seen(name)
+
+
+def submit(engine: _Engine, name: str) -> Handle:
+    ops, _ = engine.ledger.add([(Request(name, "barrier"), None)], wake=False)
+    return ops[0].handle
+
+
+def test_an_op_that_finished_before_the_second_submission_still_refuses_it():
+    engine = _Engine()
+    first = submit(engine, "duplicate_name")
+    first.finish(None)  # the background thread won the race
+    with pytest.raises(ValueError, match="'duplicate_name' is already in progress .*not yet synchronized"):
+        submit(engine, "duplicate_name")
+    with pytest.raises(ValueError):  # a refused submission is not going on
+        submit(engine, "duplicate_name")
+
+
+@pytest.mark.parametrize("went_on", ["waited", "polled", "another op"])
+def test_the_name_is_free_once_the_rank_went_on(went_on):
+    engine = _Engine()
+    first = submit(engine, "metric")
+    first.finish(None)
+    if went_on == "waited":
+        first.wait()
+    elif went_on == "polled":
+        first.seen()
+    else:
+        submit(engine, "loss").finish(None)
+    submit(engine, "metric")
+
+
+def test_an_op_in_flight_is_refused_whatever_was_seen():
+    engine = _Engine()
+    submit(engine, "x")
+    submit(engine, "y")
+    with pytest.raises(ValueError, match="'x' is already in progress on this rank;"):
+        submit(engine, "x")
+    assert not engine.ledger.claim("x")  # the express cycle too
+
+
+def test_the_express_cycle_refuses_a_finished_unseen_name():
+    engine = _Engine()
+    submit(engine, "x").finish(None)
+    assert not engine.ledger.claim("x")
+    assert engine.ledger.claim("y")  # and going on frees it
+    engine.ledger.release_name("y", seen=True)
+    assert engine.ledger.claim("x")
