@@ -339,6 +339,7 @@ FORK_SERVER_FROM = "HVDRUN_FORK_SERVER_FROM"
 # -- the worker side: who started us? -------------------------------------------------------
 
 START_TIMEOUT = "HVDRUN_START_TIMEOUT"
+DEFAULT_START_TIMEOUT_S = 60.0
 TRANSPORT = "HVDRUN_TRANSPORT"
 # flat: every rank joins rank 0 itself (default: a host's ranks join through its local rank 0, runtime/rendezvous/)
 RENDEZVOUS = "HVDRUN_RENDEZVOUS"
@@ -469,6 +470,12 @@ def env_int(environ: Mapping[str, str], name: str, default: int | None = None) -
 def env_text(environ: Mapping[str, str], names: tuple[str, ...]) -> str | None:
     """The first of ``names`` that is set (hvdrun's name first, then Horovod's)."""
     return next((environ[name] for name in names if environ.get(name)), None)
+
+
+def start_timeout_s(environ: Mapping[str, str]) -> float:
+    """``HVDRUN_START_TIMEOUT`` (``--start-timeout``) or its default: how long the ranks wait for each other in
+    ``init()``, and a launcher for a rank's start (a preload's import included)."""
+    return env_number(environ, (START_TIMEOUT,), DEFAULT_START_TIMEOUT_S)
 
 
 def env_number(environ: Mapping[str, str], names: tuple[str, ...], default: float) -> float:

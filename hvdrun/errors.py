@@ -38,6 +38,10 @@ class LaunchError(HvdrunError):
         self.host = host
 
 
+class StartCancelled(LaunchError):
+    """A stop (a signal to hvdrun) was decided while ranks were being started: nothing more starts."""
+
+
 class WorkerFailed(HvdrunError):
     """A worker exited with a non-zero status; carries that status as the exit code.
 

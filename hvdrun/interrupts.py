@@ -6,7 +6,9 @@ planning, staging, between two attempts), so every ``finally`` runs (staging's c
 closed) and the command line ends with one line and exit code 128 + N. The phases that supervise workers put their
 own handlers over these while they run (every rank gets SIGTERM). SIGUSR1 and SIGUSR2, the schedulers' "preemption
 soon" warnings, are passed to the ranks while they run (``--forward-signals``); one that is not passed on (none is
-running, or ``--forward-signals none``) is noted in one line and ignored: a warning never kills the job.
+running, or ``--forward-signals none``) is noted in one line and ignored: a warning never kills the job. SIGQUIT
+(Ctrl-\\) prints every rank's stacks while a job runs (``hvdrun.launch.stacks``); outside of that it is noted and
+ignored, so a Ctrl-\\ that comes as the job ends never costs the job's exit code.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from hvdrun.errors import JobInterrupted
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 NOTED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+_NOT_PASSED = "not passed to the ranks (not in --forward-signals, or none running); ignored, the job goes on"
+_NOTES: dict[int, str] = {signal.SIGUSR1: _NOT_PASSED, signal.SIGUSR2: _NOT_PASSED,
+                          signal.SIGQUIT: "no rank is running to print the stacks of; ignored"}
 
 
 class Interrupted(KeyboardInterrupt):
@@ -53,7 +58,7 @@ def own_signals() -> None:
     """Take over the stop signals and the forwarded ones (main thread only; see the module docstring)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, _raise_interrupted)
-    for signum in NOTED_SIGNALS:
+    for signum in (*NOTED_SIGNALS, signal.SIGQUIT):
         signal.signal(signum, _note_ignored)
 
 
@@ -68,8 +73,7 @@ def _raise_interrupted(signum: int, _frame: FrameType | None) -> None:
 
 
 def _note_ignored(signum: int, _frame: FrameType | None) -> None:
-    line = (f"hvdrun: received {signal.Signals(signum).name}; not passed to the ranks (not in --forward-signals, or "
-            "none running); ignored, the job goes on\n")
+    line = f"hvdrun: received {signal.Signals(signum).name}; {_NOTES[signum]}\n"
     try:
         os.write(2, line.encode())  # one short line; a signal handler does no buffered I/O
     except OSError:

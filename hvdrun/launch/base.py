@@ -87,6 +87,12 @@ class Launcher(abc.ABC):
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
+        self.starts_cancelled = False  # set by cancel_starts()
+
+    def cancel_starts(self) -> None:
+        """A stop was decided: the ranks not started yet never start, and a wait for one's start ends with
+        :class:`~hvdrun.errors.StartCancelled`. Safe in a signal handler (it sets a flag, nothing more)."""
+        self.starts_cancelled = True
 
     def prepare(self, slots: Sequence[Slot], deadline: float) -> None:
         """Reach and check every host before any rank starts (monotonic ``deadline``); default: nothing.
@@ -133,6 +139,9 @@ class Launcher(abc.ABC):
         """Start one worker and attach its stdout/stderr to ``router``."""
 
     def start_all(self, specs: Sequence[WorkerSpec], router: OutputRouter) -> Iterator[Worker]:
-        """Start every rank, yielding each worker as soon as it runs (mpiexec yields one for all)."""
+        """Start every rank, yielding each worker as soon as it runs (mpiexec yields one for all); none after
+        :meth:`cancel_starts`."""
         for spec in specs:
+            if self.starts_cancelled:
+                return
             yield self.start(spec, router)

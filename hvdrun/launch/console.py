@@ -2,10 +2,13 @@
 a process that hangs) can hold up only for a bounded time.
 
 While a job runs, the ranks' output waits for the console as it would for any pipe (a slow reader slows the ranks;
-nothing is lost). hvdrun's own lines wait at most a few seconds (:data:`SAY_WAIT_S`), and once the job ends the
-console gets a last short while (:meth:`ConsoleStream.give_up_at`): what it has not taken by then is dropped,
-counted, and said in one line (``--output-dir`` files still get every byte). The control path (failure handling,
-signals, the end-of-job message) never waits on the console longer than that.
+nothing is lost), as long as the console takes something: one that took nothing for :data:`STALL_S` while output
+waited for it is *stalled*, and the ranks' output no longer waits for it until it takes bytes again (a rank that
+prints and exits while nobody reads must still end: its end is what the job's supervision waits for). hvdrun's own
+lines wait at most a few seconds (:data:`SAY_WAIT_S`), and once the job ends the console gets a last short while
+(:meth:`ConsoleStream.give_up_at`). What a console did not take (stalled, or at the end) is dropped, counted, and
+said in one line (``--output-dir`` files still get every byte). The control path (failure handling, signals, the
+end-of-job message) never waits on the console longer than that.
 
 Writes go to the file descriptor itself, polled for room and cut into pieces of at most ``PIPE_BUF`` bytes (which a
 pipe with room takes whole), never through Python's buffered stream: a thread stuck in a buffered write holds the
@@ -25,6 +28,7 @@ import time
 from typing import TextIO
 
 SAY_WAIT_S = 2.0  # the most one of hvdrun's own lines waits for the console
+STALL_S = 5.0  # a console that took nothing for this long while output waited for it is stalled (module docstring)
 _POLL_S = 0.1  # how often a waiting write looks at its deadline again
 _LOCKS: dict[tuple[int, int] | int, threading.Lock] = {}  # one per file open on the console (stdout 2>&1: one)
 _LOCKS_LOCK = threading.Lock()
@@ -46,6 +50,8 @@ class ConsoleStream:
         self._cut = False  # a write was given up within a line: start the next one on a new line
         self._closed = False  # the reader is gone (EPIPE): everything is dropped, silently (piped into head)
         self._flushed = False
+        self._progress = 0.0  # when the console last took bytes (monotonic)
+        self.stalled = False  # it took nothing for STALL_S: writes do not wait for it until it takes bytes again
         self.dropped_bytes = 0
         self.dropped_lines = 0
 
@@ -57,14 +63,15 @@ class ConsoleStream:
     def write(self, data: bytes, wait_s: float | None = None) -> bool:
         """Write ``data``, waiting at most ``wait_s`` seconds (None: until :meth:`give_up_at`'s time, or for
         ever); returns whether all of it was written. What was not is counted in ``dropped_bytes``."""
-        mine = None if wait_s is None else time.monotonic() + wait_s
+        began = time.monotonic()
+        mine = None if wait_s is None else began + wait_s
         deadline = self._deadline(mine)
         left = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
-        if not self._lock.acquire(timeout=left):
+        if not self._lock.acquire(timeout=left):  # the holder gives up when the console stalls: so does this wait
             self._drop(data)
             return False
         try:
-            written = self._write(data, mine)
+            written = self._write(data, mine, began)
         finally:
             self._lock.release()
         if written < len(data):
@@ -90,7 +97,12 @@ class ConsoleStream:
             self.dropped_bytes += len(data)
             self.dropped_lines += data.count(b"\n")
 
-    def _write(self, data: bytes, until: float | None) -> int:
+    def _stall_deadline(self, began: float) -> float:
+        """When a write that began at ``began`` stops waiting for a console that takes nothing (at once while it
+        is stalled)."""
+        return began if self.stalled else max(self._progress, began) + STALL_S
+
+    def _write(self, data: bytes, until: float | None, began: float) -> int:
         """Bytes of ``data`` written (with the lock held)."""
         if self._closed:
             return 0
@@ -100,29 +112,31 @@ class ConsoleStream:
             if not self._flushed:  # whatever Python's own stream still holds goes first, once
                 self._flushed = True
                 self.stream.flush()
-            if self._cut and self._write_fd(self._fd, b"\n", until) == 1:
+            if self._cut and self._write_fd(self._fd, b"\n", until, began) == 1:
                 self._cut = False
-            return self._write_fd(self._fd, data, until) if not self._cut else 0
+            return self._write_fd(self._fd, data, until, began) if not self._cut else 0
         except (BrokenPipeError, ValueError):  # console closed (e.g. piped into head): keep the logs
             self._closed = True
             return 0
 
-    def _write_fd(self, fd: int, data: bytes, until: float | None) -> int:
+    def _write_fd(self, fd: int, data: bytes, until: float | None, began: float) -> int:
         if not self._pipe_like:  # a regular file always has room
             return _write_all(fd, data)
         poller = select.poll()
         poller.register(fd, select.POLLOUT)
         view, done = memoryview(data), 0
         while done < len(data):
-            deadline = self._deadline(until)
-            left = _POLL_S if deadline is None else min(max(deadline - time.monotonic(), 0.0), _POLL_S)
-            events = poller.poll(left * 1000)
+            own = self._deadline(until)
+            deadline = min(own, self._stall_deadline(began)) if own is not None else self._stall_deadline(began)
+            events = poller.poll(min(max(deadline - time.monotonic(), 0.0), _POLL_S) * 1000)
             if any(event & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, event in events):
                 raise BrokenPipeError
             if events:
                 with contextlib.suppress(BlockingIOError, InterruptedError):
                     done += os.write(fd, view[done:done + select.PIPE_BUF])
-            elif deadline is not None and time.monotonic() >= deadline:
+                    self._progress, self.stalled = time.monotonic(), False
+            elif time.monotonic() >= deadline:
+                self.stalled = self.stalled or own is None or deadline < own
                 break
         return done
 

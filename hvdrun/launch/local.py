@@ -13,10 +13,11 @@ import fcntl
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
-from hvdrun.envvars import guard_options
+from hvdrun.envvars import guard_options, start_timeout_s
 from hvdrun.errors import LaunchError
 from hvdrun.hosts import Host
 from hvdrun.launch.base import GUARD_SCRIPT, Endpoint, Launcher, Worker, WorkerSpec
@@ -178,6 +179,8 @@ class LocalLauncher(Launcher):
         requested: list[tuple[WorkerSpec, GuardPipes]] = []
         try:
             for spec in specs:
+                if self.starts_cancelled:
+                    return
                 if not os.path.isdir(spec.cwd):
                     raise LaunchError(f"cannot start rank {spec.slot.rank} on this machine: its working directory "
                                       f"{spec.cwd} does not exist")
@@ -187,16 +190,21 @@ class LocalLauncher(Launcher):
                 for stream, fd in (("stdout", pipes.stdout), ("stderr", pipes.stderr)):
                     widen_pipe(fd)
                     router.attach(spec.slot.rank, stream, fd)
+            deadline = time.monotonic() + start_timeout_s(specs[0].env) if specs else None
             for handed, (spec, pipes) in enumerate(requested):
-                worker = ForkedWorker(spec.slot, server.pid_of(pipes.request, spec.slot.rank), server, pipes.lifeline,
-                                      pipes.status)
+                pid = server.pid_of(pipes.request, spec.slot.rank, deadline, lambda: self.starts_cancelled)
+                worker = ForkedWorker(spec.slot, pid, server, pipes.lifeline, pipes.status)
                 requested[handed] = (spec, replace(pipes, lifeline=-1, status=-1))  # the worker's now
                 yield worker
         finally:  # a failed or abandoned start: the guards not handed out see their lifelines end and stop
+            abandoned = False
             for _, pipes in requested:
                 for fd in (pipes.lifeline, pipes.status):
                     if fd >= 0:
+                        abandoned = True
                         os.close(fd)
+            if abandoned:  # requests still in flight: the server is killed before it forks them (close() does)
+                self.close()
 
     def close(self) -> None:
         if self._server is not None:

@@ -423,6 +423,11 @@ class MpiexecLauncher(Launcher):
         return "list:" + ":".join(",".join(self.layout.tile_ids_for(local, self._hosts[0].name))
                                   for local in range(per_host))
 
+    def cancel_starts(self) -> None:
+        """As :meth:`Launcher.cancel_starts`, for this machine's ranks too."""
+        super().cancel_starts()
+        self._local.cancel_starts()
+
     def close(self) -> None:
         if self._tmp is not None:
             self._tmp.cleanup()

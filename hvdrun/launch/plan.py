@@ -18,6 +18,7 @@ from hvdrun.envvars import (
     BACKEND,
     BIND_REPORT,
     CPU_BIND,
+    DEFAULT_START_TIMEOUT_S,
     DEVICE_ORDINAL,
     GPU_LAYOUT,
     HOROVOD_COMPAT,
@@ -55,8 +56,6 @@ from hvdrun.launch.staging import DEFAULT_STAGE_DIR, StagePlan, check_stage_dir,
 from hvdrun.launch.supervision import DEFAULT_FORWARD_SIGNALS, parse_signal_list
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, parse_rank_list, total_slots
 from hvdrun.schedulers import SCHEDULERS, SLURM
-
-DEFAULT_START_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)

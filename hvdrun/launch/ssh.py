@@ -349,6 +349,11 @@ class SshLauncher(Launcher):
         router.attach_reader(spec.slot.rank, "stderr", _reader(channel.recv_stderr))
         return SshWorker(spec.slot, channel)
 
+    def cancel_starts(self) -> None:
+        """As :meth:`Launcher.cancel_starts`, for this machine's ranks too."""
+        super().cancel_starts()
+        self._local.cancel_starts()
+
     def close(self) -> None:
         for forest in self._forests:
             forest.close()

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from hvdrun.errors import RENDEZVOUS_TIMED_OUT, JobInterrupted, UsageError, WorkerFailed
+from hvdrun.errors import RENDEZVOUS_TIMED_OUT, JobInterrupted, StartCancelled, UsageError, WorkerFailed
 from hvdrun.interrupts import Wakeup
 from hvdrun.launch.base import Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
@@ -126,10 +126,7 @@ class WorkerGroup:
         started = time.monotonic()
         with self._stop_signals_handled(), signals_handled(self.forward_signals, self._on_forward_signal):
             try:
-                for worker in self.launcher.start_all(specs, self.router) if self._interrupt is None else ():
-                    self.workers.append(worker)
-                    if self._interrupt is not None:  # stop starting ranks: the others' guards are told to stop
-                        break
+                self._start_all(specs)
                 self.router.last_output = max(self.router.last_output, time.monotonic())
                 failure = self._supervise(started)
             finally:
@@ -137,6 +134,18 @@ class WorkerGroup:
                 self._wakeup.close()  # a handler that runs after this finds it closed: a no-op
         self.router.drain(_DRAIN_TIMEOUT_S)
         self._raise_for(failure, len(specs))
+
+    def _start_all(self, specs: Sequence[WorkerSpec]) -> None:
+        """Start the workers; a stop signal meanwhile cancels the starts still pending (the launcher's wait for
+        them ends at once) and the ranks not yet started never start."""
+        try:
+            for worker in self.launcher.start_all(specs, self.router) if self._interrupt is None else ():
+                self.workers.append(worker)
+                if self._interrupt is not None:  # stop starting ranks: the others' guards are told to stop
+                    break
+        except StartCancelled:
+            if self._interrupt is None:
+                raise
 
     def _supervise(self, started: float) -> Failure | None:
         """Wait for the first failure that is a root cause.
@@ -311,6 +320,7 @@ class WorkerGroup:
         def on_signal(signum: int) -> None:
             if self._interrupt is None:
                 self._interrupt = signum
+            self.launcher.cancel_starts()
             self._wakeup.set()
 
         return stop_signals_handled(on_signal)

@@ -39,7 +39,6 @@ BACKENDS = ("ring", "mpi", "gloo")
 _CAUSE_WAIT_S = 1.0  # how long a rank that failed to join waits to hear a peer's failure that caused it
 DEFAULT_FUSION_BYTES = 64 << 20
 DEFAULT_EAGER_BYTES = 64 << 10
-DEFAULT_START_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
@@ -241,7 +240,7 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
             generation = assignment.round
         abort = AbortFlag()
         device_backend = device_backend_name(environ) if launch.size > 1 else None
-        timeout_s = envvars.env_number(environ, (envvars.START_TIMEOUT,), DEFAULT_START_TIMEOUT_S)
+        timeout_s = envvars.start_timeout_s(environ)
         tuning = _engine_settings(environ)  # a bad value stops every rank the same way, before any connection
         store = (open_store(0, launch.size, timeout_s, launch.rendezvous_addr or "")
                  if device_backend and launch.rank == 0 else None)

@@ -55,8 +55,8 @@ class Ledger(Protocol):
         """Remove and return the ops of ``names`` (None for a name no longer in flight)."""
         ...
 
-    def finish_local(self, name: str, error: BaseException) -> None:
-        """Fail this rank's op ``name``, if it is still in flight."""
+    def finish_local(self, name: str, error: BaseException) -> str:
+        """Fail this rank's op ``name``, if it is still in flight; ``absent``, ``waited`` or ``unwaited``."""
         ...
 
     def give_back_auto_name(self, name: str) -> None:

@@ -1,8 +1,8 @@
 """What the engine hands out and keeps per op: the :class:`Handle` (a future) and the :class:`LocalOp` record.
 
 A handle finishes once, with a result or an error, and frees the op's name on this rank as it does, once the
-caller takes up that end or goes on to another collective (:mod:`hvdrun.runtime.submissions`); a caller that waits on it drives the engine's progress on its
-own thread (:meth:`EngineLike.drive_until`) instead of sleeping.
+caller takes up that end or goes on to another collective (:mod:`hvdrun.runtime.submissions`); a caller that
+waits on it drives the engine's progress on its own thread (:meth:`EngineLike.drive_until`) instead of sleeping.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ stop signal at any moment ends hvdrun with one line, exit code 128 + N, and noth
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -58,6 +59,30 @@ def test_a_failure_ends_the_job_while_the_console_does_not_read(hvdrun_env, tmp_
     assert (tmp_path / "logs" / "rank.0" / "stdout").stat().st_size > 1 << 20
 
 
+def test_a_rank_that_prints_and_exits_while_the_console_does_not_read_ends_the_job(hvdrun_env, tmp_path, token):
+    """Rank 1 prints 200,000 lines and exits 7 while rank 0 floods an unread console: the job never ended (rank 1's
+    output waited for the console that rank 0's held, so rank 1 never exited); its files keep every line."""
+    path = script(tmp_path, "lines.py", """
+        import os, sys
+        if os.environ["RANK"] == "1":
+            for i in range(200000):
+                print(f"line {i} of rank 1")
+            sys.exit(7)
+        while True:
+            print("rank 0 floods " * 5)
+    """)
+    proc = start_unread(hvdrun_env, tmp_path, "-np", "2", "--output-dir", "logs", path)
+    try:
+        assert proc.wait(timeout=60) == 7
+    finally:
+        proc.kill()
+    err = stderr_of(proc)
+    assert "hvdrun: error: rank 1 on host localhost exited with code 7" in err, err[-2000:]
+    assert "hvdrun: warning: the console's stdout stopped reading; " in err
+    assert (tmp_path / "logs" / "rank.1" / "stdout").read_text().count("\n") == 200000
+    assert wait_until(lambda: not job_processes(token)), job_processes(token)
+
+
 def test_sigint_ends_a_job_whose_console_does_not_read(hvdrun_env, tmp_path, token):
     path = script(tmp_path, "flood.py", FLOOD)
     proc = start_unread(hvdrun_env, tmp_path, "-np", "2", path, "flood")
@@ -101,6 +126,44 @@ def test_a_stop_signal_as_hvdrun_starts_is_one_line(hvdrun_env, tmp_path, token,
         assert f"received {signal.Signals(signum).name}" in err.decode(), err
         assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err
         assert wait_until(lambda: not job_processes(token)), job_processes(token)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_the_fork_server_imports_torch_starts_nothing(hvdrun_env, tmp_path, token, signum):
+    """At +0.1 to +0.8 s under the default preload (the fork server, hvdrun's own child, imports torch): it took up
+    to 3.6 s, and a guard and a rank started after hvdrun had decided nothing runs, outliving it by 2.8 s."""
+    hvdrun_env.pop("HVDRUN_FORK_SERVER_FROM")
+    path = script(tmp_path, "train.py", "import torch\nimport time\ntime.sleep(30)\n")
+    for delay in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8):
+        proc = subprocess.Popen([sys.executable, "-m", "hvdrun", "-np", "2", path], env=hvdrun_env, cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        time.sleep(delay)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signum, (delay, err)
+        lines = err.decode().strip().splitlines()
+        assert len(lines) == 1 and f"received {signal.Signals(signum).name}" in lines[0], (delay, err)
+        assert wait_until(lambda: not job_processes(token), 1.0), (delay, job_processes(token))
+        time.sleep(0.5)  # nothing starts late either
+        assert not job_processes(token), (delay, job_processes(token))
+
+
+def test_sigquit_until_the_job_ends_keeps_its_exit_code(hvdrun_env, tmp_path, token):
+    """Ctrl-\\ every 50 ms: stacks while the ranks run, a note after; hvdrun died of it (-3) as the job ended."""
+    path = script(tmp_path, "short.py", "import time\ntime.sleep(1.5)\nprint('done', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "hvdrun", "-np", "2", path], env=hvdrun_env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert wait_until(lambda: catches(proc.pid, signal.SIGQUIT), 30)
+    sent = 0
+    while proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGQUIT)
+            sent += 1
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, (sent, err[-2000:])
+    assert out.count(b"done") == 2 and sent > 10
+    assert wait_until(lambda: not job_processes(token)), job_processes(token)
 
 
 def test_sigusr1_not_forwarded_is_noted_and_the_job_goes_on(hvdrun_env, tmp_path, token):

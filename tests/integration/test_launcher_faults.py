@@ -153,3 +153,58 @@ def test_under_mpiexec_a_rank_dies_with_its_guard_and_the_failure_names_the_guar
     died = f"rank 1's guard (pid {guard_pid}) on localhost was killed by signal 9 (SIGKILL); its rank was stopped"
     assert f"\nrank 1's error: {died}\n" in job.stderr_text(), job.stderr_text()
     assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
+
+
+HANGING_IMPORT = "import time\ntime.sleep(600)\n"
+
+
+def _preloading(tmp_path, hvdrun_env, *extra: str) -> subprocess.Popen[str]:
+    """A job whose fork server (hvdrun's own child) preloads a module whose import sleeps 600 s."""
+    script(tmp_path, "stuckmod.py", HANGING_IMPORT)
+    hvdrun_env.pop(FORK_SERVER_FROM)
+    hvdrun_env["PYTHONPATH"] = str(tmp_path)
+    return subprocess.Popen([sys.executable, "-m", "hvdrun", "-np", "2", "--preload", "stuckmod", *extra,
+                             script(tmp_path, "w.py", "print('ran')\n")], env=hvdrun_env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _fork_server_of(job: subprocess.Popen[str]) -> psutil.Process:
+    assert wait_until(lambda: [p for p in psutil.Process(job.pid).children() if "forkserver.py" in p.cmdline()[1]],
+                      30)
+    return next(p for p in psutil.Process(job.pid).children() if "forkserver.py" in p.cmdline()[1])
+
+
+def test_a_preload_import_that_hangs_ends_the_job_at_the_start_timeout(hvdrun_env, tmp_path, token):
+    """It hung for ever (the launcher waited for the fork server's answer without a deadline)."""
+    job = _preloading(tmp_path, hvdrun_env, "--start-timeout", "5")
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 1, err
+    assert ("hvdrun: error: cannot start rank 0 on this machine: hvdrun's fork server has been importing 'stuckmod' "
+            "for ") in err, err
+    assert "past the job's start timeout (--start-timeout); stopped it" in err and "Traceback" not in err
+    assert "ran" not in out
+    assert wait_until(lambda: not job_processes(token), 10), job_processes(token)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_during_a_hanging_preload_ends_the_job_at_once(hvdrun_env, tmp_path, token, signum):
+    """Each was ignored while the launcher waited for the fork server (only kill -9 ended it)."""
+    job = _preloading(tmp_path, hvdrun_env)
+    _fork_server_of(job)
+    time.sleep(0.5)  # in the import by now
+    job.send_signal(signum)
+    out, err = job.communicate(timeout=10)
+    assert job.returncode == 128 + signum, err
+    assert err.strip().splitlines() == [f"hvdrun: error: received {signal.Signals(signum).name}; no rank was started"]
+    assert wait_until(lambda: not job_processes(token), 5), job_processes(token)
+
+
+def test_the_fork_server_dies_with_a_killed_launcher_even_mid_import(hvdrun_env, tmp_path, token):
+    """It lived until the import ended (600 s here): a server stuck in an import reads no socket."""
+    job = _preloading(tmp_path, hvdrun_env)
+    server = _fork_server_of(job)
+    time.sleep(0.5)
+    job.kill()
+    job.communicate(timeout=10)
+    assert wait_until(lambda: gone(server.pid), 5)
+    assert wait_until(lambda: not job_processes(token), 5), job_processes(token)

@@ -209,11 +209,12 @@ def _become_subreaper() -> bool:
         return False
 
 
-def parent_death_killer() -> Callable[[], None]:
-    """A function for a child between fork and exec (``preexec_fn``): the kernel SIGKILLs the child when the
-    thread that forked it dies (``PR_SET_PDEATHSIG``; fork from the main thread), and the child kills itself at
-    once if its parent already died. libc is looked up here, before the fork."""
-    parent = os.getpid()
+def parent_death_killer(parent: int | None = None) -> Callable[[], None]:
+    """A function for a child between fork and exec (``preexec_fn``), or for a process that its parent ``parent``
+    started, to call at its start: the kernel SIGKILLs the caller when the thread that forked it dies
+    (``PR_SET_PDEATHSIG``; fork from the main thread), and the caller kills itself at once if its parent already
+    died. libc is looked up here (before the fork)."""
+    parent = os.getpid() if parent is None else parent
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):

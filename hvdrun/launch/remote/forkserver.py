@@ -12,11 +12,14 @@ ends, even killed, the server SIGKILLs what is left of its process group (and it
 it: a guard killed by SIGKILL leaves no rank behind.
 
 Answers, one message each: ``("started", request, pid)`` or ``("failed", request, why)`` per request, in order;
-``("exited", pid, returncode)`` when a guard ends (returncode as :attr:`subprocess.Popen.returncode`: negative for
-a signal). The server is the parent of every guard it started, so it alone can reap them and report their status.
-When the launcher's end closes (hvdrun ended or was killed), the server exits; its guards then see their own
-lifelines end and stop their ranks. When the server dies first (killed), the launcher says so at once
-(``on_gone``); its guards go on, and their ranks' statuses still come back through their status pipes.
+``("importing", request, module)`` before each module the first request preloads (the launcher bounds that wait by
+the job's start timeout and names the module that did not come back); ``("exited", pid, returncode)`` when a guard
+ends (returncode as :attr:`subprocess.Popen.returncode`: negative for a signal). The server is the parent of every
+guard it started, so it alone can reap them and report their status. When the launcher's end closes (hvdrun ended
+or was killed), the server exits; its guards then see their own lifelines end and stop their ranks. The kernel
+kills the server when its launcher dies (``PR_SET_PDEATHSIG``), even in the middle of an import that would hold it
+for minutes. When the server dies first (killed), the launcher says so at once (``on_gone``); its guards go on, and
+their ranks' statuses still come back through their status pipes.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hvdrun.errors import LaunchError
+from hvdrun.errors import LaunchError, StartCancelled
 from hvdrun.launch.remote import guard, proctitle, zygote
-from hvdrun.launch.remote.escapees import kill_rank_cgroups
+from hvdrun.launch.remote.escapees import kill_rank_cgroups, parent_death_killer
 from hvdrun.launch.remote.inprocess import flush_standard_streams
 from hvdrun.launch.remote.preload import preload
 
@@ -45,6 +48,7 @@ MAX_MESSAGE_BYTES = 8 << 20  # one request at most (the socket's send buffer bou
 ANSWER_BYTES = 4096  # one answer of the server
 SOCKET_BUFFER_BYTES = 8 << 20
 FDS_PER_REQUEST = 4
+CANCEL_CHECK_S = 0.05  # how often a wait for the server's answer looks at its deadline and at a stop
 
 
 def _send(sock: socket.socket, message: tuple[Any, ...]) -> None:
@@ -100,7 +104,8 @@ def _serve_request(sock: socket.socket, wakeup: tuple[int, int], number: int) ->
         if len(fds) != FDS_PER_REQUEST:
             raise ValueError(f"expected {FDS_PER_REQUEST} file descriptors, got {len(fds)}")
         request = marshal.loads(data)
-        preload(guard.command_env(request[1]))  # the first rank's environment: import what the ranks will import, once
+        # the first rank's environment: import what the ranks will import, once
+        preload(guard.command_env(request[1]), lambda module: _send(sock, ("importing", number, module)))
         pid = os.fork()
     except (OSError, ValueError, EOFError, TypeError) as e:
         _send(sock, ("failed", number, str(e)))
@@ -133,9 +138,11 @@ def _reap(sock: socket.socket) -> None:
         _send(sock, ("exited", ended.si_pid, os.waitstatus_to_exitcode(status)))
 
 
-def serve(fd: int) -> None:
-    """Serve requests on socket ``fd`` until the launcher closes it."""
-
+def serve(fd: int, launcher: int | None = None) -> None:
+    """Serve requests on socket ``fd`` until the launcher closes it, or until ``launcher`` (the pid of the parent
+    that started this server: the kernel then kills it with that parent) dies."""
+    if launcher is not None:
+        parent_death_killer(launcher)()
     sock = socket.socket(fileno=fd)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
@@ -249,6 +256,7 @@ class ForkServer:
         self.gone = False  # the server's end closed
         self.death = ""  # how the server died, when it ended before close()
         self._closing = False
+        self.importing: tuple[str, float] | None = None  # (module, since when) while the server preloads it
         self._changed = threading.Condition()
         self._requests = 0
         threading.Thread(target=self._read_answers, name="hvdrun-forkserver", daemon=True).start()
@@ -269,7 +277,7 @@ class ForkServer:
             return cls(ours, adopted, where, on_exit, on_gone)
         try:
             pad, pad_env = proctitle.room()  # what ps shows of a forked rank is written over these strings
-            process = subprocess.Popen([sys.executable, __file__, str(theirs.fileno()), pad],
+            process = subprocess.Popen([sys.executable, __file__, str(theirs.fileno()), str(os.getpid()), pad],
                                        stdin=subprocess.DEVNULL, env={**os.environ, **pad_env},
                                        pass_fds=(theirs.fileno(),), start_new_session=True)
         except OSError as e:
@@ -286,6 +294,7 @@ class ForkServer:
         (a fork copies only the calling thread, and the locks the others held). The server's standard streams
         become /dev/null: it holds nothing of ours open (an SSH channel would never end)."""
         ours, theirs = _socket_pair()
+        launcher = os.getpid()
         pid = os.fork()
         if pid == 0:  # the server
             ours.close()
@@ -294,7 +303,7 @@ class ForkServer:
                 os.dup2(null, fd)
             os.close(null)
             try:
-                serve(theirs.detach())
+                serve(theirs.detach(), launcher)
             finally:
                 os._exit(0)
         theirs.close()
@@ -341,14 +350,22 @@ class ForkServer:
                 os.close(fd)
         return GuardPipes(request, lifeline, out_read, err_read, status_read)
 
-    def pid_of(self, request: int, rank: int) -> int:
-        """The pid of the guard started for ``request`` (waits for the server's answer).
+    def pid_of(self, request: int, rank: int, deadline: float | None = None,
+               cancelled: Callable[[], bool] = lambda: False) -> int:
+        """The pid of the guard started for ``request`` (waits for the server's answer until the monotonic
+        ``deadline``, looking at ``cancelled`` every :data:`CANCEL_CHECK_S`: a flag a signal handler may set).
 
         Raises:
-            LaunchError: the server could not fork it, or is gone.
+            StartCancelled: ``cancelled()`` said so first.
+            LaunchError: the server could not fork it, is gone, or did not answer by ``deadline`` (the server is
+                killed then: it is stuck, most likely in a preloaded module's import, which the error names).
         """
         with self._changed:
-            self._changed.wait_for(lambda: request in self._answers or self.gone)
+            while not self._changed.wait_for(lambda: request in self._answers or self.gone, CANCEL_CHECK_S):
+                if cancelled():
+                    raise StartCancelled(f"the start of rank {rank} on {self.where} was cancelled")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise LaunchError(self._overdue(rank, deadline))
             answer = self._answers.get(request)
         if answer is None or answer[0] != "started":
             why = answer[1] if answer is not None else "it ended"
@@ -356,6 +373,16 @@ class ForkServer:
                 why = f"it {self.death.split(') ', 1)[1]} earlier; no new rank can start on {self.where}"
             raise LaunchError(f"cannot start rank {rank} on {self.where}: hvdrun's fork server: {why}")
         return int(answer[1])
+
+    def _overdue(self, rank: int, deadline: float) -> str:
+        """Why the start of ``rank`` is past ``deadline`` (the server is killed on the way out: see :meth:`close`)."""
+        start = f"cannot start rank {rank} on {self.where}: hvdrun's fork server"
+        if self.importing is None:
+            return f"{start} did not answer within the job's start timeout (--start-timeout); stopped it"
+        module, since = self.importing
+        return (f"{start} has been importing '{module}' for {time.monotonic() - since:.1f} s (it preloads it "
+                "for the ranks, --preload), past the job's start timeout (--start-timeout); stopped it "
+                "(--preload none starts the ranks without it)")
 
     def _read_answers(self) -> None:
         while True:
@@ -370,7 +397,10 @@ class ForkServer:
                 kind, key, value = marshal.loads(data)
                 if kind == "exited":
                     self.exited[key] = value
+                elif kind == "importing":
+                    self.importing = (value, time.monotonic())
                 else:
+                    self.importing = None
                     self._answers[key] = (kind, value)
                     if kind == "started":  # a pid used again (pids wrap in long jobs): its old end is not this one
                         self.exited.pop(value, None)
@@ -411,18 +441,22 @@ class ForkServer:
         return "closed its socket"
 
     def close(self) -> None:
-        """Let the server go (its guards stay with their lifelines) and reap it."""
+        """Let the server go (its guards stay with their lifelines) and reap it. A server that has not answered
+        every request (stuck in a preload's import, or about to fork guards nobody will take) is killed at once:
+        no guard starts after this."""
         self._closing = True
+        with self._changed:
+            pending = len(self._answers) < self._requests and not self.gone
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes our reader; a plain close would wait for its recv()
         except OSError:
             pass
         self._sock.close()
         if isinstance(self._server, int):
-            _reap_child(self._server)
+            _reap_child(self._server, 0.0 if pending else 5.0)
             return
         try:
-            self._server.wait(5)
+            self._server.wait(0.0 if pending else 5.0)
         except subprocess.TimeoutExpired:
             self._server.kill()
             self._server.wait()
@@ -446,4 +480,4 @@ def _reap_child(pid: int, timeout_s: float = 5.0) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), int(sys.argv[2]))

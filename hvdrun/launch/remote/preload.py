@@ -121,10 +121,11 @@ def wanted_modules(environ: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(m for m in environ.get(PRELOAD, "").split(",") if m)
 
 
-def preload(environ: Mapping[str, str]) -> None:
+def preload(environ: Mapping[str, str], importing: Callable[[str], None] = lambda module: None) -> None:
     """Import the modules ``environ`` names in ``HVDRUN_PRELOAD`` (once per process; the fork server calls it
     with its first request's environment), those a zygote imported already (:func:`adopt`) excepted. A module
-    that fails to import is left to the ranks, which then start the ordinary way and show the error themselves."""
+    that fails to import is left to the ranks, which then start the ordinary way and show the error themselves.
+    ``importing(module)`` is called before each import (the fork server tells its launcher, which bounds it)."""
     global _preloaded, _tried
     modules = wanted_modules(environ)
     if _tried or not modules:
@@ -139,6 +140,7 @@ def preload(environ: Mapping[str, str]) -> None:
         os.environ.clear()
         os.environ.update(environ)
         for module in missing:
+            importing(module)
             importlib.import_module(module)
     except BaseException:  # noqa: BLE001 - even SystemExit: the ranks import it themselves and report it
         return
