@@ -91,6 +91,7 @@ class RendezvousError(CollectiveError):
 
 
 RENDEZVOUS_TIMED_OUT = "rendezvous timed out"  # how rank 0's error begins when ranks never joined (the launcher looks)
+RENDEZVOUS_UNREACHED = "cannot reach rank 0 at "  # how a rank's error begins when rank 0 never listened (likewise)
 
 
 class DeviceError(CollectiveError):

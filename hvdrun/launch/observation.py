@@ -124,7 +124,7 @@ def observed(observation: Observation) -> Iterator[None]:
 
 def _open_sinks(observation: Observation, stack: contextlib.ExitStack) -> list[Sink]:
     """The metrics sinks the plan asks for, closed with ``stack``."""
-    from hvdrun.observe.metrics import JsonLinesFile, MetricsServer, parse_address
+    from hvdrun.observe.metrics import JsonLinesFile, MetricsServer, open_to_the_network, parse_address
 
     options, job_id, warn = observation.plan.options, observation.run_id, observation.write
     sinks: list[Sink] = []
@@ -133,6 +133,10 @@ def _open_sinks(observation: Observation, stack: contextlib.ExitStack) -> list[S
         server = MetricsServer(addr, port, job_id)
         stack.callback(server.close)
         warn(f"hvdrun: metrics of job {job_id} at http://{addr}:{server.port}/metrics\n")
+        if open_to_the_network(addr):
+            warn(f"hvdrun: warning: --metrics-port {options.metrics_port} serves the page to the network without "
+                 "authentication (anyone who reaches this machine reads the job's hosts, ranks and rates); give "
+                 f"127.0.0.1:{server.port} to keep it on this machine\n")
         sinks.append(server)
     if options.metrics_file:
         lines = JsonLinesFile(options.metrics_file, job_id, lambda text: warn(text + "\n"))

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from hvdrun.atomic_files import why_unwritable
 from hvdrun.config import ClusterConfig, load_cluster_config
 from hvdrun.envvars import (
     BACKEND,
@@ -330,6 +331,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     check_tuning(base_env)
     _check_backend(base_env, launcher)
     _prepare_output_dir(options.output_dir)
+    _check_files_written_at_the_end(options)
     if options.start_timeout_s is not None:
         base_env[START_TIMEOUT] = str(options.start_timeout_s)
     if options.timeline_filename:
@@ -352,15 +354,21 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
 
 
 def _timeline_path(filename: str, hosts: Sequence[Host]) -> str:
-    """The timeline's absolute path. Where rank 0 runs on this machine, a folder it could not write the file to
+    """The timeline's absolute path. Where rank 0 runs on this machine, a place it could not write the file to
     (when the job ends) is a usage error now."""
     path = Path(filename).resolve()
-    if hosts and is_local_host(hosts[0].name):
-        folder = next(parent for parent in path.parents if parent.exists())
-        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-            raise UsageError(f"--timeline-filename {filename}: {folder} is not a directory this user can write "
-                             "(rank 0 writes the timeline there when the job ends)")
+    if hosts and is_local_host(hosts[0].name) and (why := why_unwritable(path)):
+        raise UsageError(f"--timeline-filename {filename}: {why} (rank 0 writes the timeline there when the job "
+                         "ends)")
     return str(path)
+
+
+def _check_files_written_at_the_end(options: RunOptions) -> None:
+    """``--report`` and ``--metrics-file``, which hvdrun writes as the job runs or ends: a place it could not write
+    them to is a usage error before anything starts, not a failure after hours of training."""
+    for option, path in (("--report", options.report), ("--metrics-file", options.metrics_file)):
+        if path and (why := why_unwritable(path)):
+            raise UsageError(f"{option} {path}: {why}")
 
 def _network_interface(options: RunOptions, config: ClusterConfig | None,
                        hosts: Sequence[Host]) -> tuple[str | None, tuple[str, ...]]:

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from hvdrun.envvars import Rendezvous, jobs_dir
+from hvdrun.envvars import JOBS_DIR, Rendezvous, jobs_dir
 from hvdrun.errors import UsageError
 
 _ASK_TIMEOUT_S = 5.0
@@ -100,7 +100,7 @@ def register(rendezvous: Rendezvous, size: int) -> tuple[Path, SecretKeeper] | N
             folder.chmod(0o700)  # an older or shared directory: what is below is this user's alone
         running_jobs()
         keeper = SecretKeeper(rendezvous.secret, f"hvdrun-job-{rendezvous.job_id}-{os.getpid()}")
-    except OSError:
+    except (OSError, UsageError):
         return None
     path = folder / f"{rendezvous.job_id}.json"
     try:
@@ -123,9 +123,19 @@ def unregister(registered: tuple[Path, SecretKeeper] | None) -> None:
 
 
 def running_jobs() -> list[dict[str, Any]]:
-    """This user's registered jobs whose hvdrun is still running (files of ended ones are removed)."""
+    """This user's registered jobs whose hvdrun is still running (files of ended ones are removed).
+
+    Raises:
+        UsageError: the records' folder cannot be read (one line: which folder, why, what to set).
+    """
     jobs = []
-    for path in sorted(running_dir().glob("*.json")):
+    folder = running_dir()
+    try:
+        paths = sorted(folder.glob("*.json"))
+    except OSError as e:
+        raise UsageError(f"cannot read hvdrun's running jobs in {folder} ({e.strerror or e}); give a folder of "
+                         f"yours in {JOBS_DIR}") from e
+    for path in paths:
         try:
             job = json.loads(path.read_text())
             os.kill(int(job["pid"]), 0)

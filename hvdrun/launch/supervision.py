@@ -18,7 +18,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from hvdrun.errors import RENDEZVOUS_TIMED_OUT, JobInterrupted, StartCancelled, UsageError, WorkerFailed
+from hvdrun.errors import (
+    RENDEZVOUS_TIMED_OUT,
+    RENDEZVOUS_UNREACHED,
+    JobInterrupted,
+    StartCancelled,
+    UsageError,
+    WorkerFailed,
+)
 from hvdrun.interrupts import Wakeup
 from hvdrun.launch.base import Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
@@ -270,9 +277,9 @@ class WorkerGroup:
                            note=failure.note)
 
     def _still_outside_init(self, failure: Failure, error: str | None) -> list[Slot]:
-        """The ranks to blame when the first failure is a rendezvous that timed out: those still running that never
-        entered ``init()`` (the failed rank only waited for them)."""
-        if error is None or not error.startswith(RENDEZVOUS_TIMED_OUT):
+        """The ranks to blame when the first failure is a rendezvous that timed out, or a rank that could not reach
+        rank 0's: those still running that never entered ``init()`` (the failed rank only waited for them)."""
+        if error is None or not error.startswith((RENDEZVOUS_TIMED_OUT, RENDEZVOUS_UNREACHED)):
             return []
         return [worker.slot for worker in self.workers
                 if worker.slot.rank != failure.slot.rank and worker.slot.rank not in self.router.entered_init
@@ -283,7 +290,8 @@ class WorkerGroup:
         """The job's error when ranks never joined: those ranks first, then what the rank that gave up said."""
         first = absent[0]
         lines = [f"{_ranks_on_hosts(absent)} never joined the job: still running without having called init() when "
-                 f"rank {failure.slot.rank}'s rendezvous timed out {failure.seconds_after_start:.1f} s after start; "
+                 f"rank {failure.slot.rank} gave up waiting in init() {failure.seconds_after_start:.1f} s after "
+                 "start; "
                  f"stopped all {ranks} ranks",
                  f"rank {failure.slot.rank}'s error: {error}"]
         return WorkerFailed("\n".join(lines), failure.exit_code, host=first.hostname if failure.host_known else None,

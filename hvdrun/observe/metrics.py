@@ -5,6 +5,7 @@ reached). Both are sinks of the launcher's :class:`~hvdrun.observe.sampler.Vital
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -47,6 +48,17 @@ def parse_address(text: str) -> tuple[str, int]:
     if not 0 <= number <= 65535:
         raise UsageError(f"--metrics-port {text!r}: expected PORT or ADDR:PORT with a port from 0 to 65535")
     return addr.strip("[]") or DEFAULT_ADDR, number
+
+
+def open_to_the_network(addr: str) -> bool:
+    """Whether a page served at ``addr`` can be read from other machines (anything but a loopback address or
+    ``localhost``)."""
+    if addr == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(addr).is_loopback
+    except ValueError:  # a host name: whatever it resolves to, it was named to be reached
+        return True
 
 
 class _Collector:

@@ -358,12 +358,17 @@ def start_timeline(file_path: str, mark_cycles: bool = False, _allow_static: boo
 def stop_timeline() -> None:
     """Stop recording and write the timeline file."""
     timeline, current().engine.timeline = current().engine.timeline, None
+    _write_timeline(timeline)
+
+
+def _write_timeline(timeline: Timeline | None) -> None:
+    """Write ``timeline``'s file; one that cannot be written is one warning line, never a traceback."""
     if timeline is not None:
         try:
             timeline.close()
         except OSError as e:
-            print(f"hvdrun: warning: the timeline could not be written to {timeline.path}: {e}", file=sys.stderr,
-                  flush=True)
+            print(f"hvdrun: warning: the timeline could not be written to {timeline.path}: {e.strerror or e}",
+                  file=sys.stderr, flush=True)
 
 
 def shutdown() -> None:
@@ -374,8 +379,7 @@ def shutdown() -> None:
     if runtime is None:
         return
     failed = runtime.engine.stop(SHUTDOWN_TIMEOUT_S)
-    if runtime.engine.timeline is not None:
-        runtime.engine.timeline.close()
+    _write_timeline(runtime.engine.timeline)
     if runtime.rendezvous is not None:
         if failed is not None:  # peers still in the shutdown would wait for this rank: tell them, as a failure does
             runtime.rendezvous.report_failure(f"rank {runtime.world.rank} could not complete the shutdown: {failed}")

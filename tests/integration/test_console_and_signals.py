@@ -148,6 +148,31 @@ def test_a_stop_signal_while_the_fork_server_imports_torch_starts_nothing(hvdrun
         assert not job_processes(token), (delay, job_processes(token))
 
 
+def test_a_stop_signal_just_after_a_restart_line_starts_nothing(hvdrun_env, tmp_path, token):
+    """0.3 s after ``hvdrun: restart 1 of 1``, while the new attempt's fork server imports torch."""
+    hvdrun_env.pop("HVDRUN_FORK_SERVER_FROM")
+    path = script(tmp_path, "fails_once.py", """
+        import os, sys, time
+        import torch
+        if os.environ["HVDRUN_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+            sys.exit(3)
+        time.sleep(30)
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "hvdrun", "-np", "2", "--max-restarts", "1", path],
+                            env=hvdrun_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    while "hvdrun: restart 1 of 1" not in (line := proc.stderr.readline()):
+        assert line, "no restart line"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines() == ["hvdrun: error: received SIGTERM; no rank was started"], err
+    assert wait_until(lambda: not job_processes(token), 1.0), job_processes(token)
+    time.sleep(0.5)
+    assert not job_processes(token), job_processes(token)
+
+
 def test_sigquit_until_the_job_ends_keeps_its_exit_code(hvdrun_env, tmp_path, token):
     """Ctrl-\\ every 50 ms: stacks while the ranks run, a note after; hvdrun died of it (-3) as the job ended."""
     path = script(tmp_path, "short.py", "import time\ntime.sleep(1.5)\nprint('done', flush=True)\n")

@@ -103,6 +103,23 @@ def test_a_late_rank_gives_the_rendezvous_timeout_not_a_bad_descriptor(run_hvdru
     assert "Bad file descriptor" not in done.stderr
 
 
+def test_a_rank_0_that_never_calls_init_is_named_as_the_one_that_never_joined(run_hvdrun, tmp_path):
+    """Rank 1 cannot reach rank 0's rendezvous (rank 0 opens it in init()): the headline blamed rank 1's exit."""
+    late = script(tmp_path, "no_init.py", """
+        import os, time
+        import hvdrun.torch as hvd
+        if os.environ["RANK"] == "0":
+            time.sleep(60)
+        hvd.init()
+    """)
+    done = run_hvdrun("-np", "2", "--start-timeout", "2", late)
+    assert done.returncode == 1
+    headline = done.stderr.split("hvdrun: error: ", 1)[1].splitlines()
+    assert headline[0].startswith("rank 0 on localhost never joined the job: still running without having called "
+                                  "init() when rank 1 gave up waiting in init() "), headline
+    assert headline[1].startswith("rank 1's error: cannot reach rank 0 at "), headline
+
+
 def test_the_mpi_backend_needs_ranks_that_mpi_started(run_hvdrun, hvdrun_env, tmp_path):
     program = script(tmp_path, "mpi.py", """
         import os

@@ -7,6 +7,7 @@ of a job stopped by ``--idle-timeout`` (with its stacks report) there too.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import re
@@ -190,6 +191,53 @@ def test_a_metrics_port_in_use_is_a_usage_error_before_any_rank_starts(run_hvdru
     assert bad.returncode == 2 and "expected PORT or ADDR:PORT" in bad.stderr, bad.stderr
     elastic = run_hvdrun("-np", "2", "--min-np", "1", "--max-np", "2", "--report", "r.html", "true")
     assert elastic.returncode == 2 and "an elastic job" in elastic.stderr, elastic.stderr
+
+
+def test_a_metrics_page_open_to_the_network_is_said_in_a_warning(run_hvdrun):
+    """The page has no authentication (as prometheus_client serves it): 0.0.0.0 served it without a word."""
+    opened = run_hvdrun("-np", "1", "--metrics-port", "0.0.0.0:0", "python", "-c", "print('ran')")
+    assert opened.returncode == 0, opened.stderr
+    assert "hvdrun: warning: --metrics-port 0.0.0.0:0 serves the page to the network without authentication" in \
+        opened.stderr
+    local = run_hvdrun("-np", "1", "--metrics-port", "127.0.0.1:0", "python", "-c", "print('ran')")
+    assert local.returncode == 0 and "warning" not in local.stderr, local.stderr
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs filled to the last block (root only: the suite's machines run it as root)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        with open(mount / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+            while True:
+                filler.write(b"\0" * 4096)
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("option", ["--report", "--metrics-file", "--timeline-filename"])
+def test_a_file_written_at_the_end_is_checked_before_anything_starts(run_hvdrun, full_disk, option):
+    """An unwritable place (``/proc``, which even root cannot write) or a full disk: found at the job's end before
+    (after hours of training), and the timeline's ended in a 15-line atexit traceback on rank 0."""
+    for place, why in ((Path("/proc/job.out"), "cannot write in /proc"), (full_disk / "job.out", "")):
+        done = run_hvdrun("-np", "2", option, str(place), "python", "-c", "print('ran')")
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith(f"hvdrun: error: {option} {place}: {why}") and "ran" not in done.stdout
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_timeline_the_rank_cannot_write_is_one_warning_line(run_hvdrun, hvdrun_env):
+    """Set for the ranks directly (no launcher check): rank 0 said so in a 15-line atexit traceback."""
+    hvdrun_env["HOROVOD_TIMELINE"] = "/proc/timeline.json"
+    done = run_hvdrun("-np", "2", "python", "-c", "import hvdrun.torch as hvd; hvd.init(); hvd.barrier()")
+    assert done.returncode == 0, done.stderr
+    assert "[0]<stderr>:hvdrun: warning: the timeline could not be written to /proc/timeline.json: No such file " \
+           "or directory" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_a_job_that_cannot_reach_a_host_still_gets_its_report(run_hvdrun, tmp_path):

@@ -235,3 +235,22 @@ def test_an_idle_job_prints_where_every_rank_is_before_it_stops(run_hvdrun, tmp_
     assert ": stopped</title>" in page and "stopped (exit code 124)" in page
     assert "no rank printed for 6 s (--idle-timeout); stopped all 4 workers" in page.split("<h2>Failure</h2>")[1]
     assert_report(page.split("<h2>Last stacks report</h2>")[1])
+
+
+def test_an_unreadable_jobs_folder_is_one_line(hvdrun_env, tmp_path):
+    """``hvdrun stacks`` and ``hvdrun top`` read the running jobs' records: a folder this user cannot read gave a
+    PermissionError traceback. Root reads anything, so the command runs without the capabilities that allow it."""
+    folder = tmp_path / "jobs"
+    (folder / "running").mkdir(parents=True)
+    folder.chmod(0)
+    hvdrun_env["HVDRUN_JOBS_DIR"] = str(folder)
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
+    try:
+        for command in ("stacks", "top"):
+            done = subprocess.run([*drop, sys.executable, "-m", "hvdrun", command], env=hvdrun_env,
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 2, done.stderr
+            assert done.stderr.strip() == (f"hvdrun: error: cannot read hvdrun's running jobs in {folder}/running "
+                                           "(Permission denied); give a folder of yours in HVDRUN_JOBS_DIR")
+    finally:
+        folder.chmod(0o700)

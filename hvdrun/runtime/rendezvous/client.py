@@ -53,7 +53,7 @@ class Client:
                 sock = self.upstream.open()
             except OSError as e:
                 self._retry_or_fail(deadline, f"cannot reach {where}: {e.strerror or e}; is {it} running and the "
-                                              "address reachable?", e)
+                                              "address reachable?", e)  # errors.RENDEZVOUS_UNREACHED for rank 0
                 continue
             try:
                 authenticate_server(sock, self.secret, where)
