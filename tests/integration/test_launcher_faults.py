@@ -208,3 +208,19 @@ def test_the_fork_server_dies_with_a_killed_launcher_even_mid_import(hvdrun_env,
     job.communicate(timeout=10)
     assert wait_until(lambda: gone(server.pid), 5)
     assert wait_until(lambda: not job_processes(token), 5), job_processes(token)
+
+
+def test_over_ssh_a_preload_import_that_hangs_ends_the_job_at_the_start_timeout(hvdrun_env, ssh_hosts, tmp_path,
+                                                                                 token):
+    """The host agent waited for its fork server's answer without a deadline too."""
+    script(tmp_path, "stuckmod.py", HANGING_IMPORT)
+    hvdrun_env["PYTHONPATH"] = str(tmp_path)
+    job = subprocess.Popen([sys.executable, "-m", "hvdrun", "-H", ssh_hosts.hosts(1), *ssh_hosts.args(),
+                            "-x", "PYTHONPATH", "--preload", "stuckmod", "--start-timeout", "5",
+                            script(tmp_path, "w.py", "print('ran')\n")], env=hvdrun_env, cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = job.communicate(timeout=90)
+    assert job.returncode == 1, err
+    assert "hvdrun's fork server has been importing 'stuckmod' for " in err, err
+    assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
+    assert wait_until(lambda: not host_processes(ssh_hosts.addrs), 15), host_processes(ssh_hosts.addrs)

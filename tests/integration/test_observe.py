@@ -233,7 +233,7 @@ def test_a_file_written_at_the_end_is_checked_before_anything_starts(run_hvdrun,
 def test_a_timeline_the_rank_cannot_write_is_one_warning_line(run_hvdrun, hvdrun_env):
     """Set for the ranks directly (no launcher check): rank 0 said so in a 15-line atexit traceback."""
     hvdrun_env["HOROVOD_TIMELINE"] = "/proc/timeline.json"
-    done = run_hvdrun("-np", "2", "python", "-c", "import hvdrun.torch as hvd; hvd.init(); hvd.barrier()")
+    done = run_hvdrun("-np", "2", sys.executable, "-c", "import hvdrun.torch as hvd; hvd.init(); hvd.barrier()")
     assert done.returncode == 0, done.stderr
     assert "[0]<stderr>:hvdrun: warning: the timeline could not be written to /proc/timeline.json: No such file " \
            "or directory" in done.stderr

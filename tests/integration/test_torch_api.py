@@ -107,7 +107,7 @@ def test_a_timeline_filename_rank_0_could_not_write_is_a_usage_error_before_the_
     result = run_hvdrun("-np", "1", "--timeline-filename", "a-file/trace.json", "true")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == (f"hvdrun: error: --timeline-filename a-file/trace.json: {tmp_path / 'a-file'} is not a "
-                             "directory this user can write (rank 0 writes the timeline there when the job ends)\n")
+                             "directory (rank 0 writes the timeline there when the job ends)\n")
 
 
 def test_dynamic_timeline_starts_and_stops(run_hvdrun, hvdrun_env, tmp_path):

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from hvdrun.envvars import start_timeout_s
 from hvdrun.errors import LaunchError
 from hvdrun.launch.remote.forkserver import ForkServer, GuardStatus, describe_status
 from hvdrun.launch.remote.host_agent.messages import DROP
@@ -57,15 +59,21 @@ class HostRanks:
 
     def start(self, entries: Iterable[tuple[int, Sequence[str], dict[str, str], str]],
               login_env: dict[str, str]) -> None:
-        """Start every ``(rank, guard_argv, env, cwd)`` of a plan, with ``env`` on top of ``login_env``."""
+        """Start every ``(rank, guard_argv, env, cwd)`` of a plan, with ``env`` on top of ``login_env``, within the
+        job's start timeout (a preload stuck in an import: the fork server is stopped and each rank's error says
+        so)."""
         assert self.server is not None
+        deadline: float | None = None
         for rank, guard_argv, env, cwd in entries:
+            deadline = deadline or time.monotonic() + start_timeout_s(env)
             try:
-                self._start(rank, guard_argv, {**login_env, **env}, cwd)
+                self._start(rank, guard_argv, {**login_env, **env}, cwd, deadline)
             except LaunchError as e:
+                if time.monotonic() > deadline:
+                    self.server.close()  # stuck: killed (its requests are unanswered), so no late guard starts
                 self._up(tag(rank, "stderr", f"hvdrun: error: {e}\n".encode()) + tag(rank, "exit", b"1\n"))
 
-    def _start(self, rank: int, guard_argv: Sequence[str], env: dict[str, str], cwd: str) -> None:
+    def _start(self, rank: int, guard_argv: Sequence[str], env: dict[str, str], cwd: str, deadline: float) -> None:
         assert self.server is not None
         pipes = self.server.start_guard(guard_argv, env, cwd, rank)
         state = _Rank(rank, pipes.lifeline, GuardStatus(pipes.status))
@@ -76,13 +84,13 @@ class HostRanks:
                              name=f"hvdrun-rank-{rank}-{stream}").start()
         threading.Thread(target=self._watch_status, args=(state,), daemon=True,
                          name=f"hvdrun-rank-{rank}-status").start()
-        self._started(state, pipes.request)
+        self._started(state, pipes.request, deadline)
 
-    def _started(self, state: _Rank, request: int) -> None:
-        """Learn the guard's pid (the server's answer); an exit reported before that is taken now."""
+    def _started(self, state: _Rank, request: int, deadline: float) -> None:
+        """Learn the guard's pid (the server's answer, by ``deadline``); an exit reported before that is taken now."""
         assert self.server is not None
         try:
-            pid = self.server.pid_of(request, state.rank)
+            pid = self.server.pid_of(request, state.rank, deadline)
         except LaunchError:
             with self._lock:
                 state.reported = True  # start() reports it
