@@ -5,13 +5,13 @@ the same on ranks that submit in the same order), the queue of requests not yet 
 flight, the names threads of this rank are blocked on, and the rank's failure. One lock guards all of
 it, and the engine's sleep flags too, so a submission knows whether to wake a sleeping engine.
 
-A name is taken from submission until the op finished *and* this rank went on: its handle was synchronized,
-waited or polled done, or the rank submitted another collective since. Horovod frees a name when its op finishes
-in the background, which in Horovod comes a cycle (milliseconds) after the submitting call returns; here the op
-may finish between two statements of the caller, so "finished" alone would make Horovod's own duplicate-name
-test (two ``allreduce_async`` of one name in a row) pass or fail by a race, and a second op that did not
-raise would wait for a partner that never comes. A handle nobody synchronizes still keeps no name once the rank
-has moved on.
+A name is taken from submission until the op finished *and* this rank has seen an end past it: its own handle
+synchronized, waited or polled done, or an op this rank submitted after it finished too. Horovod frees a name
+when its op finishes in the background, which in Horovod comes a cycle (milliseconds) after the submitting call
+returns; here the op may finish between two statements of the caller, so "finished" alone would make Horovod's
+own duplicate-name test (two ``allreduce_async`` of one name in a row) pass or fail by a race, and a second op
+that did not raise would wait for a partner that never comes. A handle nobody synchronizes (a metric left
+behind) still keeps no name once a later collective of the rank finished: the next step reuses it.
 """
 
 from __future__ import annotations
@@ -63,7 +63,11 @@ class Submissions:
         self.new: list[LocalOp] = []  # submitted, not yet announced
         self.inflight: dict[str, LocalOp] = {}
         self.taken: set[str] = set()  # names submitted and not yet finished (a superset of inflight's)
-        self.unseen: set[str] = set()  # names of ops that finished since this rank last went on (module docstring)
+        # names of ops that finished with no end seen past them yet (module docstring) -> their submission's number
+        self.unseen: dict[str, int] = {}
+        self._numbers: dict[str, int] = {}  # taken name -> its submission's number on this rank (1, 2, ...)
+        self._submitted = 0
+        self._last_finished = 0  # the highest submission number whose op finished
         self.waiting: list[tuple[str, float]] = []  # (name, since) that threads of this rank are blocked on
         self.async_new = False  # something was submitted for the background thread to announce
         self.sleeping = False  # the background thread sleeps on the wake pipe (set by the progress loop)
@@ -119,12 +123,11 @@ class Submissions:
             if self.stopped:
                 raise CollectiveError("hvdrun has been shut down on this rank")
             self._check_names([op.request.name for op in ops])
-            self.unseen.clear()
             for op in ops:
                 if on_queued is not None:
                     on_queued(op)
                 self.inflight[op.request.name] = op
-                self.taken.add(op.request.name)
+                self._take(op.request.name)
                 self.new.append(op)
             self.async_new = self.async_new or wake
             return ops, wake and self.sleeping
@@ -135,9 +138,14 @@ class Submissions:
         with self.lock:
             if self.failure is not None or self.stopped or name in self.taken or name in self.unseen:
                 return False
-            self.unseen.clear()
-            self.taken.add(name)
+            self._take(name)
             return True
+
+    def _take(self, name: str) -> None:
+        """``name`` is taken by a new submission (with the lock held)."""
+        self._submitted += 1
+        self.taken.add(name)
+        self._numbers[name] = self._submitted
 
     def adopt(self, request: Request, array: np.ndarray, payload: Message | None) -> LocalOp:
         """An op already announced by an express cycle that did not go through at once: in flight from now on,
@@ -175,18 +183,24 @@ class Submissions:
         return copy.tobytes()
 
     def release_name(self, name: str, seen: bool = False) -> None:
-        """The op ``name`` finished on this rank: the name is free again once the rank goes on (at once when the
-        caller has ``seen`` it finish: a blocking op)."""
+        """The op ``name`` finished on this rank: its name is free once an end past it is seen (at once when the
+        caller has ``seen`` it finish, a blocking op, or an op submitted after it finished already); the names of
+        earlier ops that finished are free now."""
         with self.lock:
-            if name in self.taken:
-                self.taken.discard(name)
-                if not seen:
-                    self.unseen.add(name)
+            if name not in self.taken:
+                return
+            self.taken.discard(name)
+            number = self._numbers.pop(name)
+            if not seen and number > self._last_finished:
+                self.unseen[name] = number
+            if number > self._last_finished:
+                self._last_finished = number
+                self.unseen = {other: earlier for other, earlier in self.unseen.items() if earlier >= number}
 
     def seen(self, name: str) -> None:
         """The caller took up the end of the op ``name`` (synchronized, waited or polled it): the name is free."""
         with self.lock:
-            self.unseen.discard(name)
+            self.unseen.pop(name, None)
 
     def take_new(self, confirm_age_s: float) -> tuple[list[LocalOp], list[str]]:
         """The ops to announce in the next cycle, and the names blocked on for at least ``confirm_age_s``."""

@@ -40,6 +40,7 @@ def test_horovods_duplicate_name_test_50_times_then_a_stray_op_leave_the_next_te
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in range(2):
         assert f"[{rank}]<stdout>:rank {rank} outcomes {{'ok': 100}}" in done.stdout, done.stdout[-3000:]
+        assert f"[{rank}]<stdout>:rank {rank} back to back {{'ok': 50}}" in done.stdout, done.stdout[-3000:]
         assert f"[{rank}]<stdout>:rank {rank} after the stray: ok" in done.stdout
     assert ("[1]<stderr>:hvdrun: warning: rank 1: allreduce 'stray' can never complete: rank 0 shut down without "
             "submitting it (submitted here and never waited on: a stray op, cleared)") in done.stdout + done.stderr

@@ -1,5 +1,5 @@
-"""A name is taken on a rank from submission until its op finished and the rank went on (saw that end, or
-submitted another collective): Horovod's duplicate-name test never races the background thread."""
+"""A name is taken on a rank from submission until its op finished and the rank saw an end past it (its own, or a
+later op's): Horovod's duplicate-name test never races the background thread."""
 
 from __future__ import annotations
 
@@ -55,6 +55,27 @@ def test_the_name_is_free_once_the_rank_went_on(went_on):
     submit(engine, "metric")
 
 
+def test_a_later_op_still_in_flight_does_not_free_the_name():
+    engine = _Engine()
+    first = submit(engine, "metric")
+    submit(engine, "barrier.noname.1")  # submitted, not finished
+    first.finish(None)
+    with pytest.raises(ValueError, match="not yet synchronized"):
+        submit(engine, "metric")
+
+
+@pytest.mark.parametrize("order", ["op first", "barrier first"])
+def test_an_op_that_finished_while_the_rank_waited_in_a_later_one_is_free_after_it(order):
+    """Rank 0 of Horovod's test: its op finishes while it waits in the barrier it submitted after it."""
+    engine = _Engine()
+    first = submit(engine, "duplicate_name")
+    barrier = submit(engine, "barrier.noname.1")
+    for handle in ((first, barrier) if order == "op first" else (barrier, first)):
+        handle.finish(None)
+    barrier.wait()
+    submit(engine, "duplicate_name")
+
+
 def test_an_op_in_flight_is_refused_whatever_was_seen():
     engine = _Engine()
     submit(engine, "x")
@@ -68,6 +89,6 @@ def test_the_express_cycle_refuses_a_finished_unseen_name():
     engine = _Engine()
     submit(engine, "x").finish(None)
     assert not engine.ledger.claim("x")
-    assert engine.ledger.claim("y")  # and going on frees it
+    assert engine.ledger.claim("y")  # a later op that finishes frees it
     engine.ledger.release_name("y", seen=True)
     assert engine.ledger.claim("x")

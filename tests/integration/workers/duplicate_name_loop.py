@@ -1,6 +1,7 @@
 """Horovod's duplicate-name test (test_torch.py's shape) 50 times in one job, each followed by its tearDown
-(barrier, shutdown) and a test that must pass; then a stray op (submitted by rank 1 only) that the tearDown's
-shutdown reports and clears, with the tests after it passing on every rank."""
+(barrier, shutdown) and a test that must pass; then 50 times back to back in one init (a name reused while the
+rank's last op of that name finished during its barrier); then a stray op (submitted by rank 1 only) that the
+tearDown's shutdown reports and clears, with the tests after it passing on every rank."""
 
 import torch
 
@@ -46,6 +47,12 @@ for _ in range(50):
         teardown()
         hvd.init()
 print(f"rank {rank} outcomes {outcomes}", flush=True)
+
+back_to_back: dict[str, int] = {}
+for _ in range(50):
+    outcome = duplicate_name_test(rank)
+    back_to_back[outcome] = back_to_back.get(outcome, 0) + 1
+print(f"rank {rank} back to back {back_to_back}", flush=True)
 
 if rank == 1:  # a failed test's stray op: the other rank never submits it
     hvd.allreduce_async(torch.ones(2), name="stray")
