@@ -88,11 +88,12 @@ class Probe:
             seconds: float | None = time.monotonic() - started
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, err = proc.communicate()
             seconds = None
         time.sleep(1.0)
         left = leftovers(token)
-        kill_leftovers(token)
+        kill_leftovers(token)  # before reading the rest: a leftover may hold hvdrun's pipes open
+        if seconds is None:
+            out, err = proc.communicate()
         lines = [line for line in err.decode(errors="replace").splitlines() if line.strip()]
         said = [line for line in out.decode(errors="replace").splitlines() if "did not raise" in line]
         return Outcome(fault, seconds, proc.returncode if seconds is not None else None,
