@@ -30,12 +30,20 @@ def write_text_atomically(path: str | os.PathLike[str], text: str, mode: int | N
     return target
 
 
-def why_unwritable(path: str | os.PathLike[str]) -> str | None:
+def why_unwritable(path: str | os.PathLike[str], appended: bool = False) -> str | None:
     """Why a file could not be written at ``path`` later (None: it could), found by doing it now: a probe file is
-    created, written and removed in the nearest folder of ``path`` that exists (the missing ones would be made),
-    so a folder that only claims to be writable (``/proc`` to root, a read-only mount) or a full disk is found
-    before a job spends hours, not when it ends."""
-    folder = next(parent for parent in Path(path).resolve().parents if parent.exists())
+    created, written, synced and removed in the nearest folder of ``path`` that exists (the missing ones would be
+    made), so a folder that only claims to be writable (``/proc`` to root, a read-only mount) or a full disk is
+    found before a job spends hours, not when it ends. ``appended``: the file is appended to where it exists (a
+    file in a folder of others', ``/dev/stdout``, a pipe), so an existing one is opened for appending instead."""
+    target = Path(path)
+    if appended and target.exists() and not target.is_dir():
+        try:
+            with open(target, "ab"):
+                return None
+        except OSError as e:
+            return f"cannot append to it ({e.strerror or e})"
+    folder = next(parent for parent in target.resolve().parents if parent.exists())
     if not folder.is_dir():
         return f"{folder} is not a directory"
     probe = folder / f".hvdrun-probe.{os.getpid()}"
@@ -48,7 +56,4 @@ def why_unwritable(path: str | os.PathLike[str]) -> str | None:
         return f"cannot write in {folder} ({e.strerror or e})"
     finally:
         probe.unlink(missing_ok=True)
-    statistics = os.statvfs(folder)
-    if statistics.f_bavail == 0 and statistics.f_blocks:
-        return f"no space left in {folder}"
     return None

@@ -382,6 +382,9 @@ HOROVOD_STALL_CHECK_TIME_SECONDS = STALL_WARNING_S[1]
 HOROVOD_STALL_SHUTDOWN_TIME_SECONDS = STALL_ERROR_S[1]
 HOROVOD_LOG_LEVEL = LOG_LEVEL[1]
 HOROVOD_CACHE_CAPACITY = "HOROVOD_CACHE_CAPACITY"  # horovodrun --cache-capacity, passed on (hvdrun has no cache)
+# seconds a console may take nothing while the ranks' output waits for it before that output stops waiting (0: for ever)
+CONSOLE_STALL_S = "HVDRUN_CONSOLE_STALL_S"
+DEFAULT_CONSOLE_STALL_S = 5.0
 JOBS_DIR = "HVDRUN_JOBS_DIR"  # hvdrun's job records (default ~/.hvdrun/jobs): qsub's, and running/ for `stacks`
 LC_ALL = "LC_ALL"  # scheduler commands run with LC_ALL=C: their output is parsed
 
@@ -405,6 +408,7 @@ HELP = (
     (START_TIMEOUT, "seconds the ranks wait for each other in init() (--start-timeout)"),
     (MPIEXEC, "the mpiexec of --launcher mpiexec"),
     (SSH_FANOUT, "hosts hvdrun reaches over SSH itself (32); the agents on those reach the others, a tree"),
+    (CONSOLE_STALL_S, "a console that takes nothing this long no longer holds the ranks' output (5; 0: never)"),
     (JOBS_DIR, "where hvdrun qsub records submitted jobs and running jobs are registered (~/.hvdrun/jobs)"),
     ("set for every rank", "HVDRUN_RANK/SIZE/LOCAL_RANK/..., HOROVOD_RANK/..., RANK, WORLD_SIZE, LOCAL_RANK, "
                            "MASTER_ADDR/PORT, GROUP_RANK, TORCHELASTIC_RUN_ID, CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS"),
@@ -503,8 +507,8 @@ def check_tuning(environ: Mapping[str, str]) -> None:
     Raises:
         UsageError: a variable's value is not a finite, non-negative number.
     """
-    for names in ((START_TIMEOUT,), FUSION_THRESHOLD, STALL_WARNING_S, STALL_ERROR_S, EAGER_BYTES, CYCLE_TIME_MS,
-                  DOUBLING_MAX_BYTES, HALVING_MAX_BYTES, CACHE_CAPACITY):
+    for names in ((START_TIMEOUT,), (CONSOLE_STALL_S,), FUSION_THRESHOLD, STALL_WARNING_S, STALL_ERROR_S,
+                  EAGER_BYTES, CYCLE_TIME_MS, DOUBLING_MAX_BYTES, HALVING_MAX_BYTES, CACHE_CAPACITY):
         env_number(environ, names, 0.0)
     algorithm = env_text(environ, ALGORITHM)
     if algorithm is not None and algorithm not in ALGORITHMS:

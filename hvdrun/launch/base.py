@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hvdrun.errors import StartCancelled
 from hvdrun.hosts import Host
 from hvdrun.launch.output import OutputRouter
 from hvdrun.ranks import Slot
@@ -139,9 +140,9 @@ class Launcher(abc.ABC):
         """Start one worker and attach its stdout/stderr to ``router``."""
 
     def start_all(self, specs: Sequence[WorkerSpec], router: OutputRouter) -> Iterator[Worker]:
-        """Start every rank, yielding each worker as soon as it runs (mpiexec yields one for all); none after
-        :meth:`cancel_starts`."""
+        """Start every rank, yielding each worker as soon as it runs (mpiexec yields one for all); after
+        :meth:`cancel_starts`, those already started, then :class:`~hvdrun.errors.StartCancelled`."""
         for spec in specs:
             if self.starts_cancelled:
-                return
+                raise StartCancelled("the job's stop cancelled the ranks' start")
             yield self.start(spec, router)

@@ -2,13 +2,13 @@
 a process that hangs) can hold up only for a bounded time.
 
 While a job runs, the ranks' output waits for the console as it would for any pipe (a slow reader slows the ranks;
-nothing is lost), as long as the console takes something: one that took nothing for :data:`STALL_S` while output
-waited for it is *stalled*, and the ranks' output no longer waits for it until it takes bytes again (a rank that
-prints and exits while nobody reads must still end: its end is what the job's supervision waits for). hvdrun's own
-lines wait at most a few seconds (:data:`SAY_WAIT_S`), and once the job ends the console gets a last short while
-(:meth:`ConsoleStream.give_up_at`). What a console did not take (stalled, or at the end) is dropped, counted, and
-said in one line (``--output-dir`` files still get every byte). The control path (failure handling, signals, the
-end-of-job message) never waits on the console longer than that.
+nothing is lost), as long as the console takes something: one that took nothing for ``HVDRUN_CONSOLE_STALL_S``
+(5 s; 0: never) while output waited for it is *stalled*, and the ranks' output no longer waits for it until it
+takes bytes again (a rank that prints and exits while nobody reads must still end: its end is what the job's
+supervision waits for). hvdrun's own lines wait at most a few seconds (:data:`SAY_WAIT_S`), and once the job
+ends the console gets a last short while (:meth:`ConsoleStream.give_up_at`). What a console did not take
+(stalled, or at the end) is dropped, counted, and said in one line (``--output-dir`` files still get every byte).
+The control path (failure handling, signals, the end-of-job message) never waits on the console longer than that.
 
 Writes go to the file descriptor itself, polled for room and cut into pieces of at most ``PIPE_BUF`` bytes (which a
 pipe with room takes whole), never through Python's buffered stream: a thread stuck in a buffered write holds the
@@ -19,6 +19,7 @@ are written as they are.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import stat
@@ -27,8 +28,9 @@ import threading
 import time
 from typing import TextIO
 
+from hvdrun.envvars import CONSOLE_STALL_S, DEFAULT_CONSOLE_STALL_S, env_number
+
 SAY_WAIT_S = 2.0  # the most one of hvdrun's own lines waits for the console
-STALL_S = 5.0  # a console that took nothing for this long while output waited for it is stalled (module docstring)
 _POLL_S = 0.1  # how often a waiting write looks at its deadline again
 _LOCKS: dict[tuple[int, int] | int, threading.Lock] = {}  # one per file open on the console (stdout 2>&1: one)
 _LOCKS_LOCK = threading.Lock()
@@ -43,6 +45,7 @@ class ConsoleStream:
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
+        self.stall_s = env_number(os.environ, (CONSOLE_STALL_S,), DEFAULT_CONSOLE_STALL_S)  # checked at the launch
         self._fd = _fd_of(stream)
         self._lock = _lock_for(stream, self._fd)
         self._pipe_like = self._fd is not None and not stat.S_ISREG(os.fstat(self._fd).st_mode)
@@ -100,7 +103,9 @@ class ConsoleStream:
     def _stall_deadline(self, began: float) -> float:
         """When a write that began at ``began`` stops waiting for a console that takes nothing (at once while it
         is stalled)."""
-        return began if self.stalled else max(self._progress, began) + STALL_S
+        if not self.stall_s:
+            return math.inf
+        return began if self.stalled else max(self._progress, began) + self.stall_s
 
     def _write(self, data: bytes, until: float | None, began: float) -> int:
         """Bytes of ``data`` written (with the lock held)."""

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from hvdrun.envvars import guard_options, start_timeout_s
-from hvdrun.errors import LaunchError
+from hvdrun.errors import LaunchError, StartCancelled
 from hvdrun.hosts import Host
 from hvdrun.launch.base import GUARD_SCRIPT, Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
@@ -180,7 +180,7 @@ class LocalLauncher(Launcher):
         try:
             for spec in specs:
                 if self.starts_cancelled:
-                    return
+                    raise StartCancelled("the job's stop cancelled the ranks' start")
                 if not os.path.isdir(spec.cwd):
                     raise LaunchError(f"cannot start rank {spec.slot.rank} on this machine: its working directory "
                                       f"{spec.cwd} does not exist")

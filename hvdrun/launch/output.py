@@ -82,6 +82,7 @@ class OutputRouter:
         self._markers = {CONSEQUENCE_MARKER: self._consequences, INIT_MARKER: self.entered_init,
                          JOINED_MARKER: self.joined}
         self._disk_warned = False
+        self._stalls_said: set[str] = set()  # console streams whose stall was said
 
     def attach(self, rank: int, stream: str, fd: int) -> None:
         """Start pumping file descriptor ``fd`` (the worker's ``stream``) until EOF; then close it."""
@@ -182,10 +183,12 @@ class OutputRouter:
         for name, console in self._console.items():
             dropped = console.dropped()
             if dropped is not None:
-                kept = f"every rank's output is in {self.output_dir}" if self.output_dir else \
-                    "--output-dir DIR keeps every rank's output in files"
                 self.say(f"hvdrun: warning: the console's {name} stopped reading; {dropped} of the ranks' output "
-                         f"not shown ({kept})")
+                         f"not shown ({self._kept()})")
+
+    def _kept(self) -> str:
+        return (f"every rank's output is in {self.output_dir}" if self.output_dir else
+                "--output-dir DIR keeps every rank's output in files")
 
     def _open_log(self, rank: int, stream: str) -> BinaryIO | None:
         if self.output_dir is None:
@@ -287,8 +290,15 @@ class OutputRouter:
         self._write_console(stream, b"".join(tag + _with_newline(line) for line in lines))
 
     def _write_console(self, stream: str, data: bytes) -> None:
-        """The ranks' output to the console: it waits while the job runs, and until the drain gives up at its end."""
-        self._console[stream].write(data)
+        """The ranks' output to the console: it waits while the job runs (unless the console stalls), and until the
+        drain gives up at its end. A stall is said once per stream, when it begins."""
+        console = self._console[stream]
+        console.write(data)
+        if console.stalled and stream not in self._stalls_said:
+            self._stalls_said.add(stream)
+            self.say(f"hvdrun: warning: the console's {stream} took nothing for {console.stall_s:g} s: the ranks' "
+                     f"output no longer waits for it until it reads again ({self._kept()}; "
+                     "HVDRUN_CONSOLE_STALL_S=0 waits for ever)")
 
 
 def _read(fd: int) -> bytes:

@@ -366,8 +366,9 @@ def _timeline_path(filename: str, hosts: Sequence[Host]) -> str:
 def _check_files_written_at_the_end(options: RunOptions) -> None:
     """``--report`` and ``--metrics-file``, which hvdrun writes as the job runs or ends: a place it could not write
     them to is a usage error before anything starts, not a failure after hours of training."""
-    for option, path in (("--report", options.report), ("--metrics-file", options.metrics_file)):
-        if path and (why := why_unwritable(path)):
+    for option, path, appended in (("--report", options.report, False),
+                                   ("--metrics-file", options.metrics_file, True)):
+        if path and (why := why_unwritable(path, appended)):
             raise UsageError(f"{option} {path}: {why}")
 
 def _network_interface(options: RunOptions, config: ClusterConfig | None,

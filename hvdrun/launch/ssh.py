@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from hvdrun import envvars
 from hvdrun.envvars import OFF_THE_COMMAND_LINE, guard_options
-from hvdrun.errors import LaunchError, UsageError
+from hvdrun.errors import LaunchError, StartCancelled, UsageError
 from hvdrun.hosts import Host, is_local_host
 from hvdrun.launch.agent_forest import (
     DEFAULT_FANOUT,
@@ -318,8 +318,14 @@ class SshLauncher(Launcher):
     def start_all(self, specs: Sequence[WorkerSpec], router: OutputRouter) -> Iterator[Worker]:
         """Start this machine's ranks through the local launcher and every remote host's ranks through its agent
         (one plan per host), then yield the workers in ``specs``' order."""
-        workers = {worker.slot.rank: worker for worker in
-                   self._local.start_all([spec for spec in specs if spec.slot.host not in self._remote], router)}
+        workers: dict[int, Worker] = {}
+        with contextlib.suppress(StartCancelled):  # the stop is seen below
+            for worker in self._local.start_all([spec for spec in specs if spec.slot.host not in self._remote],
+                                                router):
+                workers[worker.slot.rank] = worker
+        if self.starts_cancelled:  # before any remote rank starts: the local ones are handed over to be stopped
+            yield from workers.values()
+            raise StartCancelled("the job's stop cancelled the ranks' start")
         plans: dict[AgentForest, dict[int, list[PlanEntry]]] = {}
         for spec in specs:
             remote = self._remote.get(spec.slot.host)

@@ -144,12 +144,11 @@ class WorkerGroup:
 
     def _start_all(self, specs: Sequence[WorkerSpec]) -> None:
         """Start the workers; a stop signal meanwhile cancels the starts still pending (the launcher's wait for
-        them ends at once) and the ranks not yet started never start."""
+        them ends at once, the ranks not yet started never start, and those already started are handed over
+        to be stopped with the others)."""
         try:
             for worker in self.launcher.start_all(specs, self.router) if self._interrupt is None else ():
                 self.workers.append(worker)
-                if self._interrupt is not None:  # stop starting ranks: the others' guards are told to stop
-                    break
         except StartCancelled:
             if self._interrupt is None:
                 raise

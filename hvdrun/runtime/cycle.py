@@ -258,8 +258,8 @@ class Cycle:
         op: a test that failed on this rank only left it) is said on stderr, since no caller will raise it."""
         if self.ledger.finish_local(entry.name, error) == "unwaited":
             kind = entry.requests[self.world.rank].kind if self.world.rank in entry.requests else "collective"
-            sys.stderr.write(f"hvdrun: warning: rank {self.world.rank}: {kind} {error} (submitted here and "
-                             "never waited on: a stray op, cleared)\n")
+            sys.stderr.write(f"hvdrun: warning: rank {self.world.rank}: {kind} {error} (submitted here and not "
+                             "waited on yet: a stray op, cleared)\n")
 
     def _add_held_everywhere(self, tallies: dict[int, Tally], now: float, flush: bool) -> list[Arrival]:
         """Put the held requests that every rank holds into the table (:meth:`HeldRequests.settle`); the arrivals

@@ -156,9 +156,9 @@ class Engine:
         """The op ``name`` finished on this rank: the name may be used again here once the rank goes on."""
         self.ledger.release_name(name)
 
-    def name_seen(self, name: str) -> None:
-        """The caller took up the end of the op ``name``: the name is free at once."""
-        self.ledger.seen(name)
+    def name_seen(self, name: str, number: int) -> None:
+        """The caller took up the end of the op ``name`` (this rank's submission ``number``): the name is free."""
+        self.ledger.seen(name, number)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[Backend]:

@@ -28,15 +28,15 @@ class EngineLike(Protocol):
         """The op ``name`` finished on this rank: its name is free again once the rank goes on."""
         ...
 
-    def name_seen(self, name: str) -> None:
-        """The caller took up the end of the op ``name``: its name is free at once."""
+    def name_seen(self, name: str, number: int) -> None:
+        """The caller took up the end of the op ``name`` (this rank's submission ``number``): its name is free."""
         ...
 
 
 class Handle:
     """The future of one submitted collective."""
 
-    __slots__ = ("_done", "_finishing", "_gate", "_result", "_error", "_engine", "_name", "flight")
+    __slots__ = ("_done", "_finishing", "_gate", "_result", "_error", "_engine", "_name", "flight", "number")
 
     def __init__(self, engine: EngineLike | None = None, name: str | None = None) -> None:
         self._engine, self._name = engine, name
@@ -47,6 +47,7 @@ class Handle:
         self._result: Any = None
         self._error: BaseException | None = None
         self.flight: Flight | None = None  # this op in the rank's flight recorder
+        self.number = 0  # the op's submission number on this rank (set by the ledger; 0 for the engine's own)
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         """Record the outcome, free the name and wake waiters (engine side).
@@ -74,7 +75,7 @@ class Handle:
     def seen(self) -> None:
         """The caller took up this op's end (``hvd.poll`` said done): its name is free at once."""
         if self._done and self._engine is not None and self._name is not None:
-            self._engine.name_seen(self._name)
+            self._engine.name_seen(self._name, self.number)
 
     @property
     def name(self) -> str | None:

@@ -11,7 +11,8 @@ when its op finishes in the background, which in Horovod comes a cycle (millisec
 returns; here the op may finish between two statements of the caller, so "finished" alone would make Horovod's
 own duplicate-name test (two ``allreduce_async`` of one name in a row) pass or fail by a race, and a second op
 that did not raise would wait for a partner that never comes. A handle nobody synchronizes (a metric left
-behind) still keeps no name once a later collective of the rank finished: the next step reuses it.
+behind) keeps no name once a later collective of the rank finished (the next step's gradients, a barrier): a
+loop whose only collective is that one unsynchronized op must ``poll`` or ``synchronize`` it to reuse its name.
 """
 
 from __future__ import annotations
@@ -127,31 +128,33 @@ class Submissions:
                 if on_queued is not None:
                     on_queued(op)
                 self.inflight[op.request.name] = op
-                self._take(op.request.name)
+                op.handle.number = self._take(op.request.name)
                 self.new.append(op)
             self.async_new = self.async_new or wake
             return ops, wake and self.sleeping
 
     def claim(self, name: str) -> bool:
         """Take ``name`` for an op that runs without the queue (the engine's express cycle): False when this rank
-        failed, stopped, or has the name in flight."""
+        failed, stopped, or has the name in flight or finished and not yet seen (module docstring)."""
         with self.lock:
             if self.failure is not None or self.stopped or name in self.taken or name in self.unseen:
                 return False
             self._take(name)
             return True
 
-    def _take(self, name: str) -> None:
-        """``name`` is taken by a new submission (with the lock held)."""
+    def _take(self, name: str) -> int:
+        """``name`` is taken by a new submission (with the lock held); its number."""
         self._submitted += 1
         self.taken.add(name)
         self._numbers[name] = self._submitted
+        return self._submitted
 
     def adopt(self, request: Request, array: np.ndarray, payload: Message | None) -> LocalOp:
         """An op already announced by an express cycle that did not go through at once: in flight from now on,
         finished by the cycles that follow (its name stays taken until then)."""
         op = LocalOp(request, array, Handle(self.engine, request.name), payload)
         with self.lock:
+            op.handle.number = self._numbers.get(request.name, 0)
             failure = self.failure
             if failure is None:
                 self.inflight[request.name] = op
@@ -197,10 +200,12 @@ class Submissions:
                 self._last_finished = number
                 self.unseen = {other: earlier for other, earlier in self.unseen.items() if earlier >= number}
 
-    def seen(self, name: str) -> None:
-        """The caller took up the end of the op ``name`` (synchronized, waited or polled it): the name is free."""
+    def seen(self, name: str, number: int) -> None:
+        """The caller took up the end of the op ``name``, this rank's submission ``number`` (synchronized, waited
+        or polled it): the name is free (unless a newer op of that name holds it: an old handle polled late)."""
         with self.lock:
-            self.unseen.pop(name, None)
+            if self.unseen.get(name) == number:
+                del self.unseen[name]
 
     def take_new(self, confirm_age_s: float) -> tuple[list[LocalOp], list[str]]:
         """The ops to announce in the next cycle, and the names blocked on for at least ``confirm_age_s``."""

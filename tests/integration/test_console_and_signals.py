@@ -4,6 +4,7 @@ stop signal at any moment ends hvdrun with one line, exit code 128 + N, and noth
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import subprocess
 import sys
@@ -78,6 +79,7 @@ def test_a_rank_that_prints_and_exits_while_the_console_does_not_read_ends_the_j
         proc.kill()
     err = stderr_of(proc)
     assert "hvdrun: error: rank 1 on host localhost exited with code 7" in err, err[-2000:]
+    assert "hvdrun: warning: the console's stdout took nothing for 5 s: the ranks' output no longer waits" in err
     assert "hvdrun: warning: the console's stdout stopped reading; " in err
     assert (tmp_path / "logs" / "rank.1" / "stdout").read_text().count("\n") == 200000
     assert wait_until(lambda: not job_processes(token)), job_processes(token)
@@ -138,13 +140,15 @@ def test_a_stop_signal_while_the_fork_server_imports_torch_starts_nothing(hvdrun
         signum = (signal.SIGTERM, signal.SIGINT)[step % 2]
         proc = subprocess.Popen([sys.executable, "-m", "hvdrun", "-np", "2", path], env=hvdrun_env, cwd=tmp_path,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        time.sleep(delay)
+        started = time.monotonic()
+        assert wait_until(functools.partial(catches, proc.pid, signal.SIGTERM), 30)  # the interpreter may start late
+        time.sleep(max(delay - (time.monotonic() - started), 0.0))
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 128 + signum, (delay, err)
         lines = err.decode().strip().splitlines()
         assert len(lines) == 1 and f"received {signal.Signals(signum).name}" in lines[0], (delay, err)
-        assert wait_until(lambda: not job_processes(token), 1.0), (delay, job_processes(token))
+        assert wait_until(lambda: not job_processes(token), 1.5), (delay, job_processes(token))
         time.sleep(0.5)  # nothing starts late either
         assert not job_processes(token), (delay, job_processes(token))
 

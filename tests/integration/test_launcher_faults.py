@@ -169,9 +169,18 @@ def _preloading(tmp_path, hvdrun_env, *extra: str) -> subprocess.Popen[str]:
 
 
 def _fork_server_of(job: subprocess.Popen[str]) -> psutil.Process:
-    assert wait_until(lambda: [p for p in psutil.Process(job.pid).children() if "forkserver.py" in p.cmdline()[1]],
-                      30)
-    return next(p for p in psutil.Process(job.pid).children() if "forkserver.py" in p.cmdline()[1])
+    def servers() -> list[psutil.Process]:
+        found = []
+        for child in psutil.Process(job.pid).children():
+            try:
+                if any("forkserver.py" in word for word in child.cmdline()):
+                    found.append(child)
+            except psutil.Error:
+                continue
+        return found
+
+    assert wait_until(servers, 30)
+    return servers()[0]
 
 
 def test_a_preload_import_that_hangs_ends_the_job_at_the_start_timeout(hvdrun_env, tmp_path, token):

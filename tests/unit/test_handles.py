@@ -23,7 +23,7 @@ class _TakenNames:
         time.sleep(0.02)
         self.taken.discard(name)
 
-    def name_seen(self, name: str) -> None:
+    def name_seen(self, name: str, number: int) -> None:
         pass
 
 

@@ -22,8 +22,8 @@ class _Engine:
     def release_name(self, name: str) -> None:
         self.ledger.release_name(name)
 
-    def name_seen(self, name: str) -> None:
-        self.ledger.seen(name)
+    def name_seen(self, name: str, number: int) -> None:
+        self.ledger.seen(name, number)
 
 
 def submit(engine: _Engine, name: str) -> Handle:
@@ -92,3 +92,15 @@ def test_the_express_cycle_refuses_a_finished_unseen_name():
     assert engine.ledger.claim("y")  # a later op that finishes frees it
     engine.ledger.release_name("y", seen=True)
     assert engine.ledger.claim("x")
+
+
+def test_an_old_handle_polled_late_does_not_free_a_newer_op_of_its_name():
+    engine = _Engine()
+    old = submit(engine, "metric")
+    old.finish(None)
+    submit(engine, "loss").finish(None)  # frees "metric"
+    newer = submit(engine, "metric")
+    newer.finish(None)
+    old.seen()  # the user polls the first handle only now
+    with pytest.raises(ValueError, match="not yet synchronized"):
+        submit(engine, "metric")

@@ -317,7 +317,10 @@ class ForkServer:
             LaunchError: the request does not fit, or the server is gone.
         """
         message = marshal.dumps((list(guard_argv), env, cwd))
-        fits = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 32  # a datagram: the kernel's bound
+        try:
+            fits = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 32  # a datagram: the kernel's bound
+        except OSError as e:  # closed: the server was stopped
+            raise LaunchError(f"cannot start rank {rank} on {self.where}: hvdrun's fork server was stopped") from e
         if len(message) > fits:
             raise LaunchError(f"cannot start rank {rank} on {self.where}: its command and environment take "
                               f"{len(message)} bytes; at most {fits} fit (leave large values out of the environment)")
@@ -341,7 +344,7 @@ class ForkServer:
         status_read, status_write = os.pipe()
         try:
             request = self.request(guard_argv, env, cwd, (lifeline_read, out_write, err_write, status_write), rank)
-        except LaunchError:
+        except BaseException:
             for fd in (lifeline, out_read, err_read, status_read):
                 os.close(fd)
             raise

@@ -64,12 +64,16 @@ class HostRanks:
         so)."""
         assert self.server is not None
         deadline: float | None = None
+        overdue: LaunchError | None = None
         for rank, guard_argv, env, cwd in entries:
             deadline = deadline or time.monotonic() + start_timeout_s(env)
             try:
+                if overdue is not None:  # the server was stopped: every rank left gets the same error
+                    raise overdue
                 self._start(rank, guard_argv, {**login_env, **env}, cwd, deadline)
             except LaunchError as e:
-                if time.monotonic() > deadline:
+                if overdue is None and time.monotonic() > deadline:
+                    overdue = e
                     self.server.close()  # stuck: killed (its requests are unanswered), so no late guard starts
                 self._up(tag(rank, "stderr", f"hvdrun: error: {e}\n".encode()) + tag(rank, "exit", b"1\n"))
 
