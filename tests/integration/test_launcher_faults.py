@@ -221,15 +221,38 @@ def test_the_fork_server_dies_with_a_killed_launcher_even_mid_import(hvdrun_env,
 
 def test_over_ssh_a_preload_import_that_hangs_ends_the_job_at_the_start_timeout(hvdrun_env, ssh_hosts, tmp_path,
                                                                                  token):
-    """The host agent waited for its fork server's answer without a deadline too."""
+    """The host agent waited for its fork server's answer without a deadline too; 2 ranks a host: the second is
+    told as well (the agent used to die on the stopped server's socket)."""
     script(tmp_path, "stuckmod.py", HANGING_IMPORT)
     hvdrun_env["PYTHONPATH"] = str(tmp_path)
-    job = subprocess.Popen([sys.executable, "-m", "hvdrun", "-H", ssh_hosts.hosts(1), *ssh_hosts.args(),
+    job = subprocess.Popen([sys.executable, "-m", "hvdrun", "-H", ssh_hosts.hosts(2), *ssh_hosts.args(),
                             "-x", "PYTHONPATH", "--preload", "stuckmod", "--start-timeout", "5",
                             script(tmp_path, "w.py", "print('ran')\n")], env=hvdrun_env, cwd=tmp_path,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, err = job.communicate(timeout=90)
     assert job.returncode == 1, err
     assert "hvdrun's fork server has been importing 'stuckmod' for " in err, err
+    assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
+    assert wait_until(lambda: not host_processes(ssh_hosts.addrs), 15), host_processes(ssh_hosts.addrs)
+
+
+def test_a_stop_signal_while_local_ranks_start_in_an_ssh_job_starts_no_remote_rank(hvdrun_env, ssh_hosts, tmp_path,
+                                                                                   token):
+    """This machine's fork server hangs in the preload; SIGINT: the job ended in a KeyError (the launcher's map of
+    started ranks missed the local ones) and the remote ranks were still started."""
+    script(tmp_path, "stuckmod.py", HANGING_IMPORT)
+    hvdrun_env.pop(FORK_SERVER_FROM)
+    hvdrun_env["PYTHONPATH"] = str(tmp_path)
+    job = subprocess.Popen([sys.executable, "-m", "hvdrun", "-H", f"localhost:1,{ssh_hosts.addrs[0]}:1",
+                            *ssh_hosts.args(), "-x", "PYTHONPATH", "--preload", "stuckmod",
+                            script(tmp_path, "w.py", "print('ran')\n")], env=hvdrun_env, cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _fork_server_of(job)
+    time.sleep(1.0)
+    job.send_signal(signal.SIGINT)
+    out, err = job.communicate(timeout=30)
+    assert job.returncode == 130, err
+    assert "hvdrun: error: received SIGINT; no rank was started" in err and "Traceback" not in err, err
+    assert "ran" not in out
     assert wait_until(lambda: not job_processes(token), 15), job_processes(token)
     assert wait_until(lambda: not host_processes(ssh_hosts.addrs), 15), host_processes(ssh_hosts.addrs)
