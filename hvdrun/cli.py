@@ -762,6 +762,6 @@ def _no_answer(job: dict[str, Any], error: Exception) -> Exception:
 
 
 def main() -> None:
-    """Console-script entry point."""
-    own_signals()  # again for the ``hvdrun`` script, which imports this module first
+    """The command line (``hvdrun.__main__.main``, the console script's entry point, calls it)."""
+    own_signals()  # again for callers that import this module directly
     cli(prog_name="hvdrun")
