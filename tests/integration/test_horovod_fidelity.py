@@ -90,15 +90,21 @@ def _check_suite_outcomes(rank: int, output: str, prefix: str) -> None:
     assert passed == set(expected) - on_purpose, (rank, set(expected) - on_purpose - passed)
 
 
-def test_a_late_rank_gives_the_rendezvous_timeout_not_a_bad_descriptor(run_hvdrun, tmp_path):
-    late = script(tmp_path, "late.py", """
+def _late_to_init(run_hvdrun, tmp_path, rank: int, seconds: int):
+    """A 2-rank job with ``--start-timeout 2`` whose ``rank`` sleeps ``seconds`` before ``init()`` (no preload:
+    the rendezvous alone is timed)."""
+    late = script(tmp_path, "late.py", f"""
         import os, time
         import hvdrun.torch as hvd
-        if os.environ["RANK"] == "1":
-            time.sleep(6)
+        if os.environ["RANK"] == "{rank}":
+            time.sleep({seconds})
         hvd.init()
     """)
-    done = run_hvdrun("-np", "2", "--start-timeout", "2", "--preload", "none", late)  # the rendezvous alone
+    return run_hvdrun("-np", "2", "--start-timeout", "2", "--preload", "none", late)
+
+
+def test_a_late_rank_gives_the_rendezvous_timeout_not_a_bad_descriptor(run_hvdrun, tmp_path):
+    done = _late_to_init(run_hvdrun, tmp_path, rank=1, seconds=6)
     assert done.returncode == 1
     assert "rendezvous timed out: ranks 1 never joined rank 0" in done.stderr
     assert "Bad file descriptor" not in done.stderr
@@ -106,14 +112,7 @@ def test_a_late_rank_gives_the_rendezvous_timeout_not_a_bad_descriptor(run_hvdru
 
 def test_a_rank_0_that_never_calls_init_is_named_as_the_one_that_never_joined(run_hvdrun, tmp_path):
     """Rank 1 cannot reach rank 0's rendezvous (rank 0 opens it in init()): the headline blamed rank 1's exit."""
-    late = script(tmp_path, "no_init.py", """
-        import os, time
-        import hvdrun.torch as hvd
-        if os.environ["RANK"] == "0":
-            time.sleep(60)
-        hvd.init()
-    """)
-    done = run_hvdrun("-np", "2", "--start-timeout", "2", "--preload", "none", late)  # the rendezvous alone
+    done = _late_to_init(run_hvdrun, tmp_path, rank=0, seconds=60)
     assert done.returncode == 1
     headline = done.stderr.split("hvdrun: error: ", 1)[1].splitlines()
     assert headline[0].startswith("rank 0 on localhost never joined the job: still running without having called "
