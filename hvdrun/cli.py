@@ -341,6 +341,25 @@ def _observe_options(command: Any) -> Any:
     return command
 
 
+_WARN_BEFORE_HELP = ("Warn every rank S seconds before the allocation ends (its PBS, Slurm or Cobalt job's end, as the "
+                     "scheduler says), once, with --warn-signal; the ranks read the time left with hvd.time_left().")
+
+
+def _walltime_options(command: Any) -> Any:
+    """Jobs longer than a walltime (launch/warning.py): the warning before the end, state that outlives the job."""
+    options = [
+        click.option("--warn-before", "warn_before_s", type=_Seconds(positive=True), metavar="S",
+                     help=_WARN_BEFORE_HELP),
+        click.option("--warn-signal", metavar="SIG", help="The warning's signal (default USR1)."),
+        click.option("--state-dir", metavar="DIR",
+                     help="hvd.elastic state is saved here (rank 0, atomically) and restored from here by the next "
+                          "job: at the warning, and at a commit at most every HVDRUN_STATE_INTERVAL_S (300)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def _restart_options(command: Any) -> Any:
     """Restarts of the whole job (torchrun's --max-restarts), routed around the host that failed."""
     options = [
@@ -411,6 +430,7 @@ def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[
 @_stage_options
 @_elastic_options
 @_restart_options
+@_walltime_options
 @_horovodrun_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:
@@ -610,6 +630,14 @@ def _job_options(command: Any) -> Any:
                      help="Of the -n nodes, the last K take over from a failed one at a restart."),
         click.option("--report", type=click.Path(dir_okay=False),
                      help="The job's hvdrun writes its HTML report here when the job ends (as 'hvdrun --report')."),
+        click.option("--chain", type=int, metavar="N",
+                     help="Submit N jobs, each starting after the previous one ended: a job warned before its "
+                          "walltime (or preempted) is continued by the next, one that ends with exit code 0 before "
+                          "any warning ends the chain (training done), a failure stops it. Needs -t; --warn-before "
+                          "defaults to a tenth of the walltime (at most 600 s)."),
+        click.option("--warn-before", type=_Seconds(positive=True), metavar="S",
+                     help="The job's hvdrun warns every rank S seconds before the walltime ('hvdrun --warn-before')."),
+        click.option("--warn-signal", metavar="SIG", help="The warning's signal (default USR1)."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -634,6 +662,7 @@ def qsub(dry_run: bool, submit: bool, wait: bool, explain: bool, **options: Any)
         click.echo(explain_request(options["cluster"], options["config_file"]), nl=False)
         return 0
     from hvdrun.errors import UsageError
+    from hvdrun.jobs.chain import first_link
     from hvdrun.jobs.follow import follow
     from hvdrun.jobs.follow import submit as submit_job
     from hvdrun.jobs.render import render_script
@@ -644,13 +673,16 @@ def qsub(dry_run: bool, submit: bool, wait: bool, explain: bool, **options: Any)
     spec = build_spec(JobRequest(**options))
     for notice in spec.notices:
         click.echo(f"hvdrun: note: {notice}", err=True)
-    text = render_script(spec)
+    chained = options["chain"]
+    text = render_script(first_link(spec) if chained else spec)  # the first job of a chain: as each one reads
     warning = python_warning(spec.launch[0])
     if warning:
         click.echo(f"hvdrun: warning: {warning}", err=True)
     if not (submit or wait):
         click.echo(text, nl=False)
         return 0
+    if chained:
+        return _submit_chain(spec, chained, wait)
     job = submit_job(spec, text)
     click.echo(job.job_id)
     click.echo(f"hvdrun: submitted job {job.job_id} to {spec.scheduler}; script {job.script}; "
@@ -658,12 +690,34 @@ def qsub(dry_run: bool, submit: bool, wait: bool, explain: bool, **options: Any)
     return follow(job, lambda line: click.echo(line, err=True)) if wait else 0
 
 
+def _submit_chain(spec: Any, length: int, wait: bool) -> int:
+    """``hvdrun qsub --chain N``: submit the chain, print its id (and each job's on stderr), follow it with --wait."""
+    from hvdrun.jobs.chain import follow_chain, submit_chain
+    from hvdrun.jobs.render import render_script
+
+    def say(line: str) -> None:
+        click.echo(line, err=True)
+
+    chain = submit_chain(spec, length, render_script, say)
+    click.echo(chain.chain_id)
+    for number, job in enumerate(chain.jobs, start=1):
+        say(f"hvdrun: chain {chain.chain_id}: job {number} of {chain.length}: {job.job_id}; script {job.script}")
+    say(f"hvdrun: chain file {chain.path}; 'hvdrun qstat {chain.chain_id}' lists its jobs, 'hvdrun qdel "
+        f"{chain.chain_id}' cancels them")
+    return follow_chain(chain, say) if wait else 0
+
+
 @cli.command()
 @_JOB_SCHEDULER
 @click.argument("job_id")
 def qstat(job_id: str, scheduler: str | None) -> int:
-    """Show a job's state, exit code, and why a queued job waits."""
+    """Show a job's state, exit code, and why a queued job waits; for a chain (chain-ID), every job of it."""
+    from hvdrun.jobs.chain import describe_chain, find_chain, is_chain_id
     from hvdrun.jobs.follow import current_status, scheduler_of
+
+    if is_chain_id(job_id):
+        click.echo("\n".join(describe_chain(find_chain(job_id))))
+        return 0
 
     backend, job = scheduler_of(job_id, scheduler)
     status = current_status(backend, job_id, job.exit_file if job else None)
@@ -677,14 +731,36 @@ def qstat(job_id: str, scheduler: str | None) -> int:
 @_JOB_SCHEDULER
 @click.argument("job_id")
 def qdel(job_id: str, scheduler: str | None) -> int:
-    """Cancel a job (a job that already ended is not an error)."""
+    """Cancel a job (a job that already ended is not an error); for a chain (chain-ID), every job of it."""
+    from hvdrun.jobs.chain import cancel_chain, find_chain, is_chain_id
     from hvdrun.jobs.follow import scheduler_of
+
+    if is_chain_id(job_id):
+        cancel_chain(find_chain(job_id), click.echo)
+        return 0
 
     backend, _ = scheduler_of(job_id, scheduler)
     if backend.cancel(job_id):
         click.echo(f"hvdrun: cancelled job {job_id}")
     else:
         click.echo(f"hvdrun: job {job_id} had already ended (or is unknown to {backend.kind}); nothing to cancel")
+    return 0
+
+
+@cli.command("chain-link", hidden=True)
+@click.argument("step", type=click.Choice(["begin", "end"]))
+@click.argument("chain_file")
+@click.argument("number", type=click.IntRange(min=1))
+@click.argument("exit_code", type=int, required=False)
+def chain_link(step: str, chain_file: str, number: int, exit_code: int | None) -> int:
+    """Inside a job of a chain (its script's first and last lines): begin exits 1 where the chain has ended, end
+    decides whether it goes on (jobs/chain.py)."""
+    from hvdrun.jobs.chain import link_begins, link_ends, load_chain
+
+    chain = load_chain(chain_file)
+    if step == "begin":
+        return 0 if link_begins(chain, number, click.echo) else 1
+    link_ends(chain, number, 1 if exit_code is None else exit_code, click.echo)
     return 0
 
 

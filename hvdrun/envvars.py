@@ -386,6 +386,16 @@ HOROVOD_CACHE_CAPACITY = "HOROVOD_CACHE_CAPACITY"  # horovodrun --cache-capacity
 CONSOLE_STALL_S = "HVDRUN_CONSOLE_STALL_S"
 DEFAULT_CONSOLE_STALL_S = 5.0
 JOBS_DIR = "HVDRUN_JOBS_DIR"  # hvdrun's job records (default ~/.hvdrun/jobs): qsub's, and running/ for `stacks`
+# jobs longer than a walltime (hvdrun/walltime.py, launch/warning.py): the allocation's end as seconds since the
+# epoch, the warning's lead in seconds (--warn-before) and its signal's number (--warn-signal), set for the ranks
+DEADLINE = "HVDRUN_DEADLINE"
+WARN_BEFORE = "HVDRUN_WARN_BEFORE"
+WARN_SIGNAL = "HVDRUN_WARN_SIGNAL"
+STATE_DIR = "HVDRUN_STATE_DIR"  # --state-dir: where hvd.elastic state outlives the job (torch/lasting_state.py)
+STATE_INTERVAL_S = "HVDRUN_STATE_INTERVAL_S"  # seconds between two saves of it at commits (default 300)
+# a job of a chain (hvdrun qsub --chain): the file where the job's hvdrun notes that it warned the ranks, or that a
+# stop signal ended it (jobs/chain.py reads it to decide whether the next job of the chain runs)
+JOB_EVENTS = "HVDRUN_JOB_EVENTS"
 LC_ALL = "LC_ALL"  # scheduler commands run with LC_ALL=C: their output is parsed
 
 

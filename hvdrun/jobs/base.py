@@ -68,6 +68,8 @@ class JobSpec:
     launch: tuple[str, ...]
     template: str | None
     notices: tuple[str, ...] = ()  # one line each for the user (where the queue limits came from, ...)
+    after_any: bool = False  # start after the jobs of ``after`` ended however they ended (a chain's next job)
+    link: ChainLink | None = None  # the job's place in a chain (hvdrun qsub --chain; jobs/chain.py)
 
     @property
     def walltime_hms(self) -> str | None:
@@ -78,6 +80,16 @@ class JobSpec:
     def walltime_minutes(self) -> int | None:
         """The walltime in whole minutes, rounded up (Cobalt's ``-t``)."""
         return -(-self.walltime_s // 60) if self.walltime_s else None
+
+@dataclass(frozen=True)
+class ChainLink:
+    """A job's place in a chain: the chain's file, its number there (from 1), and the file where the job's hvdrun
+    notes its warning and the stop signal that ended it (``HVDRUN_JOB_EVENTS``)."""
+
+    chain_file: str
+    number: int
+    events_file: str
+
 
 @dataclass(frozen=True)
 class JobStatus:
@@ -184,10 +196,17 @@ class Scheduler(ABC):
     rules: ScriptRules
     cancel_program: str = "qdel"
     needs_error_file: bool = False  # its directives always name an error file (no merged output)
+    # why it cannot run a chain (hvdrun qsub --chain), None where it can: a job that starts after another ended
+    # however it ended (afterany)
+    no_chain: str | None = None
 
     @abstractmethod
     def directives(self, spec: JobSpec) -> list[str]:
         """The directive lines (with their prefix) for ``spec``, in the order a user would write them."""
+
+    def dependency(self, spec: JobSpec) -> str:
+        """The dependency type of ``spec.after``: ``afterok``, or ``afterany`` for the next job of a chain."""
+        return "afterany" if spec.after_any else "afterok"
 
     def extra_directive(self, text: str) -> str:
         """A ``--directive`` / ``extra_directives`` item as a full line (the prefix is added when missing)."""

@@ -41,6 +41,8 @@ class Cobalt(Scheduler):
     kind = COBALT
     rules = ScriptRules("#COBALT", blank_line_ends_block=True)
     needs_error_file = True  # Cobalt always writes stderr to its own file
+    no_chain = ("Cobalt's --dependencies starts a job only after the others succeeded (a job killed at its walltime "
+                "leaves the next in dep_fail for ever), so hvdrun cannot chain Cobalt jobs")
     example_directive = "--attrs mig-mode=True"
 
     def directives(self, spec: JobSpec) -> list[str]:

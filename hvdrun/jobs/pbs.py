@@ -35,6 +35,7 @@ from hvdrun.jobs.base import (
 )
 from hvdrun.jobs.queue_limits import ServerQueue, ServerQueues
 from hvdrun.schedulers import PBS
+from hvdrun.walltime import pbs_duration_s
 
 _STATES = {"Q": QUEUED, "W": QUEUED, "T": QUEUED, "M": QUEUED, "H": HELD, "S": HELD, "U": HELD,
            "R": RUNNING, "B": RUNNING, "E": EXITING, "F": FINISHED, "X": FINISHED, "C": FINISHED}
@@ -43,7 +44,6 @@ _UNKNOWN_JOB = re.compile(r"unknown job id|job has finished|invalid job id", re.
 _NO_HISTORY = re.compile(r"not configured to maintain job history", re.IGNORECASE)
 _NO_JSON = re.compile(r"unknown option|invalid option|illegal option|usage:", re.IGNORECASE)
 _TEXT_FIELD = re.compile(r"\s+([A-Za-z_.]+)\s*=\s*(.*)")
-_DURATION = re.compile(r"(?:(?:([0-9]+):)?([0-9]+):)?([0-9]+)(?:\.[0-9]+)?")
 _TRUE = ("true", "t", "yes", "y", "1")
 
 
@@ -68,7 +68,7 @@ class Pbs(Scheduler):
         lines += [f"-N {quote(spec.job_name)}", "-k doe", f"-o {quote(spec.output)}"]
         lines += [f"-e {quote(spec.error)}"] if spec.error else ["-j oe"]
         if spec.after:
-            lines.append(f"-W depend=afterok:{':'.join(spec.after)}")
+            lines.append(f"-W depend={self.dependency(spec)}:{':'.join(spec.after)}")
         return [f"#PBS {line}" for line in lines]
 
     def submit_argv(self, spec: JobSpec, script: str) -> list[str]:
@@ -178,7 +178,7 @@ def _own_limits(attributes: dict[str, object]) -> tuple[QueueLimits, frozenset[s
     which of them it states."""
     limits = QueueLimits(min_nodes=_count(_resource(attributes, "resources_min", "nodect")),
                          max_nodes=_count(_resource(attributes, "resources_max", "nodect")),
-                         max_walltime_s=_duration_s(_resource(attributes, "resources_max", "walltime")))
+                         max_walltime_s=pbs_duration_s(_resource(attributes, "resources_max", "walltime")))
     return limits, frozenset(name for name in ("min_nodes", "max_nodes", "max_walltime_s")
                              if getattr(limits, name) is not None)
 
@@ -216,19 +216,6 @@ def _count(value: object) -> int | None:
     except ValueError:
         return None
     return count if count > 0 else None
-
-
-def _duration_s(value: object) -> int | None:
-    """A PBS duration: ``[[hours:]minutes:]seconds[.ms]`` (printed ``HH:MM:SS``), or seconds as a number."""
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, int | float):
-        return int(value) or None
-    match = _DURATION.fullmatch(str(value).strip())
-    if not match:
-        return None
-    hours, minutes, seconds = (int(g or 0) for g in match.groups())
-    return (hours * 3600 + minutes * 60 + seconds) or None
 
 
 def _true(value: object) -> bool:

@@ -49,13 +49,24 @@ def render_script(spec: JobSpec) -> str:
     context = {"directives": directive_lines(spec, scheduler), "setup": list(spec.setup),
                "workdir": quote(spec.workdir), "launch": shlex.join(spec.launch),
                "python": quote(spec.launch[0]), "exit_file": quote(spec.exit_file),
-               "job_name": quote(spec.job_name), "scheduler": spec.scheduler, "cluster": quote(spec.cluster)}
+               "job_name": quote(spec.job_name), "scheduler": spec.scheduler, "cluster": quote(spec.cluster),
+               "chain": _chain_lines(spec)}
     try:
         text = env.get_template(path.name).render(context)
     except jinja2.TemplateError as e:
         raise UsageError(f"template {path}: {e}") from e
     check_script(text, scheduler.rules, str(path))
     return text
+
+
+def _chain_lines(spec: JobSpec) -> dict[str, str] | None:
+    """A chain's lines in the job (``hvdrun chain-link``, :mod:`hvdrun.jobs.chain`); None for a job of no chain."""
+    if spec.link is None:
+        return None
+    step = [spec.launch[0], "-m", "hvdrun", "chain-link"]
+    where = [spec.link.chain_file, str(spec.link.number)]
+    return {"begin": shlex.join([*step, "begin", *where]), "end": shlex.join([*step, "end", *where]) + ' "$rc"',
+            "events_file": quote(spec.link.events_file)}
 
 
 def check_script(text: str, rules: ScriptRules, source: str) -> None:

@@ -31,6 +31,7 @@ from hvdrun.jobs.base import (
 )
 from hvdrun.jobs.queue_limits import ServerQueue, ServerQueues
 from hvdrun.schedulers import SLURM
+from hvdrun.walltime import slurm_duration_s
 
 _STATES = {"PENDING": QUEUED, "CONFIGURING": QUEUED, "REQUEUED": QUEUED, "REQUEUE_HOLD": HELD,
            "REQUEUE_FED": QUEUED, "RESV_DEL_HOLD": HELD, "SUSPENDED": HELD, "STOPPED": HELD,
@@ -39,9 +40,6 @@ _STATES = {"PENDING": QUEUED, "CONFIGURING": QUEUED, "REQUEUED": QUEUED, "REQUEU
 _JOB_ID = re.compile(r"([0-9]+(?:_[0-9]+)?)(?:;\S+)?")
 _FIELD = re.compile(r"(\w+)=(\S*)")
 _INVALID_JOB = re.compile(r"invalid job id", re.IGNORECASE)
-# Slurm's time forms: minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]]
-_TIME = re.compile(r"(?:([0-9]+)-)?([0-9]+)(?::([0-9]+))?(?::([0-9]+))?")
-_UNLIMITED = ("UNLIMITED", "INFINITE")
 _CLOSED_STATES = ("INACTIVE", "DRAIN")  # no new job may be queued there
 
 
@@ -65,7 +63,7 @@ class Slurm(Scheduler):
         lines += [f"--account={quote(spec.account)}"] if spec.account else []
         lines += [f"--output={quote(spec.output)}"]
         lines += [f"--error={quote(spec.error)}"] if spec.error else []
-        lines += [f"--dependency=afterok:{':'.join(spec.after)}"] if spec.after else []
+        lines += [f"--dependency={self.dependency(spec)}:{':'.join(spec.after)}"] if spec.after else []
         return [f"#SBATCH {line}" for line in lines]
 
     def submit_argv(self, spec: JobSpec, script: str) -> list[str]:
@@ -142,7 +140,7 @@ def parse_partitions(text: str) -> ServerQueues:
             continue
         limits = QueueLimits(min_nodes=_count(fields.get("MinNodes", ""), 2),
                              max_nodes=_count(fields.get("MaxNodes", ""), 1),
-                             max_walltime_s=_time_s(fields.get("MaxTime", "")))
+                             max_walltime_s=slurm_duration_s(fields.get("MaxTime", "")))
         queues[name] = ServerQueue(name, limits, enabled=fields.get("State", "UP") not in _CLOSED_STATES)
         if fields.get("Default") == "YES":
             default = name
@@ -155,18 +153,3 @@ def parse_partitions(text: str) -> ServerQueues:
 def _count(text: str, least: int) -> int | None:
     """``MinNodes`` (a limit from 2 on) or ``MaxNodes`` (from 1 on); ``UNLIMITED`` is none."""
     return int(text) if text.isdigit() and int(text) >= least else None
-
-
-def _time_s(text: str) -> int | None:
-    """Seconds of a Slurm time (``UNLIMITED``: None): ``30``, ``30:00``, ``01:00:00``, ``1-00:00:00``, ``2-12``."""
-    match = None if text.upper() in _UNLIMITED else _TIME.fullmatch(text)
-    if match is None:
-        return None
-    days, first, second, third = match.groups()
-    if days is not None:  # days-hours[:minutes[:seconds]]
-        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
-    elif third is not None:  # hours:minutes:seconds
-        hours, minutes, seconds = int(first), int(second), int(third)
-    else:  # minutes[:seconds]
-        hours, minutes, seconds = 0, int(first), int(second or 0)
-    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds or None

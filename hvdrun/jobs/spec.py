@@ -33,6 +33,7 @@ from hvdrun.launch.remote.cpubind import CpuBindError, parse_cpu_bind
 from hvdrun.schedulers import SLURM
 
 DEFAULT_OUTPUT_DIR = "hvdrun-jobs"
+DEFAULT_CHAIN_WARNING_MAX_S = 600.0  # --chain without --warn-before: a tenth of the walltime, at most this
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}")
 _WORD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
 _JOB_ID_RE = re.compile(r"[0-9]+(\[[0-9]*\])?(\.[A-Za-z0-9_.-]+)?|[0-9]+_[0-9]+")
@@ -74,6 +75,9 @@ class JobRequest:
     stage_env: bool = False
     stage_dir: str | None = None
     report: str | None = None  # the job's hvdrun writes its HTML report here (observe/report.py)
+    chain: int | None = None  # submit this many jobs, each after the previous one (jobs/chain.py)
+    warn_before: float | None = None  # the job's hvdrun warns the ranks this many seconds before the walltime
+    warn_signal: str | None = None
 
 
 def load_job_config(request: JobRequest) -> tuple[ClusterConfig | None, list[str]]:
@@ -289,6 +293,45 @@ def _report_args(request: JobRequest) -> list[str]:
     return ["--report", str(Path(request.report).expanduser().resolve())] if request.report else []
 
 
+def _warning_args(request: JobRequest, walltime_s: int | None, scheduler: str) -> list[str]:
+    """``--warn-before S [--warn-signal SIG]`` for the job's hvdrun; with ``--chain``, a tenth of the walltime (at
+    most 10 minutes) unless given.
+
+    Raises:
+        UsageError: ``--chain`` 0, without a walltime, with ``--after``, on a scheduler that cannot chain; a warning
+            as long as the walltime.
+    """
+    chained = request.chain is not None
+    if chained:
+        _check_chain(request, walltime_s, scheduler)
+    lead = request.warn_before
+    if lead is None and chained and walltime_s:
+        lead = min(walltime_s / 10, DEFAULT_CHAIN_WARNING_MAX_S)
+    if lead is None:
+        if request.warn_signal:
+            raise UsageError(f"--warn-signal {request.warn_signal}: give --warn-before S too (when to send it)")
+        return []
+    if walltime_s and lead >= walltime_s:
+        raise UsageError(f"--warn-before {lead:g}: the job's walltime is {walltime_s} s; the warning must come "
+                         f"before its end, e.g. --warn-before {max(walltime_s // 10, 1)}")
+    return ["--warn-before", f"{lead:g}", *(["--warn-signal", request.warn_signal] if request.warn_signal else [])]
+
+
+def _check_chain(request: JobRequest, walltime_s: int | None, scheduler: str) -> None:
+    length = request.chain or 0
+    if length < 1:
+        raise UsageError(f"--chain {length}: expected at least 1 job")
+    if not walltime_s:
+        raise UsageError(f"--chain {length}: a chain continues jobs that end at their walltime; give -t/--walltime")
+    if request.after:
+        raise UsageError(f"--chain {length} with --after {request.after[0]}: a chain's first job starts when the "
+                         "scheduler allows and each next one after the previous; drop --after, or submit the chain "
+                         "after that job has ended")
+    reason = scheduler_class(scheduler).no_chain
+    if reason:
+        raise UsageError(f"--chain {length}: {reason}")
+
+
 def _run_args(request: JobRequest) -> list[str]:
     """``--run-args``, split as the shell would."""
     try:
@@ -395,7 +438,8 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
     ranks_per_node = request.ranks_per_node or (nodes if unit == "gpus" else None) or (
         config.ranks_per_node if config else None) or max(gpus // per_rank, 1)
     _check_cpu_bind(config, ranks_per_node)
-    run_options = [*_restart_args(request, nodes, unit), *_stage_args(request, config, kind, nodes),
+    run_options = [*_restart_args(request, nodes, unit), *_warning_args(request, walltime_s, kind),
+                   *_stage_args(request, config, kind, nodes),
                    *_filesystem_args(request, config, defaults, kind, nodes, filesystems), *_report_args(request)]
     name = _job_name(request)
     output, error, exit_file, script_path = _output_paths(request, name, kind, time.time() if now is None else now)

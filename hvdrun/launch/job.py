@@ -14,6 +14,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -27,6 +28,7 @@ from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.plan import ElasticPlan, JobPlan, start_timeout_s
 from hvdrun.launch.stacks import print_stacks, signal_ranks, stacks_on_demand
 from hvdrun.launch.supervision import WorkerGroup
+from hvdrun.launch.warning import WarningClock, warning_clock
 from hvdrun.protocol.tree import fanout, inner_hosts, tree_value
 from hvdrun.ranks import Slot, assign_slots, total_slots
 
@@ -80,7 +82,8 @@ def remove_files(pattern: str) -> int:
 
 def run_job(plan: JobPlan, console: dict[str, TextIO] | None = None) -> None:
     """Reach the hosts, start every rank of ``plan`` and supervise them until the job ends; with
-    ``--max-restarts``, start it again after a failure (:mod:`hvdrun.launch.restarts`).
+    ``--max-restarts``, start it again after a failure (:mod:`hvdrun.launch.restarts`); with ``--warn-before``,
+    warn the ranks before the allocation ends (:mod:`hvdrun.launch.warning`).
 
     ``console`` replaces hvdrun's stdout and stderr as the destination of the ranks' output.
 
@@ -89,17 +92,19 @@ def run_job(plan: JobPlan, console: dict[str, TextIO] | None = None) -> None:
         WorkerFailed: a rank failed (exit code = that rank's).
         JobInterrupted: hvdrun was interrupted.
     """
-    if plan.elastic is not None:
-        return run_elastic_job(plan, plan.elastic, console)
-    if plan.options.max_restarts:
-        from hvdrun.launch.restarts import run_with_restarts
+    say = _console_writer(console)
+    with warning_clock(plan.warning, lambda text: say(f"{text}\n"), plan.base_env) as clock:
+        if plan.elastic is not None:
+            return run_elastic_job(plan, plan.elastic, console, clock)
+        if plan.options.max_restarts:
+            from hvdrun.launch.restarts import run_with_restarts
 
-        run_id = secrets.token_hex(4)  # torchrun's TORCHELASTIC_RUN_ID stays the same across restarts
-        return run_with_restarts(plan, plan.options.max_restarts, functools.partial(plan_for_attempt, plan),
-                                 lambda attempt_plan, attempt: _run_attempt(attempt_plan, console, attempt, run_id),
-                                 lambda text: _console_writer(console)(f"{text}\n"),
-                                 functools.partial(probe_hosts, plan))
-    return _run_attempt(plan, console, 0)
+            run_id = secrets.token_hex(4)  # torchrun's TORCHELASTIC_RUN_ID stays the same across restarts
+            return run_with_restarts(plan, plan.options.max_restarts, functools.partial(plan_for_attempt, plan),
+                                     lambda attempt_plan, attempt: _run_attempt(attempt_plan, console, attempt, run_id,
+                                                                                clock),
+                                     lambda text: say(f"{text}\n"), functools.partial(probe_hosts, plan))
+        return _run_attempt(plan, console, 0, clock=clock)
 
 
 def probe_hosts(plan: JobPlan, hosts: Sequence[Host]) -> dict[str, str]:
@@ -117,7 +122,8 @@ def plan_for_attempt(plan: JobPlan, hosts: tuple[Host, ...]) -> JobPlan:
     return replace(plan, slots=tuple(assign_slots(hosts, len(plan.slots), plan.layout)))
 
 
-def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int, run_id: str = "") -> None:
+def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int, run_id: str = "",
+                 clock: WarningClock | None = None) -> None:
     """One attempt of a job: every rank started, supervised, and stopped when one fails."""
     options = plan.options
     output_dir = options.output_dir
@@ -138,11 +144,12 @@ def _run_attempt(plan: JobPlan, console: dict[str, TextIO] | None, attempt: int,
                                     options.max_restarts, run_id or job_id, rendezvous_tree(launcher, plan.slots))
             specs = plan.specs(rendezvous, launcher.cpus)
             observation.ranks_starting(rendezvous, specs, launcher.reached_at())
-            with stacks_on_demand(rendezvous, len(plan.slots), write):
-                WorkerGroup(launcher, router, idle_timeout_s=options.idle_timeout_s,
-                            on_idle=lambda: print_stacks(rendezvous, write),
-                            signal_ranks=functools.partial(signal_ranks, rendezvous),
-                            forward_signals=plan.forward_signals).run(specs)
+            group = WorkerGroup(launcher, router, idle_timeout_s=options.idle_timeout_s,
+                                on_idle=lambda: print_stacks(rendezvous, write),
+                                signal_ranks=functools.partial(signal_ranks, rendezvous),
+                                forward_signals=plan.forward_signals)
+            with stacks_on_demand(rendezvous, len(plan.slots), write), _warned_through(clock, group.pass_signal):
+                group.run(specs)
     except KeyboardInterrupt as e:  # reaching the hosts, staging: no rank was started
         raise interrupted_before_ranks(e) from None
     finally:
@@ -195,7 +202,13 @@ def _console_writer(console: dict[str, TextIO] | None) -> Callable[[str], None]:
     return lambda text: None if write_bounded(stream, text) else None
 
 
-def run_elastic_job(plan: JobPlan, elastic: ElasticPlan, console: dict[str, TextIO] | None = None) -> None:
+def _warned_through(clock: WarningClock | None, deliver: Callable[[int], None]) -> AbstractContextManager[None]:
+    """The warning before the walltime goes to ``deliver`` while inside (nothing without a clock)."""
+    return clock.attached(deliver) if clock is not None else nullcontext()
+
+
+def run_elastic_job(plan: JobPlan, elastic: ElasticPlan, console: dict[str, TextIO] | None = None,
+                    clock: WarningClock | None = None) -> None:
     """Run an elastic job: workers follow discovery, failures shrink the job, new hosts grow it.
 
     Raises:
@@ -218,7 +231,8 @@ def run_elastic_job(plan: JobPlan, elastic: ElasticPlan, console: dict[str, Text
     driver = ElasticDriver(launcher, router, elastic.discovery(), elastic.settings, spec_for, secret, plan.layout,
                            log=router.say)  # never held up by a console that stopped reading
     try:
-        driver.run()
+        with _warned_through(clock, driver.pass_signal):
+            driver.run()
     finally:
         router.drain(5.0)
         launcher.close()

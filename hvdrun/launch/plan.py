@@ -25,6 +25,7 @@ from hvdrun.envvars import (
     HOROVOD_COMPAT,
     PRELOAD,
     START_TIMEOUT,
+    STATE_DIR,
     TIMELINE,
     Rendezvous,
     check_tuning,
@@ -55,6 +56,7 @@ from hvdrun.launch.elastic.worker_pool import (
 from hvdrun.launch.remote.preload import AUTO, choose_modules, rank_source
 from hvdrun.launch.staging import DEFAULT_STAGE_DIR, StagePlan, check_stage_dir, plan_staging, staged_env
 from hvdrun.launch.supervision import DEFAULT_FORWARD_SIGNALS, parse_signal_list
+from hvdrun.launch.warning import WalltimeWarning, plan_warning
 from hvdrun.ranks import GpuLayout, Slot, assign_slots, layout_value, parse_rank_list, total_slots
 from hvdrun.schedulers import SCHEDULERS, SLURM
 
@@ -115,6 +117,9 @@ class RunOptions:
     metrics_file: str | None = None  # append the job's metrics as JSON lines
     metrics_interval_s: float | None = None  # seconds between two samples of the ranks' vitals
     report: str | None = None  # write the job report (HTML) here when the job ends (observe/report.py)
+    warn_before_s: float | None = None  # warn the ranks this long before the allocation ends (launch/warning.py)
+    warn_signal: str | None = None  # the warning's signal (default USR1)
+    state_dir: str | None = None  # where hvd.elastic state outlives the job (torch/elastic.py)
 
     @property
     def elastic(self) -> bool:
@@ -143,6 +148,7 @@ class JobPlan:
     stage: StagePlan | None = None  # --stage-env: what to stage where
     staged: Mapping[str, str] = field(default_factory=dict)  # host name -> its staged copy's Python, once staged
     notes: tuple[str, ...] = ()  # what the user should hear about the plan (a YAML setting that did not apply)
+    warning: WalltimeWarning | None = None  # the allocation's end, and --warn-before's warning
 
     def python_for(self, host: Host) -> str:
         """The Python of ``host``: its staged copy's (``--stage-env``), its own from the cluster YAML, else the
@@ -341,6 +347,9 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
     modules = choose_modules(options.preload, rank_source(command, options.module))
     if modules:
         base_env[PRELOAD] = ",".join(modules)
+    warning, warning_notes = plan_warning(options.warn_before_s, options.warn_signal, environ, options.verbose)
+    base_env.update(warning.env() if warning else {})
+    base_env.update(_state_dir_env(options.state_dir))
     default_python = (config.python if config else None) or sys.executable
     return JobPlan(slots=tuple(slots), command=command, launcher=launcher, options=options, base_env=base_env,
                    cwd=os.getcwd(), default_python=default_python,
@@ -349,7 +358,14 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
                    hosts=hosts, console_ranks=_console_ranks(options, len(slots)),
                    forward_signals=DEFAULT_FORWARD_SIGNALS if options.forward_signals is None else
                    parse_signal_list(options.forward_signals),
-                   stage=_stage_plan(options, config, launcher, hosts, default_python), notes=notes)
+                   stage=_stage_plan(options, config, launcher, hosts, default_python),
+                   notes=(*notes, *warning_notes), warning=warning)
+
+
+def _state_dir_env(state_dir: str | None) -> dict[str, str]:
+    """``--state-dir``: ``HVDRUN_STATE_DIR`` for the ranks, made absolute (the ranks may start elsewhere). A
+    directory that cannot be written is not an error here: rank 0 says so when it saves, and the job goes on."""
+    return {STATE_DIR: str(Path(state_dir).expanduser().resolve())} if state_dir else {}
 
 
 

@@ -223,6 +223,10 @@ class WorkerGroup:
         self._forward_pending.append(signum)
         self._wakeup.set()
 
+    def pass_signal(self, signum: int) -> None:
+        """Pass ``signum`` to every running rank as a forwarded signal (``--warn-before``'s warning); any thread."""
+        self._on_forward_signal(signum)
+
     def _pass_on_signals(self, running: Sequence[Worker]) -> None:
         """Pass the signals hvdrun got since the last look (``--forward-signals``) to every running rank."""
         self._wakeup.clear()

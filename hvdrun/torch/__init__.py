@@ -73,6 +73,7 @@ from hvdrun.torch.optimizer import DistributedOptimizer
 from hvdrun.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from hvdrun.torch.steps import count_optimizer_steps
 from hvdrun.torch.sync_batch_norm import SyncBatchNorm
+from hvdrun.walltime import time_left
 
 
 def init(comm: object = None, process_sets: object = None) -> None:
@@ -151,5 +152,5 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
     "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built",
-    "save_checkpoint", "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
+    "save_checkpoint", "shutdown", "size", "start_timeline", "stop_timeline", "synchronize", "time_left",
 ]

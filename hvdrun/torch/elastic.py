@@ -37,6 +37,7 @@ from hvdrun.errors import HostsUpdatedInterrupt
 from hvdrun.runtime import context
 from hvdrun.runtime.membership import WorkerRemoved, host_updates
 from hvdrun.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from hvdrun.torch.lasting_state import keep_at_commit, resume
 
 
 def _rank() -> int:
@@ -60,8 +61,11 @@ class State:
             callback()
 
     def commit(self) -> None:
-        """Save the state, then check whether hosts were added or removed (all ranks call it together)."""
+        """Save the state, keep it in ``--state-dir`` when due (:mod:`hvdrun.torch.lasting_state`: at the warning
+        before the walltime the job then ends), then check whether hosts were added or removed (all ranks call it
+        together)."""
         self.save()
+        keep_at_commit(self)
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -87,6 +91,14 @@ class State:
 
     def sync(self) -> None:
         """Make every rank's state rank 0's."""
+        raise NotImplementedError
+
+    def snapshot(self) -> dict[str, Any]:
+        """The last commit, as plain data ``torch.save`` can write (what ``--state-dir`` keeps across jobs)."""
+        raise NotImplementedError
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """Make ``snapshot`` (from :meth:`snapshot`) the last commit and go back to it."""
         raise NotImplementedError
 
 
@@ -116,6 +128,14 @@ class ObjectState(State):
                 setattr(self, name, value)
             self.save()
 
+    def snapshot(self) -> dict[str, Any]:
+        return {"attributes": copy.deepcopy(self._saved_state)}
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        self._saved_state.update({name: value for name, value in snapshot.get("attributes", {}).items()
+                                  if name in self._saved_state})
+        self.restore()
+
 
 class _Handler:
     """How one kind of value (a model, an optimizer, a sampler) is saved, restored and synced."""
@@ -125,10 +145,10 @@ class _Handler:
         self.save()
 
     def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
+        self.saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
+        self.value.load_state_dict(self.saved)
 
     def sync(self) -> None:
         raise NotImplementedError
@@ -204,6 +224,15 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.save()
 
+    def snapshot(self) -> dict[str, Any]:
+        return {**super().snapshot(), "handled": {name: h.saved for name, h in self._handlers.items()}}
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        for name, saved in snapshot.get("handled", {}).items():
+            if name in self._handlers:
+                self._handlers[name].saved = saved
+        super().load_snapshot(snapshot)  # restores the handled values too
+
 
 class ElasticSampler(torch.utils.data.Sampler):
     """Like ``DistributedSampler``, but after a reset it splits only the samples not yet processed this
@@ -267,6 +296,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         context.init()
+        resume(state)
         if context.current().assignment is None:  # not an elastic job: nothing to recover from
             state.sync()
             return func(state, *args, **kwargs)

@@ -27,6 +27,7 @@ from hvdrun.jobs.queue_limits import (
     ask_scheduler,  # the real one: tests/unit/conftest.py patches the module's name only
     decide,
 )
+from hvdrun.walltime import pbs_duration_s, slurm_duration_s
 
 GOLDEN = Path(__file__).parent / "golden" / "queue_limits"
 AURORA_JSON = (GOLDEN / "qstat_Qf_F_json_pbspro2022_aurora.json").read_text()
@@ -78,7 +79,7 @@ def test_pbs_output_that_is_not_its_queue_json(text, error):
 @pytest.mark.parametrize("value, seconds", [("06:00:00", 6 * H), ("168:00:00", 168 * H), ("90:00", 5400),
                                             ("45", 45), (3600, H), ("01:00:00.5", H), ("soon", None), (None, None)])
 def test_pbs_durations(value, seconds):
-    assert pbs._duration_s(value) == seconds
+    assert pbs_duration_s(value) == seconds
 
 
 def test_slurm_partitions_of_a_real_scontrol():
@@ -97,7 +98,7 @@ def test_slurm_partitions_of_a_real_scontrol():
                                            ("01:00:00", H), ("1-00:00:00", 24 * H), ("2-12", 60 * H),
                                            ("2-12:30", 60 * H + 1800), ("", None)])
 def test_slurm_times(text, seconds):
-    assert slurm._time_s(text) == seconds
+    assert slurm_duration_s(text) == seconds
 
 
 def test_slurm_output_without_partitions():

@@ -69,6 +69,7 @@ class ElasticDriver:
         self._interrupt: int | None = None
         self._below_since: float | None = None
         self._started = time.monotonic()
+        self._signals_to_pass: list[int] = []
 
     # -- the job ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -96,6 +97,19 @@ class ElasticDriver:
             raise JobInterrupted(f"received {signal.Signals(self._interrupt).name}; stopped every worker",
                                  128 + self._interrupt)
 
+    def pass_signal(self, signum: int) -> None:
+        """Pass ``signum`` to every live worker's processes at the next look (``--warn-before``'s warning); any
+        thread. The job goes on."""
+        self._signals_to_pass.append(signum)
+        self._wakeup.set()
+
+    def _pass_signals(self) -> None:
+        while self._signals_to_pass:
+            signum = self._signals_to_pass.pop(0)
+            passed = sum(member.worker.forward_signal(signum) for member in self.pool.live())
+            self.log(f"hvdrun: passed {signal.Signals(signum).name} to {passed} worker{'s' if passed != 1 else ''}; "
+                     "the job goes on")
+
     def _on_signal(self, signum: int) -> None:
         if self._interrupt is None:
             self._interrupt = signum
@@ -104,6 +118,7 @@ class ElasticDriver:
     def _supervise(self) -> None:
         last_discovery = time.monotonic()
         while self._interrupt is None:
+            self._pass_signals()
             self._reap()
             if self._finished and not self.pool.serving():
                 return None  # workers that never held a rank are stopped on the way out
