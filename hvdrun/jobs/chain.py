@@ -209,13 +209,15 @@ def find_chain(text: str) -> Chain:
 
 # -- the rule, inside the jobs ---------------------------------------------------------------------------------
 
-def outcome(chain: Chain, number: int, exit_code: int | None) -> tuple[str, str]:
-    """(GO_ON | DONE | FAILED | UNDECIDED, why) for job ``number`` that ended with ``exit_code`` (None: unknown)."""
+def outcome(chain: Chain, number: int, exit_code: int | None, stopped_by: str | None = None) -> tuple[str, str]:
+    """(GO_ON | DONE | FAILED | UNDECIDED, why) for job ``number`` that ended with ``exit_code`` (None: unknown),
+    its script stopped by the signal ``stopped_by`` (None: it was not)."""
     events = JobEvents(chain.events[number - 1])
     if events.warned:
         return GO_ON, f"exit code {exit_code}, after hvdrun's warning before the walltime"
-    if events.stop_signal:
-        return GO_ON, f"stopped by {events.stop_signal} (the walltime, preemption, or qdel) before any warning"
+    stopped_by = stopped_by or events.stop_signal
+    if stopped_by:
+        return GO_ON, f"stopped by {stopped_by} (the walltime, preemption, or qdel) before any warning"
     if exit_code is None:
         return UNDECIDED, "ended without an exit code or a warning (killed, or its node lost)"
     if exit_code == 0:
@@ -223,11 +225,12 @@ def outcome(chain: Chain, number: int, exit_code: int | None) -> tuple[str, str]
     return FAILED, f"exit code {exit_code} before any warning"
 
 
-def link_ends(chain: Chain, number: int, exit_code: int, echo: Echo) -> None:
-    """Job ``number`` ends with ``exit_code``: decide whether the chain goes on, and cancel the rest where not."""
+def link_ends(chain: Chain, number: int, exit_code: int, echo: Echo, stopped_by: str | None = None) -> None:
+    """Job ``number`` ends with ``exit_code`` (its script stopped by ``stopped_by``, if it was): decide whether the
+    chain goes on, and cancel the rest where not."""
     if chain.verdict() is not None:
         return
-    decision, why = outcome(chain, number, exit_code)
+    decision, why = outcome(chain, number, exit_code, stopped_by)
     if decision in (DONE, FAILED):
         how = "training done" if decision == DONE else "failed"
         _end(chain, Verdict(number, how, exit_code, why), echo)

@@ -65,8 +65,8 @@ def _chain_lines(spec: JobSpec) -> dict[str, str] | None:
         return None
     step = [spec.launch[0], "-m", "hvdrun", "chain-link"]
     where = [spec.link.chain_file, str(spec.link.number)]
-    return {"begin": shlex.join([*step, "begin", *where]), "end": shlex.join([*step, "end", *where]) + ' "$rc"',
-            "events_file": quote(spec.link.events_file)}
+    end = shlex.join([*step, "end", *where]) + ' "$rc" "$stopped_by"'  # the script's variables, unquoted here
+    return {"begin": shlex.join([*step, "begin", *where]), "end": end, "events_file": quote(spec.link.events_file)}
 
 
 def check_script(text: str, rules: ScriptRules, source: str) -> None:

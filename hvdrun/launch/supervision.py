@@ -352,8 +352,9 @@ def stop_workers(workers: Sequence[Worker], grace_s: float) -> None:
             time.sleep(_POLL_INTERVAL_S)
 
 
-def parse_signal_list(text: str) -> tuple[int, ...]:
-    """``USR1,USR2,CONT`` (names with or without ``SIG``, or numbers; ``none``) as signal numbers.
+def parse_signal_list(text: str, option: str = "--forward-signals") -> tuple[int, ...]:
+    """``USR1,USR2,CONT`` (names with or without ``SIG``, or numbers; ``none``) as signal numbers, given to
+    ``option``.
 
     Raises:
         UsageError: an unknown signal, or one that stops the job or cannot be caught.
@@ -366,11 +367,11 @@ def parse_signal_list(text: str) -> tuple[int, ...]:
         try:
             signum = signal.Signals(int(name)) if name.isdigit() else signal.Signals[name]
         except (KeyError, ValueError):
-            raise UsageError(f"--forward-signals {text}: {word!r} is not a signal; expected names or numbers "
+            raise UsageError(f"{option} {text}: {word!r} is not a signal; expected names or numbers "
                              "like USR1,USR2,CONT") from None
         if signum in _NOT_FORWARDED or signum >= 64:
             why = _NOT_FORWARDED.get(signum, "cannot be passed through the guard (1..63 only)")
-            raise UsageError(f"--forward-signals {text}: {signum.name} {why}")
+            raise UsageError(f"{option} {text}: {signum.name} {why}")
         found.append(int(signum))
     return tuple(dict.fromkeys(found))
 

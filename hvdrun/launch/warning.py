@@ -76,7 +76,7 @@ def _warn_signal(name: str | None) -> int:
 
     if name is None:
         return int(DEFAULT_WARN_SIGNAL)
-    found = parse_signal_list(name)
+    found = parse_signal_list(name, "--warn-signal")
     if len(found) != 1:
         raise UsageError(f"--warn-signal {name}: expected one signal, e.g. USR1")
     return found[0]

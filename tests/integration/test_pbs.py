@@ -55,8 +55,9 @@ def pbs_job(pbs_server, hvdrun_env, tmp_path):
     options = ("--config", str(config), "--run-args", " ".join(hosts.args()))
     yield hvdrun_env, tmp_path, options
     for record in (tmp_path / "registry").glob("*.json"):  # a failed test's jobs must not hold the nodes
-        subprocess.run(["qdel", json.loads(record.read_text())["job_id"]], env=server.env, capture_output=True,
-                       timeout=30)
+        job_id = json.loads(record.read_text()).get("job_id")  # (a chain's record names its file instead)
+        if job_id:
+            subprocess.run(["qdel", job_id], env=server.env, capture_output=True, timeout=30)
     assert wait_until(lambda: not leftovers(tmp_path, hosts.addrs), 30), leftovers(tmp_path, hosts.addrs)
 
 
@@ -272,3 +273,103 @@ def test_the_server_of_another_machine_is_not_believed(server, asked):
                                  walltime="01:00:00", account="MyProject"))
     assert spec.notices == (f"the PBS server here ({server.nodes[0]}) is not polaris's: queue limits come from the "
                             f"YAML ({REPO / 'cluster_configs' / 'polaris.yaml'}) only",)
+
+
+# -- jobs longer than a walltime: a chain of 1-minute jobs on the real server (its MOM enforces the walltime) -------
+
+REGRESSION = REPO / "examples" / "linear_regression.py"
+CHAIN_EPOCHS, SECONDS_PER_EPOCH = "400", "0.2"  # 80 s of training: about 2.5 jobs of 1 minute warned 20 s early
+
+
+@pytest.fixture
+def chain_job(server, pbs_job):
+    """``pbs_job`` with 1-minute jobs allowed on the debug queue (Aurora's least is 5 minutes), and PBS's own
+    client commands and configuration inside the job (a site's /etc/pbs.conf and PATH), for the job's hvdrun to
+    read its walltime (qstat) and a chain's job to cancel the rest (qdel)."""
+    env, cwd, options = pbs_job
+    inside = ("--export", f"PBS_CONF_FILE={env['PBS_CONF_FILE']}", "--setup",
+              f"export PATH={pbs.PBS_EXEC / 'bin'}:$PATH")
+    with server.changed("set queue debug resources_min.walltime = 00:00:30",
+                        f"set queue debug resources_min.walltime = {pbs.LEAST_WALLTIME}"):
+        yield env, cwd, (*options, *inside)
+
+
+def chain_timeline(cwd: Path) -> str:
+    """Each job's output lines that tell its story: start, resume, warning, checkpoint, end."""
+    words = ("started on", "resumed at", "allocation ends", "warned:", "got SIGTERM", "chain ", "ended with", "exact=")
+    lines = []
+    for path in sorted((cwd / "hvdrun-jobs").glob("*.output")):
+        lines += [f"{path.name}: {line}" for line in path.read_text().splitlines() if any(w in line for w in words)]
+    return "\n".join(lines)
+
+
+def uninterrupted(env, cwd: Path) -> str:
+    """The ``exact=`` coefficients of the same training run in one go (2 ranks, this machine)."""
+    done = hvdrun(env, cwd, "-np", "2", str(REGRESSION), "--epochs", CHAIN_EPOCHS)
+    assert done.returncode == 0, done.stderr
+    return re.search(r"exact=(\S+)", done.stdout).group(1)
+
+
+@pytest.mark.timeout(480)
+def test_a_chain_of_one_minute_jobs_resumes_each_from_the_last_checkpoint_and_equals_one_run(chain_job):
+    env, cwd, options = chain_job
+    result = hvdrun(env, cwd, "qsub", *options, "-n", "2", "--ranks-per-node", "1", "-t", "00:01:00", "--chain", "3",
+                    "--warn-before", "20", "--wait", "--", "python", str(REGRESSION), "--epochs", CHAIN_EPOCHS,
+                    "--seconds-per-epoch", SECONDS_PER_EPOCH, "--checkpoint", str(cwd / "ckpt.pt"), timeout=420)
+    timeline = chain_timeline(cwd)
+    print(timeline)
+    assert result.returncode == 0, result.stderr + timeline
+    chain_id = submitted_id(result)
+    assert re.fullmatch(r"chain-\d+\.\S+", chain_id)
+    assert f"chain {chain_id} ended at job 3: training done (exit code 0 before any warning)" in result.stderr
+    outputs = sorted((cwd / "hvdrun-jobs").glob("*.output"))
+    assert [p.name.rsplit(".", 2)[-2] for p in outputs] == ["1", "2", "3"], outputs
+    first, second, third = (p.read_text() for p in outputs)
+    for warned in (first, second):  # warned by hvdrun 20 s before the walltime, checkpointed, exited 0
+        assert re.search(r"the allocation ends in 0:00:\d\d \(--warn-before 20\): warning every rank with SIGUSR1",
+                         warned), warned
+        assert re.search(r"warned: saved epoch \d+ of 400", warned), warned
+        assert "ended with exit code 0" in warned
+    saved = [int(n) for n in re.findall(r"warned: saved epoch (\d+)", first + second)]
+    resumed = [int(n) for n in re.findall(r"resumed at epoch (\d+)", second + third)]
+    assert resumed == saved and 0 < saved[0] < saved[1] < 400, (saved, resumed)
+    assert "warning every rank" not in third and "ended with exit code 0" in third
+    exact = set(re.findall(r"exact=(\S+)", third))
+    assert exact == {uninterrupted(env, cwd)}  # both ranks, bit for bit an uninterrupted run's
+    listed = hvdrun(env, cwd, "qstat", chain_id)
+    assert listed.returncode == 0 and "ended at job 3: training done" in listed.stdout, listed.stdout + listed.stderr
+    assert len(re.findall(r"warned at \d\d:\d\d:\d\d", listed.stdout)) == 2, listed.stdout
+
+
+@pytest.mark.timeout(240)
+def test_a_chain_whose_first_job_fails_stops_and_cancels_the_rest(chain_job):
+    env, cwd, options = chain_job
+    result = hvdrun(env, cwd, "qsub", *options, "-n", "2", "--ranks-per-node", "1", "-t", "00:01:00", "--chain", "3",
+                    "--wait", "allreduce_hosts.py", "3", "1", timeout=180)
+    output = job_output(cwd)
+    assert result.returncode == 3, result.stderr + output
+    chain_id = submitted_id(result)
+    assert f"chain {chain_id} ended at job 1: failed (exit code 3 before any warning)" in result.stderr
+    assert "cancelled job" in output, output  # by the failed job's own last line
+    assert len(list((cwd / "hvdrun-jobs").glob("*.output"))) == 1  # the others never ran
+    listed = hvdrun(env, cwd, "qstat", chain_id).stdout
+    assert "ended at job 1: failed" in listed and listed.count("UNKNOWN") == 2, listed
+
+
+@pytest.mark.timeout(240)
+def test_qdel_of_a_chain_leaves_nothing_queued_or_running_on_any_host(pbs_server, chain_job):
+    _, hosts = pbs_server
+    env, cwd, options = chain_job
+    marker = f"{time.time_ns() % 10**9}.7"
+    chain_id = submitted_id(hvdrun(env, cwd, "qsub", *options, "-n", "2", "--ranks-per-node", "1", "-t", "00:01:00",
+                                   "--chain", "3", "--submit", "--", "sleep", marker))
+    assert wait_until(lambda: len(hosts_of(sleepers(marker))) == 2, 60), "the first job never ran on both hosts"
+    cancelled = hvdrun(env, cwd, "qdel", chain_id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.count("cancelled job") == 3, cancelled.stdout  # the held ones, then the running one
+    assert f"chain {chain_id} ended by hvdrun qdel: cancelled" in cancelled.stdout
+    assert wait_until(lambda: not sleepers(marker), 30), sleepers(marker)
+    assert wait_until(lambda: not leftovers(cwd, hosts.addrs), 30), leftovers(cwd, hosts.addrs)
+    listed = hvdrun(env, cwd, "qstat", chain_id).stdout
+    assert "RUNNING" not in listed and "QUEUED" not in listed and "HELD" not in listed, listed
+    assert len(list((cwd / "hvdrun-jobs").glob("*.output"))) == 1, listed  # nothing started after the qdel

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hvdrun.envvars import FORK_SERVER_FROM
@@ -172,6 +173,55 @@ def test_slurm_qstat_says_why_a_job_waits(slurm_env, job_dir):
         hvdrun(slurm_env, job_dir, "qdel", job_id)
     unknown = hvdrun(slurm_env, job_dir, "qstat", "999999")
     assert unknown.returncode == 1 and "UNKNOWN" in unknown.stdout
+
+
+@pytest.mark.timeout(480)
+def test_slurm_chain_of_one_minute_jobs_continues_an_elastic_script_from_its_state_dir(slurm_env, job_dir):
+    """``hvd.elastic`` state kept by ``--state-dir`` at the warning (no code of the script's own for the walltime):
+    3 jobs of 1 minute, each resuming where the last stopped, and the result an uninterrupted run's."""
+    slurm_env["PYTHONPATH"] = f"{REPO / 'examples'}:{REPO}"
+    worker = WORKERS / "elastic_regression.py"
+    result = hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "2", "--ranks-per-node", "1", "-t", "1",
+                    "--chain", "3", "--warn-before", "20", "--run-args", f"--state-dir {job_dir / 'kept'}", "--wait",
+                    "--", "python", str(worker), "400", "0.2", timeout=420)
+    outputs = sorted((job_dir / "hvdrun-jobs").glob("*.output"))
+    texts = [p.read_text() for p in outputs]
+    print("\n".join(f"{p.name}: {line}" for p, text in zip(outputs, texts, strict=True) for line in text.splitlines()
+                    if re.search(r"started on|starts at|allocation ends|kept in|resumed from|chain |ended with|exact=",
+                                 line)))
+    assert result.returncode == 0, result.stderr + "".join(texts)
+    chain_id = submitted_id(result)
+    assert f"chain {chain_id} ended at job 3: training done (exit code 0 before any warning)" in result.stderr
+    assert len(texts) == 3, outputs
+    starts = [int(re.search(r"\[0\]<stdout>:starts at epoch (\d+)", text).group(1)) for text in texts]
+    assert starts[0] == 0 and 0 < starts[1] < starts[2] < 400, starts  # each job resumed where the last stopped
+    for text in texts[:2]:
+        assert "hvdrun: elastic: the allocation ends soon: the state is kept in " in text, text
+        assert "ended with exit code 0" in text
+    whole = hvdrun(slurm_env, job_dir, "-np", "2", str(worker), "400", "0")
+    assert whole.returncode == 0, whole.stderr
+    exact = set(re.findall(r"exact=(\S+)", texts[2]))
+    assert exact == set(re.findall(r"exact=(\S+)", whole.stdout)) and len(exact) == 1  # bit for bit
+
+
+def test_slurm_chain_qdel_cancels_every_job(slurm_env, job_dir):
+    marker = f"{os.getpid()}.{len(str(job_dir))}3"
+    chain_id = submitted_id(hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "1", "--ranks-per-node",
+                                   "1", "-t", "1", "--chain", "3", "--submit", "--", "sleep", marker))
+    first = re.fullmatch(r"chain-(\d+)", chain_id).group(1)
+    wait_for_state(slurm_env, job_dir, first, "RUNNING")
+    cancelled = hvdrun(slurm_env, job_dir, "qdel", chain_id)
+    assert cancelled.returncode == 0 and cancelled.stdout.count("cancelled job") == 3, cancelled.stdout
+    seen = []
+
+    def all_cancelled() -> bool:
+        seen.append(hvdrun(slurm_env, job_dir, "qstat", chain_id).stdout)
+        return seen[-1].count("FINISHED [CANCELLED]") == 3
+
+    assert wait_until(all_cancelled, 30), seen[-1]
+    assert "ended by hvdrun qdel: cancelled" in seen[-1]
+    assert wait_until(lambda: not any(p.info["cmdline"] == ["sleep", marker]
+                                      for p in psutil.process_iter(["cmdline"])), 30)
 
 
 def test_pbs_style_job_through_slurms_torque_wrappers(slurm_cluster, slurm_env, job_dir):
