@@ -311,6 +311,10 @@ def _warning_args(request: JobRequest, walltime_s: int | None, scheduler: str) -
         if request.warn_signal:
             raise UsageError(f"--warn-signal {request.warn_signal}: give --warn-before S too (when to send it)")
         return []
+    if request.warn_signal:
+        from hvdrun.launch.warning import warn_signal_number
+
+        warn_signal_number(request.warn_signal)
     if walltime_s and lead >= walltime_s:
         raise UsageError(f"--warn-before {lead:g}: the job's walltime is {walltime_s} s; the warning must come "
                          f"before its end, e.g. --warn-before {max(walltime_s // 10, 1)}")

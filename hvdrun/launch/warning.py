@@ -54,7 +54,7 @@ def plan_warning(lead_s: float | None, signal_name: str | None, environ: Mapping
     Raises:
         UsageError: ``--warn-signal`` is not a signal hvdrun can pass to the ranks.
     """
-    signum = _warn_signal(signal_name)
+    signum = warn_signal_number(signal_name)
     inside = any(environ.get(name) for name in ("PBS_JOBID", "SLURM_JOB_ID", "COBALT_JOBID"))
     if not inside and lead_s is None and not verbose:
         return None, ()
@@ -71,7 +71,12 @@ def plan_warning(lead_s: float | None, signal_name: str | None, environ: Mapping
     return warning, notes
 
 
-def _warn_signal(name: str | None) -> int:
+def warn_signal_number(name: str | None) -> int:
+    """``--warn-signal``'s number (SIGUSR1 when not given).
+
+    Raises:
+        UsageError: not one signal that hvdrun can pass to the ranks.
+    """
     from hvdrun.launch.supervision import parse_signal_list
 
     if name is None:

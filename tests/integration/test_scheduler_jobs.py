@@ -182,7 +182,7 @@ def test_slurm_chain_of_one_minute_jobs_continues_an_elastic_script_from_its_sta
     slurm_env["PYTHONPATH"] = f"{REPO / 'examples'}:{REPO}"
     worker = WORKERS / "elastic_regression.py"
     result = hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "2", "--ranks-per-node", "1", "-t", "1",
-                    "--chain", "3", "--warn-before", "20", "--run-args", f"--state-dir {job_dir / 'kept'}", "--wait",
+                    "--chain", "3", "--warn-before", "20", "--run-args", f"--state-dir {job_dir / 'kept'} --verbose", "--wait",
                     "--", "python", str(worker), "400", "0.2", timeout=420)
     outputs = sorted((job_dir / "hvdrun-jobs").glob("*.output"))
     texts = [p.read_text() for p in outputs]
@@ -193,6 +193,8 @@ def test_slurm_chain_of_one_minute_jobs_continues_an_elastic_script_from_its_sta
     chain_id = submitted_id(result)
     assert f"chain {chain_id} ended at job 3: training done (exit code 0 before any warning)" in result.stderr
     assert len(texts) == 3, outputs
+    assert re.search(r"hvdrun: note: the allocation ends at \S+ \S+ \S+ \(in 0:00:5\d\), from squeue -h -j \d+ -o %L "
+                     r"\(time left 0:5\d\)", texts[0]), texts[0]  # --verbose: read from the controller
     starts = [int(re.search(r"\[0\]<stdout>:starts at epoch (\d+)", text).group(1)) for text in texts]
     assert starts[0] == 0 and 0 < starts[1] < starts[2] < 400, starts  # each job resumed where the last stopped
     for text in texts[:2]:

@@ -226,6 +226,16 @@ POLARIS = ("--cluster", "polaris", "-A", "P")
                                               "give --max-restarts N too"]),
     (("--cluster", "sophia", "-A", "P", "-q", "by-gpu", "-n", "4", "--max-restarts", "1", "--spares", "1"),
      ["--spares 1: this queue counts the GPUs of one node"]),
+    ((*POLARIS, "--warn-before", "3600"), ["--warn-before 3600: the job's walltime is 3600 s; the warning must come "
+                                           "before its end, e.g. --warn-before 360"]),
+    ((*POLARIS, "--chain", "0"), ["--chain 0: expected at least 1 job"]),
+    (("--scheduler", "slurm", "--chain", "2"), ["--chain 2: a chain continues jobs that end at their walltime; give "
+                                                "-t/--walltime"]),
+    ((*POLARIS, "--chain", "2", "--after", "12"), ["--chain 2 with --after 12: a chain's first job starts when"]),
+    (("--cluster", "thetagpu-cobalt", "-A", "P", "-t", "60", "--chain", "3"),
+     ["--chain 3: Cobalt's --dependencies starts a job only after the others succeeded"]),
+    ((*POLARIS, "--warn-signal", "USR2"), ["--warn-signal USR2: give --warn-before S too"]),
+    ((*POLARIS, "--warn-before", "60", "--warn-signal", "TERM"), ["--warn-signal TERM: SIGTERM stops the job"]),
 ])
 def test_validation_errors(invoke, args, fragments):
     assert_usage_error(invoke(*args, "--", "train.py"), *fragments)

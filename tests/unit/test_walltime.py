@@ -43,6 +43,16 @@ def test_a_slurm_job_is_asked_about_before_its_torque_variables():
         find_deadline({"SLURM_JOB_ID": "12", "PBS_JOBID": "12", "PATH": "/nonexistent"})
 
 
+def test_a_scheduler_that_does_not_answer_leaves_the_job_without_a_deadline(tmp_path):
+    """A stand-in ``squeue`` that hangs, as a controller that does not answer leaves the real one."""
+    (tmp_path / "squeue").write_text("#!/bin/sh\nexec /bin/sleep 30\n")
+    (tmp_path / "squeue").chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(NoDeadline, match=r"^'squeue -h -j 12 -o %L' did not answer within 0.5 s$"):
+        find_deadline({"SLURM_JOB_ID": "12", "PATH": str(tmp_path)}, timeout_s=0.5)
+    assert time.monotonic() - started < 10
+
+
 def test_a_warning_within_the_time_left_is_sent_as_the_ranks_start():
     _, notes = plan_warning(600, None, {"COBALT_JOBID": "7", "COBALT_ENDTIME": f"{time.time() + 60:.0f}"}, False)
     assert notes == (notes[0],) and "within --warn-before 600 s: the ranks are warned (SIGUSR1) as soon as" in notes[0]
