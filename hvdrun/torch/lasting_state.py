@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -25,8 +25,15 @@ from hvdrun.runtime import context
 from hvdrun.torch.functions import broadcast_object, save_checkpoint
 from hvdrun.walltime import warning_due
 
-if TYPE_CHECKING:
-    from hvdrun.torch.elastic import State
+
+class State(Protocol):
+    """What this module needs of an ``hvd.elastic`` state (:class:`hvdrun.torch.elastic.State`)."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """The last commit, as plain data."""
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """Make ``snapshot`` the last commit and go back to it."""
 
 STATE_FILE = "elastic-state.pt"
 DEFAULT_INTERVAL_S = 300.0

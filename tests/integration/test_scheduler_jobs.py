@@ -182,8 +182,8 @@ def test_slurm_chain_of_one_minute_jobs_continues_an_elastic_script_from_its_sta
     slurm_env["PYTHONPATH"] = f"{REPO / 'examples'}:{REPO}"
     worker = WORKERS / "elastic_regression.py"
     result = hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "2", "--ranks-per-node", "1", "-t", "1",
-                    "--chain", "3", "--warn-before", "20", "--run-args", f"--state-dir {job_dir / 'kept'} --verbose", "--wait",
-                    "--", "python", str(worker), "400", "0.2", timeout=420)
+                    "--chain", "3", "--warn-before", "20", "--run-args", f"--state-dir {job_dir / 'kept'} --verbose",
+                    "--wait", "--", "python", str(worker), "400", "0.2", timeout=420)
     outputs = sorted((job_dir / "hvdrun-jobs").glob("*.output"))
     texts = [p.read_text() for p in outputs]
     print("\n".join(f"{p.name}: {line}" for p, text in zip(outputs, texts, strict=True) for line in text.splitlines()
