@@ -119,6 +119,34 @@ def test_restarts_reach_the_hvdrun_line_of_every_scheduler(fields):
     assert "--max-restarts" not in launch() and "--spares" not in launch()
 
 
+def test_the_warning_reaches_the_hvdrun_line_and_a_chain_warns_a_tenth_of_its_walltime():
+    def launch(**fields):
+        return next(line for line in render(account="P", cluster="polaris", **fields).splitlines()
+                    if " -m hvdrun --" in line)
+
+    assert " --warn-before 300 --warn-signal USR2 -- train.py " in launch(warn_before=300, warn_signal="USR2")
+    assert " --warn-before 360 -- train.py " in launch(chain=2)  # 01:00:00 / 10
+    assert " --warn-before 600 -- train.py " in launch(chain=2, walltime="24:00:00", queue="prod", nodes=100)
+    assert "--warn-before" not in launch()
+
+
+def test_the_scripts_of_a_chain_judge_it_first_and_last():
+    from hvdrun.jobs.chain import first_link, link_spec
+
+    spec = build_spec(JobRequest(command=("train.py",), cluster="polaris", account="P", chain=3))
+    text = render_script(first_link(spec))
+    stem = spec.exit_file.removesuffix(".exitcode")
+    lines = text.splitlines()
+    begin = lines.index(f"{spec.launch[0]} -m hvdrun chain-link begin {stem}.chain.json 1 || exit 0")
+    assert lines[begin + 1] == f"export HVDRUN_JOB_EVENTS={stem}.1.events.json"
+    assert lines[begin + 3].startswith("trap 'stopped_by=SIGTERM; echo ") and lines[begin + 3].endswith("' TERM")
+    assert f"{spec.launch[0]} -m hvdrun chain-link end {stem}.chain.json 1 \"$rc\" \"$stopped_by\"" in lines
+    assert "#PBS -W depend" not in text and f"#PBS -o {stem}.1.output" in text
+    second = render_script(link_spec(spec, Path(f"{stem}.chain.json"), 2, "77.pbs"))
+    assert "#PBS -W depend=afterany:77.pbs" in second and f" {stem}.chain.json 2 " in second
+    assert "chain-link" not in render_script(spec)  # a job of no chain: as before
+
+
 def test_report_reaches_the_hvdrun_line_as_an_absolute_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     line = next(line for line in render(nodes=2, account="P", cluster="polaris", report="reports/job.html")
