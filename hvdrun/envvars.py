@@ -399,6 +399,14 @@ JOB_EVENTS = "HVDRUN_JOB_EVENTS"
 LC_ALL = "LC_ALL"  # scheduler commands run with LC_ALL=C: their output is parsed
 
 
+def warning_signal(environ: Mapping[str, str]) -> int | None:
+    """The signal hvdrun warns the ranks with before the allocation ends (``--warn-signal``), None without a
+    warning. A rank starts with it ignored (the guard, a forked rank), so that a warning that comes before the
+    script's own handler, or to a script that has none, never ends the rank."""
+    text = environ.get(WARN_SIGNAL, "")
+    return int(text) if text.isdigit() and 0 < int(text) < 65 else None
+
+
 def jobs_dir(environ: Mapping[str, str] | None = None) -> Path:
     """hvdrun's job records: ``$HVDRUN_JOBS_DIR``, default ``~/.hvdrun/jobs``."""
     value = (os.environ if environ is None else environ).get(JOBS_DIR)

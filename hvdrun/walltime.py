@@ -14,15 +14,13 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hvdrun.envvars import DEADLINE, LC_ALL, WARN_BEFORE, WARN_SIGNAL
+from hvdrun.envvars import DEADLINE, LC_ALL, WARN_BEFORE
 
 ASK_TIMEOUT_S = 10.0  # the scheduler's answer; past it the job runs without a deadline
 _PBS_CONF = "/etc/pbs.conf"
@@ -199,19 +197,6 @@ def warning_due(environ: Mapping[str, str] | None = None) -> bool:
     except ValueError:
         return False
     return left is not None and left <= lead
-
-
-def keep_warning_harmless(environ: Mapping[str, str] | None = None) -> None:
-    """Where the script has no handler of its own for the warning's signal (``HVDRUN_WARN_SIGNAL``), ignore it:
-    SIGUSR1's default would end the rank. A handler the script installs later replaces this one."""
-    text = (os.environ if environ is None else environ).get(WARN_SIGNAL, "")
-    if not text.isdigit() or threading.current_thread() is not threading.main_thread():
-        return
-    try:
-        if signal.getsignal(int(text)) == signal.SIG_DFL:
-            signal.signal(int(text), signal.SIG_IGN)
-    except (ValueError, OSError):
-        pass
 
 
 class JobEvents:

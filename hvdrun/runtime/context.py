@@ -34,7 +34,6 @@ from hvdrun.runtime.rendezvous import Rendezvous
 from hvdrun.runtime.timeline import Timeline
 from hvdrun.runtime.transport.base import AbortFlag
 from hvdrun.runtime.vitals import rank_vitals
-from hvdrun.walltime import keep_warning_harmless
 
 BACKENDS = ("ring", "mpi", "gloo")
 _CAUSE_WAIT_S = 1.0  # how long a rank that failed to join waits to hear a peer's failure that caused it
@@ -231,7 +230,6 @@ def init(environ: Mapping[str, str] | None = None) -> Runtime:
             sys.excepthook = usage_error_hook(sys.excepthook)
             _usage_hook_installed = True
         environ = os.environ if environ is None else environ
-        keep_warning_harmless(environ)
         _tell_launcher(environ, envvars.INIT_MARKER)
         launch = envvars.read_launch_info(environ)
         generation, assignment = _generation, None

@@ -106,10 +106,15 @@ def run(directory: Path) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     time.sleep(float(job.get("hold_s") or 0))
-    write(directory / "started", str(time.time()))
+    started = time.time()
+    write(directory / "started", str(started))
     out = open(job["output"], "ab")
     err = open(job["error"], "ab") if job.get("error") else out
-    child.append(subprocess.Popen(job["argv"], cwd=job["cwd"], env={**os.environ, **job["env"]},
+    times = {}
+    if job.get("times_env"):  # (start variable, end variable, walltime in seconds)
+        start_name, end_name, seconds = job["times_env"]
+        times = {start_name: str(int(started)), end_name: str(int(started) + seconds)}
+    child.append(subprocess.Popen(job["argv"], cwd=job["cwd"], env={**os.environ, **job["env"], **times},
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True))
     write(directory / "state", "running")
     code = child[0].wait()

@@ -59,7 +59,10 @@ def qsub(args: list[str]) -> int:
                               "output": options.get("-o", str(cwd / f"{job_id}.output")),
                               "error": options.get("-e", str(cwd / f"{job_id}.error")),
                               "name": options.get("--jobname", "N/A"), "queue": options.get("-q", "default"),
-                              "hosts": nodes, "walltime": options["-t"], "hold_s": os.environ.get("FAKE_SCHED_HOLD_S")})
+                              "hosts": nodes, "walltime": options["-t"], "hold_s": os.environ.get("FAKE_SCHED_HOLD_S"),
+                              # Cobalt's own variables of the job's start and end (seconds since the epoch), set as
+                              # the job starts
+                              "times_env": ("COBALT_STARTTIME", "COBALT_ENDTIME", 60 * int(options["-t"]))})
     print(job_id)
     return 0
 

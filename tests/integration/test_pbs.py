@@ -373,3 +373,31 @@ def test_qdel_of_a_chain_leaves_nothing_queued_or_running_on_any_host(pbs_server
     listed = hvdrun(env, cwd, "qstat", chain_id).stdout
     assert "RUNNING" not in listed and "QUEUED" not in listed and "HELD" not in listed, listed
     assert len(list((cwd / "hvdrun-jobs").glob("*.output"))) == 1, listed  # nothing started after the qdel
+
+
+IGNORES_THE_WARNING = """\
+import os, signal, sys, time
+import hvdrun.torch as hvd
+signal.signal(signal.SIGUSR1, lambda *_: print("warned; going on regardless", flush=True))
+hvd.init()
+if not os.path.exists(sys.argv[1]):  # the first job runs into its walltime; the next one finishes at once
+    open(sys.argv[1], "w").close()
+    time.sleep(120)
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_chain_job_killed_at_its_walltime_after_the_warning_is_continued_by_the_next(chain_job):
+    """The MOM enforces the walltime (SIGTERM, then SIGKILL after its kill_delay): the job's script traps the
+    SIGTERM, keeps the exit code and judges the chain before the SIGKILL."""
+    env, cwd, options = chain_job
+    (cwd / "ignores.py").write_text(IGNORES_THE_WARNING)
+    result = hvdrun(env, cwd, "qsub", *options, "-n", "1", "--ranks-per-node", "1", "-t", "00:00:40", "--chain", "2",
+                    "--warn-before", "15", "--wait", "--", "python", "ignores.py", str(cwd / "mark"), timeout=200)
+    first, second = (p.read_text() for p in sorted((cwd / "hvdrun-jobs").glob("*.output")))
+    assert result.returncode == 0, result.stderr + first + second
+    assert "warned; going on regardless" in first and "=>> PBS: job killed: walltime" in first, first
+    assert re.search(r"job 1 exit code 143, after hvdrun's warning before the walltime: job 2 resumes", first), first
+    assert (cwd / "hvdrun-jobs").glob("*.1.exitcode") and "finished" in second
+    assert "ended at job 2: training done (exit code 0 before any warning)" in result.stderr, result.stderr

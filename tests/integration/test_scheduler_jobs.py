@@ -291,6 +291,21 @@ def test_fake_pbspro_polaris_job_pins_gpus_in_polaris_order(fake_scheduler, job_
     assert again.returncode == 0 and "had already ended" in again.stdout
 
 
+def test_fake_cobalt_job_warns_its_ranks_before_the_end_its_environment_carries(fake_scheduler, job_dir):
+    from tests.integration.test_walltime_warning import NO_HANDLER
+
+    env = fake_scheduler("cobalt")
+    (job_dir / "plain.py").write_text(NO_HANDLER)
+    result = hvdrun(env, job_dir, "qsub", "--cluster", "thetagpu-cobalt", "-n", "1", "-A", "MyProject", "-t", "1",
+                    "--ranks-per-node", "2", "--python", sys.executable, "--run-args", "--launcher local",
+                    "--filesystems", "", "--warn-before", "56", "--wait", "plain.py", "7")
+    output = job_output(job_dir) + "".join(p.read_text() for p in (job_dir / "hvdrun-jobs").glob("*.error"))
+    assert result.returncode == 0, result.stderr + output
+    assert re.search(r"hvdrun: the allocation ends in 0:00:5\d \(--warn-before 56\): warning every rank with SIGUSR1",
+                     output), output
+    assert sorted(re.findall(r"rank (\d) still here", output)) == ["0", "1"], output
+
+
 def test_fake_cobalt_thetagpu_job(fake_scheduler, job_dir):
     env = fake_scheduler("cobalt")
     args = ("qsub", "--cluster", "thetagpu-cobalt", "-n", "1", "-A", "MyProject", "-t", "10", "--ranks-per-node", "2",

@@ -75,3 +75,15 @@ def test_the_documented_stop_loop_gets_the_warning_in_the_attempt_after_a_restar
     assert "hvdrun: restart 1 of 1" in done.stderr, done.stderr
     stops = re.findall(r"rank (\d) stops at step \d+ with (\d+) s left", done.stdout)
     assert sorted(rank for rank, _ in stops) == ["0", "1"], done.stdout
+
+
+@pytest.mark.parametrize("preload", ["auto", "none"])  # ranks forked by the fork server, or new interpreters
+def test_a_warning_due_before_the_ranks_start_reaches_them_as_they_start_and_ends_none(run_hvdrun, cobalt_job,
+                                                                                      tmp_path, preload):
+    cobalt_job(30)
+    (tmp_path / "plain.py").write_text(NO_HANDLER)
+    done = run_hvdrun("-np", "2", "--warn-before", "60", "--preload", preload, "plain.py", "2")
+    assert done.returncode == 0, done.stderr
+    assert "within --warn-before 60 s: the ranks are warned (SIGUSR1) as soon as they start" in done.stderr
+    assert "passed SIGUSR1 to 2 running workers" in done.stderr, done.stderr
+    assert sorted(re.findall(r"rank (\d) still here", done.stdout)) == ["0", "1"], done.stdout

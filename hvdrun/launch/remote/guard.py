@@ -352,6 +352,8 @@ def main(argv: list[str]) -> None:
     global _containment
     _containment = Containment(f"{os.environ.get(envvars.JOB_ID, 'job')}-r{os.environ.get(envvars.RANK, '0')}")
     enter, die_with_guard = _containment.enter, parent_death_killer()
+    if (warning := envvars.warning_signal(os.environ)) is not None:  # ignored across exec, till the rank's handler
+        signal.signal(warning, signal.SIG_IGN)
     try:  # from the main thread (the parent-death signal follows the thread that forked), before any other starts
         worker = _start_worker(command, lambda: (enter(), die_with_guard()))
     except OSError as e:

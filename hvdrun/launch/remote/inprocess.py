@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -67,12 +67,14 @@ def path0(parsed: PythonCommand) -> str:
     return os.getcwd() if parsed.kind == "module" else ""
 
 
-def become_rank(environ: Mapping[str, str], inherit: Sequence[int], unbuffered: bool) -> None:
-    """The process state a fresh interpreter would start the rank with."""
+def become_rank(environ: Mapping[str, str], inherit: Sequence[int], unbuffered: bool,
+                ignored: Collection[int] = ()) -> None:
+    """The process state a fresh interpreter would start the rank with; ``ignored``: signals it starts with
+    ignored, as a new interpreter would inherit them (never their default for an instant)."""
     for signum in signal.valid_signals():
         if signum not in (signal.SIGKILL, signal.SIGSTOP):
             try:
-                signal.signal(signum, signal.SIG_DFL)
+                signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.SIG_DFL)
             except (OSError, ValueError):
                 pass
     signal.signal(signal.SIGINT, signal.default_int_handler)

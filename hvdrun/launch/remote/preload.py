@@ -335,7 +335,8 @@ def start(command: Sequence[str], parsed: PythonCommand, environ: Mapping[str, s
         code = 1
         try:
             prepare()
-            inprocess.become_rank(environ, inherit, parsed.unbuffered)
+            warning = envvars.warning_signal(environ)  # ignored, as the guard starts a new interpreter with it
+            inprocess.become_rank(environ, inherit, parsed.unbuffered, () if warning is None else (warning,))
             sys.orig_argv = list(command)
             proctitle.show_as(command, environ)
             code = inprocess.run_command(parsed)
