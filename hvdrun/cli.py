@@ -754,15 +754,16 @@ def qdel(job_id: str, scheduler: str | None) -> int:
 @click.argument("exit_code", type=int, required=False)
 @click.argument("stopped_by", required=False)
 def chain_link(step: str, chain_file: str, number: int, exit_code: int | None, stopped_by: str | None) -> int:
-    """Inside a job of a chain (its script's first and last lines): begin exits 1 where the chain has ended, end
+    """Inside a job of a chain (its script's first and last lines): begin exits 3 where the chain has ended, end
     decides whether it goes on, from the job's exit code and the stop signal its script got, if any
     (jobs/chain.py)."""
+    from hvdrun.jobs.base import CHAIN_ENDED
     from hvdrun.jobs.chain import link_begins, link_ends, load_chain
 
     chain = load_chain(chain_file)
     if step == "begin":
-        return 0 if link_begins(chain, number, click.echo) else 1
-    link_ends(chain, number, 1 if exit_code is None else exit_code, click.echo, stopped_by or None)
+        return 0 if link_begins(chain, number, click.echo) else CHAIN_ENDED
+    link_ends(chain, number, exit_code, click.echo, stopped_by or None)
     return 0
 
 

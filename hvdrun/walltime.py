@@ -14,13 +14,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hvdrun.envvars import DEADLINE, LC_ALL, WARN_BEFORE
+from hvdrun.envvars import DEADLINE, LC_ALL, WARN_BEFORE, WARN_SIGNAL
 
 ASK_TIMEOUT_S = 10.0  # the scheduler's answer; past it the job runs without a deadline
 _PBS_CONF = "/etc/pbs.conf"
@@ -199,6 +200,24 @@ def warning_due(environ: Mapping[str, str] | None = None) -> bool:
     return left is not None and left <= lead
 
 
+def warn_again_if_due(environ: Mapping[str, str] | None = None) -> bool:
+    """In a rank's ``init()``: where the warning is already due and the script has its handler for the warning's
+    signal by now, raise the signal here (a rank still starting when hvdrun sent it had it ignored, a rank under
+    mpiexec could not be reached before it joined). Returns whether it did."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(WARN_SIGNAL, "")
+    if not text.isdigit() or not warning_due(environ):
+        return False
+    try:
+        handler = signal.getsignal(int(text))
+    except ValueError:
+        return False
+    if not callable(handler):  # ignored or the default: nothing of the script's would hear it
+        return False
+    signal.raise_signal(int(text))
+    return True
+
+
 class JobEvents:
     """What a job of a chain leaves for the next (``HVDRUN_JOB_EVENTS``, a JSON file written whole or not at all):
     when its hvdrun warned the ranks before the walltime, and the stop signal that ended it, if one did."""
@@ -218,6 +237,19 @@ class JobEvents:
     def warned(self) -> bool:
         """Whether the job's hvdrun warned its ranks."""
         return "warned_at" in self.read()
+
+    @property
+    def warned_at(self) -> float | None:
+        """When the job's hvdrun warned its ranks (seconds since the epoch), if it did."""
+        value = self.read().get("warned_at")
+        return float(value) if isinstance(value, int | float) else None
+
+    def clear(self) -> None:
+        """Forget the events of an earlier run of the job (a requeued job starts again)."""
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass  # unreadable to us as well: its events are read as none
 
     @property
     def stop_signal(self) -> str | None:

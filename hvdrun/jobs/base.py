@@ -32,6 +32,7 @@ QUEUED, HELD, RUNNING, EXITING, FINISHED, UNKNOWN = "QUEUED", "HELD", "RUNNING",
 _TRANSIENT = re.compile(r"communication failure|cannot connect to server|socket timed out|"
                         r"unable to contact slurm controller|connection refused", re.IGNORECASE)
 COMMAND_TIMEOUT_S = 60.0
+CHAIN_ENDED = 3  # `hvdrun chain-link begin`: the chain has ended, this job runs nothing (any other failure is one)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -80,15 +81,24 @@ class Chain:
             return None
 
     def end(self, verdict: Verdict) -> Verdict:
-        """Record ``verdict`` unless one is recorded already; returns the one that stands."""
-        temporary = self.verdict_path.with_name(f".{self.verdict_path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(asdict(verdict)))
+        """Record ``verdict`` unless one is recorded already; returns the one that stands.
+
+        Raises:
+            JobError: the verdict cannot be written beside the chain's file.
+        """
         try:
-            os.link(temporary, self.verdict_path)  # whole, and only if none exists: the first verdict stands
-        except FileExistsError:
-            pass
-        finally:
-            temporary.unlink(missing_ok=True)
+            fd, temporary = tempfile.mkstemp(prefix=f".{self.verdict_path.name}.", dir=self.path.parent)
+            with os.fdopen(fd, "w") as file:
+                file.write(json.dumps(asdict(verdict)))
+            try:
+                os.link(temporary, self.verdict_path)  # whole, and only if none exists: the first verdict stands
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(temporary)
+        except OSError as e:
+            raise JobError(f"chain {self.chain_id}: cannot write its verdict in {self.path.parent}: "
+                           f"{e.strerror or e}") from None
         return self.verdict() or verdict
 
     def cancel_after(self, number: int, echo: Echo) -> None:
@@ -119,9 +129,12 @@ def load_chain(path: str | os.PathLike[str]) -> Chain:
 
 
 def _save(chain: Chain) -> None:
-    write_text_atomically(chain.path, json.dumps({
-        "scheduler": chain.scheduler, "length": chain.length, "jobs": [asdict(job) for job in chain.jobs],
-        "events": list(chain.events)}, indent=1))
+    try:
+        write_text_atomically(chain.path, json.dumps({
+            "scheduler": chain.scheduler, "length": chain.length, "jobs": [asdict(job) for job in chain.jobs],
+            "events": list(chain.events)}, indent=1))
+    except OSError as e:
+        raise UsageError(f"-o/--output: cannot write the chain's file {chain.path}: {e.strerror or e}") from None
 
 
 # -- submitting -----------------------------------------------------------------------------------------------
@@ -153,6 +166,9 @@ def submit_chain(spec: JobSpec, length: int, render: Callable[[JobSpec], str], e
     """Submit ``length`` jobs of ``spec``, each after the previous one; returns the chain (recorded for
     ``hvdrun qstat`` / ``qdel``)."""
     chain_file = chain_file_of(spec)
+    if chain_file.exists():  # an earlier chain's verdict and events would decide this one
+        raise UsageError(f"-o/--output: {chain_file} is an earlier chain's; give each chain its own output (-o DIR/ "
+                         "names the files by the time of submission)")
     chain = Chain(chain_file, spec.scheduler, length, (), ())
     previous = None
     for number in range(1, length + 1):
@@ -167,6 +183,7 @@ def submit_chain(spec: JobSpec, length: int, render: Callable[[JobSpec], str], e
             echo(f"hvdrun: warning: chain: job {number} of {length} could not be submitted ({e}); the chain has "
                  f"{len(chain.jobs)} jobs")
             chain = replace(chain, length=len(chain.jobs), events=chain.events[:-1])
+            _save(chain)  # its last job then knows it is the last
             break
         chain = replace(chain, jobs=(*chain.jobs, job))
         _save(chain)
@@ -225,24 +242,24 @@ def outcome(chain: Chain, number: int, exit_code: int | None, stopped_by: str | 
     return FAILED, f"exit code {exit_code} before any warning"
 
 
-def link_ends(chain: Chain, number: int, exit_code: int, echo: Echo, stopped_by: str | None = None) -> None:
-    """Job ``number`` ends with ``exit_code`` (its script stopped by ``stopped_by``, if it was): decide whether the
-    chain goes on, and cancel the rest where not."""
+def link_ends(chain: Chain, number: int, exit_code: int | None, echo: Echo, stopped_by: str | None = None) -> None:
+    """Job ``number`` ends with ``exit_code`` (None: unknown; its script stopped by ``stopped_by``, if it was):
+    decide whether the chain goes on, and cancel the rest where not."""
     if chain.verdict() is not None:
         return
     decision, why = outcome(chain, number, exit_code, stopped_by)
+    code = 1 if exit_code is None else exit_code
     if decision in (DONE, FAILED):
-        how = "training done" if decision == DONE else "failed"
-        _end(chain, Verdict(number, how, exit_code, why), echo)
+        _end(chain, Verdict(number, "training done" if decision == DONE else "failed", code, why), number, echo)
     elif number >= chain.length:
-        _end(chain, Verdict(number, "ran out", exit_code, f"{why}; the last of {chain.length} jobs"), echo)
+        _end(chain, Verdict(number, "ran out", code, f"{why}; the last of {chain.length} jobs"), number, echo)
     else:
         echo(f"hvdrun: chain {chain.chain_id}: job {number} {why}: job {number + 1} resumes")
 
 
 def link_begins(chain: Chain, number: int, echo: Echo) -> bool:
     """Job ``number`` starts: whether it runs (the chain goes on). The previous job is judged again here, in case
-    it was killed before it could judge itself."""
+    it was killed before it could judge itself; this job's events of an earlier run (a requeue) are cleared."""
     verdict = chain.verdict()
     if verdict is None and number > 1:
         previous = chain.jobs[number - 2] if len(chain.jobs) >= number - 1 else None
@@ -250,19 +267,21 @@ def link_begins(chain: Chain, number: int, echo: Echo) -> bool:
         decision, why = outcome(chain, number - 1, code)
         if decision in (DONE, FAILED):
             how = "training done" if decision == DONE else "failed"
-            verdict = _end(chain, Verdict(number - 1, how, code or 0, why), echo)
+            verdict = _end(chain, Verdict(number - 1, how, code or 0, why), number, echo)
         elif decision == UNDECIDED:
             echo(f"hvdrun: chain {chain.chain_id}: job {number - 1} {why}; this job resumes from its last checkpoint")
     if verdict is not None:
         echo(f"hvdrun: chain {chain.chain_id} {verdict.describe()}: job {number} does not run")
         return False
+    JobEvents(chain.events[number - 1]).clear()
     return True
 
 
-def _end(chain: Chain, verdict: Verdict, echo: Echo) -> Verdict:
+def _end(chain: Chain, verdict: Verdict, last_kept: int, echo: Echo) -> Verdict:
+    """End the chain with ``verdict`` (unless one stands already) and cancel its jobs after job ``last_kept``."""
     standing = chain.end(verdict)
     echo(f"hvdrun: chain {chain.chain_id} {standing.describe()}")
-    chain.cancel_after(standing.number, echo)
+    chain.cancel_after(last_kept, echo)
     return standing
 
 
@@ -289,7 +308,7 @@ def follow_chain(chain: Chain, echo: Echo, sleep: Callable[[float], None] = time
                 echo(f"hvdrun: chain {chain.chain_id}: {e}")
             code = None
         if chain.verdict() is None and number == len(chain.jobs):
-            link_ends(chain, number, code if code is not None else 1, echo)
+            link_ends(chain, number, code, echo)
     verdict = chain.verdict()
     if verdict is None:
         raise JobError(f"chain {chain.chain_id}: every job ended and none decided the chain; see {chain.path}")
@@ -313,8 +332,8 @@ def describe_chain(chain: Chain) -> list[str]:
     for number, job in enumerate(chain.jobs, start=1):
         status = current_status(scheduler, job.job_id, job.exit_file)
         events = JobEvents(chain.events[number - 1])
-        notes = [f"warned at {time.strftime('%H:%M:%S', time.localtime(float(str(events.read()['warned_at']))))}"
-                 ] if events.warned else []
+        warned_at = events.warned_at
+        notes = [f"warned at {time.strftime('%H:%M:%S', time.localtime(warned_at))}"] if warned_at else []
         notes += [f"stopped by {events.stop_signal}"] if events.stop_signal else []
         lines.append(f"  {number}  {job.job_id}  {status.describe()}" + (f"  ({', '.join(notes)})" if notes else ""))
     lines.append(f"  output: {Path(chain.jobs[0].output).parent if chain.jobs else chain.path.parent}")

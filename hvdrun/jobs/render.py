@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hvdrun.errors import UsageError
 from hvdrun.jobs import SCHEDULERS, scheduler_for
-from hvdrun.jobs.base import JobSpec, Scheduler, ScriptRules, quote
+from hvdrun.jobs.base import CHAIN_ENDED, JobSpec, Scheduler, ScriptRules, quote
 from hvdrun.resources import data_dir
 
 
@@ -66,7 +66,8 @@ def _chain_lines(spec: JobSpec) -> dict[str, str] | None:
     step = [spec.launch[0], "-m", "hvdrun", "chain-link"]
     where = [spec.link.chain_file, str(spec.link.number)]
     end = shlex.join([*step, "end", *where]) + ' "$rc" "$stopped_by"'  # the script's variables, unquoted here
-    return {"begin": shlex.join([*step, "begin", *where]), "end": end, "events_file": quote(spec.link.events_file)}
+    return {"begin": shlex.join([*step, "begin", *where]), "end": end, "events_file": quote(spec.link.events_file),
+            "ended_code": str(CHAIN_ENDED)}
 
 
 def check_script(text: str, rules: ScriptRules, source: str) -> None:

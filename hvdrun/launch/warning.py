@@ -23,6 +23,11 @@ from hvdrun.walltime import Deadline, JobEvents, NoDeadline, find_deadline, form
 
 DEFAULT_WARN_SIGNAL = signal.SIGUSR1
 Deliver = Callable[[int], None]
+# signals that would break a rank or its guard rather than warn it: the guard waits for its rank through SIGCHLD,
+# the others are a program's own faults or stop it
+_NOT_A_WARNING = frozenset({signal.SIGCHLD, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL,
+                            signal.SIGABRT, signal.SIGTRAP, signal.SIGSYS, signal.SIGPIPE, signal.SIGXFSZ,
+                            signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,8 @@ def plan_warning(lead_s: float | None, signal_name: str | None, environ: Mapping
     notes: tuple[str, ...] = (f"the allocation {deadline.describe()}",) if verbose else ()
     if lead_s is not None and deadline.time_left() <= lead_s:
         notes += (f"the allocation ends in {format_duration(max(deadline.time_left(), 0))}, within --warn-before "
-                  f"{lead_s:g} s: the ranks are warned ({signal.Signals(signum).name}) as soon as they start",)
+                  f"{lead_s:g} s: the ranks are warned ({signal.Signals(signum).name}) as soon as they start, and "
+                  "again in hvd.init() where their script has its handler by then",)
     return warning, notes
 
 
@@ -84,6 +90,9 @@ def warn_signal_number(name: str | None) -> int:
     found = parse_signal_list(name, "--warn-signal")
     if len(found) != 1:
         raise UsageError(f"--warn-signal {name}: expected one signal, e.g. USR1")
+    if found[0] in _NOT_A_WARNING:
+        raise UsageError(f"--warn-signal {name}: {signal.Signals(found[0]).name} would break the ranks rather than "
+                         "warn them; use USR1, USR2 or another signal a script handles")
     return found[0]
 
 
@@ -137,11 +146,10 @@ class WarningClock:
                  f"with {name}")
         if self.events is not None:
             self.events.note_warned(name)
-        with self._lock:
-            deliver = self._deliver
-            self._due = deliver is None
-        if deliver is not None:
-            deliver(self.warning.signum)
+        with self._lock:  # delivered (a non-blocking hand-over) or held: never to a supervisor already detached
+            self._due = self._deliver is None
+            if self._deliver is not None:
+                self._deliver(self.warning.signum)
 
 
 @contextmanager

@@ -73,7 +73,7 @@ from hvdrun.torch.optimizer import DistributedOptimizer
 from hvdrun.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from hvdrun.torch.steps import count_optimizer_steps
 from hvdrun.torch.sync_batch_norm import SyncBatchNorm
-from hvdrun.walltime import time_left
+from hvdrun.walltime import time_left, warn_again_if_due
 
 
 def init(comm: object = None, process_sets: object = None) -> None:
@@ -84,6 +84,7 @@ def init(comm: object = None, process_sets: object = None) -> None:
         process_sets: ``ProcessSet`` objects to register now, on every rank in the same order.
     """
     context.init()
+    warn_again_if_due()  # the warning before the walltime came while this rank was still starting
     count_optimizer_steps()
     if isinstance(process_sets, (list, tuple)):
         for process_set in process_sets:

@@ -55,11 +55,11 @@ def resume(state: State) -> None:
         return
     try:
         kept = torch.load(path, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
-        _say(f"hvdrun: warning: rank {_rank()}: cannot read the elastic state in {path} ({e}); this rank takes rank "
-             "0's")
+        state.load_snapshot(kept["state"])
+    except Exception as e:  # noqa: BLE001 - any unreadable file (torn, foreign, of another script): said, not fatal
+        _say(f"hvdrun: warning: rank {_rank()}: cannot read the elastic state in {path} ({type(e).__name__}: {e}); "
+             "this rank takes rank 0's")
         return
-    state.load_snapshot(kept["state"])
     if _rank() == 0:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(kept.get("saved_at", 0)))
         _say(f"hvdrun: elastic: resumed from {path} (kept at {stamp})")
@@ -75,9 +75,9 @@ def keep_at_commit(state: State) -> None:
     verdict: tuple[bool, str | None] = (False, None)  # (the job ends now, why the save failed)
     if _rank() == 0:
         warned = warning_due()
-        if warned or time.monotonic() - _last_kept >= _interval_s():
+        if (warned and not _failed_before) or time.monotonic() - _last_kept >= _interval_s():
             error = _write(path, state)
-            _last_kept = time.monotonic() if error is None else _last_kept
+            _last_kept = time.monotonic()  # after a failure too: the next try waits for the interval
             verdict = (warned and error is None, error)
     ends, error = broadcast_object(verdict, 0, name="hvdrun.elastic.kept")
     if error is not None and not _failed_before:
@@ -96,8 +96,8 @@ def _write(path: Path, state: State) -> str | None:
     payload: dict[str, Any] = {"state": state.snapshot(), "saved_at": time.time()}
     try:
         save_checkpoint(payload, path)
-    except OSError as e:
-        return e.strerror or str(e)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        return (e.strerror if isinstance(e, OSError) else None) or str(e)
     return None
 
 

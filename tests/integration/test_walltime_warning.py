@@ -19,6 +19,16 @@ time.sleep(float(sys.argv[1]))
 print(f"rank {hvd.rank()} still here", flush=True)
 """
 
+HANDLER_BEFORE_INIT = """\
+import signal, time
+import hvdrun.torch as hvd
+heard = []
+signal.signal(signal.SIGUSR1, lambda *_: heard.append(time.time()))
+hvd.init()
+time.sleep(1)
+print(f"rank {hvd.rank()} heard the warning {len(heard)} time(s)", flush=True)
+"""
+
 STOP_LOOP = """\
 import signal, sys, time
 import torch
@@ -84,6 +94,18 @@ def test_a_warning_due_before_the_ranks_start_reaches_them_as_they_start_and_end
     (tmp_path / "plain.py").write_text(NO_HANDLER)
     done = run_hvdrun("-np", "2", "--warn-before", "60", "--preload", preload, "plain.py", "2")
     assert done.returncode == 0, done.stderr
-    assert "within --warn-before 60 s: the ranks are warned (SIGUSR1) as soon as they start" in done.stderr
+    assert "within --warn-before 60 s: the ranks are warned (SIGUSR1) as soon as they start, and again in " \
+           "hvd.init() where their script has its handler by then" in done.stderr
     assert "passed SIGUSR1 to 2 running workers" in done.stderr, done.stderr
     assert sorted(re.findall(r"rank (\d) still here", done.stdout)) == ["0", "1"], done.stdout
+
+
+def test_a_rank_that_was_still_starting_at_the_warning_hears_it_in_init(run_hvdrun, cobalt_job, tmp_path):
+    """Sent as the ranks start, the warning finds them ignoring it; their handler, installed before
+    ``hvd.init()`` as the documented loop does, hears it there."""
+    cobalt_job(30)
+    (tmp_path / "handler.py").write_text(HANDLER_BEFORE_INIT)
+    done = run_hvdrun("-np", "2", "--warn-before", "60", "handler.py")
+    assert done.returncode == 0, done.stderr
+    heard = dict(re.findall(r"rank (\d) heard the warning (\d) time", done.stdout))
+    assert set(heard) == {"0", "1"} and all(int(n) >= 1 for n in heard.values()), done.stdout
