@@ -12,7 +12,7 @@ import pytest
 
 from hvdrun.envvars import DEADLINE, JOB_EVENTS, WARN_BEFORE, WARN_SIGNAL
 from hvdrun.errors import JobInterrupted, UsageError
-from hvdrun.jobs.chain import DONE, FAILED, GO_ON, UNDECIDED, Chain, Verdict, outcome
+from hvdrun.jobs.chain import DONE, FAILED, GO_ON, UNDECIDED, Chain, Verdict, link_begins, outcome, submit_chain
 from hvdrun.launch.warning import WalltimeWarning, WarningClock, plan_warning, warning_clock
 from hvdrun.walltime import Deadline, JobEvents, NoDeadline, _pbs_time, find_deadline, time_left, warning_due
 
@@ -153,3 +153,52 @@ def test_the_first_verdict_on_a_chain_stands(tmp_path):
     assert first == later == chain.verdict() and first.describe() == (
         "ended at job 1: training done (exit code 0 before any warning)")
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_signals_that_would_break_the_ranks_are_no_warning():
+    for name in ("CHLD", "SEGV", "PIPE"):
+        with pytest.raises(UsageError, match=f"--warn-signal {name}: SIG{name} would break the ranks"):
+            plan_warning(60, name, {}, False)
+
+
+def _two_jobs(tmp_path, first_code: str | None) -> Chain:
+    from hvdrun.jobs.follow import SubmittedJob
+
+    jobs = []
+    for number in (1, 2):
+        exit_file = tmp_path / f"job.{number}.exitcode"
+        if number == 1 and first_code is not None:
+            exit_file.write_text(first_code)
+        jobs.append(SubmittedJob(str(number), "slurm", "s", "o", None, str(exit_file), 0.0))
+    return Chain(tmp_path / "job.chain.json", "slurm", 2, tuple(jobs),
+                 tuple(str(tmp_path / f"job.{n}.events.json") for n in (1, 2)))
+
+
+def test_a_job_that_finds_the_training_done_as_it_starts_runs_nothing(tmp_path):
+    """Job 1 ended with exit code 0 before any warning and was killed before its own last line judged it: job 2
+    judges it, ends the chain and does not run (nor cancel itself: nothing after it is left here)."""
+    said: list[str] = []
+    assert not link_begins(_two_jobs(tmp_path, "0"), 2, said.append)
+    assert said == ["hvdrun: chain chain-1 ended at job 1: training done (exit code 0 before any warning)",
+                    "hvdrun: chain chain-1 ended at job 1: training done (exit code 0 before any warning): job 2 "
+                    "does not run"]
+
+
+def test_a_job_that_starts_again_forgets_its_earlier_events(tmp_path):
+    chain = _two_jobs(tmp_path, None)
+    JobEvents(chain.events[0]).note_warned("SIGUSR1")
+    JobEvents(chain.events[1]).note_stopped("SIGTERM")  # from its run before a requeue
+    assert link_begins(chain, 2, print)
+    assert JobEvents(chain.events[1]).read() == {} and JobEvents(chain.events[0]).warned
+
+
+def test_a_chain_refuses_the_output_of_an_earlier_chain(tmp_path, monkeypatch):
+    from hvdrun.jobs.spec import JobRequest, build_spec
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    spec = build_spec(JobRequest(command=("train.py",), scheduler="slurm", walltime="10", chain=2,
+                                 output=str(tmp_path / "run.output")))
+    (tmp_path / "run.chain.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"-o/--output: \S+/run.chain.json is an earlier chain's"):
+        submit_chain(spec, 2, lambda _spec: "", print)
