@@ -370,9 +370,14 @@ def test_qdel_of_a_chain_leaves_nothing_queued_or_running_on_any_host(pbs_server
     assert f"chain {chain_id} ended by hvdrun qdel: cancelled" in cancelled.stdout
     assert wait_until(lambda: not sleepers(marker), 30), sleepers(marker)
     assert wait_until(lambda: not leftovers(cwd, hosts.addrs), 30), leftovers(cwd, hosts.addrs)
-    listed = hvdrun(env, cwd, "qstat", chain_id).stdout
-    assert "RUNNING" not in listed and "QUEUED" not in listed and "HELD" not in listed, listed
-    assert len(list((cwd / "hvdrun-jobs").glob("*.output"))) == 1, listed  # nothing started after the qdel
+    seen = []
+
+    def nothing_left() -> bool:  # the server says R until the MOM's report of the end reaches it
+        seen.append(hvdrun(env, cwd, "qstat", chain_id).stdout)
+        return not any(state in seen[-1] for state in ("RUNNING", "EXITING", "QUEUED", "HELD"))
+
+    assert wait_until(nothing_left, 30), seen[-1]
+    assert len(list((cwd / "hvdrun-jobs").glob("*.output"))) == 1, seen[-1]  # nothing started after the qdel
 
 
 IGNORES_THE_WARNING = """\
