@@ -36,6 +36,7 @@ from hvdrun.hosts import Host, is_local_host
 from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.local import LOOPBACK, LocalLauncher, LocalWorker
 from hvdrun.launch.output import OutputRouter
+from hvdrun.launch.pals_faults import PalsLines, SickNode, job_host
 from hvdrun.launch.remote.connections import SshOptions
 from hvdrun.launch.remote.cpubind import parse_cpu_bind
 from hvdrun.launch.remote.hostfacts import free_ports, interface_address
@@ -250,11 +251,20 @@ class MpiexecWorker(LocalWorker):
         self.exits: list[tuple[int, int]] = []
         self.output_done = threading.Event()
         self._note = ""
+        self._host_known = True
         self._stopping_since: float | None = None
+        self._pals = PalsLines()
+        self._lines_lock = threading.Lock()  # stdout's and stderr's pumps both read mpiexec's own lines
 
     def record_exit(self, rank: int, code: int) -> None:
         """A rank's shim reported its exit status."""
         self.exits.append((rank, code))
+
+    def read_own_line(self, line: bytes) -> None:
+        """One of mpiexec's own lines (not a rank's): where PALS names a node it could not reach, that node is the
+        failure's host (:mod:`hvdrun.launch.pals_faults`)."""
+        with self._lines_lock:
+            self._pals.feed(line.decode(errors="replace"))
 
     def _first_failure(self) -> tuple[int, int] | None:
         return next(((rank, code) for rank, code in self.exits if code != 0), None)
@@ -267,12 +277,22 @@ class MpiexecWorker(LocalWorker):
         if status == 0:
             return 0
         self.output_done.wait(5.0)  # the shims' exit reports arrive on mpiexec's stdout
+        sick = self._pals.sick
+        if sick is not None:  # the node PALS could not reach, whatever the ranks died of meanwhile
+            return self._blame(sick, status)
         failed = self._first_failure()
         if failed is None:
-            self._note = f"made mpiexec exit with code {status} (see mpiexec's messages above)"
+            self._note, self._host_known = f"made mpiexec exit with code {status} (see mpiexec's messages above)", False
             return status
         self.slot = self.slots[failed[0]]
         return failed[1]
+
+    def _blame(self, sick: SickNode, status: int) -> int:
+        """The failure is the node PALS could not reach: a rank of that host, where it is one of the job's."""
+        host = job_host(sick.name, [slot.hostname for slot in self.slots])
+        self.slot = next((slot for slot in self.slots if slot.hostname == host), self.slot)
+        self._note, self._host_known = f"made mpiexec exit with code {status}: {sick.describe()}", host is not None
+        return status
 
     def _stop_after_failure(self) -> None:
         if self._first_failure() is None:
@@ -293,7 +313,7 @@ class MpiexecWorker(LocalWorker):
         return False
 
     def knows_failed_host(self) -> bool:
-        return not self._note  # mpiexec itself failed and no rank said why: its host is not known
+        return self._host_known  # False: mpiexec itself failed and nothing named the host
 
 
 class MpiexecLauncher(Launcher):
@@ -380,8 +400,9 @@ class MpiexecLauncher(Launcher):
                                                first.cwd), remove=[self._tmp.name])  # even if hvdrun is killed
         worker = MpiexecWorker([spec.slot for spec in specs], process, self.grace_s)
         assert process.stdout is not None and process.stderr is not None
-        stdout = router.attach_multiplexed("stdout", os.dup(process.stdout.fileno()), worker.record_exit)
-        router.attach_multiplexed("stderr", os.dup(process.stderr.fileno()), worker.record_exit)
+        stdout = router.attach_multiplexed("stdout", os.dup(process.stdout.fileno()), worker.record_exit,
+                                           worker.read_own_line)
+        router.attach_multiplexed("stderr", os.dup(process.stderr.fileno()), worker.record_exit, worker.read_own_line)
         threading.Thread(target=_set_when_done, args=(stdout, worker.output_done), daemon=True).start()
         process.stdout.close()
         process.stderr.close()

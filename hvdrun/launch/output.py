@@ -96,15 +96,16 @@ class OutputRouter:
         pump = self._start_pump(f"{rank}-{stream}", self._pump, rank, stream, read, close, log)
         self._rank_pumps.setdefault(rank, []).append(pump)
 
-    def attach_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None]) -> threading.Thread:
+    def attach_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None],
+                           on_own_line: Callable[[bytes], None] = lambda line: None) -> threading.Thread:
         """Pump mpiexec's merged ``stream``.
 
         Lines tagged ``[rank]<stdout|stderr>:`` (:mod:`hvdrun.launch.remote.lines`) go to that rank as if it
         had written them itself; ``[rank]<exit>:CODE`` calls ``on_exit(rank, code)``; other lines (mpiexec's
-        own) are written as they are.
+        own) are written as they are, and given to ``on_own_line``.
         """
         self._open_multiplexed()
-        return self._start_pump(f"mpiexec-{stream}", self._pump_multiplexed, stream, fd, on_exit)
+        return self._start_pump(f"mpiexec-{stream}", self._pump_multiplexed, stream, fd, on_exit, on_own_line)
 
     def multiplexed(self, name: str, on_exit: Callable[[int, int], None]) -> Callable[[bytes], None]:
         """A feed for tagged lines that a reader of their own takes from their source (a host agent's SSH
@@ -242,21 +243,24 @@ class OutputRouter:
             close()
             self._close_log(log)
 
-    def _pump_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None]) -> None:
+    def _pump_multiplexed(self, stream: str, fd: int, on_exit: Callable[[int, int], None],
+                          on_own_line: Callable[[bytes], None]) -> None:
         splitter = LineSplitter(TAGGED_LINE_BYTES)
         try:
             while data := _read(fd):
                 self.last_output = time.monotonic()
                 for line in splitter.feed(data):
-                    self._route_tagged(line, stream, on_exit)
+                    self._route_tagged(line, stream, on_exit, on_own_line)
             for line in splitter.close():
-                self._route_tagged(line, stream, on_exit)
+                self._route_tagged(line, stream, on_exit, on_own_line)
         finally:
             os.close(fd)
 
-    def _route_tagged(self, line: bytes, stream: str, on_exit: Callable[[int, int], None]) -> None:
+    def _route_tagged(self, line: bytes, stream: str, on_exit: Callable[[int, int], None],
+                      on_own_line: Callable[[bytes], None] = lambda line: None) -> None:
         tagged = untag(line)
         if tagged is None or not 0 <= tagged.number < self.size or tagged.kind not in (*STREAMS, "exit"):
+            on_own_line(line)
             self._write_console(stream, _with_newline(line))
         elif tagged.kind == "exit":
             on_exit(tagged.number, int(tagged.text.strip() or 0))

@@ -6,8 +6,11 @@ It replays only what ALCF's documentation says PALS's mpiexec does with the opti
 ``--env VAR=val``, ``--envall``, ``--line-buffer``, ``--cpu-bind``, ``--depth=D`` and ``--gpu-bind``
 (accepted and recorded only: the fake binds nothing); per-rank ``PMI_RANK``, ``PMI_SIZE``,
 ``PMI_LOCAL_RANK``, ``PMI_LOCAL_SIZE``, ``PALS_RANKID``, ``PALS_LOCAL_RANKID``): it starts every
-rank on THIS machine, whatever the hostfile lists, and passes their output through. It records its
-command line in ``$FAKE_PALS_RECORD`` when set. It is not PALS and proves nothing about PALS itself.
+rank on THIS machine, whatever the hostfile lists, and passes their output through. It appends its
+command line and hosts to ``$FAKE_PALS_RECORD`` (a JSON line a run) when set. With ``$FAKE_PALS_UNREACHABLE`` (a
+marker file) its first run starts no rank: it prints PALS's "Couldn't forward RPC launch(...) to child" failure
+(ALCF's known issues) naming the hostfile's second node, and exits 255. It is not PALS and proves nothing about
+PALS itself.
 """
 
 import json
@@ -36,9 +39,18 @@ def main(argv: list[str]) -> int:
             continue
         else:
             command = [word, *words]
+    hosts = open(hostfile).read().split() if hostfile else None
     if os.environ.get("FAKE_PALS_RECORD"):
-        with open(os.environ["FAKE_PALS_RECORD"], "w") as record:
-            json.dump({"argv": argv, "hosts": open(hostfile).read().split() if hostfile else None}, record)
+        with open(os.environ["FAKE_PALS_RECORD"], "a") as record:  # one line per run
+            record.write(json.dumps({"argv": argv, "hosts": hosts}) + "\n")
+    unreachable = os.environ.get("FAKE_PALS_UNREACHABLE")  # a marker file: the first run cannot reach node 2
+    if unreachable and hosts and len(hosts) > 1 and not os.path.exists(unreachable):
+        open(unreachable, "w").close()
+        # the shape of ALCF's known issue (argonne-lcf/user-guides docs/polaris/known-issues.md), the child's name
+        # broken onto a line of its own as ezpz PR 244 shows it
+        print(f"launch failed on {hosts[0]}: Couldn't forward RPC launch(ab751d77-e80a-4c54-b1c2-4e881f7e8c90) to "
+              f"child\n{hosts[1]}: Resource temporarily unavailable", file=sys.stderr, flush=True)
+        return 255
     procs = [subprocess.Popen(command, env={**os.environ, **env, "PMI_RANK": str(r), "PMI_SIZE": str(np_),
                                             "PMI_LOCAL_RANK": str(r % ppn), "PMI_LOCAL_SIZE": str(ppn),
                                             "PALS_RANKID": str(r), "PALS_LOCAL_RANKID": str(r % ppn)})

@@ -232,3 +232,21 @@ def test_a_cluster_that_lets_pals_pin_gpus_gets_gpu_bind_and_no_variable(run_hvd
     assert {p["ZE_FLAT_DEVICE_HIERARCHY"] for p in pins} == {"COMPOSITE"}
     argv = json.loads((tmp_path / "record.json").read_text())["argv"]
     assert argv[argv.index("--gpu-bind") + 1] == "list:0.0:0.1:1.0:1.1"
+
+
+def test_a_node_pals_could_not_reach_is_blamed_and_the_restart_runs_without_it(run_hvdrun, hvdrun_env, ssh_hosts,
+                                                                                 tmp_path):
+    """FAKE PALS: its first launch prints PALS's "Couldn't forward RPC launch(...) to child NODE" (reported by the
+    first node, about the second): the failure names the child, and the restart runs on the first and the spare."""
+    hvdrun_env.update({"HVDRUN_MPIEXEC": str(FAKE_PALS), "FAKE_PALS_RECORD": str(tmp_path / "record.json"),
+                       "FAKE_PALS_UNREACHABLE": str(tmp_path / "once")})
+    first, child, spare = ssh_hosts.addrs[:3]
+    done = run_hvdrun("--launcher", "mpiexec", "--mpi-flavour", "pals", "-H", f"{first}:1,{child}:1,{spare}:1",
+                      "-np", "2", "--max-restarts", "1", "--", sys.executable, "-c", "print('ran')")
+    assert done.returncode == 0, done.stderr
+    assert re.search(rf"hvdrun: restart 1 of 1: attempt 1 ended with a node fault \(rank 1 on host {re.escape(child)} "
+                     rf"made mpiexec exit with code 255: PALS could not reach node {re.escape(child)} \(launch failed "
+                     rf"on {re.escape(first)}: Couldn't forward RPC launch", done.stderr), done.stderr
+    runs = [json.loads(line) for line in (tmp_path / "record.json").read_text().splitlines()]
+    assert [run["hosts"] for run in runs] == [[first, child], [first, spare]]  # around the child, not the reporter
+    assert done.stdout.count("<stdout>:ran") == 2
