@@ -638,6 +638,9 @@ def _job_options(command: Any) -> Any:
         click.option("--warn-before", type=_Seconds(positive=True), metavar="S",
                      help="The job's hvdrun warns every rank S seconds before the walltime ('hvdrun --warn-before')."),
         click.option("--warn-signal", metavar="SIG", help="The warning's signal (default USR1)."),
+        click.option("--copper", is_flag=True,
+                     help="Run ALCF's Copper around the job (Aurora): module load copper, launch_copper.sh before the "
+                          "ranks, the job's site-packages read through its mount, stop_copper.sh at the end."),
     ]
     for option in reversed(options):
         command = option(command)

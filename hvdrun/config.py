@@ -72,7 +72,11 @@ _TOP_KEYS = ("name", "description", "launcher", "gpus_per_node", "gpu_order", "g
 _HOST_KEYS = ("name", "slots", "user", "python", "venv")
 _SCHEDULER_KEYS = ("kind", "queue", "account", "walltime", "filesystems", "template", "extra_directives",
                    "skip_directives", "max_nodes", "system", "place", "required", "valid_filesystems", "setup",
-                   "queues", "max_walltime", "filesystem_mpi_args")
+                   "queues", "max_walltime", "filesystem_mpi_args", "copper")
+_COPPER_KEYS = ("module", "launch", "stop", "mount", "when")
+COPPER_WHEN = ("asked", "custom_env")  # --copper only, or also every job with its own environment (--venv, --conda)
+_COPPER_MOUNT_RE = re.compile(r"(?:[A-Za-z0-9_./-]|\$\{[A-Za-z_][A-Za-z0-9_]*\})+")  # a path; ${VAR} expands
+_COMMAND_RE = re.compile(r"[A-Za-z0-9_./-]+")
 _QUEUE_KEYS = ("min_nodes", "max_nodes", "max_walltime", "nodes_allowed", "unit", "routes")
 _ROUTE_KEYS = ("min_nodes", "max_nodes", "max_walltime")
 _INTERFACE_RE = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")  # a Linux interface name (IFNAMSIZ 16)
@@ -131,6 +135,18 @@ class QueueLimits:
 
 
 @dataclass(frozen=True)
+class CopperSettings:
+    """ALCF's Copper (a read-only cooperative cache of Python imports) as the cluster file gives it: the module,
+    its start and stop scripts, the mount (``${USER}`` expands in the job) and when a job gets it."""
+
+    module: str
+    launch: str
+    stop: str
+    mount: str
+    when: str = "asked"
+
+
+@dataclass(frozen=True)
 class SchedulerDefaults:
     """Defaults for job scripts of this cluster; ``hvdrun qsub`` flags override them."""
 
@@ -151,6 +167,7 @@ class SchedulerDefaults:
     queues: Mapping[str, QueueLimits] = field(default_factory=dict)
     max_walltime_s: int | None = None
     filesystem_mpi_args: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # filesystem -> mpiexec args
+    copper: CopperSettings | None = None  # hvdrun qsub --copper (jobs/spec.py)
 
 
 @dataclass(frozen=True)
@@ -299,8 +316,25 @@ def _parse_scheduler(top: _Section) -> SchedulerDefaults | None:
         max_nodes=s.positive_int("max_nodes", None), system=s.get("system", str), place=s.get("place", str),
         required=required, valid_filesystems=s.str_list("valid_filesystems"), setup=s.str_list("setup"),
         queues=_parse_queues(s), max_walltime_s=_optional_walltime_s(s, "max_walltime", "scheduler."),
-        filesystem_mpi_args=_filesystem_mpi_args(s),
+        filesystem_mpi_args=_filesystem_mpi_args(s), copper=_copper(s),
     )
+
+
+def _copper(s: _Section) -> CopperSettings | None:
+    """``scheduler.copper``: module, launch and stop scripts, mount, when (asked | custom_env)."""
+    data = s.data.get("copper")
+    if data is None:
+        return None
+    c = _Section(data, s.source, "scheduler.copper.", _COPPER_KEYS)
+    values = {}
+    for key, pattern, example in (("module", _COMMAND_RE, "copper"), ("launch", _COMMAND_RE, "launch_copper.sh"),
+                                  ("stop", _COMMAND_RE, "stop_copper.sh"),
+                                  ("mount", _COPPER_MOUNT_RE, "/tmp/${USER}/copper_mount")):
+        value = c.get(key, str)
+        if value is None or not pattern.fullmatch(value):
+            raise ConfigError(f"{s.source}: scheduler.copper.{key} must be given, e.g. {example!r}, got {value!r}")
+        values[key] = value
+    return CopperSettings(**values, when=c.choice("when", COPPER_WHEN, "asked") or "asked")
 
 
 def _filesystem_mpi_args(s: _Section) -> dict[str, tuple[str, ...]]:

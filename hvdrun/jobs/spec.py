@@ -78,6 +78,7 @@ class JobRequest:
     chain: int | None = None  # submit this many jobs, each after the previous one (jobs/chain.py)
     warn_before: float | None = None  # the job's hvdrun warns the ranks this many seconds before the walltime
     warn_signal: str | None = None
+    copper: bool = False  # ALCF's Copper around the job (the cluster file's scheduler.copper)
 
 
 def load_job_config(request: JobRequest) -> tuple[ClusterConfig | None, list[str]]:
@@ -238,6 +239,54 @@ def _setup_lines(request: JobRequest, defaults: SchedulerDefaults) -> tuple[str,
             raise UsageError("--setup: a line cannot contain a NUL byte")
         lines.append(line)
     return tuple(lines)
+
+
+def _copper_wanted(request: JobRequest, config: ClusterConfig | None, defaults: SchedulerDefaults) -> bool:
+    """Whether the job gets Copper: ``--copper``, or the cluster file's ``when: custom_env`` and a job with an
+    environment of its own (``--venv``, ``--conda``).
+
+    Raises:
+        UsageError: ``--copper`` on a cluster whose file has no ``scheduler.copper``.
+    """
+    if request.copper and defaults.copper is None:
+        where = f"cluster '{config.name}' ({config.source})" if config else "this job (no cluster file)"
+        raise UsageError(f"--copper: {where} has no Copper (no scheduler.copper in its file); ALCF runs Copper on "
+                         "Aurora (--cluster aurora)")
+    settings = defaults.copper
+    return settings is not None and (request.copper or (settings.when == "custom_env" and
+                                                        bool(request.venv or request.conda)))
+
+
+def _copper_lines(request: JobRequest, config: ClusterConfig | None, defaults: SchedulerDefaults, output: str,
+                  python: str) -> tuple[str, ...]:
+    """Copper around the job, as ALCF's page runs it: load its module, start it with a log directory beside the
+    job's output and the mount, stop it when the script exits (also after a failure or a stop signal), and route
+    the job's site-packages through the mount on ``PYTHONPATH`` (the ranks inherit it)."""
+    if not _copper_wanted(request, config, defaults) or defaults.copper is None:
+        return ()
+    copper = defaults.copper
+    logs = quote(f"{Path(output).with_suffix('')}.copper-logs")
+    site = f"$({quote(python)} -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')"
+    return (f'hvdrun_copper_mount="{copper.mount}"',  # a path whose ${VAR}s expand (checked by the file's parser)
+            f"hvdrun_copper_logs={logs}",
+            f"module load {copper.module}",
+            f'{copper.launch} -d "$hvdrun_copper_logs" -v "$hvdrun_copper_mount"',
+            f"""trap '{copper.stop} -d "$hvdrun_copper_logs" -v "$hvdrun_copper_mount"' EXIT""",
+            f'export PYTHONPATH="$hvdrun_copper_mount{site}${{PYTHONPATH:+:$PYTHONPATH}}"')
+
+
+def _copper_notices(request: JobRequest, config: ClusterConfig | None, defaults: SchedulerDefaults,
+                    python: str) -> tuple[str, ...]:
+    """Where Copper does not help: a job whose Python is not the user's own (a directory the user cannot write:
+    the site's frameworks module, in the system image; ALCF's page: those often do not benefit)."""
+    if not _copper_wanted(request, config, defaults) or not python.startswith("/"):
+        return ()
+    home = Path(python).parent
+    if os.access(home, os.W_OK):
+        return ()
+    return (f"--copper: the job's Python ({python}) is the site's, not yours ({home} is not writable to you: a "
+            "module of the system image), and ALCF's Copper page says those often do not benefit; it helps an "
+            "environment of your own on the shared file system (--venv, --conda, --python)",)
 
 
 def _python(request: JobRequest, config: ClusterConfig | None) -> str:
@@ -447,7 +496,8 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
                    *_filesystem_args(request, config, defaults, kind, nodes, filesystems), *_report_args(request)]
     name = _job_name(request)
     output, error, exit_file, script_path = _output_paths(request, name, kind, time.time() if now is None else now)
-    setup = _setup_lines(request, defaults)
+    python = _python(request, config)
+    setup = (*_setup_lines(request, defaults), *_copper_lines(request, config, defaults, output, python))
     after = tuple(str(_word("--after", job, _JOB_ID_RE, "a job id such as 1234 or 1234.server"))
                   for job in request.after)
     return JobSpec(
@@ -456,6 +506,6 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
         script_path=script_path, workdir=workdir or os.getcwd(), setup=setup, ranks_per_node=ranks_per_node,
         gpus_per_node=gpus if unit == "nodes" else nodes, system=defaults.system, place=defaults.place,
         directives=(*defaults.extra_directives, *request.directives), skip_directives=defaults.skip_directives,
-        after=after, launch=_launch(request, config_args, _python(request, config), ranks_per_node,
-                                    run_options),
-        template=request.template or defaults.template, notices=decision.notices)
+        after=after, launch=_launch(request, config_args, python, ranks_per_node, run_options),
+        template=request.template or defaults.template,
+        notices=(*decision.notices, *_copper_notices(request, config, defaults, python)))

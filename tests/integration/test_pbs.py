@@ -12,11 +12,13 @@ import re
 import shutil
 import signal
 import subprocess
+import sysconfig
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from hvdrun.envvars import FORK_SERVER_FROM
 from hvdrun.jobs import queue_limits
@@ -406,3 +408,40 @@ def test_a_chain_job_killed_at_its_walltime_after_the_warning_is_continued_by_th
     assert re.search(r"job 1 exit code 143, after hvdrun's warning before the walltime: job 2 resumes", first), first
     assert (cwd / "hvdrun-jobs").glob("*.1.exitcode") and "finished" in second
     assert "ended at job 2: training done (exit code 0 before any warning)" in result.stderr, result.stderr
+
+
+# -- Copper around a job (ALCF Aurora): FAKE Copper scripts (tests/fakes/fake_copper), the real PBS server --------
+
+FAKE_COPPER = REPO / "tests" / "fakes" / "fake_copper"
+READS_THROUGH = """\
+import sys, yaml
+import hvdrun.torch as hvd
+hvd.init()
+print(f"rank {hvd.rank()} yaml from {yaml.__file__}", flush=True)
+sys.exit(3 if hvd.rank() == 1 else 0)
+"""
+
+
+def test_copper_around_a_job_that_fails_is_started_read_through_and_stopped(pbs_job):
+    """--copper with FAKE Copper scripts (Copper runs only on Aurora): the job's site-packages are read through the
+    mount by every rank, and stop_copper.sh runs although a rank fails (exit code 3)."""
+    env, cwd, options = pbs_job
+    config_path = Path(options[1])
+    config = yaml.safe_load(config_path.read_text())
+    mount = cwd / "copper_mount"
+    config["scheduler"]["copper"]["mount"] = str(mount)  # this test's own, not /tmp/${USER}/copper_mount
+    config_path.write_text(yaml.safe_dump(config))
+    (cwd / "through.py").write_text(READS_THROUGH)
+    result = hvdrun(env, cwd, "qsub", *options, "-n", "2", "--ranks-per-node", "1", "-t", "10", "--copper",
+                    "--setup", f"export PATH={FAKE_COPPER}:$PATH", "--wait", "through.py")
+    output = job_output(cwd)
+    assert result.returncode == 3, result.stderr + output
+    assert "fake module: load copper" in output and f"fake copper: launched at {mount}" in output, output
+    site = sysconfig.get_paths()["purelib"]
+    froms = re.findall(r"rank (\d) yaml from (\S+)", output)
+    assert sorted(rank for rank, _ in froms) == ["0", "1"], output
+    assert all(path.startswith(f"{mount}{site}/") for _, path in froms), froms  # read through the mount
+    assert f"fake copper: stopped {mount}" in output and not mount.exists(), output  # after the failure
+    logs = next((cwd / "hvdrun-jobs").glob("*.copper-logs"))
+    assert (logs / "fake-copper.log").read_text().splitlines() == [f"fake copper: launched at {mount}",
+                                                                   f"fake copper: stopped {mount}"]

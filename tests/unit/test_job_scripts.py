@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from hvdrun.cli import cli
 from hvdrun.config import available_clusters, format_hms, parse_walltime
-from hvdrun.errors import UsageError
+from hvdrun.errors import ConfigError, UsageError
 from hvdrun.jobs.base import ScriptRules
 from hvdrun.jobs.render import check_script, render_script
 from hvdrun.jobs.spec import JobRequest, build_spec
@@ -148,6 +148,46 @@ def test_the_scripts_of_a_chain_judge_it_first_and_last():
     assert "chain-link" not in render_script(spec)  # a job of no chain: as before
 
 
+def test_copper_starts_before_the_ranks_reads_the_jobs_site_packages_and_stops_at_any_exit():
+    spec = build_spec(JobRequest(command=("train.py",), cluster="aurora", account="P", copper=True,
+                                 python="/lus/flare/me/venv/bin/python"))
+    lines = render_script(spec).splitlines()
+    logs = f"{spec.output.removesuffix('.output')}.copper-logs"
+    start = lines.index('hvdrun_copper_mount="/tmp/${USER}/copper_mount"')
+    assert lines[start - 1] == "module load frameworks"  # the machine's setup first
+    assert lines[start:start + 6] == [
+        'hvdrun_copper_mount="/tmp/${USER}/copper_mount"', f"hvdrun_copper_logs={logs}", "module load copper",
+        'launch_copper.sh -d "$hvdrun_copper_logs" -v "$hvdrun_copper_mount"',
+        """trap 'stop_copper.sh -d "$hvdrun_copper_logs" -v "$hvdrun_copper_mount"' EXIT""",
+        """export PYTHONPATH="$hvdrun_copper_mount$(/lus/flare/me/venv/bin/python -c 'import sysconfig; """
+        """print(sysconfig.get_paths()[\"purelib\"])')${PYTHONPATH:+:$PYTHONPATH}\""""]
+    assert lines.index("if ! /lus/flare/me/venv/bin/python -c 'import hvdrun' 2>/dev/null; then") > start + 5
+    assert "copper" not in render(cluster="aurora", account="P")  # only when asked (aurora.yaml: when: asked)
+
+
+def test_copper_says_where_it_does_not_help():
+    spec = build_spec(JobRequest(command=("train.py",), cluster="aurora", account="P", copper=True,
+                                 python="/proc/self/exe"))  # a directory not even root can write: the system's
+    assert spec.notices[-1].startswith("--copper: the job's Python (/proc/self/exe) is the site's, not yours "
+                                       "(/proc/self is not writable to you")
+
+
+def test_a_cluster_file_can_give_copper_to_every_job_with_its_own_environment(tmp_path):
+    config = tmp_path / "site.yaml"
+    config.write_text("scheduler:\n  kind: pbs\n  copper: {module: copper, launch: launch_copper.sh, stop: "
+                      "stop_copper.sh, mount: '/tmp/${USER}/copper_mount', when: custom_env}\n")
+    with_env = render_script(build_spec(JobRequest(command=("train.py",), config_file=str(config),
+                                                   venv=str(tmp_path / "venv"))))
+    assert "launch_copper.sh -d " in with_env
+    assert "launch_copper.sh" not in render_script(build_spec(JobRequest(command=("train.py",),
+                                                                         config_file=str(config))))
+    config.write_text("scheduler:\n  copper: {module: copper, launch: launch_copper.sh, stop: stop_copper.sh, "
+                      "mount: '/tmp/$(reboot)'}\n")
+    with pytest.raises(ConfigError, match=r"scheduler.copper.mount must be given, e.g. '/tmp/\$\{USER\}/copper_mount', "
+                                          r"got '/tmp/\$\(reboot\)'"):
+        build_spec(JobRequest(command=("train.py",), config_file=str(config)))
+
+
 def test_report_reaches_the_hvdrun_line_as_an_absolute_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     line = next(line for line in render(nodes=2, account="P", cluster="polaris", report="reports/job.html")
@@ -264,6 +304,8 @@ POLARIS = ("--cluster", "polaris", "-A", "P")
     (("--cluster", "thetagpu-cobalt", "-A", "P", "-t", "60", "--chain", "3"),
      ["--chain 3: Cobalt's --dependencies starts a job only after the others succeeded"]),
     ((*POLARIS, "--warn-signal", "USR2"), ["--warn-signal USR2: give --warn-before S too"]),
+    ((*POLARIS, "--copper"), ["--copper: cluster 'polaris' (", "polaris.yaml) has no Copper (no scheduler.copper in "
+                                                                "its file); ALCF runs Copper on Aurora"]),
     ((*POLARIS, "--warn-before", "60", "--warn-signal", "TERM"), ["--warn-signal TERM: SIGTERM stops the job"]),
 ])
 def test_validation_errors(invoke, args, fragments):
