@@ -74,11 +74,13 @@ def descend_resumably(features: torch.Tensor, targets: torch.Tensor, total: int,
     for epoch in range(start, args.epochs):
         weights = step(weights, features, targets, total, args.lr, distributed=True)
         time.sleep(args.seconds_per_epoch)
-        if hvd.allreduce(torch.tensor(float(STOP["asked"])), op=hvd.Max, name="stop").item():
+        last = epoch + 1 == args.epochs  # warned at the last epoch: finish instead
+        if not last and hvd.allreduce(torch.tensor(float(STOP["asked"])), op=hvd.Max, name="stop").item():
             hvd.save_checkpoint({"weights": weights, "epoch": epoch + 1}, args.checkpoint)
             if hvd.rank() == 0:
                 print(f"warned: saved epoch {epoch + 1} of {args.epochs} to {args.checkpoint}", flush=True)
             return None
+    hvd.save_checkpoint({"weights": weights, "epoch": args.epochs}, args.checkpoint)  # a next job has nothing to do
     return weights
 
 

@@ -183,7 +183,7 @@ def test_slurm_chain_of_one_minute_jobs_continues_an_elastic_script_from_its_sta
     worker = WORKERS / "elastic_regression.py"
     result = hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "2", "--ranks-per-node", "1", "-t", "1",
                     "--chain", "3", "--warn-before", "20", "--run-args", f"--state-dir {job_dir / 'kept'} --verbose",
-                    "--wait", "--", "python", str(worker), "400", "0.2", timeout=420)
+                    "--wait", "--", "python", str(worker), "160", "0.5", timeout=420)
     outputs = sorted((job_dir / "hvdrun-jobs").glob("*.output"))
     texts = [p.read_text() for p in outputs]
     print("\n".join(f"{p.name}: {line}" for p, text in zip(outputs, texts, strict=True) for line in text.splitlines()
@@ -196,11 +196,11 @@ def test_slurm_chain_of_one_minute_jobs_continues_an_elastic_script_from_its_sta
     assert re.search(r"hvdrun: note: the allocation ends at \S+ \S+ \S+ \(in 0:00:5\d\), from squeue -h -j \d+ -o %L "
                      r"\(time left 0:5\d\)", texts[0]), texts[0]  # --verbose: read from the controller
     starts = [int(re.search(r"\[0\]<stdout>:starts at epoch (\d+)", text).group(1)) for text in texts]
-    assert starts[0] == 0 and 0 < starts[1] < starts[2] < 400, starts  # each job resumed where the last stopped
+    assert starts[0] == 0 and 0 < starts[1] < starts[2] < 160, starts  # each job resumed where the last stopped
     for text in texts[:2]:
         assert "hvdrun: elastic: the allocation ends soon: the state is kept in " in text, text
         assert "ended with exit code 0" in text
-    whole = hvdrun(slurm_env, job_dir, "-np", "2", str(worker), "400", "0")
+    whole = hvdrun(slurm_env, job_dir, "-np", "2", str(worker), "160", "0")
     assert whole.returncode == 0, whole.stderr
     exact = set(re.findall(r"exact=(\S+)", texts[2]))
     assert exact == set(re.findall(r"exact=(\S+)", whole.stdout)) and len(exact) == 1  # bit for bit
