@@ -210,8 +210,10 @@ def test_slurm_chain_qdel_cancels_every_job(slurm_env, job_dir):
     marker = f"{os.getpid()}.{len(str(job_dir))}3"
     chain_id = submitted_id(hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "1", "--ranks-per-node",
                                    "1", "-t", "1", "--chain", "3", "--submit", "--", "sleep", marker))
-    first = re.fullmatch(r"chain-(\d+)", chain_id).group(1)
-    wait_for_state(slurm_env, job_dir, first, "RUNNING")
+    def sleeping() -> bool:
+        return any(p.info["cmdline"] == ["sleep", marker] for p in psutil.process_iter(["cmdline"]))
+
+    assert wait_until(sleeping, 60), "the first job's rank never ran"  # past its script's chain-link begin
     cancelled = hvdrun(slurm_env, job_dir, "qdel", chain_id)
     assert cancelled.returncode == 0 and cancelled.stdout.count("cancelled job") == 3, cancelled.stdout
     seen = []
@@ -222,8 +224,7 @@ def test_slurm_chain_qdel_cancels_every_job(slurm_env, job_dir):
 
     assert wait_until(all_cancelled, 30), seen[-1]
     assert "ended by hvdrun qdel: cancelled" in seen[-1]
-    assert wait_until(lambda: not any(p.info["cmdline"] == ["sleep", marker]
-                                      for p in psutil.process_iter(["cmdline"])), 30)
+    assert wait_until(lambda: not sleeping(), 30)
 
 
 def test_pbs_style_job_through_slurms_torque_wrappers(slurm_cluster, slurm_env, job_dir):
