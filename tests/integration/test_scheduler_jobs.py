@@ -178,11 +178,12 @@ def test_slurm_qstat_says_why_a_job_waits(slurm_env, job_dir):
 @pytest.mark.timeout(480)
 def test_slurm_chain_of_one_minute_jobs_continues_an_elastic_script_from_its_state_dir(slurm_env, job_dir):
     """``hvd.elastic`` state kept by ``--state-dir`` at the warning (no code of the script's own for the walltime):
-    3 jobs of 1 minute, each resuming where the last stopped, and the result an uninterrupted run's."""
+    3 jobs of 1 minute (4 at most under load), each resuming where the last stopped, and the result an
+    uninterrupted run's."""
     slurm_env["PYTHONPATH"] = f"{REPO / 'examples'}:{REPO}"
     worker = WORKERS / "elastic_regression.py"
     result = hvdrun(slurm_env, job_dir, "qsub", "--cluster", "slurm", "-n", "2", "--ranks-per-node", "1", "-t", "1",
-                    "--chain", "3", "--warn-before", "20", "--run-args", f"--state-dir {job_dir / 'kept'} --verbose",
+                    "--chain", "4", "--warn-before", "20", "--run-args", f"--state-dir {job_dir / 'kept'} --verbose",
                     "--wait", "--", "python", str(worker), "160", "0.5", timeout=420)
     outputs = sorted((job_dir / "hvdrun-jobs").glob("*.output"))
     texts = [p.read_text() for p in outputs]
@@ -191,18 +192,19 @@ def test_slurm_chain_of_one_minute_jobs_continues_an_elastic_script_from_its_sta
                                  line)))
     assert result.returncode == 0, result.stderr + "".join(texts)
     chain_id = submitted_id(result)
-    assert f"chain {chain_id} ended at job 3: training done (exit code 0 before any warning)" in result.stderr
-    assert len(texts) == 3, outputs
+    ended = re.search(rf"chain {chain_id} ended at job ([34]): training done \(exit code 0 before any warning\)",
+                      result.stderr)  # 3 jobs alone; 4 at most under the loaded suite (see test_pbs.CHAIN_EPOCHS)
+    assert ended and len(texts) == int(ended.group(1)), result.stderr
     assert re.search(r"hvdrun: note: the allocation ends at \S+ \S+ \S+ \(in 0:00:5\d\), from squeue -h -j \d+ -o %L "
                      r"\(time left 0:5\d\)", texts[0]), texts[0]  # --verbose: read from the controller
     starts = [int(re.search(r"\[0\]<stdout>:starts at epoch (\d+)", text).group(1)) for text in texts]
-    assert starts[0] == 0 and 0 < starts[1] < starts[2] < 160, starts  # each job resumed where the last stopped
-    for text in texts[:2]:
+    assert starts[0] == 0 and starts == sorted(set(starts)) and starts[-1] < 160, starts  # each resumed the last
+    for text in texts[:-1]:
         assert "hvdrun: elastic: the allocation ends soon: the state is kept in " in text, text
         assert "ended with exit code 0" in text
     whole = hvdrun(slurm_env, job_dir, "-np", "2", str(worker), "160", "0")
     assert whole.returncode == 0, whole.stderr
-    exact = set(re.findall(r"exact=(\S+)", texts[2]))
+    exact = set(re.findall(r"exact=(\S+)", texts[-1]))
     assert exact == set(re.findall(r"exact=(\S+)", whole.stdout)) and len(exact) == 1  # bit for bit
 
 
