@@ -35,6 +35,7 @@ from hvdrun.walltime import JobEvents
 
 CHAIN_PREFIX = "chain-"
 GO_ON, DONE, FAILED, UNDECIDED = "go on", "done", "failed", "undecided"
+_HOW_IT_ENDED = {DONE: "training done", FAILED: "failed"}  # a verdict's words for a decision that ends the chain
 Echo = Callable[[str], None]
 
 
@@ -249,8 +250,8 @@ def link_ends(chain: Chain, number: int, exit_code: int | None, echo: Echo, stop
         return
     decision, why = outcome(chain, number, exit_code, stopped_by)
     code = 1 if exit_code is None else exit_code
-    if decision in (DONE, FAILED):
-        _end(chain, Verdict(number, "training done" if decision == DONE else "failed", code, why), number, echo)
+    if decision in _HOW_IT_ENDED:
+        _end(chain, Verdict(number, _HOW_IT_ENDED[decision], code, why), number, echo)
     elif number >= chain.length:
         _end(chain, Verdict(number, "ran out", code, f"{why}; the last of {chain.length} jobs"), number, echo)
     else:
@@ -265,9 +266,8 @@ def link_begins(chain: Chain, number: int, echo: Echo) -> bool:
         previous = chain.jobs[number - 2] if len(chain.jobs) >= number - 1 else None
         code = read_exit_file(previous.exit_file) if previous else None
         decision, why = outcome(chain, number - 1, code)
-        if decision in (DONE, FAILED):
-            how = "training done" if decision == DONE else "failed"
-            verdict = _end(chain, Verdict(number - 1, how, code or 0, why), number, echo)
+        if decision in _HOW_IT_ENDED:
+            verdict = _end(chain, Verdict(number - 1, _HOW_IT_ENDED[decision], code or 0, why), number, echo)
         elif decision == UNDECIDED:
             echo(f"hvdrun: chain {chain.chain_id}: job {number - 1} {why}; this job resumes from its last checkpoint")
     if verdict is not None:

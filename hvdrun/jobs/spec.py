@@ -20,6 +20,7 @@ from pathlib import Path
 
 from hvdrun.config import (
     ClusterConfig,
+    CopperSettings,
     SchedulerDefaults,
     available_clusters,
     load_cluster,
@@ -241,30 +242,29 @@ def _setup_lines(request: JobRequest, defaults: SchedulerDefaults) -> tuple[str,
     return tuple(lines)
 
 
-def _copper_wanted(request: JobRequest, config: ClusterConfig | None, defaults: SchedulerDefaults) -> bool:
-    """Whether the job gets Copper: ``--copper``, or the cluster file's ``when: custom_env`` and a job with an
-    environment of its own (``--venv``, ``--conda``).
+def _copper_of(request: JobRequest, config: ClusterConfig | None, defaults: SchedulerDefaults) -> CopperSettings | None:
+    """The Copper the job gets (None: none): ``--copper``, or the cluster file's ``when: custom_env`` and a job with
+    an environment of its own (``--venv``, ``--conda``).
 
     Raises:
         UsageError: ``--copper`` on a cluster whose file has no ``scheduler.copper``.
     """
-    if request.copper and defaults.copper is None:
+    copper = defaults.copper
+    if request.copper and copper is None:
         where = f"cluster '{config.name}' ({config.source})" if config else "this job (no cluster file)"
         raise UsageError(f"--copper: {where} has no Copper (no scheduler.copper in its file); ALCF runs Copper on "
                          "Aurora (--cluster aurora)")
-    settings = defaults.copper
-    return settings is not None and (request.copper or (settings.when == "custom_env" and
-                                                        bool(request.venv or request.conda)))
+    wanted = request.copper or (copper is not None and copper.when == "custom_env" and bool(request.venv or
+                                                                                            request.conda))
+    return copper if wanted else None
 
 
-def _copper_lines(request: JobRequest, config: ClusterConfig | None, defaults: SchedulerDefaults, output: str,
-                  python: str) -> tuple[str, ...]:
+def _copper_lines(copper: CopperSettings | None, output: str, python: str) -> tuple[str, ...]:
     """Copper around the job, as ALCF's page runs it: load its module, start it with a log directory beside the
     job's output and the mount, stop it when the script exits (also after a failure or a stop signal), and route
     the job's site-packages through the mount on ``PYTHONPATH`` (the ranks inherit it)."""
-    if not _copper_wanted(request, config, defaults) or defaults.copper is None:
+    if copper is None:
         return ()
-    copper = defaults.copper
     logs = quote(f"{Path(output).with_suffix('')}.copper-logs")
     site = f"$({quote(python)} -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')"
     return (f'hvdrun_copper_mount="{copper.mount}"',  # a path whose ${VAR}s expand (checked by the file's parser)
@@ -275,11 +275,10 @@ def _copper_lines(request: JobRequest, config: ClusterConfig | None, defaults: S
             f'export PYTHONPATH="$hvdrun_copper_mount{site}${{PYTHONPATH:+:$PYTHONPATH}}"')
 
 
-def _copper_notices(request: JobRequest, config: ClusterConfig | None, defaults: SchedulerDefaults,
-                    python: str) -> tuple[str, ...]:
+def _copper_notices(copper: CopperSettings | None, python: str) -> tuple[str, ...]:
     """Where Copper does not help: a job whose Python is not the user's own (a directory the user cannot write:
     the site's frameworks module, in the system image; ALCF's page: those often do not benefit)."""
-    if not _copper_wanted(request, config, defaults) or not python.startswith("/"):
+    if copper is None or not python.startswith("/"):
         return ()
     home = Path(python).parent
     if os.access(home, os.W_OK):
@@ -497,7 +496,8 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
     name = _job_name(request)
     output, error, exit_file, script_path = _output_paths(request, name, kind, time.time() if now is None else now)
     python = _python(request, config)
-    setup = (*_setup_lines(request, defaults), *_copper_lines(request, config, defaults, output, python))
+    copper = _copper_of(request, config, defaults)
+    setup = (*_setup_lines(request, defaults), *_copper_lines(copper, output, python))
     after = tuple(str(_word("--after", job, _JOB_ID_RE, "a job id such as 1234 or 1234.server"))
                   for job in request.after)
     return JobSpec(
@@ -508,4 +508,4 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
         directives=(*defaults.extra_directives, *request.directives), skip_directives=defaults.skip_directives,
         after=after, launch=_launch(request, config_args, python, ranks_per_node, run_options),
         template=request.template or defaults.template,
-        notices=(*decision.notices, *_copper_notices(request, config, defaults, python)))
+        notices=(*decision.notices, *_copper_notices(copper, python)))

@@ -119,7 +119,7 @@ class RunOptions:
     report: str | None = None  # write the job report (HTML) here when the job ends (observe/report.py)
     warn_before_s: float | None = None  # warn the ranks this long before the allocation ends (launch/warning.py)
     warn_signal: str | None = None  # the warning's signal (default USR1)
-    state_dir: str | None = None  # where hvd.elastic state outlives the job (torch/elastic.py)
+    state_dir: str | None = None  # where hvd.elastic state outlives the job (torch/lasting_state.py)
 
     @property
     def elastic(self) -> bool:
