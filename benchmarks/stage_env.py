@@ -1,15 +1,13 @@
 """Environment staging (``hvdrun --stage-env``): what staging costs, and how fast ranks start from the copy.
 
     python benchmarks/stage_env.py                      # this Python's environment (the checkout's .venv), 4 ranks
-    python benchmarks/stage_env.py --ranks 4 --rounds 3 --ssh   # also over SSH to a namespace host (root)
+    python benchmarks/stage_env.py --ranks 4 --rounds 3
+
+(Staging many hosts, the tree against every host reading one packed file: ``benchmarks/stage_tree.py``.)
 
 Measured, each the median over ``--rounds`` (hvdrun's own one-line report gives the staging numbers):
 
 - ``copy here``: a cold ``--stage-env`` on this machine (tar | tar of the environment into a fresh directory);
-- ``over SSH`` (``--ssh``): a cold ``--stage-env`` to one network-namespace host: the environment packed once
-  into a tar file in the job's working directory, which the host reads and unpacks (hvdrun's default);
-- ``streamed over SSH`` (``--ssh``): the same with no shared directory (``stage(..., shared_dir=None)``): the
-  tar file streamed over the launcher's paramiko connection (what a host that cannot see the file gets);
 - ``already staged``: the check alone, when the copy is there;
 - ``ranks from the env`` / ``ranks from the copy``: ``hvdrun -np N`` of ranks that ``import hvdrun.torch``
   (torch): the whole command, the last rank past its import (seconds from hvdrun's start, the staging check
@@ -44,7 +42,7 @@ import hvdrun.torch
 print(f"IMPORTED {time.time() - float(os.environ['BENCH_T0']):.3f} {time.perf_counter() - started:.3f}", flush=True)
 """
 NOOP = "pass\n"
-_STAGED = re.compile(r"staged .* in ([0-9.]+) s \(([0-9.]+ [kMG]?B): [^)]*?(?:packing ([0-9.]+) s)?\)")
+_STAGED = re.compile(r"staged .* in ([0-9.]+) s \(([0-9.]+ [kMG]?B) each: ")
 
 
 def hvdrun(*args: str, cwd: Path, timeout_s: float = 600) -> tuple[float, str, str]:
@@ -59,24 +57,23 @@ def hvdrun(*args: str, cwd: Path, timeout_s: float = 600) -> tuple[float, str, s
     return seconds, done.stdout, done.stderr
 
 
-def staging_report(stderr: str) -> tuple[float, str, float]:
-    """(seconds, size, packing seconds) from hvdrun's ``--stage-env`` line."""
+def staging_report(stderr: str) -> tuple[float, str]:
+    """(seconds, size) from hvdrun's ``--stage-env`` line."""
     match = _STAGED.search(stderr)
     if not match:
         raise SystemExit(f"no staging line in hvdrun's output:\n{stderr[-2000:]}")
-    return float(match[1]), match[2], float(match[3] or 0)
+    return float(match[1]), match[2]
 
 
 def cold_stage(work: Path, rounds: int, extra: Sequence[str] = ()) -> dict[str, object]:
-    """A cold --stage-env (fresh directory) per round: hvdrun's reported seconds, size, packing seconds."""
+    """A cold --stage-env (fresh directory) per round: hvdrun's reported seconds and size."""
     reports = []
     for round_ in range(rounds):
         stage_dir = work / f"cold-{round_}"
         _, _, stderr = hvdrun(*extra, "--stage-dir", str(stage_dir), "-np", "1", "noop.py", cwd=work)
         reports.append(staging_report(stderr))
         shutil.rmtree(stage_dir, ignore_errors=True)
-    return {"seconds": statistics.median(r[0] for r in reports), "size": reports[0][1],
-            "pack_seconds": statistics.median(r[2] for r in reports)}
+    return {"seconds": statistics.median(r[0] for r in reports), "size": reports[0][1]}
 
 
 def already_staged(work: Path, rounds: int) -> float:
@@ -105,63 +102,11 @@ def rank_start(work: Path, ranks: int, rounds: int) -> dict[str, tuple[float, fl
                    statistics.median(s for r in found for s in r[2])) for kind, found in runs.items()}
 
 
-def ssh_stage(work: Path, rounds: int) -> dict[str, dict[str, object]]:
-    """A cold --stage-env to one namespace host over SSH (root: network namespaces): through hvdrun (the host
-    reads the packed file), and streamed over the connection."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from multihost import start_hosts, stop_hosts  # noqa: PLC0415 - only with --ssh (root, sshd)
-
-    directory = Path(tempfile.mkdtemp(prefix="hvdrun-stage-hosts-"))
-    info = start_hosts(directory, 1)
-    try:
-        host = info["hosts"][0]["addr"]
-        read = cold_stage(work, rounds, ("-H", f"{host}:1", "-i", info["key"], "--ssh-known-hosts",
-                                         info["known_hosts"]))
-        return {"file": read, "stream": streamed(work, rounds, host, info["key"], info["known_hosts"])}
-    finally:
-        stop_hosts(directory)
-
-
-def streamed(work: Path, rounds: int, addr: str, key: str, known_hosts: str) -> dict[str, object]:
-    """A cold staging to ``addr`` with the packed file streamed over a paramiko connection (no shared directory)."""
-    from hvdrun.hosts import Host  # noqa: PLC0415 - only with --ssh
-    from hvdrun.launch.remote.connections import SshOptions, connect_all, resolve_targets  # noqa: PLC0415
-    from hvdrun.launch.staging import StagePlan, find_environment, stage  # noqa: PLC0415
-
-    environment = find_environment(sys.executable)
-    host, options = Host(addr, 1, "root"), SshOptions(identity_file=key, known_hosts=known_hosts)
-    [client] = connect_all(resolve_targets([host], options), options, time.monotonic() + 30)
-
-    class Over:
-        def is_remote(self, _: Host) -> bool:
-            return True
-
-        def connection(self, _: Host) -> object:
-            return client
-
-    reports = []
-    try:
-        for round_ in range(rounds):
-            plan = StagePlan(str(work / f"stream-{round_}"), {environment.python: environment})
-            reports.append(staging_report(stage(plan, [(host, environment.python)], Over(), None)[1]))  # type: ignore[arg-type]
-            shutil.rmtree(work / f"stream-{round_}", ignore_errors=True)
-    finally:
-        client.close()
-    return {"seconds": statistics.median(r[0] for r in reports), "size": reports[0][1],
-            "pack_seconds": statistics.median(r[2] for r in reports)}
-
-
 def table(results: dict[str, object], ranks: int) -> str:
     """The markdown table of the results."""
     here = results["here"]
     rows = [("stage: copy on this machine (cold)", here["size"], f"{here['seconds']:.1f}"),
             ("stage: already staged (the check)", "", f"{results['check']:.2f}")]
-    if "ssh" in results:
-        for kind, label in (("stream", "streamed over SSH (pack + send + unpack)"),
-                            ("file", "1 SSH host reads the packed file (pack + unpack)")):
-            ssh = results["ssh"][kind]
-            rows.insert(1, (f"stage: {label}, cold", ssh["size"],
-                            f"{ssh['seconds']:.1f} (pack {ssh['pack_seconds']:.1f})"))
     for kind, label in (("env", "the env"), ("copy", "the staged copy")):
         whole, last, alone = results["start"][kind]
         rows.append((f"hvdrun -np {ranks}, ranks import hvdrun.torch from {label}", "",
@@ -174,7 +119,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the start-up measure")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per measure (median)")
-    parser.add_argument("--ssh", action="store_true", help="also stage over SSH to a namespace host (root)")
     parser.add_argument("--start-rounds", type=int, help="rounds of the start-up measure (default --rounds)")
     parser.add_argument("--json", help="also write the numbers here")
     args = parser.parse_args()
@@ -183,8 +127,6 @@ def main() -> None:
         (work / "noop.py").write_text(NOOP)
         (work / "import_torch.py").write_text(IMPORT_TORCH)
         results: dict[str, object] = {"env": sys.prefix, "here": cold_stage(work, args.rounds)}
-        if args.ssh:
-            results["ssh"] = ssh_stage(work, args.rounds)
         results["check"] = already_staged(work, args.rounds)
         results["start"] = rank_start(work, args.ranks, args.start_rounds or args.rounds)
     finally:

@@ -30,7 +30,8 @@ RENDEZVOUS_PORT = "HVDRUN_RENDEZVOUS_PORT"
 SECRET = "HVDRUN_SECRET"
 # never on a command line (`ps` shows those to every user of a node): mpiexec gets them in its environment,
 # an SSH guard reads them from its channel (launch/mpiexec.py, launch/ssh.py)
-OFF_THE_COMMAND_LINE = (SECRET,)
+STAGE_TOKEN = "HVDRUN_STAGE_TOKEN"  # --stage-env: what the staging relays prove (launch/stage_tree.py)
+OFF_THE_COMMAND_LINE = (SECRET, STAGE_TOKEN)
 JOB_ID = "HVDRUN_JOB_ID"
 BACKEND = "HVDRUN_BACKEND"
 MPIEXEC = "HVDRUN_MPIEXEC"  # the mpiexec --launcher mpiexec runs (default: beside this Python, then PATH)

@@ -403,17 +403,12 @@ def _job_launcher(run_args: Sequence[str], config: ClusterConfig | None, kind: s
     return ("srun", "hvdrun's default in a Slurm job") if kind == SLURM and nodes > 1 else ("ssh", "hvdrun's default")
 
 
-def _stage_args(request: JobRequest, config: ClusterConfig | None, kind: str, nodes: int) -> list[str]:
-    """``--stage-env [--stage-dir DIR]`` for the job's hvdrun, whose launcher must be local or ssh."""
+def _stage_args(request: JobRequest) -> list[str]:
+    """``--stage-env [--stage-dir DIR]`` for the job's hvdrun (every launcher stages: hvdrun.launch.stage_tree)."""
     from hvdrun.launch.staging import check_stage_dir
 
     if not (request.stage_env or request.stage_dir):
         return []
-    launcher, source = _job_launcher(_run_args(request), config, kind, nodes)
-    if launcher not in ("local", "ssh"):
-        raise UsageError(f"--stage-env works with the local and ssh launchers, and the job's hvdrun would use "
-                         f"{launcher} ({source}): add --run-args '--launcher ssh' (the job's hvdrun then reaches "
-                         "its nodes over SSH)")
     directory = check_stage_dir(request.stage_dir, "--stage-dir") if request.stage_dir else None
     return ["--stage-env", *(["--stage-dir", directory] if directory else [])]
 
@@ -491,7 +486,7 @@ def build_spec(request: JobRequest, now: float | None = None, workdir: str | Non
         config.ranks_per_node if config else None) or max(gpus // per_rank, 1)
     _check_cpu_bind(config, ranks_per_node)
     run_options = [*_restart_args(request, nodes, unit), *_warning_args(request, walltime_s, kind),
-                   *_stage_args(request, config, kind, nodes),
+                   *_stage_args(request),
                    *_filesystem_args(request, config, defaults, kind, nodes, filesystems), *_report_args(request)]
     name = _job_name(request)
     output, error, exit_file, script_path = _output_paths(request, name, kind, time.time() if now is None else now)

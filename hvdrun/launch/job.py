@@ -181,17 +181,19 @@ def stage_environment(plan: JobPlan, launcher: Launcher, write: Callable[[str], 
     from hvdrun.launch.staging import stage
 
     hosts = [(host, plan.python_for(host)) for host in dict.fromkeys(slot.host for slot in plan.slots)]
-    staged, line = stage(plan.stage, hosts, _reach(launcher), shared_dir=plan.cwd)
+    staged, line = stage(plan.stage, hosts, _reach(launcher))
     write(f"{line}\n")
     return replace(plan, staged={name: host.python for name, host in staged.items()})
 
 
 def _reach(launcher: Launcher) -> Reach:
-    """How staging reaches the hosts: the ssh launcher's connections, else this machine only."""
+    """How staging reaches the hosts: the ssh launcher's connections, the mpiexec launcher's mpiexec, else this
+    machine only."""
+    from hvdrun.launch.mpiexec import MpiexecLauncher
     from hvdrun.launch.ssh import SshLauncher
     from hvdrun.launch.staging import ThisMachine
 
-    return launcher if isinstance(launcher, SshLauncher) else ThisMachine()
+    return launcher if isinstance(launcher, SshLauncher | MpiexecLauncher) else ThisMachine()
 
 
 def _console_writer(console: dict[str, TextIO] | None) -> Callable[[str], None]:

@@ -19,7 +19,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,8 +38,9 @@ from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.pals_faults import PalsLines, SickNode, job_host
 from hvdrun.launch.remote.connections import SshOptions
 from hvdrun.launch.remote.cpubind import parse_cpu_bind
-from hvdrun.launch.remote.hostfacts import free_ports, interface_address
+from hvdrun.launch.remote.hostfacts import free_ports, interface_address, route_source_address
 from hvdrun.launch.remote.mpirank import plan_value
+from hvdrun.launch.stage_tree import ProcessRelays, RelayStarter, relay_command
 from hvdrun.ranks import GpuLayout, Slot
 
 FLAVOURS = ("mpich", "openmpi", "pals")
@@ -377,12 +377,33 @@ class MpiexecLauncher(Launcher):
                                   "(--network-interface, else the cluster file's network_interface); name one it "
                                   "has with --network-interface")
             return addr
-        try:  # the source address of the route to the first remote host (no packet is sent)
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((towards.name, 9))
-                return str(probe.getsockname()[0])
-        except OSError as e:
-            raise LaunchError(f"no route from this machine to {towards.name}: {e.strerror or e}", towards.name) from e
+        return route_source_address(towards.name)
+
+    def is_remote(self, host: Host) -> bool:
+        """Every host, this machine too, stages through the tree: one ``mpiexec`` starts every host's relay."""
+        return True
+
+    def callback_address(self, hosts: Sequence[Host]) -> str:
+        """This machine's address as the hosts reach it (loopback when every host is this machine)."""
+        return self._callback_addr or LOOPBACK
+
+    def relays(self, hosts: Sequence[tuple[Host, str]], directory: str) -> RelayStarter:
+        """One ``mpiexec`` that starts the staging relay on each of ``hosts`` (one process a host, in this order)."""
+        return ProcessRelays(lambda addr, port, token: self._relay_command(hosts, directory, addr, port, token))
+
+    def _relay_command(self, hosts: Sequence[tuple[Host, str]], directory: str, addr: str, port: int,
+                       token: str) -> tuple[list[str], dict[str, str]]:
+        assert self._tmp is not None and self.flavour is not None
+        agent = Path(self._tmp.name) / "ssh"
+        agent.write_text(ssh_agent_script(self.ssh))
+        agent.chmod(0o700)
+        hostfile = Path(self._tmp.name) / "relay-hostfile"
+        hostfile.write_text("".join(f"{host.name}\n" for host, _ in hosts))
+        command = MpiexecCommand(self.flavour, self.mpiexec, tuple(Host(h.name, 1, h.user) for h, _ in hosts),
+                                 {envvars.STAGE_TOKEN: token}, tuple(relay_command(hosts[0][1], addr, port, "-",
+                                                                                   directory)),
+                                 str(agent), self._callback_addr, str(hostfile), self.extra_args)
+        return command.argv(), command.process_env(os.environ)
 
     def endpoint(self, host: Host) -> Endpoint:
         if is_local_host(host.name):

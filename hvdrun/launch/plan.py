@@ -358,7 +358,7 @@ def plan_job(options: RunOptions, environ: Mapping[str, str]) -> JobPlan:
                    hosts=hosts, console_ranks=_console_ranks(options, len(slots)),
                    forward_signals=DEFAULT_FORWARD_SIGNALS if options.forward_signals is None else
                    parse_signal_list(options.forward_signals),
-                   stage=_stage_plan(options, config, launcher, hosts, default_python),
+                   stage=_stage_plan(options, config, hosts, default_python),
                    notes=(*notes, *warning_notes), warning=warning)
 
 
@@ -406,7 +406,7 @@ def _network_interface(options: RunOptions, config: ClusterConfig | None,
     return name, ()
 
 
-def _stage_plan(options: RunOptions, config: ClusterConfig | None, launcher: str, hosts: Sequence[Host],
+def _stage_plan(options: RunOptions, config: ClusterConfig | None, hosts: Sequence[Host],
                 default_python: str) -> StagePlan | None:
     """``--stage-env``: the directory (``--stage-dir``, the YAML's ``local_dir``, else /tmp) and the environment
     of every host's Python (spares too); None without it."""
@@ -415,11 +415,6 @@ def _stage_plan(options: RunOptions, config: ClusterConfig | None, launcher: str
     if options.elastic:
         raise UsageError("--stage-env copies the environment before the ranks start, and an elastic job's hosts "
                          "join while it runs: drop --stage-env, or the elastic options")
-    if launcher not in ("local", "ssh"):
-        raise UsageError(f"--stage-env works with the local and ssh launchers, and this job's is {launcher}: add "
-                         "--launcher ssh (inside a PBS or Slurm job hvdrun reaches the nodes over SSH), or stage it "
-                         "yourself: 'tar -C ENV -cf ENV.tar .' once, then one rank per node runs 'mkdir -p /tmp/env "
-                         "&& tar -xf ENV.tar -C /tmp/env', and the job runs /tmp/env/bin/python")
     if options.stage_dir:
         directory = check_stage_dir(options.stage_dir, "--stage-dir")
     elif config is not None and config.local_dir:

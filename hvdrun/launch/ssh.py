@@ -71,7 +71,8 @@ from hvdrun.launch.remote.connections import (
     run_command,
 )
 from hvdrun.launch.remote.guard import KILL, TERMINATE, forward_byte
-from hvdrun.launch.remote.hostfacts import HostFacts, free_ports, interface_address
+from hvdrun.launch.remote.hostfacts import HostFacts, free_ports, interface_address, route_source_address
+from hvdrun.launch.stage_tree import RelayStarter, SshRelays
 from hvdrun.protocol.tree import fanout, inner_hosts
 from hvdrun.ranks import Slot
 
@@ -276,6 +277,14 @@ class SshLauncher(Launcher):
                 yield client
             finally:
                 client.close()
+
+    def relays(self, hosts: Sequence[tuple[Host, str]], directory: str) -> RelayStarter:
+        """The staging relays of ``hosts`` (``--stage-env``), each started over hvdrun's connection to its host."""
+        return SshRelays(hosts, directory, self.connection)
+
+    def callback_address(self, hosts: Sequence[Host]) -> str:
+        """This machine's address as ``hosts`` reach it: on ``--network-interface``, else of the route to the first."""
+        return self._local_interface_addr() or route_source_address(hosts[0].name)
 
     def _local_interface_addr(self) -> str | None:
         return interface_address(self.network_interface) if self.network_interface else None

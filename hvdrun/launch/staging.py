@@ -8,13 +8,13 @@ disk turns that into one tar stream per node. The flow:
 1. At plan time (:func:`plan_staging`), each Python the ranks run must live in a virtual environment
    (``pyvenv.cfg`` beside ``bin/``) or a conda environment (``conda-meta/``) on this machine; its
    fingerprint is the path and the modification times of its top-level and site-packages entries.
-2. After the launcher reached the hosts (:func:`stage`), every host at once (at most
-   :data:`MAX_PARALLEL_HOSTS` at a time) runs one ``sh`` line (:mod:`hvdrun.launch.envcopy`) that takes a
-   lock and answers ``HAVE PATH`` when a complete copy is there, else ``NEED PATH``. Then this machine copies
-   the environment itself (``tar | tar``); for remote hosts hvdrun packs it once, an uncompressed tar in the
-   job's working directory, which each host reads itself when it sees it (the shared file system: one large
-   file per node instead of every rank's thousands of small ones), else it is streamed over the host's SSH
-   connection.
+2. After the launcher reached the hosts (:func:`stage`), each host runs one ``sh`` line
+   (:mod:`hvdrun.launch.envcopy`) that takes a lock and answers ``HAVE PATH`` when a complete copy is there,
+   else ``NEED PATH``. This machine copies the environment itself (``tar | tar``); the remote hosts that need
+   it get it down a tree (:mod:`hvdrun.launch.stage_tree`): one host reads the environment from the shared file
+   system, once for the whole job, and every host passes the stream on to its children while it unpacks. The
+   ssh launcher starts the hosts' relays over its connections, the mpiexec launcher with one more ``mpiexec``
+   of one process a host.
 3. The ranks' Python becomes the copy's (``PATH`` starts with its ``bin/``): :func:`staged_env`.
 
 On a host, under the staging directory (``--stage-dir``, the YAML's ``local_dir``, else ``/tmp``)::
@@ -34,26 +34,20 @@ original environment's path in their ``#!`` line: ranks run ``python script.py``
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import time
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from hvdrun.errors import UsageError
 from hvdrun.hosts import Host
-from hvdrun.launch.envcopy import Environment, HostStaged, Tarball, copy_on_host, stop_local_copies
-
-if TYPE_CHECKING:
-    import paramiko
+from hvdrun.launch.envcopy import Environment, HostStaged, copy_here, stop_local_copies
+from hvdrun.launch.stage_tree import RelayStarter, StageTree, TreeReport, stage_fanout
 
 DEFAULT_STAGE_DIR = "/tmp"  # noqa: S108 - node-local by default; the copy lives in a private hvdrun-UID/ below it
-MAX_PARALLEL_HOSTS = 16
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -152,15 +146,19 @@ def staged_env(python: str, env: Mapping[str, str]) -> dict[str, str]:
 
 
 class Reach(Protocol):
-    """How hvdrun reaches the job's hosts (the ssh launcher is one; :class:`ThisMachine` for the local one)."""
+    """How hvdrun reaches the job's hosts to stage them (the ssh and mpiexec launchers; :class:`ThisMachine` for
+    the local one)."""
 
     def is_remote(self, host: Host) -> bool:
-        """Whether ``host``'s ranks start over SSH (else: on this machine)."""
+        """Whether ``host`` gets its copy through the staging tree (else: this machine copies it itself)."""
         ...
 
-    def connection(self, host: Host) -> contextlib.AbstractContextManager[paramiko.SSHClient | None]:
-        """An open SSH connection to a remote host while inside (may connect now, and then closes it after;
-        raises LaunchError naming the host)."""
+    def relays(self, hosts: Sequence[tuple[Host, str]], directory: str) -> RelayStarter:
+        """What starts the staging relay on each of ``hosts`` (with its Python), in this order."""
+        ...
+
+    def callback_address(self, hosts: Sequence[Host]) -> str:
+        """This machine's address as ``hosts`` reach it."""
         ...
 
 
@@ -171,21 +169,23 @@ class ThisMachine:
         """Never."""
         return False
 
-    def connection(self, host: Host) -> contextlib.AbstractContextManager[paramiko.SSHClient | None]:
-        """None: no SSH here."""
-        return contextlib.nullcontext()
+    def relays(self, hosts: Sequence[tuple[Host, str]], directory: str) -> RelayStarter:
+        """Never asked: no host is remote."""
+        raise AssertionError("the local launcher has no remote host")
+
+    def callback_address(self, hosts: Sequence[Host]) -> str:
+        """Loopback."""
+        return "127.0.0.1"
 
 
-def stage(plan: StagePlan, hosts: Sequence[tuple[Host, str]], reach: Reach,
-          shared_dir: str | None = None) -> tuple[dict[str, HostStaged], str]:
-    """Stage each host's environment on it (all hosts at once, at most :data:`MAX_PARALLEL_HOSTS` at a time).
+def stage(plan: StagePlan, hosts: Sequence[tuple[Host, str]], reach: Reach) -> tuple[dict[str, HostStaged], str]:
+    """Stage each host's environment on it: this machine copies its own; the remote hosts get theirs down a tree
+    (:mod:`hvdrun.launch.stage_tree`), one tree an environment.
 
     Args:
         plan: the directory, and the environments by Python.
         hosts: each host of the job with the Python its ranks run.
-        reach: which hosts are remote, and the launcher's SSH connection to each.
-        shared_dir: a directory every host may see (the job's working directory), for the packed environment
-            (:class:`Tarball`); None: stream it to every remote host.
+        reach: which hosts are remote, and how their relays start.
 
     Returns:
         Each host name's staging, and the one line that tells the user what it did.
@@ -195,67 +195,56 @@ def stage(plan: StagePlan, hosts: Sequence[tuple[Host, str]], reach: Reach,
         LaunchError: a host could not unpack the copy (named, with the cause: disk full, ...).
     """
     started = time.monotonic()
-    jobs = _jobs(hosts, reach)
-    pythons = dict.fromkeys(python for _, python, _ in jobs)
-    tarballs = {python: Tarball(plan.environments[python], shared_dir) for python in pythons}
+    remote = [(host, python) for host, python in hosts if reach.is_remote(host)]
+    here = next((python for host, python in hosts if not reach.is_remote(host)), None)
+    result: dict[str, HostStaged] = {}
+    trees: list[TreeReport] = []
     try:
-        with ThreadPoolExecutor(max_workers=min(len(jobs), MAX_PARALLEL_HOSTS) or 1,
-                                thread_name_prefix="hvdrun-stage") as pool:
-            futures = [pool.submit(_stage_host, name, host, reach, plan.directory, tarballs[python])
-                       for name, python, host in jobs]
-        done = [future.result() for future in futures]
+        if here is not None:
+            mine = copy_here(plan.directory, plan.environments[here])
+            result.update({host.name: mine for host, _ in hosts if not reach.is_remote(host)})
+        for python in dict.fromkeys(python for _, python in remote):
+            members = [(host, p) for host, p in remote if p == python]
+            tree = StageTree([host.name for host, _ in members], plan.environments[python], plan.directory,
+                             stage_fanout(os.environ))
+            report = tree.run(reach.relays(members, plan.directory),
+                              reach.callback_address([host for host, _ in members]))
+            trees.append(report)
+            result.update({staged.host: staged for staged in report.staged})
     except KeyboardInterrupt:  # hvdrun got a stop signal (hvdrun.interrupts): its copies here stop with it
         stop_local_copies()
         raise
-    finally:
-        for tarball in tarballs.values():
-            tarball.__exit__()
-    by_name = {staged.host: staged for staged in done}
-    result = {host.name: by_name[_job_name(host, reach)] for host, _ in hosts}
-    pack_s = sum(t.pack_seconds for t in tarballs.values())
-    return result, describe(done, [t.environment for t in tarballs.values()], time.monotonic() - started, pack_s)
-
-
-def _job_name(host: Host, reach: Reach) -> str:
-    """The name a host is staged under: its own, or ``this machine`` for every host that is this machine."""
-    return host.name if reach.is_remote(host) else "this machine"
-
-
-def _stage_host(name: str, host: Host, reach: Reach, directory: str, tarball: Tarball) -> HostStaged:
-    """One host's copy, over the launcher's connection to it (opened in this worker thread when it is new)."""
-    if not reach.is_remote(host):
-        return copy_on_host(name, None, directory, tarball)
-    with reach.connection(host) as client:
-        return copy_on_host(name, client, directory, tarball)
-
-
-def _jobs(hosts: Sequence[tuple[Host, str]], reach: Reach) -> list[tuple[str, str, Host]]:
-    """One staging per remote host, and one for this machine (however many of the hosts are this machine)."""
-    jobs: dict[str, tuple[str, str, Host]] = {}
-    for host, python in hosts:
-        name = _job_name(host, reach)
-        jobs.setdefault(name, (name, python, host))
-    return list(jobs.values())
-
-
-_VIA = {"copy": "copied here", "file": "read the packed file in the working directory", "ssh": "streamed over SSH"}
+    done = [*({id(s): s for s in result.values()}.values())]
+    environments = [plan.environments[p] for p in dict.fromkeys(p for _, p in hosts)]
+    return result, describe(done, environments, time.monotonic() - started, trees)
 
 
 def describe(done: Sequence[HostStaged], environments: Sequence[Environment], seconds: float,
-             pack_seconds: float) -> str:
+             trees: Sequence[TreeReport] = ()) -> str:
     """One line: how many hosts got a copy and how, the bytes and seconds, how many had one already."""
     where = ", ".join(sorted({d.copy for d in done}))
     sources = ", ".join(e.prefix for e in environments)
     made = [d for d in done if d.via]
     if not made:
         return f"hvdrun: --stage-env: {sources} already staged on {_hosts(len(done))} ({where})"
-    ways = Counter(d.via for d in made)
-    how = ", ".join(f"{_hosts(ways[via]) if len(made) > 1 else ''} {_VIA[via]}".strip() for via in _VIA if via in ways)
-    packing = f", packing {pack_seconds:.1f} s" if pack_seconds else ""
+    how = "; ".join(_how(made, trees))
     already = len(done) - len(made)
     return (f"hvdrun: --stage-env: staged {sources} on {_hosts(len(made))} in {seconds:.1f} s "
-            f"({_size(max(d.copied_bytes for d in made))}: {how}{packing})"
+            f"({_size(max(d.copied_bytes for d in made))} each: {how})"
             f"{f', already staged on {_hosts(already)}' if already else ''}; the ranks run from {where}")
+
+
+def _how(made: Sequence[HostStaged], trees: Sequence[TreeReport]) -> list[str]:
+    """How the copies were made: here, and down each tree (who read the source, how much, the tree's shape)."""
+    ways = ["copied here"] if any(d.via == "copy" for d in made) else []
+    for tree in trees:
+        count = sum(1 for d in tree.staged if d.via == "tree")
+        if not count:
+            continue
+        reader = f"read once by {tree.source_host}" if tree.source_host else "sent once by hvdrun"
+        ways.append(f"{reader} ({_size(tree.source_bytes)} from the source), then host to host to "
+                    f"{_hosts(count)}, fan-out {tree.fanout}, depth {tree.depth}")
+    return ways
 
 
 def _hosts(count: int) -> str:

@@ -94,9 +94,9 @@ def test_a_bad_stage_dir_is_one_line_and_exit_2(run_hvdrun, small_env, tmp_path,
 
 
 def test_each_ssh_host_stages_once(run_hvdrun, ssh_hosts, small_env, tmp_path):
-    """The namespace hosts share this machine's disk: the first host to take the lock unpacks (reading the packed
-    file in the job's working directory, which it sees), the other finds the complete copy; each host's ranks
-    run from it, and the packed file is gone after."""
+    """The namespace hosts share this machine's disk, so their staging directory is one directory (the same boot id,
+    device and inode): the first host's relay (started over SSH) unpacks, reading the environment itself, and the
+    other, checking after it, finds the complete copy; each host's ranks run from it."""
     stage_dir = tmp_path / "ssh-local"
     conf = config(tmp_path, small_env)
     program = script(tmp_path, "where.py", WHERE)
@@ -106,7 +106,7 @@ def test_each_ssh_host_stages_once(run_hvdrun, ssh_hosts, small_env, tmp_path):
     [copy] = [str(p) for p in (stage_dir / f"hvdrun-{os.getuid()}").glob("env-*")]
     [line] = staging_lines(done.stderr)
     assert f"staged {small_env} on 1 host in " in line and "already staged on 1 host" in line, line
-    assert "read the packed file in the working directory" in line and not list(tmp_path.glob(".hvdrun-stage-*"))
+    assert f"read once by {ssh_hosts.addrs[0]} (" in line and "then host to host to 1 host, fan-out 4, depth 0" in line
     ranks = sorted(where(done.stdout), key=lambda r: r["host"])
     assert [r["host"] for r in ranks] == ["h1", "h2"]
     assert all(r["executable"] == f"{copy}/bin/python" and r["path0"] == f"{copy}/bin" for r in ranks)
@@ -119,38 +119,21 @@ def test_each_ssh_host_stages_once(run_hvdrun, ssh_hosts, small_env, tmp_path):
         f"hvdrun: error: --stage-env: cannot use /proc/hvdrun-nowhere on {ssh_hosts.addrs[0]}: mkdir: "), bad.stderr
 
 
-def test_a_host_that_cannot_see_the_packed_file_gets_it_over_ssh(ssh_hosts, small_env, tmp_path):
-    """Without a shared directory for the packed file, it streams through the launcher's SSH connection."""
-    import time
-
-    from hvdrun.hosts import Host
-    from hvdrun.launch.remote.connections import SshOptions, connect_all, resolve_targets
-    from hvdrun.launch.staging import StagePlan, find_environment, stage
-
-    environment = find_environment(f"{small_env}/bin/python")
-    host = Host(ssh_hosts.addrs[2], 1, "root")
-    options = SshOptions(identity_file=ssh_hosts.key, known_hosts=ssh_hosts.known_hosts)
-    [client] = connect_all(resolve_targets([host], options), options, time.monotonic() + 30)
-    try:
-        plan = StagePlan(str(tmp_path / "streamed"), {environment.python: environment})
-        staged, line = stage(plan, [(host, environment.python)], _Over(client), shared_dir=None)
-    finally:
-        client.close()
-    assert "1 host in " in line and "streamed over SSH" in line, line
-    copy = Path(staged[host.name].copy)
-    assert (copy / ".hvdrun-staged").exists() and (copy / "pyvenv.cfg").read_text() == (
-        small_env / "pyvenv.cfg").read_text()
-    assert staged[host.name].python == f"{copy}/bin/python" and staged[host.name].via == "ssh"
-
-
-class _Over:
-    """Every host is remote, reached over ``client``."""
-
-    def __init__(self, client) -> None:
-        self.client = client
-
-    def is_remote(self, host) -> bool:
-        return True
-
-    def connection(self, host):
-        return contextlib.nullcontext(self.client)
+@pytest.mark.parametrize("flavour", ["mpich", "pals"])
+def test_under_mpiexec_one_process_a_host_stages_and_the_ranks_run_from_the_copy(run_hvdrun, ssh_hosts, small_env,
+                                                                                  tmp_path, hvdrun_env, flavour):
+    """hydra (the mpich wheel) starts the relays over SSH on two namespace hosts; the FAKE PALS mpiexec starts them
+    on this machine (it starts everything here)."""
+    stage_dir = tmp_path / f"mpi-{flavour}"
+    program = script(tmp_path, "where.py", WHERE)
+    hosts = ["-H", ssh_hosts.hosts(1, 2), *ssh_hosts.args()] if flavour == "mpich" else ["-H", "localhost:1,127.0.0.1:1"]
+    if flavour == "pals":
+        hvdrun_env["HVDRUN_MPIEXEC"] = str(Path(__file__).parent.parent / "fakes" / "fake_pals_mpiexec.py")
+    done = run_hvdrun("--config", config(tmp_path, small_env), "--launcher", "mpiexec", "--mpi-flavour", flavour,
+                      *hosts, "--stage-dir", str(stage_dir), program, timeout=120)
+    assert done.returncode == 0, done.stderr
+    [copy] = [str(p) for p in (stage_dir / f"hvdrun-{os.getuid()}").glob("env-*")]
+    [line] = staging_lines(done.stderr)
+    assert f"staged {small_env} on 1 host in " in line and "already staged on 1 host" in line, line
+    ranks = where(done.stdout)
+    assert len(ranks) == 2 and all(r["executable"] == f"{copy}/bin/python" for r in ranks), done.stdout

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -16,8 +15,9 @@ import pytest
 from hvdrun.config import load_config
 from hvdrun.errors import ConfigError, UsageError
 from hvdrun.hosts import Host
-from hvdrun.launch.envcopy import MARKER, Environment, HostStaged, _failure, unpack_command
+from hvdrun.launch.envcopy import MARKER, Environment, HostStaged, unpack_command, unpack_failure
 from hvdrun.launch.plan import RunOptions, plan_job
+from hvdrun.launch.stage_tree import TreeReport
 from hvdrun.launch.staging import (
     StagePlan,
     ThisMachine,
@@ -88,15 +88,18 @@ def test_staged_env_puts_the_copy_first():
 def test_describe_says_what_was_done():
     environment = Environment("/w/env/bin/python", "/w/env", "abc")
     copy, python = "/tmp/hvdrun-0/env-abc", "/tmp/hvdrun-0/env-abc/bin/python"
-    made = HostStaged("h1", copy, python, 2_500_000_000, 3.0, "file")
+    made = HostStaged("h1", copy, python, 2_500_000_000, 3.0, "tree")
     had = HostStaged("h2", copy, python)
-    assert describe([made, had], [environment], 3.2, 1.1) == (
-        "hvdrun: --stage-env: staged /w/env on 1 host in 3.2 s (2.5 GB: read the packed file in the working "
-        "directory, packing 1.1 s), already staged on 1 host; the ranks run from /tmp/hvdrun-0/env-abc")
-    three = [made, made, HostStaged("h3", copy, python, 2_500_000_000, 9.0, "ssh")]
-    assert "(2.5 GB: 2 hosts read the packed file in the working directory, 1 host streamed over SSH, packing" in \
-        describe(three, [environment], 9.1, 1.1)
-    assert describe([had, had], [environment], 0.1, 0.0) == (
+    tree = TreeReport([made, had], "h1", 2_400_000_000, 4, 0)
+    assert describe([made, had], [environment], 3.2, [tree]) == (
+        "hvdrun: --stage-env: staged /w/env on 1 host in 3.2 s (2.5 GB each: read once by h1 (2.4 GB from the "
+        "source), then host to host to 1 host, fan-out 4, depth 0), already staged on 1 host; the ranks run from "
+        "/tmp/hvdrun-0/env-abc")
+    here = HostStaged("this machine", copy, python, 2_500_000_000, 9.0, "copy")
+    sent = TreeReport([made, made, made], None, 2_400_000_000, 2, 1)
+    assert "(2.5 GB each: copied here; sent once by hvdrun (2.4 GB from the source), then host to host to 3 hosts, " \
+        "fan-out 2, depth 1)" in describe([here, made, made, made], [environment], 9.1, [sent])
+    assert describe([had, had], [environment], 0.1) == (
         "hvdrun: --stage-env: /w/env already staged on 2 hosts (/tmp/hvdrun-0/env-abc)")
 
 
@@ -120,7 +123,6 @@ def test_the_plan_stages_the_hosts_python_under_the_chosen_dir(tmp_path, venv, m
 
 
 @pytest.mark.parametrize("options, fragment", [
-    (dict(stage_env=True, launcher="mpiexec"), "works with the local and ssh launchers, and this job's is mpiexec"),
     (dict(stage_env=True, min_np=1), "an elastic job's hosts join while it runs"),
     (dict(stage_dir="scratch"), "--stage-dir 'scratch': expected an absolute path"),
 ])
@@ -152,8 +154,8 @@ def _tar(files: dict[str, bytes]) -> bytes:
 
 
 def _stream(data: bytes, kib: int = 1) -> bytes:
-    """What hvdrun writes to the unpack line of a host to stream ``data`` (no packed file offered)."""
-    return f"{kib} {len(data)} /\n".encode() + data
+    """What a host's relay writes to its unpack line: the space needed, then the tar stream."""
+    return f"{kib} 0 -\n".encode() + data
 
 
 def _unpack(directory: Path, stdin: bytes, fp: str = "f00d") -> subprocess.CompletedProcess[str]:
@@ -184,15 +186,9 @@ def test_unpack_then_have_then_redo_a_copy_without_marker(tmp_path):
     assert sorted(p.name for p in copy.parent.iterdir()) == [".env-f00d.lock", "env-f00d"]
 
 
-def test_a_host_that_sees_the_packed_file_whole_reads_it_else_takes_the_stream(tmp_path):
-    packed = tmp_path / "env.tar"
-    packed.write_bytes(_tar({"from-file": b"1"}))
+def test_a_remote_host_answers_stream_and_reads_the_tar_from_stdin(tmp_path):
     copy = tmp_path / "stage" / f"hvdrun-{os.getuid()}" / "env-f00d"
-    read = _unpack(tmp_path / "stage", f"1 {packed.stat().st_size} {packed}\n".encode())
-    assert _lines(read)[:2] == [f"NEED {copy}", "FILE"] and (copy / "from-file").exists(), read.stderr
-    shutil.rmtree(copy)
-    streamed = _tar({"from-stream": b"2"})  # a file of another size (not whole yet, or another one): the stream
-    taken = _unpack(tmp_path / "stage", f"1 {packed.stat().st_size + 1} {packed}\n".encode() + streamed)
+    taken = _unpack(tmp_path / "stage", _stream(_tar({"from-stream": b"2"})))
     assert _lines(taken)[:2] == [f"NEED {copy}", "STREAM"] and (copy / "from-stream").exists(), taken.stderr
 
 
@@ -241,7 +237,7 @@ def test_a_login_shells_noise_on_stderr_is_left_out_of_the_error(tmp_path):
     done = subprocess.run(["sh", "-c", f'echo "{noise}" >&2; exec "$@"', "login", *argv], capture_output=True,
                           text=True, timeout=30, check=False)
     assert done.returncode == 3 and noise in done.stderr
-    error = _failure("h2", str(tmp_path / "file" / "sub"), done.returncode, done.stderr)
+    error = unpack_failure("h2", str(tmp_path / "file" / "sub"), done.returncode, done.stderr)
     assert isinstance(error, UsageError) and "pyenv" not in str(error)
     assert re.search(r"cannot use \S+ on h2: mkdir: .*Not a directory; give a writable directory", str(error))
-    assert "cannot rehash" in str(_failure("h2", "/d", 4, noise + "\n"))  # nothing of its own: all of stderr
+    assert "cannot rehash" in str(unpack_failure("h2", "/d", 4, noise + "\n"))  # nothing of its own: all of stderr

@@ -53,6 +53,22 @@ def interface_address(name: str) -> str | None:
     return None
 
 
+def route_source_address(towards: str) -> str:
+    """This machine's address on the route to host ``towards`` (no packet is sent).
+
+    Raises:
+        LaunchError: there is no route to it.
+    """
+    from hvdrun.errors import LaunchError
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((towards, 9))
+            return str(probe.getsockname()[0])
+    except OSError as e:
+        raise LaunchError(f"no route from this machine to {towards}: {e.strerror or e}", towards) from e
+
+
 _PORT_FLOOR = 10_000  # the least port free_ports picks below the ephemeral range
 _PORT_TRIES = 200
 
