@@ -268,6 +268,7 @@ class StageTree:
         try:
             while chunk := tar.stdout.read(stage_relay.CHUNK):
                 root.sock.sendall(frame(chunk))
+                root.sock.sendall(chunk)
             if tar.wait() == 0:
                 root.sock.sendall(frame(b""))
         except OSError:

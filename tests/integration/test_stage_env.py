@@ -7,7 +7,6 @@ and ``PATH`` are the copy's.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -126,7 +125,9 @@ def test_under_mpiexec_one_process_a_host_stages_and_the_ranks_run_from_the_copy
     on this machine (it starts everything here)."""
     stage_dir = tmp_path / f"mpi-{flavour}"
     program = script(tmp_path, "where.py", WHERE)
-    hosts = ["-H", ssh_hosts.hosts(1, 2), *ssh_hosts.args()] if flavour == "mpich" else ["-H", "localhost:1,127.0.0.1:1"]
+    hosts = ["-H", ssh_hosts.hosts(1, 2), *ssh_hosts.args()]
+    if flavour == "pals":
+        hosts = ["-H", "localhost:1,127.0.0.1:1"]
     if flavour == "pals":
         hvdrun_env["HVDRUN_MPIEXEC"] = str(Path(__file__).parent.parent / "fakes" / "fake_pals_mpiexec.py")
     done = run_hvdrun("--config", config(tmp_path, small_env), "--launcher", "mpiexec", "--mpi-flavour", flavour,

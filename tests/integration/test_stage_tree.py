@@ -52,7 +52,8 @@ class Hosts:
         relay = shlex.join(relay_command(sys.executable, addr, port, str(index), STAGE_DIR))
         listing = shlex.quote(str(self.listing / f"host{index}.txt"))
         inner = (f"mkdir -p {STAGE_DIR} && mount -t tmpfs -o size={size} none {STAGE_DIR} && {hide}{relay}; "
-                 f"cd {STAGE_DIR} && find . -type f | sort > {listing}; cat */env-*/lib/payload.bin | md5sum >> {listing}")
+                 f"cd {STAGE_DIR} && find . -type f | sort > {listing}; "
+                 f"cat */env-*/lib/payload.bin | md5sum >> {listing}")
         return f"unshare -m --propagation private sh -c {shlex.quote(inner)} &"
 
 

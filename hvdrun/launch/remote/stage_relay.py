@@ -66,24 +66,31 @@ class LineReader:
         line, _, self.pending = self.pending.partition(b"\n")
         return json.loads(line)
 
-    def exact(self, count: int) -> bytes:
-        while len(self.pending) < count:
-            data = self.sock.recv(max(65536, count - len(self.pending)))
-            if not data:
+    def exact(self, count: int) -> bytes | bytearray:
+        """``count`` bytes, received straight into one buffer (a chunk is never copied piece by piece)."""
+        if len(self.pending) >= count:
+            taken, self.pending = self.pending[:count], self.pending[count:]
+            return taken
+        buffer = bytearray(count)
+        have = len(self.pending)
+        buffer[:have], self.pending = self.pending, b""
+        view = memoryview(buffer)
+        while have < count:
+            received = self.sock.recv_into(view[have:], count - have)
+            if not received:
                 raise EOFError("the stream ended early")
-            self.pending += data
-        taken, self.pending = self.pending[:count], self.pending[count:]
-        return taken
+            have += received
+        return buffer
 
-    def frame(self) -> bytes:
+    def frame(self) -> bytes | bytearray:
         """The next framed chunk; b'' at the end of the stream."""
         (length,) = _FRAME.unpack(self.exact(_FRAME.size))
         return self.exact(length) if length else b""
 
 
-def frame(chunk: bytes) -> bytes:
-    """``chunk`` as it goes over a relay's connection (b'' ends the stream)."""
-    return _FRAME.pack(len(chunk)) + chunk
+def frame(chunk: bytes | bytearray) -> bytes:
+    """``chunk``'s header as it goes over a relay's connection, before the chunk itself (length 0 ends the stream)."""
+    return _FRAME.pack(len(chunk))
 
 
 def directory_identity(directory: str) -> str:
@@ -113,7 +120,7 @@ class Unpack:
         self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr)
         self.answer = self.read_line()
 
-    def write(self, data: bytes) -> bool:
+    def write(self, data: bytes | bytearray) -> bool:
         """Feed ``data``; False once the unpack stopped reading (it ended)."""
         assert self.process.stdin is not None
         try:
@@ -152,7 +159,7 @@ class Unpack:
 class Source:
     """The chunks of this host's tar stream, and what they are read from (a tar here, or the parent's socket)."""
 
-    def __init__(self, chunks: Iterator[bytes], tar: subprocess.Popen | None = None,
+    def __init__(self, chunks: Iterator[bytes | bytearray], tar: subprocess.Popen | None = None,
                  sock: socket.socket | None = None) -> None:
         self.chunks, self.tar, self.sock = chunks, tar, sock
 
@@ -302,12 +309,14 @@ class Relay:
         return Source(iter(reader.frame, b""), sock=parent)
 
     @staticmethod
-    def pass_on(children: list[socket.socket], chunk: bytes) -> list[socket.socket]:
+    def pass_on(children: list[socket.socket], chunk: bytes | bytearray) -> list[socket.socket]:
         """Send ``chunk`` (framed) to every child; those that fail are dropped (their hosts say why)."""
         kept = []
+        header = frame(chunk)
         for child in children:
             try:
-                child.sendall(frame(chunk))
+                child.sendall(header)
+                child.sendall(chunk)
                 kept.append(child)
             except OSError:
                 child.close()
@@ -316,8 +325,10 @@ class Relay:
     def end(self, finished: tuple[int, str, str], taken: int, source_bytes: int, seconds: float,
             dropped: int = 0) -> None:
         status, rest, stderr = finished
-        send_json(self.coordinator, {"end": status, "answer": self.unpack.answer if self.unpack else "", "stdout": rest, "stderr": stderr[-4000:], "bytes": taken,
-                                     "source_bytes": source_bytes, "seconds": seconds, "dropped": dropped})
+        answer = self.unpack.answer if self.unpack else ""
+        send_json(self.coordinator, {"end": status, "answer": answer, "stdout": rest, "stderr": stderr[-4000:],
+                                     "bytes": taken, "source_bytes": source_bytes, "seconds": seconds,
+                                     "dropped": dropped})
 
 
 def _index(given: str) -> int:
