@@ -27,9 +27,22 @@ H hosts, L ranks per host, C cores per host, N = H L. What each part costs (seco
 
     T(H, L) = t_cli + launch + on a host + rendezvous + links
 
-Not modelled: reading the Python environment from a shared file system at scale (metadata servers serving
-thousands of nodes at once; what ``hvdrun --stage-env`` avoids), the scheduler's own node start-up, and
-device (NCCL) initialisation; published anchors for those are printed beside the predictions.
+The file-system term (``--fs``: :class:`FileSystem`, :func:`fs_time`): every rank imports its Python stack
+(``import hvdrun.torch``: M metadata operations and B bytes of files, measured here with strace), from one of
+
+    shared     the shared file system itself: M round trips in a row on each node, and the storm of H M
+               operations on the metadata servers:      t_local + M t_md + H M / R_md + H B / BW_fs
+    packed     hvdrun before its tree: every host reads one packed file (S bytes) and unpacks it:
+               t_local + S / min(bw_client, BW_fs / H, r_unpack), H S read from the shared source
+    tree       --stage-env now: the root reads S once; each host unpacks while it passes the stream on to k
+               children: t_local + t_start(H) + S / min(bw_client, bw_link / k, r_unpack, r_relay)
+               + depth(H, k) x chunk / rate, S read from the shared source; t_start is H c_ssh where hvdrun
+               opens an SSH connection to every host for its relay, a launch tree's time under mpiexec
+    copper     ALCF's Copper: the root reads each file once, the other nodes ask up Copper's tree:
+               t_local + M t_md + M depth x t_hop
+
+Not modelled: the scheduler's own node start-up, and device (NCCL) initialisation; published anchors for those
+are printed beside the predictions.
 
 Fitting (``--fit``): on this machine every host and rank shares the same few cores, so each measured CPU term
 is divided by the machine's cores: local runs give t_cli, c_spawn and c_rank (linear in N); namespace-host runs
@@ -109,6 +122,81 @@ def startup_time(p: Params, hosts: int, per_host: int, tree: bool = True, leader
     links = (math.log2(hosts) + 2) * p.t_link if hosts > 1 else 0.0
     return (p.t_cli + launch_time(p, hosts, tree) + host_time(p, per_host)
             + rendezvous_time(p, hosts, per_host, leaders, rendezvous_tree) + links)
+
+
+# -- the file-system term ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FileSystem:
+    """The file-system term's parameters: measured on this VM, from a source, or assumed (each says which)."""
+
+    import_ops: int = 20_474  # measured: strace -f of `python -c "import hvdrun.torch"` (torch 2.13 CPU build)
+    import_bytes: float = 573e6  # measured: the 1,186 files it opens (torch's shared libraries most of it)
+    env_bytes: float = 5e9  # ezpz's yeet page: its 512-node example's 5 GB venv (a GPU stack)
+    t_local: float = 2.5  # measured: the same import, warm, from this VM's own disk
+    t_md: float = 0.5e-3  # ASSUMED: one metadata round trip to the shared file system from an idle client
+    md_rate: float = 100_000.0  # ASSUMED: metadata operations a second the shared file system serves in all
+    fs_bw: float = 500e9  # ASSUMED: the shared file system's aggregate read bandwidth
+    client_bw: float = 2e9  # ASSUMED: one client's read bandwidth from it
+    link_bw: float = 25e9  # ezpz's yeet page: a 200 Gb/s NIC
+    unpack_bw: float = 1e9  # measured: tar | tar of 1.55 GB into tmpfs in 3.1 s on this VM's 2 cores
+    relay_bw: float = 2.5e9  # measured: a relay's copies cost 2.6 core-s a GB here (benchmarks/stage_tree.py)
+    chunk: float = 1 << 20  # a relay's chunk (hvdrun/launch/remote/stage_relay.py)
+    stage_fanout: int = 4  # HVDRUN_STAGE_FANOUT's default
+    c_start: float = 0.0126  # measured: hvdrun's CPU a host it opens an SSH connection to (c_ssh, the fit)
+    t_hop: float = 50e-6  # ASSUMED: one Copper request a level up its tree
+    copper_fanout: int = 4  # ASSUMED: Copper's tree
+
+
+def tree_depth(hosts: int, fanout: int) -> int:
+    """Levels below the root of a tree of ``hosts`` in host order, ``fanout`` children a host."""
+    depth, position = 0, hosts - 1
+    while position > 0:
+        position = (position - 1) // fanout
+        depth += 1
+    return depth
+
+
+def fs_time(fs: FileSystem, hosts: int, way: str) -> float:
+    """Seconds until every node's ranks have imported their stack, ``way`` one of shared, packed, tree, copper."""
+    if way == "shared":
+        return (fs.t_local + fs.import_ops * fs.t_md + hosts * fs.import_ops / fs.md_rate
+                + hosts * fs.import_bytes / fs.fs_bw)
+    if way == "packed":
+        return fs.t_local + fs.env_bytes / min(fs.client_bw, fs.fs_bw / hosts, fs.unpack_bw)
+    if way in ("tree", "tree-mpiexec"):  # the relays start over SSH from hvdrun (flat), or by mpiexec (a tree)
+        rate = min(fs.client_bw, fs.link_bw / fs.stage_fanout, fs.unpack_bw, fs.relay_bw)
+        depth = tree_depth(hosts, fs.stage_fanout)
+        start = hosts * fs.c_start if way == "tree" else launch_time(Params(), hosts)
+        return fs.t_local + start + fs.env_bytes / rate + depth * fs.chunk / rate
+    if way == "copper":
+        return fs.t_local + fs.import_ops * (fs.t_md + tree_depth(hosts, fs.copper_fanout) * fs.t_hop)
+    raise ValueError(f"unknown way {way!r}")
+
+
+def source_bytes(fs: FileSystem, hosts: int, way: str) -> float:
+    """Bytes read from the shared file system in all."""
+    return {"shared": hosts * fs.import_bytes, "packed": (hosts + 1) * fs.env_bytes, "tree": fs.env_bytes,
+            "tree-mpiexec": fs.env_bytes, "copper": fs.import_bytes}[way]
+
+
+FS_ANCHORS = {  # saforem2/ezpz docs/cli/yeet.md, Aurora, measured 2026-04-30 to 05-01 (tarball broadcast mode)
+    1024: ("255.4 s", "60.8 s"), 4096: ("750.6 s", "194.0 s"),
+}
+
+
+def fs_table(fs: FileSystem, hosts: list[int]) -> str:
+    """Markdown: the file-system term of each way at ``hosts``, with the bytes from the shared source, beside
+    ezpz's published yeet (environment broadcast) and first-step seconds."""
+    lines = ["| nodes | shared FS (no staging) | packed file a node (before) | --stage-env tree, relays over SSH | "
+             "the tree under mpiexec | Copper | bytes from the shared source (shared / packed / tree / Copper) | "
+             "ezpz yeet / first step |", "|---|---|---|---|---|---|---|---|"]
+    for h in hosts:
+        ways = ("shared", "packed", "tree", "tree-mpiexec", "copper")
+        times = " | ".join(f"{fs_time(fs, h, way):.1f} s" for way in ways)
+        volume = " / ".join(f"{source_bytes(fs, h, way) / 1e9:,.1f} GB" for way in ways if way != "tree-mpiexec")
+        yeet, first = FS_ANCHORS.get(h, ("", ""))
+        lines.append(f"| {h:,} | {times} | {volume} | {yeet} / {first} |")
+    return "\n".join(lines)
 
 
 # -- fitting ---------------------------------------------------------------------------------------------------
@@ -212,9 +300,15 @@ def main() -> None:
     parser.add_argument("--hosts", default="1024,4096")
     parser.add_argument("--ranks-per-host", default="4,8,12")
     parser.add_argument("--markdown", action="store_true", help="only the markdown of docs/scaling.md")
+    parser.add_argument("--fs", action="store_true", help="the file-system term's table instead")
     for name, value in asdict(Params()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), help=f"set {name} (default {value})")
     args = parser.parse_args()
+    if args.fs:
+        fs = FileSystem()
+        print("File system: " + ", ".join(f"{k} = {v:.4g}" for k, v in asdict(fs).items()) + "\n")
+        print(fs_table(fs, [int(w) for w in args.hosts.split(",")]))
+        return
     params = Params()
     notes: list[str] = []
     if args.fit:
