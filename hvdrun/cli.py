@@ -432,8 +432,14 @@ def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[
 @_restart_options
 @_walltime_options
 @_horovodrun_options
+@click.option("--preflight", is_flag=True,
+              help="Before any rank starts, check every host (spares too) at once: reached, GPUs as the cluster file "
+                   "says and their vendor tool's health, the job's network interface up with carrier, the cluster "
+                   "file's mounts, free space in the node-local directory, the clock within a second. Each unhealthy "
+                   "host is named in one line and left out where the others hold every rank (--spares); otherwise "
+                   "the job stops (exit 1).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:
+def run(command: tuple[str, ...], no_prefix: bool, preflight: bool, **options: Any) -> None:
     """Run COMMAND on every rank (a .py file runs under this Python)."""
     from hvdrun.launch.job import run_job
     from hvdrun.launch.plan import RunOptions, describe_plan, plan_job
@@ -449,9 +455,56 @@ def run(command: tuple[str, ...], no_prefix: bool, **options: Any) -> None:
     plan = plan_job(RunOptions(command=command, prefix_output=not no_prefix, **options), os.environ)
     for note in plan.notes:
         click.echo(f"hvdrun: note: {note}", err=True)
+    if preflight:
+        from hvdrun.health.preflight import preflight as check_hosts_first
+
+        plan = check_hosts_first(plan, lambda line: click.echo(line, err=True))
     if options["verbose"]:
         click.echo(describe_plan(plan), err=True)
     run_job(plan)
+
+
+_HEALTH_NAMES = ("health", "interface", "mounts", "local_dir", "min_local_gb", "max_clock_skew_s")
+
+
+def _health_options(command: Any) -> Any:
+    """``hvdrun check --health`` and what it checks on every node (health/node_checks.py)."""
+    options = [
+        click.option("--health", is_flag=True,
+                     help="Also check each node's health: the network interface, mounts, free space in the node-local "
+                          "directory, the GPU vendor tools' verdicts (nvidia-smi -q, xpu-smi health, rocm-smi RAS) "
+                          "and the clock. The options below imply it."),
+        click.option("--interface", metavar="IF",
+                     help="The interface that must be up with carrier (default: --network-interface, else the "
+                          "cluster's network_interface)."),
+        click.option("--mount", "mounts", multiple=True, metavar="PATH",
+                     help="A file system every node must have mounted (repeatable; default: the cluster's mounts)."),
+        click.option("--local-dir", metavar="DIR",
+                     help="The node-local directory whose free space is checked (default: the cluster's local_dir)."),
+        click.option("--min-local-gb", type=click.FloatRange(min=0),
+                     help="Free space the node-local directory needs (default 1)."),
+        click.option("--max-clock-skew", "max_clock_skew_s", type=_Seconds(positive=True),
+                     help="How far a node's clock may be from this machine's, the round trip allowed for (default 1)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _health_from(options: dict[str, Any]) -> Any:
+    """The :class:`HealthOptions` of ``check``'s options (popped from ``options``); None without --health or any of
+    its options."""
+    from hvdrun.errors import UsageError
+    from hvdrun.health.node_checks import HealthOptions
+
+    values = {name: options.pop(name) for name in _HEALTH_NAMES}
+    if not (values.pop("health") or any(v not in (None, ()) for v in values.values())):
+        return None
+    for option, path in [*(("--mount", m) for m in values["mounts"]), ("--local-dir", values["local_dir"])]:
+        if path is not None and not path.startswith("/"):
+            raise UsageError(f"{option} {path}: give the absolute path every node has, e.g. {option} /lus/flare")
+    given = {name: value for name, value in values.items() if value is not None}
+    return HealthOptions(**{**given, "mounts": tuple(values["mounts"])})
 
 
 class _Size(click.ParamType):
@@ -483,9 +536,11 @@ class _Size(click.ParamType):
               help="Bytes sent over each ring link to time it.")
 @click.option("--write-excludes", "excludes_path", type=click.Path(dir_okay=False),
               help="Write the hosts that failed a check to this file, for 'hvdrun --exclude-hosts-file'.")
+@_health_options
 def check(timeout_s: float, as_json: bool, min_disk_gb: float, latency_bytes: int, bandwidth_bytes: int,
           link_bytes: int, excludes_path: str | None, **options: Any) -> int:
-    """Prove that the hosts can run a job: reach, versions, GPUs, disk, port, a real allreduce."""
+    """Prove that the hosts can run a job: reach, versions, GPUs, disk, port, a real allreduce; with --health also
+    each node's health (interface, mounts, node-local space, GPU vendor tools, clock)."""
     from rich.console import Console
 
     from hvdrun.health.check import CheckOptions, check_targets, plan_check, run_check
@@ -493,8 +548,9 @@ def check(timeout_s: float, as_json: bool, min_disk_gb: float, latency_bytes: in
     from hvdrun.health.report import HostProgress, print_check
     from hvdrun.launch.plan import RunOptions
 
+    health = _health_from(options)
     check_options = CheckOptions(RunOptions(command=(), **options), timeout_s, min_disk_gb, latency_bytes,
-                                 bandwidth_bytes, link_bytes)
+                                 bandwidth_bytes, link_bytes, health)
     targets = check_targets(plan_check(check_options, os.environ))  # bad options: exit 2 before any contact
     if excludes_path is not None:
         check_writable(excludes_path)

@@ -68,7 +68,7 @@ REQUIRABLE = ("account", "walltime", "filesystems", "queue")
 
 _TOP_KEYS = ("name", "description", "launcher", "gpus_per_node", "gpu_order", "gpus_per_rank", "hosts", "env",
              "ssh_port", "python", "venv", "scheduler", "mpi_flavour", "ranks_per_node", "gpu_vendor", "tiles_per_gpu",
-             "gpu_visibility", "cpu_bind", "gpu_bind", "local_dir", "network_interface", "sources")
+             "gpu_visibility", "cpu_bind", "gpu_bind", "local_dir", "network_interface", "mounts", "sources")
 _HOST_KEYS = ("name", "slots", "user", "python", "venv")
 _SCHEDULER_KEYS = ("kind", "queue", "account", "walltime", "filesystems", "template", "extra_directives",
                    "skip_directives", "max_nodes", "system", "place", "required", "valid_filesystems", "setup",
@@ -194,6 +194,7 @@ class ClusterConfig:
     gpu_visibility: str = "node"  # node: every rank sees the host's GPUs in gpu_order; rank: only its own
     local_dir: str | None = None  # node-local directory for --stage-env (launch/staging.py)
     network_interface: str | None = None  # rank 0's address is this interface's when the job spans hosts
+    mounts: tuple[str, ...] = ()  # file systems every node must have mounted (hvdrun check --health, --preflight)
     sources: SiteSources | None = None  # the pages the site facts come from (site_sources.py)
 
 
@@ -283,6 +284,16 @@ def _absolute_path(section: _Section, key: str) -> str | None:
         raise ConfigError(f"{section.source}: '{section.prefix}{key}' must be an absolute path, e.g. /tmp, "
                           f"got {value!r}")
     return value
+
+
+def _mounts(section: _Section) -> tuple[str, ...]:
+    """``mounts``: absolute paths, each a mount point every node must have (``/lus/flare``)."""
+    paths = tuple(section.str_list("mounts"))
+    for path in paths:
+        if not path.startswith("/") or any(c in path for c in "\n\r\0"):
+            raise ConfigError(f"{section.source}: every entry of '{section.prefix}mounts' must be an absolute path, "
+                              f"e.g. [/lus/flare], got {path!r}")
+    return paths
 
 
 def _parse_env(section: _Section) -> dict[str, str]:
@@ -428,7 +439,7 @@ def parse_config(data: Any, source: str) -> ClusterConfig:
         ranks_per_node=top.positive_int("ranks_per_node", None), gpu_vendor=vendor, tiles_per_gpu=tiles,
         cpu_bind=top.get("cpu_bind", str),  # checked where it is used (launch/job.py)
         gpu_bind=binder, gpu_visibility=_gpu_visibility(top, binder, source),
-        local_dir=_absolute_path(top, "local_dir"), network_interface=_interface(top),
+        local_dir=_absolute_path(top, "local_dir"), network_interface=_interface(top), mounts=_mounts(top),
         sources=parse_sources(data.get("sources"), data, source),
     )
 

@@ -1,7 +1,8 @@
 """``hvdrun check``: prove that the hosts of a job can run it, before an allocation is spent.
 
 The hosts come from the same options as a launch (:func:`hvdrun.launch.plan.plan_job`). Every host
-is checked at once (:mod:`hvdrun.health.host_checks`); when all pass, a real job runs on every slot
+is checked at once (:mod:`hvdrun.health.host_checks`; with ``--health`` its node health too,
+:mod:`hvdrun.health.node_checks`); when all pass, a real job runs on every slot
 (:mod:`hvdrun.health.check_job`) through the plan's launcher. The result is a
 :class:`CheckReport`, whose :meth:`CheckReport.to_dict` is the versioned JSON document
 (:data:`SCHEMA`, described in ``docs/check-schema.json``).
@@ -19,7 +20,8 @@ from typing import Any
 from hvdrun.envvars import CPU_BIND
 from hvdrun.health.check_job import RESULT_TAG
 from hvdrun.health.host_checks import Check, CheckTarget, Expectations, HostChecker, HostReport
-from hvdrun.hosts import is_local_host
+from hvdrun.health.node_checks import HealthOptions, NodeExpectations, node_expectations
+from hvdrun.hosts import Host, is_local_host
 from hvdrun.launch.job import ssh_options
 from hvdrun.launch.plan import JobPlan, RunOptions, plan_job
 from hvdrun.measure.capture import run_captured
@@ -40,6 +42,7 @@ class CheckOptions:
     latency_bytes: int = 4 << 10
     bandwidth_bytes: int = 64 << 20
     link_bytes: int = 16 << 20
+    health: HealthOptions | None = None  # --health and its options: ask every node about its health too
 
 
 @dataclass
@@ -113,7 +116,8 @@ def _facts_dict(report: HostReport) -> dict[str, Any] | None:
     return {"hostname": facts.base.hostname, "python": facts.base.python, "executable": facts.base.executable,
             "hvdrun": facts.base.hvdrun, "torch": facts.torch_version, "cpus": facts.base.cpus,
             "gpus": [asdict(g) for g in facts.gpus], "gpu_source": facts.gpu_source,
-            "disk_free_bytes": facts.disk_free_bytes, "workdir": facts.workdir}
+            "disk_free_bytes": facts.disk_free_bytes, "workdir": facts.workdir,
+            **({"node": facts.node.to_dict()} if facts.node is not None else {})}
 
 
 def plan_check(options: CheckOptions, environ: Mapping[str, str]) -> JobPlan:
@@ -129,16 +133,28 @@ def plan_check(options: CheckOptions, environ: Mapping[str, str]) -> JobPlan:
     return plan_job(run, environ)
 
 
-def check_targets(plan: JobPlan) -> list[CheckTarget]:
-    """Every host of ``plan`` once, in rank order (rank 0's host first), and whether SSH reaches it."""
+def check_targets(plan: JobPlan, hosts: Sequence[Host] = ()) -> list[CheckTarget]:
+    """Every host of ``plan`` once, in rank order (rank 0's host first), then those of ``hosts`` without ranks (the
+    spares), and whether SSH reaches each."""
     everywhere = plan.options.launcher == "ssh"
-    seen: dict[str, CheckTarget] = {}
+    ranks = {host.name: 0 for host in hosts}
     for slot in plan.slots:
-        host = slot.host
-        if host.name not in seen:
-            seen[host.name] = CheckTarget(host, plan.python_for(host), everywhere or not is_local_host(host.name),
-                                          slot.local_size)
-    return list(seen.values())
+        ranks[slot.host.name] = slot.local_size
+    order: dict[str, Host] = {}
+    for host in [*(slot.host for slot in plan.slots), *hosts]:
+        order.setdefault(host.name, host)
+    return [CheckTarget(host, plan.python_for(host), everywhere or not is_local_host(host.name), ranks[host.name])
+            for host in order.values()]
+
+
+def node_expectations_of(plan: JobPlan, health: HealthOptions, run: RunOptions) -> NodeExpectations:
+    """What every node of ``plan`` must show: ``--health``'s options, else the job's interface
+    (``--network-interface``), else the cluster file's."""
+    from hvdrun.config import load_cluster_config
+
+    config = load_cluster_config(run.cluster, run.config_file)
+    job_interface = (run.network_interface, "--network-interface")
+    return node_expectations(health, config, plan.layout, job_interface)
 
 
 def run_check(options: CheckOptions, environ: Mapping[str, str],
@@ -151,8 +167,9 @@ def run_check(options: CheckOptions, environ: Mapping[str, str],
         f"gpus_per_node of {run.cluster or run.config_file}")
     expect = replace(Expectations.of_launcher(plan.layout.gpus_per_node, gpus_from, int(options.min_disk_gb * 1e9)),
                      cpu_bind=plan.base_env.get(CPU_BIND, "none"), layout=plan.layout)
+    node = node_expectations_of(plan, options.health, run) if options.health is not None else None
     checker = HostChecker(check_targets(plan), plan.cwd, ssh_options(plan), options.timeout_s, expect,
-                          plan.options.network_interface)
+                          plan.options.network_interface, node)
     hosts = checker.run(on_host)
     launcher = {"host": socket.gethostname(), "python": expect.python, "hvdrun": expect.hvdrun, "torch": expect.torch,
                 "launcher": plan.launcher, "ranks": len(plan.slots), "interface": interface_of(plan, run)}

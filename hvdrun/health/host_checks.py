@@ -6,6 +6,10 @@ facts`` under the Python the ranks will use, and compare the answer with the lau
 (Python, hvdrun and torch versions), the GPUs the config promises and the free disk. A host that
 does not answer is reported by name when its timeout passes; the others go on.
 
+With node expectations (``hvdrun check --health``, ``hvdrun --preflight``) phase 1 also asks each host about
+its health (:mod:`hvdrun.health.node_health`), judges the answer (:mod:`hvdrun.health.node_checks`) and reads
+its clock over the same connection, a few round trips long.
+
 Phase 2 proves the rendezvous port: rank 0's host serves a fresh TCP port (as the real job would)
 and every host that answered connects to it and reads back a per-check token.
 """
@@ -25,7 +29,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hvdrun.errors import LaunchError, UsageError
+from hvdrun.health.node_checks import (
+    VENDOR_TOOL,
+    NodeExpectations,
+    clock_check,
+    clock_offset,
+    clock_unread,
+    node_checks,
+)
+from hvdrun.health.node_health import CLOCK_READY
 from hvdrun.health.on_host import HealthFacts, ask_token, installed_torch_version, serve_token
+from hvdrun.health.verdict import Check
 from hvdrun.hosts import Host
 from hvdrun.launch.hostprobe import explain_probe_failure, module_command
 from hvdrun.launch.local import LOOPBACK
@@ -48,21 +62,6 @@ if TYPE_CHECKING:
 
 ON_HOST_MODULE = "hvdrun.health.on_host"  # run on every host (python -m)
 _GB = 1e9
-
-
-@dataclass(frozen=True)
-class Check:
-    """One verdict: what was expected, what was found, and how to fix a failure (or a warning).
-
-    A warning (``warn``) passes: the job would run, but something deserves a look (a slow link).
-    """
-
-    name: str
-    ok: bool
-    expected: str
-    found: str
-    fix: str | None = None
-    warn: bool = False
 
 
 @dataclass
@@ -126,12 +125,17 @@ class HostChecker:
         timeout_s: the bound on each host's answer (connect + probe), and on the port test.
         expect: what the answers must match.
         interface: ``--network-interface``, whose address rank 0 would advertise.
+        node: what each node's health must show (None: its health is not asked about).
+        versions: compare Python, hvdrun and torch with the launcher's and report the bindings (``--preflight``
+            leaves them to the job: only whether the host can run hvdrun, its GPUs and its health count there).
     """
 
     def __init__(self, targets: Sequence[CheckTarget], workdir: str, ssh: SshOptions, timeout_s: float,
-                 expect: Expectations, interface: str | None = None) -> None:
+                 expect: Expectations, interface: str | None = None, node: NodeExpectations | None = None,
+                 versions: bool = True) -> None:
         self.targets, self.workdir, self.ssh = list(targets), workdir, ssh
         self.timeout_s, self.expect, self.interface = timeout_s, expect, interface
+        self.node, self.versions = node, versions
         self._clients: dict[str, paramiko.SSHClient] = {}
         self._ssh_targets = dict(zip([t.host.name for t in self.targets if t.remote],
                                      resolve_targets([t.host for t in self.targets if t.remote], ssh), strict=True))
@@ -143,8 +147,18 @@ class HostChecker:
             self._port_phase(reports)
             return reports
         finally:
-            for client in self._clients.values():
-                client.close()
+            self._close()
+
+    def check_nodes(self, on_report: Callable[[HostReport], None] = lambda r: None) -> list[HostReport]:
+        """Phase 1 alone (``hvdrun --preflight``); returns the reports in target order."""
+        try:
+            return self._facts_phase(on_report)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        for client in list(self._clients.values()):
+            client.close()
 
     # -- phase 1 -----------------------------------------------------------------------------------
 
@@ -188,12 +202,36 @@ class HostChecker:
                                        _FIX_PYTHON.format(host=target.host.name)))
             return report
         report.facts = HealthFacts.from_json(out.strip().splitlines()[-1])
-        report.checks += compare(report.facts, self.expect, target.host.name)
-        report.checks.append(binding_check(report.facts, self.expect, target.host.name, target.ranks))
+        name = target.host.name
+        if self.versions:
+            report.checks += compare(report.facts, self.expect, name)
+            report.checks.append(binding_check(report.facts, self.expect, name, target.ranks))
+        else:
+            report.checks.append(_gpu_check(report.facts, self.expect, name))
+        if self.node is not None:
+            report.checks += node_checks(report.facts.node, self.node, name)
+            report.checks.append(self._clock(target, self.node.max_clock_skew_s, deadline))
+        report.seconds = time.monotonic() - started
         return report
+
+    def _clock(self, target: CheckTarget, max_skew_s: float, deadline: float) -> Check:
+        """The clock verdict of ``target``: its ``time.time()`` against ours over the host's SSH connection; this
+        machine's is the launcher's own."""
+        if not target.remote:
+            return clock_check(clock_offset(time.time), max_skew_s, target.host.name)
+        command = module_command(self.workdir, target.python, ON_HOST_MODULE, ["clock"])
+        try:
+            with _RemoteClock(self._clients[target.host.name], command, max(deadline - time.monotonic(), 1.0)) as ask:
+                reading = clock_offset(ask)
+        except Exception as e:  # noqa: BLE001 - a timeout, a dropped connection, a wrong answer: named in the report
+            return clock_unread(str(e) or type(e).__name__, max_skew_s)
+        return clock_check(reading, max_skew_s, target.host.name)
 
     def _probe(self, target: CheckTarget, deadline: float) -> tuple[str, int, str, str]:
         args = ["facts"] + (["--interface", self.interface] if self.interface else [])
+        if self.node is not None:  # a vendor tool that hangs is named, within the host's own bound
+            args += [*self.node.probe_args(), "--tool-timeout", f"{max(self.timeout_s / 3, 1.0):g}"]
+        args += [] if self.versions else ["--no-torch"]  # nothing compares its version
         command = module_command(self.workdir, target.python, ON_HOST_MODULE, args)
         if not target.remote:
             done = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True,
@@ -337,6 +375,11 @@ def _gpu_check(facts: HealthFacts, expect: Expectations, host: str) -> Check:
         found += f"; {facts.gpu_error}"
     if not expect.gpus:
         return Check("gpus", True, "any (no gpus_per_node given)", found)
+    vendor = expect.layout.vendor
+    if vendor != "nvidia" and not facts.gpus:  # nvidia-smi and torch.cuda see NVIDIA's only
+        return Check("gpus", True, f"{expect.gpus} ({expect.gpus_from})",
+                     f"not counted: nvidia-smi and torch.cuda see no {vendor} GPU; --health counts them with "
+                     f"{VENDOR_TOOL.get(vendor, 'the vendor tool')}", warn=True)
     ok = len(facts.gpus) >= expect.gpus
     return Check("gpus", ok, f"{expect.gpus} ({expect.gpus_from})", found,
                  None if ok else f"check the GPU driver on {host} (nvidia-smi), or set gpus_per_node to "
@@ -421,4 +464,39 @@ class _RemoteListener(_Listener):
 
     def __exit__(self, *exc: object) -> None:
         self.channel.shutdown_write()  # the listener ends at EOF on stdin
+        self.channel.close()
+
+
+class _RemoteClock:
+    """``on_host clock`` on a host; enters as a callable that returns the host's ``time.time()`` once per call."""
+
+    def __init__(self, client: paramiko.SSHClient, command: str, timeout_s: float) -> None:
+        self.client, self.command, self.timeout_s = client, command, timeout_s
+        self.pending = b""
+
+    def __enter__(self) -> Callable[[], float]:
+        transport = self.client.get_transport()
+        assert transport is not None
+        self.channel = transport.open_session(timeout=self.timeout_s)
+        self.channel.settimeout(self.timeout_s)
+        self.channel.exec_command(self.command)
+        if (first := self._line()) != CLOCK_READY:
+            raise LaunchError(f"the clock reader said {first!r} instead of {CLOCK_READY!r}")
+        return self._ask
+
+    def _ask(self) -> float:
+        self.channel.sendall(b"\n")
+        return float(self._line())
+
+    def _line(self) -> str:
+        while b"\n" not in self.pending:
+            chunk = self.channel.recv(256)  # raises socket.timeout past timeout_s
+            if not chunk:
+                raise LaunchError(f"the clock reader ended: {self.channel.recv_stderr(4096).decode().strip()}")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line.decode().strip()
+
+    def __exit__(self, *exc: object) -> None:
+        self.channel.shutdown_write()  # the reader ends at EOF on stdin
         self.channel.close()

@@ -1,11 +1,15 @@
-"""What ``hvdrun check`` asks a host: ``python -m hvdrun.health.on_host facts|listen|connect``.
+"""What ``hvdrun check`` asks a host: ``python -m hvdrun.health.on_host facts|listen|connect|clock``.
 
 * ``facts``: one JSON line: the facts every launch asks for (:mod:`hvdrun.launch.remote.hostfacts`), the torch
   that ``import torch`` really loads (or why it fails), the GPUs (``nvidia-smi``, else
-  ``torch.cuda``) and the free disk of the working directory.
+  ``torch.cuda``) and the free disk of the working directory; with ``--health`` also the node's health
+  (:mod:`hvdrun.health.node_health`: ``--health-interface IF``, ``--mount PATH``..., ``--local-dir DIR``, each
+  vendor tool bounded by ``--tool-timeout S``); ``--no-torch``: torch is not imported (no version, GPUs from
+  ``nvidia-smi`` only).
 * ``listen --token T``: serve a TCP port (printed first, on its own line) that answers every
   connection with ``T``, until stdin closes: the rendezvous port of rank 0's host.
 * ``connect ADDR PORT``: connect there and print what the listener said (the token).
+* ``clock``: ``ready``, then this host's ``time.time()`` for every line read, until stdin closes.
 
 Runs under the host's Python, in the job's working directory; it needs hvdrun, never torch.
 """
@@ -25,6 +29,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hvdrun.health.node_health import TOOL_TIMEOUT_S, NodeHealth, node_health, serve_clock
 from hvdrun.launch.remote import cpubind
 from hvdrun.launch.remote.hostfacts import HostFacts, facts
 from hvdrun.ranks import GPU_VENDORS
@@ -58,6 +63,7 @@ class HealthFacts:
     numa: dict[str, list[int]] = field(default_factory=dict)  # NUMA node -> its cores
     siblings: dict[str, list[int]] = field(default_factory=dict)  # core -> its hardware threads
     gpu_numa: dict[str, list[int]] = field(default_factory=dict)  # vendor -> NUMA node of each GPU
+    node: NodeHealth | None = None  # with --health
 
     def to_json(self) -> str:
         """One JSON line."""
@@ -68,7 +74,9 @@ class HealthFacts:
         """Parse :meth:`to_json`'s line."""
         data = json.loads(text)
         base = data.pop("base")
+        node = data.pop("node", None)
         return cls(base=HostFacts(**{**base, "ports": tuple(base["ports"])}),
+                   node=NodeHealth.from_dict(node) if node is not None else None,
                    gpus=tuple(Gpu(**g) for g in data.pop("gpus")), cpus=tuple(data.pop("cpus", ())), **data)
 
 
@@ -124,9 +132,11 @@ def nvidia_smi_gpus() -> tuple[list[Gpu] | None, str | None]:
     return gpus, None
 
 
-def health_facts(interface: str | None = None) -> HealthFacts:
-    """Everything ``hvdrun check`` wants to know about this host (and the address of ``interface``)."""
-    version, error, cuda_gpus = torch_facts()
+def health_facts(interface: str | None = None, node: NodeHealth | None = None, torch: bool = True) -> HealthFacts:
+    """Everything ``hvdrun check`` wants to know about this host (and the address of ``interface``); ``node``: its
+    health, when asked for; without ``torch`` nothing imports it (``hvdrun --preflight``: seconds of CPU and the
+    shared file system's reads on every node, for versions it does not compare)."""
+    version, error, cuda_gpus = torch_facts() if torch else (None, "not asked (--no-torch)", [])
     smi_gpus, gpu_error = nvidia_smi_gpus()
     gpus, source = (smi_gpus, "nvidia-smi") if smi_gpus else (cuda_gpus, "torch.cuda" if cuda_gpus else "none")
     workdir = os.getcwd()
@@ -136,7 +146,7 @@ def health_facts(interface: str | None = None) -> HealthFacts:
                        gpu_error=gpu_error, cpus=tuple(cpus),
                        numa={str(n): sorted(c) for n, c in cpubind.numa_nodes().items()},
                        siblings={str(c): sorted(t) for c, t in cpubind.thread_siblings(set(cpus)).items()},
-                       gpu_numa={v: n for v in GPU_VENDORS if (n := cpubind.gpu_numa_nodes(v))})
+                       gpu_numa={v: n for v in GPU_VENDORS if (n := cpubind.gpu_numa_nodes(v))}, node=node)
 
 
 def serve_token(server: socket.socket, token: bytes, stop: threading.Event) -> None:
@@ -180,11 +190,24 @@ def _listen(token: str) -> None:
     server.close()
 
 
+def _write_flushed(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry: ``facts``, ``listen`` or ``connect``."""
+    """Command-line entry: ``facts``, ``listen``, ``connect`` or ``clock``."""
     parser = argparse.ArgumentParser(prog="python -m hvdrun.health.on_host")
     sub = parser.add_subparsers(dest="action", required=True)
-    sub.add_parser("facts").add_argument("--interface")
+    facts_parser = sub.add_parser("facts")
+    facts_parser.add_argument("--interface")
+    facts_parser.add_argument("--health", action="store_true")
+    facts_parser.add_argument("--health-interface", action="append", default=[])
+    facts_parser.add_argument("--mount", action="append", default=[])
+    facts_parser.add_argument("--local-dir")
+    facts_parser.add_argument("--tool-timeout", type=float, default=TOOL_TIMEOUT_S)
+    facts_parser.add_argument("--no-torch", action="store_true")
+    sub.add_parser("clock")
     listen = sub.add_parser("listen")
     listen.add_argument("--token", required=True)
     connect = sub.add_parser("connect")
@@ -192,7 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     connect.add_argument("port", type=int)
     args = parser.parse_args(argv)
     if args.action == "facts":
-        print(health_facts(args.interface).to_json(), flush=True)
+        node = node_health(args.health_interface, args.mount, args.local_dir,
+                           args.tool_timeout) if args.health else None
+        print(health_facts(args.interface, node, torch=not args.no_torch).to_json(), flush=True)
+    elif args.action == "clock":
+        serve_clock(sys.stdin, _write_flushed)
     elif args.action == "listen":
         _listen(args.token)
     else:

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hvdrun.health.host_checks import Check, HostReport
+from hvdrun.health.node_checks import NODE_CHECKS
 
 if TYPE_CHECKING:
     from hvdrun.health.check import CheckReport
@@ -28,15 +29,17 @@ def _cell(check: Check | None) -> Text:
 
 
 def host_table(hosts: Sequence[HostReport]) -> Table:
-    """One row per host, one column per check."""
+    """One row per host, one column per check (the node checks of ``--health`` where any host has them)."""
     table = Table(title="hosts", title_justify="left", show_lines=False)
     table.add_column("host", style="bold")
-    for name in HOST_COLUMNS:
+    asked = {c.name for host in hosts for c in host.checks}
+    columns = [*HOST_COLUMNS, *(name for name in NODE_CHECKS if name in asked)]
+    for name in columns:
         table.add_column(name)
     table.add_column("result")
     for host in hosts:
         checks = {c.name: c for c in host.checks}
-        cells = [_cell(checks.get(name)) for name in HOST_COLUMNS]
+        cells = [_cell(checks.get(name)) for name in columns]
         cells.append(Text("ok", style="bold green") if host.ok else Text("FAILED", style="bold red"))
         table.add_row(host.host, *cells)
     return table
