@@ -61,6 +61,8 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from hvdrun.launch.stage_tree import tree_depth
+
 # Published anchors (start-up at scale of other tools), for the table's last rows.
 ANCHORS = (
     ("ezpz `yeet` (env staged to /tmp), Aurora, 1,024 nodes x 12, first step", 61.0),
@@ -145,15 +147,6 @@ class FileSystem:
     c_start: float = 0.0126  # measured: hvdrun's CPU a host it opens an SSH connection to (c_ssh, the fit)
     t_hop: float = 50e-6  # ASSUMED: one Copper request a level up its tree
     copper_fanout: int = 4  # ASSUMED: Copper's tree
-
-
-def tree_depth(hosts: int, fanout: int) -> int:
-    """Levels below the root of a tree of ``hosts`` in host order, ``fanout`` children a host."""
-    depth, position = 0, hosts - 1
-    while position > 0:
-        position = (position - 1) // fanout
-        depth += 1
-    return depth
 
 
 def fs_time(fs: FileSystem, hosts: int, way: str) -> float:

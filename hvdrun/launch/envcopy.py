@@ -21,8 +21,10 @@ from hvdrun.errors import LaunchError, UsageError
 MARKER = ".hvdrun-staged"
 _DIR_EXIT, _UNPACK_EXIT, _SPACE_EXIT = 3, 4, 5  # the unpack line's exit codes (see _SCRIPT)
 
-# The unpack line: sh -c SCRIPT hvdrun-stage DIR FP [SOURCE]. It answers on stdout "HAVE PATH" (a complete
-# copy is there) or "NEED PATH". Then with SOURCE (the environment itself: hvdrun's own machine) it copies it;
+# The unpack line: sh -c SCRIPT hvdrun-stage DIR FP [SOURCE]. It takes the copy's lock, waiting for it
+# $HVDRUN_STAGE_LOCK_WAIT seconds (600; 0: it answers "BUSY PATH" at once when another job holds it), and
+# answers on stdout "HAVE PATH" (a complete copy is there) or "NEED PATH". Then with SOURCE (the environment
+# itself: hvdrun's own machine) it copies it;
 # without, it reads "KIB ..." from stdin (the space it needs), answers "STREAM" and reads the tar stream from
 # stdin (from its host's relay). It ends with "DONE PATH KIB". Its errors go to stderr after "hvdrun-stage: "
 # (the user's login shell may write there too: module systems, pyenv); exit 3: the directory, 4: the unpack,
@@ -33,12 +35,15 @@ dir=$1; fp=$2; src=${3:-}; base="$dir/hvdrun-$(id -u)"; final="$base/env-$fp"; t
 fail() { printf '%s\n' "$2" | sed 's/^/@FAIL@/' >&2; exit "$1"; }
 err=$(mkdir -p -- "$dir" 2>&1) || fail 3 "$err"
 if [ -L "$base" ]; then fail 3 "$base is a symbolic link; remove it"; fi
-if [ -d "$base" ] || err=$(mkdir -m 700 -- "$base" 2>&1); then :; else fail 3 "$err"; fi
+if [ -d "$base" ] || err=$(mkdir -m 700 -- "$base" 2>&1) || [ -d "$base" ]; then :; else fail 3 "$err"; fi
 [ -O "$base" ] || fail 3 "$base belongs to another user (this one is uid $(id -u))"
 chmod 700 -- "$base" 2>/dev/null || fail 3 "cannot make $base private (mode 700)"
 [ -w "$base" ] || fail 3 "$base is not writable"
 exec 9>"$base/.env-$fp.lock"
-if command -v flock >/dev/null 2>&1; then flock -w 600 9 || fail 4 "$base/.env-$fp.lock held for 10 minutes"; fi
+wait=${HVDRUN_STAGE_LOCK_WAIT:-600}
+locked=$(command -v flock) || locked=
+if [ -n "$locked" ] && [ "$wait" = 0 ]; then flock -n 9 || { echo "BUSY $final"; exit 0; }; fi
+if [ -n "$locked" ] && [ "$wait" != 0 ]; then flock -w "$wait" 9 || fail 4 "$base/.env-$fp.lock held for $wait s"; fi
 if [ -f "$final/@MARKER@" ]; then echo "HAVE $final"; exit 0; fi
 rm -rf -- "$final" "$base/.env-$fp.partial."*
 err=$(mkdir -- "$tmp" 2>&1) || fail 3 "$err"

@@ -45,6 +45,8 @@ from hvdrun.ranks import GpuLayout, Slot
 
 FLAVOURS = ("mpich", "openmpi", "pals")
 SRUN = "srun"  # Slurm's srun starts the ranks inside an allocation: one more flavour of "one command, all ranks"
+RELAY_RANK = {"mpich": "PMI_RANK", "openmpi": "OMPI_COMM_WORLD_RANK", "pals": "PALS_RANKID", SRUN: "SLURM_PROCID"}
+# (the variable each launcher puts a process's rank in: a staging relay's host, launch/stage_tree.py)
 
 
 _OPEN_MPI_VERSION_RE = re.compile(r"\((?:open mpi|openrte)\)\s+v?(\d+)\.", re.IGNORECASE)
@@ -393,17 +395,28 @@ class MpiexecLauncher(Launcher):
 
     def _relay_command(self, hosts: Sequence[tuple[Host, str]], directory: str, addr: str, port: int,
                        token: str) -> tuple[list[str], dict[str, str]]:
-        assert self._tmp is not None and self.flavour is not None
+        """One process a host, each knowing its host by the rank its launcher gives it (``RELAY_RANK``)."""
+        assert self.flavour is not None
+        relay_hosts = tuple(Host(host.name, 1, host.user) for host, _ in hosts)
+        agent, hostfile = self._launch_files(relay_hosts, "relay-hostfile")
+        index = f"env:{RELAY_RANK[self.flavour]}"
+        command = MpiexecCommand(self.flavour, self.mpiexec, relay_hosts, {envvars.STAGE_TOKEN: token},
+                                 tuple(relay_command(hosts[0][1], addr, port, index, directory)), agent,
+                                 self._callback_addr, hostfile, self.extra_args,
+                                 openmpi_major=openmpi_major(self._version_text) if self.flavour == "openmpi" else None)
+        return command.argv(), command.process_env(os.environ)
+
+    def _launch_files(self, hosts: Sequence[Host], hostfile_name: str) -> tuple[str, str]:
+        """The SSH wrapper mpiexec uses, and a hostfile of ``hosts`` (srun: a line a rank), in this job's temporary
+        directory."""
+        assert self._tmp is not None
         agent = Path(self._tmp.name) / "ssh"
         agent.write_text(ssh_agent_script(self.ssh))
         agent.chmod(0o700)
-        hostfile = Path(self._tmp.name) / "relay-hostfile"
-        hostfile.write_text("".join(f"{host.name}\n" for host, _ in hosts))
-        command = MpiexecCommand(self.flavour, self.mpiexec, tuple(Host(h.name, 1, h.user) for h, _ in hosts),
-                                 {envvars.STAGE_TOKEN: token}, tuple(relay_command(hosts[0][1], addr, port, "-",
-                                                                                   directory)),
-                                 str(agent), self._callback_addr, str(hostfile), self.extra_args)
-        return command.argv(), command.process_env(os.environ)
+        hostfile = Path(self._tmp.name) / hostfile_name
+        per_rank = self.flavour == SRUN  # srun --distribution=arbitrary: one line per rank
+        hostfile.write_text("".join(f"{host.name}\n" * (host.slots if per_rank else 1) for host in hosts))
+        return str(agent), str(hostfile)
 
     def endpoint(self, host: Host) -> Endpoint:
         if is_local_host(host.name):
@@ -439,15 +452,10 @@ class MpiexecLauncher(Launcher):
                envvars.MPI_PLAN: plan_value(list(self._hosts), len(specs), shim_layout)}
         if gpu_bind and self.layout.hierarchy():  # PALS parses tiles only as GPU.tile ids, which need COMPOSITE
             env[envvars.ZE_FLAT_DEVICE_HIERARCHY] = "COMPOSITE"
-        agent = Path(self._tmp.name) / "ssh"
-        agent.write_text(ssh_agent_script(self.ssh))
-        agent.chmod(0o700)
-        hostfile = Path(self._tmp.name) / "hostfile"
-        per_rank = self.flavour == SRUN  # srun --distribution=arbitrary: one line per rank
-        hostfile.write_text("".join(f"{host.name}\n" * (host.slots if per_rank else 1) for host in self._hosts))
+        agent, hostfile = self._launch_files(self._hosts, "hostfile")
         rank_command = (first.python, "-m", "hvdrun.launch.remote.mpirank", f"{self.grace_s:g}", "--", *first.argv)
-        command = MpiexecCommand(self.flavour, self.mpiexec, self._hosts, env, rank_command, str(agent),
-                                 self._callback_addr, str(hostfile), self.extra_args,
+        command = MpiexecCommand(self.flavour, self.mpiexec, self._hosts, env, rank_command, agent,
+                                 self._callback_addr, hostfile, self.extra_args,
                                  first.env.get(envvars.CPU_BIND, "none"), gpu_bind,
                                  openmpi_major(self._version_text) if self.flavour == "openmpi" else None)
         if command.launcher_binds():

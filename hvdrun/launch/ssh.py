@@ -283,8 +283,12 @@ class SshLauncher(Launcher):
         return SshRelays(hosts, directory, self.connection)
 
     def callback_address(self, hosts: Sequence[Host]) -> str:
-        """This machine's address as ``hosts`` reach it: on ``--network-interface``, else of the route to the first."""
-        return self._local_interface_addr() or route_source_address(hosts[0].name)
+        """This machine's address as ``hosts`` reach it: on ``--network-interface``, else of the route to the first
+        of them that is not this machine (loopback when they all are)."""
+        towards = next((host for host in hosts if not is_local_host(host.name)), None)
+        if towards is None:  # every host is this machine (--launcher ssh to it)
+            return LOOPBACK
+        return self._local_interface_addr() or route_source_address(towards.name)
 
     def _local_interface_addr(self) -> str | None:
         return interface_address(self.network_interface) if self.network_interface else None

@@ -1,24 +1,25 @@
 """``--stage-env`` as a tree: the environment read once from the shared file system, then passed host to host.
 
 Every remote host runs a relay (:mod:`hvdrun.launch.remote.stage_relay`), started over SSH or by ``mpiexec``
-with one process per host, which calls back to hvdrun (this module, the coordinator) with the job's staging
-token. Then:
+with one process per host, which calls back to hvdrun (this module, the coordinator); both prove the job's
+staging token to each other. Then, in rounds until every host has its copy:
 
 1. Hosts whose staging directory is one directory (the same boot id, device and inode: containers or network
-   namespaces of one machine) are grouped: the first of each group stages, the others check after it.
-2. Each staging host runs the unpack line (:mod:`hvdrun.launch.envcopy`) and answers HAVE (a copy is there) or
-   NEED. The hosts that NEED form a tree in host order, ``fanout`` children a host (``HVDRUN_STAGE_FANOUT``,
-   default :data:`DEFAULT_FANOUT`): depth ``ceil(log_fanout(hosts))``. Ten hosts, fan-out 3::
+   namespaces of one machine) are grouped: the first of each group checks, the others wait for a later round.
+2. Each checking host runs the unpack line (:mod:`hvdrun.launch.envcopy`) and answers HAVE (a copy is there),
+   BUSY (another job holds the copy's lock: in the first round nobody waits for a lock, so two jobs never wait
+   on each other), or NEED. The hosts that NEED form a tree in host order, ``fanout`` children a host
+   (``HVDRUN_STAGE_FANOUT``, default :data:`DEFAULT_FANOUT`; :func:`tree_depth` levels). Ten hosts, fan-out 3::
 
        0 -> 1 2 3        1 -> 4 5 6        2 -> 7 8 9
 
 3. The root reads the environment itself (``tar -cf -`` of its directory, which it sees on the shared file
-   system: the only read of the source for the whole job), or, where it cannot see it, hvdrun streams it over
-   the root's connection. Each host unpacks what it receives while it passes it on to its children, so the
-   copy moves down the tree as a pipeline: time is about the environment's size over one link's bandwidth
-   (shared among ``fanout`` children) plus a chunk's delay a level.
+   system: the only read of the source for the tree), or, where it cannot see it, hvdrun streams it over the
+   root's connection. Each host unpacks what it receives while it passes it on to its children, so the copy
+   moves down the tree as a pipeline: time is about the environment's size over one link's bandwidth (shared
+   among ``fanout`` children) plus a chunk's delay a level.
 
-A host that fails is named with its cause; its subtree fails with "the stream from PARENT ended early" and the
+A host that fails is named with its cause; its subtree fails with "the stream from PARENT ended early", and the
 error is the failed host nearest the root.
 """
 
@@ -28,6 +29,7 @@ import contextlib
 import os
 import secrets
 import shlex
+import signal
 import socket
 import subprocess
 import tempfile
@@ -41,14 +43,22 @@ from typing import Any, Protocol
 from hvdrun.errors import LaunchError, UsageError
 from hvdrun.launch.envcopy import Environment, HostStaged, unpack_command, unpack_failure
 from hvdrun.launch.remote import stage_relay
-from hvdrun.launch.remote.stage_relay import LineReader, frame, proof, send_json
+from hvdrun.launch.remote.stage_relay import (
+    AuthError,
+    LineReader,
+    frame_header,
+    handshake_as_server,
+    keep_alive,
+    send_json,
+)
+from hvdrun.protocol.tree import parent_of
 
 FANOUT_VARIABLE = "HVDRUN_STAGE_FANOUT"
 DEFAULT_FANOUT = 4
 RELAY_PATH = Path(stage_relay.__file__)
 REPORT_TIMEOUT_S = 120.0  # for every relay to call back after it was started
-IO_TIMEOUT_S = stage_relay.IO_TIMEOUT_S
-HELLO_TIMEOUT_S = 10.0  # a relay says hello as soon as it connected
+LOCK_WAIT_S = 600  # a later round's wait for another job's lock on a copy (the unpack line's flock -w)
+STOP_WAIT_S = 10.0  # for the relays to end once their connections closed
 
 
 def stage_fanout(environ: Mapping[str, str]) -> int:
@@ -65,18 +75,18 @@ def stage_fanout(environ: Mapping[str, str]) -> int:
     return int(value)
 
 
-def parent_of(position: int, fanout: int) -> int | None:
-    """The position of the host that feeds the host at ``position`` of the tree (None: the root)."""
-    return None if position == 0 else (position - 1) // fanout
-
-
 def tree_depth(count: int, fanout: int) -> int:
-    """Levels below the root for ``count`` hosts."""
+    """Levels below the root of a tree of ``count`` hosts in host order, ``fanout`` children a host."""
     depth, position = 0, count - 1
     while position > 0:
-        position = (position - 1) // fanout
+        position = parent_of(position, fanout)
         depth += 1
     return depth
+
+
+def children_count(position: int, count: int, fanout: int) -> int:
+    """How many of a tree of ``count`` hosts the host at ``position`` feeds (positions fanout * p + 1 ...)."""
+    return max(0, min(fanout, count - 1 - fanout * position))
 
 
 def relay_command(python: str, addr: str, port: int, index: str, directory: str) -> list[str]:
@@ -96,7 +106,7 @@ class RelayStarter(Protocol):
         ...
 
     def stop(self) -> None:
-        """Wait for the relays to end (they end once the coordinator closes their connection), then let go."""
+        """Let the relays end (they end once the coordinator closed their connections), bounded in time."""
         ...
 
 
@@ -109,11 +119,19 @@ class _Peer:
     sock: socket.socket
     reader: LineReader
     identity: str = ""
-    answer: dict[str, Any] = field(default_factory=dict)
-    end: dict[str, Any] = field(default_factory=dict)
+    answer: dict[str, Any] = field(default_factory=dict)  # NEED: where it listens, whether it sees the source
+    end: dict[str, Any] = field(default_factory=dict)  # how its unpack line ended (HAVE, BUSY, DONE, a failure)
+
+    @property
+    def busy(self) -> bool:
+        """Another job held the copy's lock when it checked."""
+        return str(self.end.get("answer", "")).startswith("BUSY ")
 
     def send(self, message: dict[str, Any]) -> None:
-        send_json(self.sock, message)
+        try:
+            send_json(self.sock, message)
+        except OSError as e:
+            raise LaunchError(f"--stage-env: lost the staging relay on {self.name}: {e}", self.name) from None
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -141,6 +159,7 @@ class StageTree:
         self._listener = socket.create_server(("0.0.0.0", 0), backlog=min(len(names), 1024))  # noqa: S104
         self.port = self._listener.getsockname()[1]
         self._peers: dict[int, _Peer] = {}
+        self._trees: list[TreeReport] = []
 
     def run(self, starter: RelayStarter, addr: str) -> TreeReport:
         """Start the relays with ``starter`` (they call back to ``addr``), stage every host, and report.
@@ -152,13 +171,12 @@ class StageTree:
         try:
             starter.start(addr, self.port, self.token)
             self._gather(starter)
-            leaders, followers = self._groups()
-            report = self._stage(leaders, addr)
-            self._check(followers, addr)
-            for peer in followers:
-                self._raise_failure(peer)
-            return TreeReport([*report.staged, *(self._staged(p, "") for p in followers)], report.source_host,
-                              report.source_bytes, self.fanout, report.depth)
+            pending, lock_wait = [self._peers[i] for i in sorted(self._peers)], 0
+            while pending:
+                leaders, later = self._groups(pending)
+                busy = self._round(leaders, addr, lock_wait, starter)
+                pending, lock_wait = later + busy, LOCK_WAIT_S
+            return self._report()
         finally:
             for peer in self._peers.values():
                 peer.close()
@@ -167,125 +185,141 @@ class StageTree:
 
     def _gather(self, starter: RelayStarter) -> None:
         """Every relay's hello, each with the token's proof, within :data:`REPORT_TIMEOUT_S`."""
-        deadline = time.monotonic() + REPORT_TIMEOUT_S
-        self._listener.settimeout(0.5)
+        deadline, checked = time.monotonic() + REPORT_TIMEOUT_S, 0.0
+        self._listener.settimeout(0.2)
         while len(self._peers) < len(self.names):
-            for index in range(len(self.names)):
-                why = None if index in self._peers else starter.failure(index)
-                if why is not None:
-                    raise LaunchError(f"--stage-env: the staging relay on {self.names[index]} ended: {why}",
-                                      self.names[index])
+            if time.monotonic() - checked > 1.0:  # once a second: a relay that ended before it called back
+                checked = time.monotonic()
+                self._raise_ended(starter)
             if time.monotonic() > deadline:
                 missing = [name for i, name in enumerate(self.names) if i not in self._peers]
                 raise LaunchError(f"--stage-env: no word within {REPORT_TIMEOUT_S:.0f} s from the staging relay on "
                                   f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}", missing[0])
             with contextlib.suppress(TimeoutError):
-                self._admit(*self._listener.accept())
+                self._admit(self._listener.accept()[0])
 
-    def _admit(self, sock: socket.socket, _: object) -> None:
-        """One relay's hello, kept when it proves the token and names a host of the job not yet seen."""
-        sock.settimeout(HELLO_TIMEOUT_S)  # a connection that says nothing does not hold up the others for long
-        nonce = secrets.token_hex(16)
-        reader = LineReader(sock)
+    def _raise_ended(self, starter: RelayStarter) -> None:
+        for index, name in enumerate(self.names):
+            why = None if index in self._peers else starter.failure(index)
+            if why is not None:
+                raise LaunchError(f"--stage-env: the staging relay on {name} ended: {why}", name)
+
+    def _admit(self, sock: socket.socket) -> None:
+        """One relay, kept when it proves the token (within the handshake's bound) and names a host of the job not
+        yet seen."""
+        sock.settimeout(stage_relay.HANDSHAKE_TIMEOUT_S)
         try:
-            send_json(sock, {"nonce": nonce})
-            hello = reader.line()
-        except (OSError, EOFError, ValueError):
+            reader, hello = handshake_as_server(sock, self.token, "hvdrun", "relay")
+        except (OSError, EOFError, ValueError, AuthError):
             sock.close()
             return
         index = hello.get("index")
-        if (not secrets.compare_digest(str(hello.get("proof", "")), proof(self.token, nonce))
-                or not isinstance(index, int) or not 0 <= index < len(self.names) or index in self._peers):
+        if not isinstance(index, int) or not 0 <= index < len(self.names) or index in self._peers:
             sock.close()
             return
-        sock.settimeout(IO_TIMEOUT_S)
+        keep_alive(sock)
         self._peers[index] = _Peer(index, self.names[index], sock, reader, str(hello.get("identity", "")))
 
-    def _groups(self) -> tuple[list[_Peer], list[_Peer]]:
-        """The first host of each shared directory (it stages), and the others (they check after it)."""
+    @staticmethod
+    def _groups(peers: Sequence[_Peer]) -> tuple[list[_Peer], list[_Peer]]:
+        """The first host of each shared directory (it checks this round), and the others (a later round)."""
         leaders: dict[str, _Peer] = {}
-        followers = []
-        for index in sorted(self._peers):
-            peer = self._peers[index]
+        later = []
+        for peer in peers:
             if peer.identity in leaders:
-                followers.append(peer)
+                later.append(peer)
             else:
                 leaders[peer.identity] = peer
-        return list(leaders.values()), followers
+        return list(leaders.values()), later
 
-    def _check(self, peers: Sequence[_Peer], addr: str) -> None:
-        """Each of ``peers`` runs the unpack line and answers (HAVE and failures come as an end)."""
+    def _round(self, leaders: Sequence[_Peer], addr: str, lock_wait: int, starter: RelayStarter) -> list[_Peer]:
+        """One round: ``leaders`` check; those that NEED get their copy down a tree; the BUSY ones, to ask again."""
+        self._check(leaders, addr, lock_wait, starter)
+        busy = [peer for peer in leaders if peer.busy]
+        needing = [peer for peer in leaders if peer.answer]
+        for peer in leaders:
+            if peer not in busy and peer not in needing:
+                self._raise_failure(peer)
+        if needing:
+            self._trees.append(self._tree(needing, starter))
+        return busy
+
+    def _check(self, peers: Sequence[_Peer], addr: str, lock_wait: int, starter: RelayStarter) -> None:
+        """Each of ``peers`` runs the unpack line and answers (HAVE, BUSY and failures come as an end)."""
         argv = unpack_command(self.directory, self.environment)
         for peer in peers:
-            peer.send({"do": "check", "argv": argv, "prefix": self.environment.prefix, "peer": addr})
+            peer.answer, peer.end = {}, {}
+            peer.send({"do": "check", "argv": argv, "prefix": self.environment.prefix, "peer": addr,
+                       "lock_wait": lock_wait})
         for peer in peers:
-            message = self._read(peer)
+            message = self._read(peer, starter)
             if "end" in message:
                 peer.end = message
             else:
                 peer.answer = message
 
-    def _stage(self, leaders: Sequence[_Peer], addr: str) -> TreeReport:
-        """The leaders that need a copy get it down the tree."""
-        self._check(leaders, addr)
-        for peer in leaders:
-            self._raise_failure(peer)
-        needing = [peer for peer in leaders if peer.answer]
-        if not needing:
-            return TreeReport([self._staged(peer, "") for peer in leaders])
+    def _tree(self, needing: Sequence[_Peer], starter: RelayStarter) -> TreeReport:
+        """The hosts that need a copy get it down a tree; the report of that tree."""
         kib = _kib(self.environment.prefix)
         root = needing[0]
         from_env = bool(root.answer.get("sees_source"))
         for position, peer in enumerate(needing):
             peer.send(self._feed(needing, position, kib, from_env))
-        if not from_env:
-            self._stream_to(root)
+        failed = "" if from_env else self._stream_to(root)
         for peer in needing:
-            peer.end = self._read(peer)
+            peer.end = self._read(peer, starter)
+        if failed:
+            raise LaunchError(f"--stage-env: hvdrun could not read {self.environment.prefix} to send it to "
+                              f"{root.name} (which cannot see it): {failed}", root.name)
         for peer in needing:  # parents before children: the failure nearest the root is the cause
             self._raise_failure(peer)
-        via = {peer.index: "tree" for peer in needing}
-        return TreeReport([self._staged(peer, via.get(peer.index, "")) for peer in leaders],
-                          root.name if from_env else None, int(root.end.get("source_bytes") or 0)
-                          if from_env else int(root.end.get("bytes") or 0), self.fanout,
-                          tree_depth(len(needing), self.fanout))
+        read = int(root.end.get("source_bytes" if from_env else "bytes") or 0)
+        return TreeReport([self._staged(peer, "tree") for peer in needing], root.name if from_env else None, read,
+                          self.fanout, tree_depth(len(needing), self.fanout))
 
     def _feed(self, needing: Sequence[_Peer], position: int, kib: int, from_env: bool) -> dict[str, Any]:
         """The feed message of the host at ``position``: its source and how many children it serves."""
-        children = sum(1 for p in range(1, len(needing)) if parent_of(p, self.fanout) == position)
-        message: dict[str, Any] = {"do": "feed", "children": children, "kib": kib, "prefix": self.environment.prefix}
-        parent = parent_of(position, self.fanout)
-        if parent is None:
+        message: dict[str, Any] = {"do": "feed", "children": children_count(position, len(needing), self.fanout),
+                                   "kib": kib, "prefix": self.environment.prefix}
+        if position == 0:
             return {**message, "source": "env" if from_env else "coordinator", "from_host": "hvdrun"}
-        feeder = needing[parent]
+        feeder = needing[parent_of(position, self.fanout)]
         return {**message, "source": "parent", "parent": [feeder.answer["addr"], feeder.answer["port"]],
                 "from_host": feeder.name}
 
-    def _stream_to(self, root: _Peer) -> None:
-        """The environment as a framed tar stream over the root's connection (it cannot see the source)."""
-        tar = subprocess.Popen(["tar", "-C", self.environment.prefix, "-cf", "-", "."], stdout=subprocess.PIPE)
-        assert tar.stdout is not None
-        try:
-            while chunk := tar.stdout.read(stage_relay.CHUNK):
-                root.sock.sendall(frame(chunk))
-                root.sock.sendall(chunk)
-            if tar.wait() == 0:
-                root.sock.sendall(frame(b""))
-        except OSError:
-            pass  # the root's end says what happened
-        finally:
-            tar.kill()
-            tar.wait()
+    def _stream_to(self, root: _Peer) -> str:
+        """The environment as a framed tar stream over the root's connection (it cannot see the source); what went
+        wrong reading it here ('' when nothing: the root's end says the rest)."""
+        with tempfile.TemporaryFile() as errors:
+            tar = subprocess.Popen(["tar", "-C", self.environment.prefix, "-cf", "-", "."], stdout=subprocess.PIPE,
+                                   stderr=errors)
+            assert tar.stdout is not None
+            try:
+                while chunk := tar.stdout.read(stage_relay.CHUNK):
+                    root.sock.sendall(frame_header(chunk))
+                    root.sock.sendall(chunk)
+                if tar.wait() == 0:
+                    root.sock.sendall(frame_header(b""))
+                    return ""
+                root.sock.shutdown(socket.SHUT_WR)  # no end frame: the root sees the stream end early
+            except OSError:
+                return ""
+            finally:
+                tar.kill()
+                tar.wait()
+            errors.seek(0)
+            return " ".join(errors.read().decode(errors="replace").split()[-30:]) or f"tar exited {tar.returncode}"
 
-    def _read(self, peer: _Peer) -> dict[str, Any]:
+    def _read(self, peer: _Peer, starter: RelayStarter) -> dict[str, Any]:
+        """The next message of ``peer``; a lost relay reads as a failed end naming it (and why, where known)."""
         try:
             return peer.reader.line()
         except (OSError, EOFError, ValueError) as e:
-            raise LaunchError(f"--stage-env: lost the staging relay on {peer.name}: {e or type(e).__name__}",
-                              peer.name) from None
+            why = starter.failure(peer.index) or str(e) or type(e).__name__
+            return {"end": -1, "stderr": f"hvdrun-stage: lost the staging relay on {peer.name}: {why}"}
 
     def _raise_failure(self, peer: _Peer) -> None:
-        """The host's error when its unpack failed."""
+        """The host's error when its unpack failed (or left no copy)."""
         if not peer.end and not peer.answer:
             raise LaunchError(f"--stage-env: the staging relay on {peer.name} gave no answer", peer.name)
         if peer.end and (peer.end["end"] != 0 or _copy_of(peer.end) is None):
@@ -298,6 +332,14 @@ class StageTree:
         copied = int(words[-1]) * 1024 if via and words and words[-1].isdigit() else 0
         return HostStaged(peer.name, copy, f"{copy}/{self.environment.relative_python}", copied,
                           float(peer.end.get("seconds") or 0.0), via)
+
+    def _report(self) -> TreeReport:
+        """Every host's staging (those made down a tree, and those that had it), the trees' reads and shape."""
+        made = {staged.host: staged for tree in self._trees for staged in tree.staged}
+        staged = [made.get(peer.name) or self._staged(peer, "") for _, peer in sorted(self._peers.items())]
+        first = self._trees[0] if self._trees else TreeReport([])
+        return TreeReport(staged, first.source_host, sum(tree.source_bytes for tree in self._trees), self.fanout,
+                          max((tree.depth for tree in self._trees), default=0))
 
 
 def _copy_of(end: Mapping[str, Any]) -> str | None:
@@ -337,8 +379,7 @@ class SshRelays:
     def _start_one(self, index: int, host: Any, python: str, addr: str, port: int, token: str) -> None:
         try:
             client = self._stack.enter_context(self.connection(host))
-            transport = client.get_transport()
-            channel = transport.open_session(timeout=IO_TIMEOUT_S)
+            channel = client.get_transport().open_session(timeout=stage_relay.HANDSHAKE_TIMEOUT_S)
             channel.exec_command(shlex.join(relay_command(python, addr, port, str(index), self.directory)))
             channel.sendall(f"{token}\n".encode())
             self._channels[index] = channel
@@ -358,10 +399,10 @@ class SshRelays:
         return f"exit code {channel.recv_exit_status()}" + (f": {lines[-1]}" if lines else "")
 
     def stop(self) -> None:
-        for channel in self._channels.values():
-            channel.settimeout(10.0)
-            with contextlib.suppress(Exception):
-                channel.recv_exit_status()
+        deadline = time.monotonic() + STOP_WAIT_S
+        for channel in self._channels.values():  # paramiko's recv_exit_status() has no bound: poll instead
+            while not channel.exit_status_ready() and time.monotonic() < deadline:
+                time.sleep(0.05)
             channel.close()
         self._stack.close()
 
@@ -389,10 +430,15 @@ class ProcessRelays:
         return f"{self._program} exited with code {self._process.returncode}" + (f": {lines[-1]}" if lines else "")
 
     def stop(self) -> None:
+        """The relays end with their connections; then the launcher gets SIGTERM, and SIGKILL after a while."""
         if self._process is not None:
-            try:
-                self._process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._process.pid, 9)
-                self._process.wait()
+            for signum, wait_s in ((None, STOP_WAIT_S), (signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
+                if signum is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self._process.pid, signum)
+                try:
+                    self._process.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
         self._output.close()

@@ -38,6 +38,7 @@ import hashlib
 import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -200,17 +201,18 @@ def stage(plan: StagePlan, hosts: Sequence[tuple[Host, str]], reach: Reach) -> t
     result: dict[str, HostStaged] = {}
     trees: list[TreeReport] = []
     try:
-        if here is not None:
-            mine = copy_here(plan.directory, plan.environments[here])
-            result.update({host.name: mine for host, _ in hosts if not reach.is_remote(host)})
-        for python in dict.fromkeys(python for _, python in remote):
-            members = [(host, p) for host, p in remote if p == python]
-            tree = StageTree([host.name for host, _ in members], plan.environments[python], plan.directory,
-                             stage_fanout(os.environ))
-            report = tree.run(reach.relays(members, plan.directory),
-                              reach.callback_address([host for host, _ in members]))
-            trees.append(report)
-            result.update({staged.host: staged for staged in report.staged})
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdrun-stage-here") as pool:
+            mine = pool.submit(copy_here, plan.directory, plan.environments[here]) if here is not None else None
+            for python in dict.fromkeys(python for _, python in remote):  # meanwhile, the remote hosts' trees
+                members = [(host, p) for host, p in remote if p == python]
+                tree = StageTree([host.name for host, _ in members], plan.environments[python], plan.directory,
+                                 stage_fanout(os.environ))
+                report = tree.run(reach.relays(members, plan.directory),
+                                  reach.callback_address([host for host, _ in members]))
+                trees.append(report)
+                result.update({staged.host: staged for staged in report.staged})
+            if mine is not None:
+                result.update({host.name: mine.result() for host, _ in hosts if not reach.is_remote(host)})
     except KeyboardInterrupt:  # hvdrun got a stop signal (hvdrun.interrupts): its copies here stop with it
         stop_local_copies()
         raise

@@ -5,6 +5,7 @@ each other over loopback. What a host had is listed by its wrapper after its rel
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import socket
@@ -18,7 +19,7 @@ import pytest
 from hvdrun.errors import LaunchError
 from hvdrun.launch.stage_tree import ProcessRelays, StageTree, relay_command
 from hvdrun.launch.staging import find_environment
-from tests.conftest import unavailable
+from tests.conftest import unavailable, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -130,3 +131,83 @@ def test_a_connection_without_the_token_is_not_a_host(small_env, tmp_path):
 
     report = StageTree(_names(2), environment, STAGE_DIR, fanout=2).run(ProcessRelays(with_a_rogue), "127.0.0.1")
     assert rogue == [b""] and [s.via for s in report.staged] == ["tree", "tree"]
+
+
+class TwoHosts:
+    """Two long-lived "hosts": a mount namespace each (a sleeping process holds it) with a private tmpfs at
+    STAGE_DIR; relays of any job enter a host's namespace (nsenter), so two jobs share each host's directory and
+    its lock as two jobs on one node do."""
+
+    def __init__(self) -> None:
+        self.holders = [subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                                          f"mkdir -p {STAGE_DIR} && mount -t tmpfs -o size=64m none {STAGE_DIR} "
+                                          "&& exec sleep 600"]) for _ in range(2)]
+        for holder in self.holders:  # its tmpfs mounted: the namespace is a host
+            assert wait_until(lambda h=holder: subprocess.run(
+                ["nsenter", "-t", str(h.pid), "-m", "mountpoint", "-q", STAGE_DIR], check=False).returncode == 0)
+
+    def __call__(self, addr: str, port: int, token: str) -> tuple[list[str], dict[str, str]]:
+        commands = [shlex.join(relay_command(sys.executable, addr, port, str(i), STAGE_DIR)) for i in range(2)]
+        lines = [f"nsenter -t {holder.pid} -m {command} &"
+                 for holder, command in zip(self.holders, commands, strict=True)]
+        return ["sh", "-c", " ".join(lines) + " wait"], {**os.environ, "HVDRUN_STAGE_TOKEN": token}
+
+    def stop(self) -> None:
+        for holder in self.holders:
+            holder.kill()
+            holder.wait()
+
+
+def test_two_jobs_staging_the_same_hosts_at_once_never_wait_on_each_other(small_env):
+    """Each job's first check takes no lock that another job holds (BUSY, asked again after its own tree): two jobs
+    holding one host's lock each and waiting on the other's is impossible; each host gets one copy."""
+    environment = find_environment(f"{small_env}/bin/python")
+    hosts = TwoHosts()
+    results: dict[str, object] = {}
+
+    def job(name: str) -> None:
+        try:
+            results[name] = StageTree(_names(2), environment, STAGE_DIR, fanout=1).run(ProcessRelays(hosts),
+                                                                                        "127.0.0.1")
+        except Exception as e:  # noqa: BLE001 - the test names it
+            results[name] = e
+
+    try:
+        jobs = [threading.Thread(target=job, args=(name,)) for name in ("a", "b")]
+        for thread in jobs:
+            thread.start()
+        for thread in jobs:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in jobs), "the two jobs wait on each other"
+    finally:
+        hosts.stop()
+    reports = [results["a"], results["b"]]
+    assert all(hasattr(r, "staged") for r in reports), reports
+    made = [s for r in reports for s in r.staged if s.via == "tree"]  # type: ignore[attr-defined]
+    assert sorted(s.host for s in made) == ["host0", "host1"]  # one copy a host, by one job or the other
+    assert not _left_behind(STAGE_DIR)
+
+
+def test_a_relay_takes_no_command_from_a_coordinator_without_the_token(tmp_path):
+    """The relay makes hvdrun prove the token too: a server that cannot is never told the host's identity twice
+    nor gets to run the unpack line (the relay ends with exit 1 and says why)."""
+    from hvdrun.launch.remote.stage_relay import proof
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    relay = subprocess.Popen(relay_command(sys.executable, "127.0.0.1", port, "0", str(tmp_path / "never")),
+                             stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    relay.stdin.write("the-real-token\n")
+    relay.stdin.flush()
+    conn, _ = server.accept()
+    with conn:
+        conn.sendall(b'{"nonce": "n1"}\n')
+        hello = json.loads(conn.makefile().readline())
+        assert hello["proof"] == proof("the-real-token", "relay", "n1")  # it proved itself, as a relay
+        conn.sendall(json.dumps({"proof": proof("a-guessed-token", "hvdrun", hello["nonce"])}).encode() + b"\n")
+        conn.sendall(json.dumps({"do": "check", "argv": ["touch", str(tmp_path / "ran")], "lock_wait": 0,
+                                 "prefix": "/", "peer": "127.0.0.1"}).encode() + b"\n")
+        assert relay.wait(timeout=30) == 1
+    server.close()
+    assert "did not prove the job's staging token" in relay.stderr.read()
+    assert not (tmp_path / "ran").exists()

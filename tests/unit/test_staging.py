@@ -28,6 +28,7 @@ from hvdrun.launch.staging import (
     stage,
     staged_env,
 )
+from tests.conftest import wait_until
 
 
 @pytest.fixture
@@ -241,3 +242,39 @@ def test_a_login_shells_noise_on_stderr_is_left_out_of_the_error(tmp_path):
     assert isinstance(error, UsageError) and "pyenv" not in str(error)
     assert re.search(r"cannot use \S+ on h2: mkdir: .*Not a directory; give a writable directory", str(error))
     assert "cannot rehash" in str(unpack_failure("h2", "/d", 4, noise + "\n"))  # nothing of its own: all of stderr
+
+
+def test_the_relay_reads_the_variables_hvdrun_sets():
+    """The relay imports nothing of hvdrun: the names it reads are pinned to hvdrun's here."""
+    from hvdrun import envvars
+    from hvdrun.launch.mpiexec import RELAY_RANK
+    from hvdrun.launch.remote import stage_relay
+
+    assert stage_relay.TOKEN_VARIABLE == envvars.STAGE_TOKEN and envvars.STAGE_TOKEN in envvars.OFF_THE_COMMAND_LINE
+    for flavour, name in RELAY_RANK.items():  # each launcher's rank variable, as the ranks' own lookup knows it
+        assert envvars.mpi_rank({name: "7"}) == 7, flavour
+
+
+def test_the_tree_in_host_order():
+    from hvdrun.launch.stage_tree import children_count, tree_depth
+
+    assert [children_count(p, 10, 3) for p in range(10)] == [3, 3, 3, 0, 0, 0, 0, 0, 0, 0]
+    assert [children_count(p, 6, 4) for p in range(3)] == [4, 1, 0]
+    assert [tree_depth(n, 3) for n in (1, 2, 4, 5, 13, 14)] == [0, 1, 1, 2, 2, 3]
+    assert tree_depth(5, 1) == 4  # fan-out 1: a chain
+
+
+def test_a_first_check_answers_busy_while_another_job_holds_the_copys_lock(tmp_path):
+    base = tmp_path / f"hvdrun-{os.getuid()}"
+    base.mkdir(mode=0o700)
+    lock = base / ".env-f00d.lock"
+    holder = subprocess.Popen(["flock", str(lock), "sleep", "30"])
+    try:
+        assert wait_until(lambda: subprocess.run(["flock", "-n", str(lock), "true"]).returncode != 0)
+        environment = Environment("/unused/bin/python", "/unused", "f00d")
+        done = subprocess.run(unpack_command(str(tmp_path), environment), input=b"", capture_output=True, timeout=30,
+                              env={**os.environ, "HVDRUN_STAGE_LOCK_WAIT": "0"}, check=False)
+        assert (done.returncode, _lines(done)[0]) == (0, f"BUSY {base}/env-f00d"), done.stderr
+    finally:
+        holder.kill()
+        holder.wait()

@@ -5,18 +5,24 @@ Started on every host by the launcher (over SSH, or by ``mpiexec`` with one proc
 ``python -I -S stage_relay.py ADDR PORT INDEX DIR``: isolated and without ``site``, it reads nothing but the
 interpreter's own standard library from the shared file system, and imports nothing of hvdrun (this file is run
 by path). The job's staging token comes from ``$HVDRUN_STAGE_TOKEN``, else the first line of stdin (never argv,
-which ``ps`` shows to every user); INDEX ``-`` means the rank of the MPI launcher (one per host).
+which ``ps`` shows to every user); INDEX ``env:NAME`` means the rank the MPI launcher put in ``$NAME`` (one process
+a host).
 
-The conversation with hvdrun (the coordinator at ADDR:PORT) is JSON lines after an HMAC proof of the token:
+Every connection starts with a handshake both ways (:func:`handshake_as_client`, :func:`handshake_as_server`: an
+HMAC of the other side's nonce with the token, tagged with the prover's role), so a relay takes commands only
+from hvdrun and bytes only from its parent. The conversation with hvdrun (the coordinator at ADDR:PORT) is then
+JSON lines:
 
-1. ``hello``: this host, and the identity of DIR (boot id, device, inode): hosts that share one directory
-   (a shared ``/tmp`` of containers, namespace hosts) get one copy, made by the first of them;
-2. ``check``: run the unpack line (its shell text comes from hvdrun), answer HAVE or NEED, and where this relay
-   listens for its children;
+1. the hello (in the handshake): this host, and the identity of DIR (boot id, device, inode): hosts that share
+   one directory get one copy, made by the first of them;
+2. ``check``: run the unpack line (its shell text comes from hvdrun), answer HAVE, BUSY (another job holds the
+   copy's lock: asked again later), NEED (and where this relay listens for its children), or how it failed;
 3. ``feed``: where the bytes come from (the environment itself on this host, read once for the whole job; the
    coordinator's connection; or a parent relay) and how many children connect; every chunk goes to this host's
-   unpack and to each child, framed (4-byte length, 0 at the end, so that a parent's death is seen as one);
-4. ``end``: the unpack's exit status, its output, the bytes taken and passed on.
+   unpack and to each child, framed (a 4-byte length, 0 at the end, so that a parent's death is seen as one);
+4. ``end``: the unpack's exit status, its output, the bytes taken.
+
+A relay whose coordinator goes away stops at once (it watches the connection between chunks), with its unpack.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import hashlib
 import hmac
 import json
 import os
+import select
 import socket
 import struct
 import subprocess
@@ -34,16 +41,23 @@ import time
 from collections.abc import Iterator
 
 TOKEN_VARIABLE = "HVDRUN_STAGE_TOKEN"  # hvdrun.envvars.STAGE_TOKEN (this file imports nothing of hvdrun)
-MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "PMIX_RANK", "SLURM_PROCID")
+LOCK_WAIT_VARIABLE = "HVDRUN_STAGE_LOCK_WAIT"  # the unpack line's flock wait: 0 answers BUSY at once
 CHUNK = 1 << 20
-IO_TIMEOUT_S = 900.0  # no byte moving for this long: the peer is taken as dead
+MAX_FRAME = 4 * CHUNK  # a longer frame is no relay's
+MAX_LINE = 1 << 16  # a longer line is no relay's (the unpack line's text is the longest, about 3 kB)
+IO_TIMEOUT_S = 120.0  # no byte moving for this long: the peer is taken as dead
+HANDSHAKE_TIMEOUT_S = 10.0  # a peer proves the token within this, or is not one
 CHILDREN_WAIT_S = 60.0  # children reach their parent as soon as they are fed; one not there by then failed
 _FRAME = struct.Struct("!I")
 
 
-def proof(token: str, nonce: str) -> str:
-    """The answer to a nonce that proves the staging token."""
-    return hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+class AuthError(Exception):
+    """A peer that did not prove the job's staging token."""
+
+
+def proof(token: str, role: str, nonce: str) -> str:
+    """What ``role`` (relay, hvdrun, parent, child) answers to ``nonce`` to prove the staging token."""
+    return hmac.new(token.encode(), f"{role}:{nonce}".encode(), hashlib.sha256).hexdigest()
 
 
 def send_json(sock: socket.socket, message: dict) -> None:
@@ -52,19 +66,27 @@ def send_json(sock: socket.socket, message: dict) -> None:
 
 
 class LineReader:
-    """JSON lines from a socket, then its raw bytes (the reader keeps what it read ahead)."""
+    """JSON lines from a socket (at most :data:`MAX_LINE` bytes), then its framed chunks."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.pending = sock, b""
 
-    def line(self) -> dict:
+    def line(self, deadline: float | None = None) -> dict:
+        """The next JSON object; ValueError for a line too long or not an object, TimeoutError past ``deadline``."""
         while b"\n" not in self.pending:
+            if len(self.pending) > MAX_LINE:
+                raise ValueError(f"a line of more than {MAX_LINE} bytes")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("no whole line in time")
             data = self.sock.recv(65536)
             if not data:
                 raise EOFError("the connection closed")
             self.pending += data
         line, _, self.pending = self.pending.partition(b"\n")
-        return json.loads(line)
+        message = json.loads(line)
+        if not isinstance(message, dict):
+            raise ValueError("a line that is not a JSON object")
+        return message
 
     def exact(self, count: int) -> bytes | bytearray:
         """``count`` bytes, received straight into one buffer (a chunk is never copied piece by piece)."""
@@ -85,22 +107,74 @@ class LineReader:
     def frame(self) -> bytes | bytearray:
         """The next framed chunk; b'' at the end of the stream."""
         (length,) = _FRAME.unpack(self.exact(_FRAME.size))
+        if length > MAX_FRAME:
+            raise ValueError(f"a frame of {length} bytes")
         return self.exact(length) if length else b""
 
 
-def frame(chunk: bytes | bytearray) -> bytes:
-    """``chunk``'s header as it goes over a relay's connection, before the chunk itself (length 0 ends the stream)."""
+def frame_header(chunk: bytes | bytearray) -> bytes:
+    """The header sent before ``chunk`` on a relay's connection (an empty chunk ends the stream)."""
     return _FRAME.pack(len(chunk))
 
 
+def handshake_as_client(sock: socket.socket, token: str, role: str, peer_role: str,
+                        hello: dict | None = None) -> LineReader:
+    """Prove the token to the server of ``sock`` as ``role`` (with ``hello``), and have it prove it as
+    ``peer_role``; the reader of the connection after.
+
+    Raises:
+        AuthError: the server did not prove the token. OSError, EOFError, ValueError: the connection failed.
+    """
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+    reader = LineReader(sock)
+    challenge = str(reader.line(deadline).get("nonce", ""))
+    mine = os.urandom(16).hex()
+    send_json(sock, {**(hello or {}), "proof": proof(token, role, challenge), "nonce": mine})
+    answer = reader.line(deadline)
+    if not hmac.compare_digest(str(answer.get("proof", "")), proof(token, peer_role, mine)):
+        raise AuthError(f"the {peer_role} did not prove the job's staging token")
+    return reader
+
+
+def handshake_as_server(sock: socket.socket, token: str, role: str, peer_role: str) -> tuple[LineReader, dict]:
+    """Have the client of ``sock`` prove the token as ``peer_role``, then prove it as ``role``; the reader and
+    the client's hello.
+
+    Raises:
+        AuthError: the client did not prove the token. OSError, EOFError, ValueError: the connection failed.
+    """
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+    reader = LineReader(sock)
+    nonce = os.urandom(16).hex()
+    send_json(sock, {"nonce": nonce})
+    hello = reader.line(deadline)
+    if not hmac.compare_digest(str(hello.get("proof", "")), proof(token, peer_role, nonce)):
+        raise AuthError(f"the {peer_role} did not prove the job's staging token")
+    send_json(sock, {"proof": proof(token, role, str(hello.get("nonce", "")))})
+    return reader, hello
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """No timeout on ``sock`` (a wait on it may last a whole tree), but the kernel's keepalive probes: a peer gone
+    without a word is seen within about a minute."""
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 def directory_identity(directory: str) -> str:
-    """Which directory ``directory`` is, across hosts: the kernel's boot id, its device and inode (hosts that print
-    the same share it). Unique to this process when it cannot be made or read: the unpack line then says why."""
+    """Which directory ``directory`` is, across hosts: the kernel's boot id, and the device and inode of it or of
+    its nearest existing parent (nothing is made before hvdrun proved itself); hosts that print the same share it.
+    Unique to this process when it cannot be read: the unpack line then says why."""
+    path = os.path.abspath(directory)
     try:
-        os.makedirs(directory, exist_ok=True)
-        stat = os.stat(directory)
+        while not os.path.exists(path) and path != os.path.dirname(path):
+            path = os.path.dirname(path)
+        stat = os.stat(path)
         with open("/proc/sys/kernel/random/boot_id") as boot:
-            return f"{boot.read().strip()}:{stat.st_dev}:{stat.st_ino}"
+            return f"{boot.read().strip()}:{stat.st_dev}:{stat.st_ino}:{os.path.relpath(directory, path)}"
     except OSError:
         return f"{socket.gethostname()}:{os.getpid()}:{time.time()}"
 
@@ -115,9 +189,11 @@ def address_towards(addr: str) -> str:
 class Unpack:
     """The unpack line (``sh -c SCRIPT hvdrun-stage DIR FP``) of this host, fed through its stdin."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], lock_wait_s: int) -> None:
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - read in finish()
-        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr)
+        env = {**os.environ, LOCK_WAIT_VARIABLE: str(lock_wait_s)}
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                        env=env)
         self.answer = self.read_line()
 
     def write(self, data: bytes | bytearray) -> bool:
@@ -129,12 +205,15 @@ class Unpack:
         except OSError:
             return False
 
-    def flush(self) -> None:
+    def start_stream(self, kib: int) -> bool:
+        """Say how much space the copy needs; whether the line then takes the stream (False: it refused)."""
         assert self.process.stdin is not None
         try:
+            self.process.stdin.write(f"{kib} 0 -\n".encode())
             self.process.stdin.flush()
         except OSError:
-            pass
+            return False
+        return self.read_line() == "STREAM"
 
     def read_line(self) -> str:
         assert self.process.stdout is not None
@@ -145,7 +224,7 @@ class Unpack:
         assert self.process.stdin is not None and self.process.stdout is not None
         try:
             self.process.stdin.close()
-        except BrokenPipeError:
+        except OSError:
             pass
         rest = self.process.stdout.read().decode(errors="replace")
         status = self.process.wait()
@@ -157,7 +236,7 @@ class Unpack:
 
 
 class Source:
-    """The chunks of this host's tar stream, and what they are read from (a tar here, or the parent's socket)."""
+    """The chunks of this host's tar stream, and what they are read from (a tar here, or a socket)."""
 
     def __init__(self, chunks: Iterator[bytes | bytearray], tar: subprocess.Popen | None = None,
                  sock: socket.socket | None = None) -> None:
@@ -184,34 +263,34 @@ class Relay:
     """This host's relay: see the module docstring."""
 
     def __init__(self, coordinator: socket.socket, token: str, index: int, directory: str) -> None:
-        self.coordinator, self.reader = coordinator, LineReader(coordinator)
-        self.token, self.index, self.directory = token, index, directory
+        self.coordinator, self.token, self.index, self.directory = coordinator, token, index, directory
+        self.reader = LineReader(coordinator)
         self.listener: socket.socket | None = None
         self.unpack: Unpack | None = None
 
     def run(self) -> int:
-        nonce = self.reader.line()["nonce"]
-        send_json(self.coordinator, {"index": self.index, "proof": proof(self.token, nonce),
-                                     "host": socket.gethostname(), "identity": directory_identity(self.directory)})
+        hello = {"index": self.index, "host": socket.gethostname(), "identity": directory_identity(self.directory)}
+        self.reader = handshake_as_client(self.coordinator, self.token, "relay", "hvdrun", hello)
+        keep_alive(self.coordinator)
         while True:
             message = self.reader.line()
-            if message["do"] == "check":
+            if message.get("do") == "check":
                 self.check(message)
-            elif message["do"] == "feed":
+            elif message.get("do") == "feed":
                 self.feed(message)
             else:
                 return 0
 
     def check(self, message: dict) -> None:
-        """Run the unpack line; answer HAVE, NEED (and where this relay listens) or how it failed."""
-        self.unpack = Unpack(message["argv"])
+        """Run the unpack line; answer HAVE, BUSY, NEED (and where this relay listens) or how it failed."""
+        self.unpack = Unpack(list(message["argv"]), int(message["lock_wait"]))
         if not self.unpack.answer.startswith("NEED "):
             self.end(self.unpack.finish(), 0, 0, 0.0)
             return
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.bind(("0.0.0.0", 0))  # noqa: S104 - children connect from their hosts, with the token
         self.listener.listen(64)
-        prefix = message["prefix"]  # a venv's or a conda environment's root, as hvdrun's machine sees it
+        prefix = str(message["prefix"])  # a venv's or a conda environment's root, as hvdrun's machine sees it
         sees = os.path.isfile(os.path.join(prefix, "pyvenv.cfg")) or os.path.isdir(os.path.join(prefix, "conda-meta"))
         send_json(self.coordinator, {"answer": self.unpack.answer, "addr": address_towards(message["peer"]),
                                      "port": self.listener.getsockname()[1], "sees_source": sees})
@@ -219,30 +298,38 @@ class Relay:
     def feed(self, message: dict) -> None:
         """Take the stream, unpack it here and pass it on to the children."""
         assert self.unpack is not None and self.listener is not None
-        started = time.monotonic()
+        started, feeder = time.monotonic(), str(message.get("from_host", "hvdrun"))
         try:  # the parent first: every host reaches its parent before it waits for its children (top-down)
             source = self.open_source(message)
-            children = self.accept_children(message["children"])
-        except (OSError, EOFError, ValueError) as e:
+            children = self.accept_children(int(message["children"]))
+        except (OSError, EOFError, ValueError, AuthError) as e:
             self.listener.close()
             self.unpack.kill()
-            status, rest, stderr = self.unpack.finish()
-            self.end((status or 4, rest, f"hvdrun-stage: cannot reach {message.get('from_host')}: {e}\n{stderr}"),
-                     0, 0, time.monotonic() - started, message["children"])
+            self.end(self.failed(f"cannot reach {feeder}: {e}"), 0, 0, time.monotonic() - started)
             return
-        self.unpack.write(f"{message['kib']} 0 -\n".encode())
-        self.unpack.flush()
-        if self.unpack.read_line() != "STREAM":  # it refused (no space): the children see the stream end early
+        if not self.unpack.start_stream(int(message["kib"])):  # it refused (no space): the children see the end
             source.close()
-            self.close_children(children)
-            self.end(self.unpack.finish(), 0, 0, time.monotonic() - started, message["children"])
+            self.close_all(children)
+            self.end(self.unpack.finish(), 0, 0, time.monotonic() - started)
             return
+        taken, error = self.stream(source, children, feeder, watch=message["source"] != "coordinator")
+        if error:
+            self.unpack.kill()
+        status, rest, stderr = self.unpack.finish()
+        if error:
+            status, stderr = status or 4, f"hvdrun-stage: {error}\n{stderr}"
+        self.end((status, rest, stderr), taken, taken if source.reads_environment else 0, time.monotonic() - started)
+
+    def stream(self, source: Source, children: list[socket.socket], feeder: str, watch: bool) -> tuple[int, str]:
+        """Every chunk to the unpack and the children; the bytes taken and what went wrong ('' when nothing)."""
         taken, error = 0, ""
         try:
             while chunk := next(source.chunks, b""):
+                if watch and self.coordinator_gone():
+                    raise OSError("hvdrun went away")
                 taken += len(chunk)
                 children = self.pass_on(children, chunk)
-                if not self.unpack.write(chunk):
+                if not self.unpack.write(chunk):  # type: ignore[union-attr]
                     break  # the unpack ended: its status says why
             else:
                 if source.failed():
@@ -250,69 +337,71 @@ class Relay:
                 else:
                     children = self.pass_on(children, b"")
         except (OSError, EOFError, ValueError) as e:
-            error = f"the stream from {message.get('from_host', 'hvdrun')} ended early: {e}"
+            error = f"the stream from {feeder} ended early: {e}"
         source.close()
-        if error:
-            self.unpack.kill()
-        self.close_children(children)
+        self.close_all(children)
+        return taken, error
+
+    def coordinator_gone(self) -> bool:
+        """Whether hvdrun's connection closed (or said anything: mid-stream it only ever says to stop)."""
+        readable, _, _ = select.select([self.coordinator], [], [], 0)
+        return bool(readable)
+
+    def failed(self, why: str) -> tuple[int, str, str]:
+        """The unpack's end after it was killed for ``why``."""
+        assert self.unpack is not None
         status, rest, stderr = self.unpack.finish()
-        if error:
-            status, stderr = status or 4, f"hvdrun-stage: {error}\n{stderr}"
-        self.end((status, rest, stderr), taken, taken if source.reads_environment else 0,
-                 time.monotonic() - started, message["children"] - len(children))
+        return status or 4, rest, f"hvdrun-stage: {why}\n{stderr}"
 
     @staticmethod
-    def close_children(children: list[socket.socket]) -> None:
+    def close_all(children: list[socket.socket]) -> None:
         for child in children:
             child.close()
 
     def accept_children(self, count: int) -> list[socket.socket]:
-        """The ``count`` children, each once it proved the token (those not there within
-        :data:`CHILDREN_WAIT_S` are left out)."""
+        """The ``count`` children, each once the token was proven both ways (those not there within
+        :data:`CHILDREN_WAIT_S` are left out; a connection that proves nothing within
+        :data:`HANDSHAKE_TIMEOUT_S` is dropped)."""
         assert self.listener is not None
         deadline = time.monotonic() + CHILDREN_WAIT_S
         children: list[socket.socket] = []
-        while len(children) < count:
+        while len(children) < count and time.monotonic() < deadline:
             self.listener.settimeout(max(deadline - time.monotonic(), 0.01))
             try:
                 child, _ = self.listener.accept()
             except TimeoutError:
                 break  # a child that did not come is dropped: its own host says why
-
-            child.settimeout(IO_TIMEOUT_S)
-            nonce = os.urandom(16).hex()
-            send_json(child, {"nonce": nonce})
+            child.settimeout(HANDSHAKE_TIMEOUT_S)
             try:
-                answer = LineReader(child).line()
-            except (OSError, EOFError, ValueError):
+                handshake_as_server(child, self.token, "parent", "child")
+            except (OSError, EOFError, ValueError, AuthError):
                 child.close()
                 continue
-            if hmac.compare_digest(str(answer.get("proof", "")), proof(self.token, nonce)):
-                children.append(child)
-            else:
-                child.close()
+            child.settimeout(IO_TIMEOUT_S)
+            children.append(child)
         self.listener.close()
         return children
 
     def open_source(self, message: dict) -> Source:
         """Where this host's stream comes from: the environment itself, hvdrun, or the parent host."""
         if message["source"] == "env":
-            tar = subprocess.Popen(["tar", "-C", message["prefix"], "-cf", "-", "."], stdout=subprocess.PIPE)
+            tar = subprocess.Popen(["tar", "-C", str(message["prefix"]), "-cf", "-", "."], stdout=subprocess.PIPE)
             out = tar.stdout
             assert out is not None
             return Source(iter(lambda: out.read(CHUNK), b""), tar=tar)
         if message["source"] == "coordinator":
             return Source(iter(self.reader.frame, b""))
-        parent = socket.create_connection(tuple(message["parent"]), timeout=IO_TIMEOUT_S)
-        reader = LineReader(parent)
-        send_json(parent, {"proof": proof(self.token, reader.line()["nonce"])})
+        addr, port = message["parent"]
+        parent = socket.create_connection((str(addr), int(port)), timeout=HANDSHAKE_TIMEOUT_S)
+        reader = handshake_as_client(parent, self.token, "child", "parent")
+        parent.settimeout(IO_TIMEOUT_S)
         return Source(iter(reader.frame, b""), sock=parent)
 
     @staticmethod
     def pass_on(children: list[socket.socket], chunk: bytes | bytearray) -> list[socket.socket]:
         """Send ``chunk`` (framed) to every child; those that fail are dropped (their hosts say why)."""
         kept = []
-        header = frame(chunk)
+        header = frame_header(chunk)
         for child in children:
             try:
                 child.sendall(header)
@@ -322,36 +411,35 @@ class Relay:
                 child.close()
         return kept
 
-    def end(self, finished: tuple[int, str, str], taken: int, source_bytes: int, seconds: float,
-            dropped: int = 0) -> None:
+    def end(self, finished: tuple[int, str, str], taken: int, source_bytes: int, seconds: float) -> None:
         status, rest, stderr = finished
         answer = self.unpack.answer if self.unpack else ""
         send_json(self.coordinator, {"end": status, "answer": answer, "stdout": rest, "stderr": stderr[-4000:],
-                                     "bytes": taken, "source_bytes": source_bytes, "seconds": seconds,
-                                     "dropped": dropped})
+                                     "bytes": taken, "source_bytes": source_bytes, "seconds": seconds})
 
 
 def _index(given: str) -> int:
-    if given != "-":
+    """INDEX: a number, or ``env:NAME`` for the rank the MPI launcher put in ``$NAME``."""
+    if not given.startswith("env:"):
         return int(given)
-    for name in MPI_RANK_VARIABLES:
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    raise SystemExit(f"hvdrun-stage: no rank variable ({', '.join(MPI_RANK_VARIABLES)}) says which host this is")
+    name = given.removeprefix("env:")
+    if not os.environ.get(name, "").isdigit():
+        raise SystemExit(f"hvdrun-stage: ${name} does not say which host this is (the launcher sets it)")
+    return int(os.environ[name])
 
 
 def main(argv: list[str]) -> int:
     """``ADDR PORT INDEX DIR``: relay this host's part of the job's staging (see the module docstring)."""
     addr, port, index, directory = argv
     token = os.environ.pop(TOKEN_VARIABLE, "") or sys.stdin.readline().strip()
-    coordinator = socket.create_connection((addr, int(port)), timeout=IO_TIMEOUT_S)
+    coordinator = socket.create_connection((addr, int(port)), timeout=HANDSHAKE_TIMEOUT_S)
     relay = Relay(coordinator, token, _index(index), directory)
     try:
         return relay.run()
-    except (OSError, EOFError, ValueError) as e:  # the coordinator went away: nothing here may outlive it
+    except Exception as e:  # noqa: BLE001 - hvdrun went away or misspoke: nothing here may outlive it
         if relay.unpack is not None:
             relay.unpack.kill()
-        print(f"hvdrun-stage: lost hvdrun at {addr}:{port}: {e}", file=sys.stderr)
+        print(f"hvdrun-stage: lost hvdrun at {addr}:{port}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 
 
