@@ -141,7 +141,8 @@ class FileSystem:
     client_bw: float = 2e9  # ASSUMED: one client's read bandwidth from it
     link_bw: float = 25e9  # ezpz's yeet page: a 200 Gb/s NIC
     unpack_bw: float = 1e9  # measured: tar | tar of 1.55 GB into tmpfs in 3.1 s on this VM's 2 cores
-    relay_bw: float = 2.5e9  # measured: a relay's copies cost 2.6 core-s a GB here (benchmarks/stage_tree.py)
+    relay_bw: float = 0.3e9  # measured: a relay's receive, sends and pipe write cost 3.3 core-s a GB on this VM
+    # (its veth network stack included; benchmarks/stage_tree.py): the slowest stage here, far below a node's NIC
     chunk: float = 1 << 20  # a relay's chunk (hvdrun/launch/remote/stage_relay.py)
     stage_fanout: int = 4  # HVDRUN_STAGE_FANOUT's default
     c_start: float = 0.0126  # measured: hvdrun's CPU a host it opens an SSH connection to (c_ssh, the fit)
