@@ -183,15 +183,18 @@ def test_healthy_nodes_pass_every_node_check(run_hvdrun, nodes):
     assert report["job"]["ok"]
 
 
-def test_an_interface_down_and_one_without_carrier_name_their_hosts(run_hvdrun, nodes):
+def test_an_interface_down_one_without_carrier_and_a_failing_vendor_tool_name_their_hosts(run_hvdrun, nodes):
     h1, h2, h3 = nodes.ssh.addrs
-    with interface_down(nodes, 1), interface_down(nodes, 2, "hsn0p"):
+    with interface_down(nodes, 1), interface_down(nodes, 2, "hsn0p"), vendor_tools(nodes, 0, nvidia_smi="fail"):
         done, report = check_json(run_hvdrun, nodes, 3)
-    assert done.returncode == 1 and failed(report) == {h2: ["interface"], h3: ["interface"]}
+    assert done.returncode == 1 and failed(report) == {h1: ["gpu-health"], h2: ["interface"], h3: ["interface"]}
     assert checks_of(report, h2)["interface"]["found"] == "hsn0 is down (operstate down)"
     assert checks_of(report, h3)["interface"]["found"] == ("hsn0 is up but has no carrier (operstate "
                                                            "lowerlayerdown): no link")
-    assert checks_of(report, h1)["interface"]["ok"] and report["job"]["skipped"] == f"host checks failed on {h2}, {h3}"
+    assert checks_of(report, h1)["interface"]["ok"]
+    assert checks_of(report, h1)["gpu-health"]["found"].startswith(
+        "nvidia-smi: 'nvidia-smi -q' failed with exit code 9: NVIDIA-SMI has failed because it couldn't communicate")
+    assert report["job"]["skipped"] == f"host checks failed on {h1}, {h2}, {h3}"
 
 
 def test_a_missing_mount_and_a_full_local_dir_name_their_hosts_in_one_line_each(run_hvdrun, nodes):
@@ -219,15 +222,6 @@ def test_vendor_tools_that_report_problems_name_the_host_and_the_gpu(run_hvdrun,
     assert checks_of(report, h3)["gpu-health"]["found"] == (
         "GPU 1 (00000000:46:00.0): a row remap is pending (a GPU reset applies it); "
         "GPU 2: GPU Memory: critical (Memory has uncorrectable errors.)")
-
-
-def test_a_vendor_tool_that_fails_is_the_hosts_failure(run_hvdrun, nodes):
-    h1, h2 = nodes.ssh.addrs[:2]
-    with vendor_tools(nodes, 1, nvidia_smi="fail"):
-        _, report = check_json(run_hvdrun, nodes, 2)
-    assert failed(report) == {h2: ["gpu-health"]}
-    assert checks_of(report, h2)["gpu-health"]["found"].startswith(
-        "nvidia-smi: 'nvidia-smi -q' failed with exit code 9: NVIDIA-SMI has failed because it couldn't communicate")
 
 
 def write_config(path: Path, nodes: Nodes, **extra: str) -> Path:
