@@ -141,10 +141,19 @@ def job_command(kind: str, info: dict, hosts: int, per_host: int, sizes: str, mp
         forward = [word for name, value in mpi_env.items() for word in ("-x", f"{name}={value}")]
         return (["--launcher", "mpiexec", *where, *forward, str(ALLREDUCE), "--worker", "mpi", "--sizes", sizes],
                 dict(mpi_env))
-    env = {"HVDRUN_ALGORITHM": kind.split()[1], **hvdrun_env}
+    env = kind_env(kind, hvdrun_env)
     forward = [word for name, value in env.items() for word in ("-x", f"{name}={value}")]
     return ([*where, "--network-interface", "eth0", *forward, str(ALLREDUCE), "--worker", "hvdrun", "--sizes", sizes],
             env)
+
+
+COMPILED_OFF = "compiled-off"  # a kind's suffix: the same algorithm with HVDRUN_COMPILED=off (--compare-compiled)
+
+
+def kind_env(kind: str, hvdrun_env: dict[str, str]) -> dict[str, str]:
+    """The environment of an hvdrun kind: ``hvdrun ALGORITHM [compiled-off]``."""
+    words = kind.split()
+    return {"HVDRUN_ALGORITHM": words[1], **hvdrun_env, **({"HVDRUN_COMPILED": "off"} if COMPILED_OFF in words else {})}
 
 
 def run_job(kind: str, info: dict | netns_direct.BareHosts, hosts: int, per_host: int, sizes: str,
@@ -157,7 +166,7 @@ def run_job(kind: str, info: dict | netns_direct.BareHosts, hosts: int, per_host
     if kind == MPI:
         code, out, err = netns_direct.run_mpi(info, hosts, per_host, script, args.mpi_env, args.job_timeout)
     else:
-        env = {"HVDRUN_ALGORITHM": kind.split()[1], **args.hvdrun_env}
+        env = kind_env(kind, args.hvdrun_env)
         code, out, err = netns_direct.run_hvdrun(info, hosts, per_host, script, env, args.job_timeout)
     if code != 0:
         raise JobFailed(f"{kind} on {hosts} x {per_host} failed (exit {code}):\n{err}")
@@ -168,7 +177,7 @@ def sweep(info: dict | netns_direct.BareHosts, args: argparse.Namespace, kinds: 
           save: Callable[[list[dict], list[dict]], None]) -> tuple[list[dict], list[dict]]:
     """Every (round, configuration, kind) job; returns (one row per job and size, failed jobs)."""
     sizes = ",".join(str(s) for s in args.sizes)
-    configs = [(h, r) for h in args.hosts for r in args.ranks_per_host]
+    configs = args.configs or [(h, r) for h in args.hosts for r in args.ranks_per_host]
     runs: list[dict] = []
     failures: list[dict] = []
     total, done = args.rounds * len(configs) * len(kinds), 0
@@ -380,6 +389,13 @@ def csv_sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def csv_configs(text: str) -> list[tuple[int, int]]:
+    try:
+        return [(int(h), int(r)) for h, _, r in (v.strip().partition("x") for v in text.split(",") if v.strip())]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOSTSxRANKS,..., e.g. 4x1,2x2; got {text!r}") from None
+
+
 def csv_algorithms(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     unknown = [v for v in values if v not in ALGORITHMS]
@@ -396,6 +412,11 @@ def main() -> None:
     parser.add_argument("--algorithms", type=csv_algorithms, default=["auto", "flat"],
                         help=f"hvdrun jobs, one per HVDRUN_ALGORITHM ({', '.join(ALGORITHMS)}); default auto,flat")
     parser.add_argument("--no-mpi", action="store_true", help="leave out the MPI jobs")
+    parser.add_argument("--compare-compiled", action="store_true",
+                        help="also each algorithm with HVDRUN_COMPILED=off, alternating with it (the compiled "
+                             "module's gain)")
+    parser.add_argument("--configs", type=csv_configs, help="hosts x ranks to run, e.g. 4x1,2x2 (instead of every "
+                        "--hosts with every --ranks-per-host)")
     parser.add_argument("--ucx-tls", default="tcp,self", help="UCX_TLS of the MPI jobs (default tcp,self)")
     parser.add_argument("--mpi-env", action="append", default=[], metavar="NAME=VALUE",
                         help="more environment for the MPI jobs, e.g. MPIR_CVAR_POLLS_BEFORE_YIELD=10 (repeatable)")
@@ -422,7 +443,10 @@ def main() -> None:
         raise SystemExit("at most 250 namespace hosts")
     if args.no_sweep and not (args.loopback or args.startup):
         raise SystemExit("--no-sweep leaves nothing to run: add --loopback and/or --startup")
-    kinds = [f"hvdrun {a}" for a in args.algorithms] + ([] if args.no_mpi else [MPI])
+    suffixes = ("", f" {COMPILED_OFF}") if args.compare_compiled else ("",)
+    kinds = [f"hvdrun {a}{suffix}" for a in args.algorithms for suffix in suffixes] + ([] if args.no_mpi else [MPI])
+    if args.configs:
+        args.hosts = sorted({hosts for hosts, _ in args.configs})
     if args.no_ssh and (args.loopback or args.startup):
         raise SystemExit("--no-ssh runs the sweep only (--loopback and --startup need sshd hosts)")
     for option, items in (("--mpi-env", args.mpi_env), ("--hvdrun-env", args.hvdrun_env)):

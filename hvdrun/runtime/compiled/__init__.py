@@ -9,17 +9,18 @@ It stops, saying how far it got, where the Python path must take over (a partner
 value of the same number, size and an adjacent range), and every ``slice`` seconds of waiting, so that the caller
 sees the job's abort flag and signals as a Python wait does.
 
-Nothing is compiled on install: ``python -m hvdrun.runtime.compiled`` (``make compiled``) builds
-``_uniform_steps.so`` next to the source with the system's C compiler. ``HVDRUN_COMPILED`` chooses: ``auto`` (the
-default: used when built), ``off`` (the pure-Python path), ``on`` (an error at start when not built).
+``pip install`` builds it (the package's build hook, ``hatch_build.py``, with the system's C compiler: into the
+wheel, or next to the source for an editable install; without a compiler the install goes on, with one note, and
+hvdrun runs its pure-Python path). ``python -m hvdrun.runtime.compiled`` (``make compiled``) builds
+``_uniform_steps.so`` again next to the source. ``HVDRUN_COMPILED`` chooses: ``auto`` (the default: used when
+built), ``off`` (the pure-Python path), ``on`` (an error at start when not built). Its gain was measured
+(``benchmarks/results/compiled-decision.md``): 43 to 49 % less time a step at 4 and 64 KB across hosts.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import shutil
-import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -28,15 +29,13 @@ import numpy as np
 
 from hvdrun import envvars
 from hvdrun.errors import CollectiveError, PeerLostError, UsageError
+from hvdrun.runtime.compiled.toolchain import LIBRARY_NAME, SOURCE_NAME, compile_library
 from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM, ReduceFn, padded
 from hvdrun.runtime.transport.base import MAX_SLEEP_S, TAKE_VALUE, DoublingStep, Waiter
 from hvdrun.runtime.transport.posts import SLOT_BYTES, PostBoard
 
-SOURCE = Path(__file__).with_name("uniform_steps.c")
-LIBRARY = Path(__file__).with_name("_uniform_steps.so")
-# -fno-trapping-math: FP compares may be evaluated for every element (no trap is assumed), so the reductions
-# with their NaN rule vectorize; results are the same bits
-_FLAGS = ("-O2", "-ftree-vectorize", "-fno-trapping-math", "-fwrapv", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
+SOURCE = Path(__file__).with_name(SOURCE_NAME)
+LIBRARY = Path(__file__).with_name(LIBRARY_NAME)
 ABI_VERSION = 7  # uniform_steps.c's: a library built from another version of the source is not used
 _HEADER_BYTES = 32
 DONE, SLICE, OTHER, CLOSED, FAILED, UNSUPPORTED, WHOLE, BOARD_WAIT, POSTS_DIFFER, RESULT_OTHER = range(10)
@@ -94,17 +93,14 @@ def frame_bytes_of(nbytes: int, mode: int) -> int:
 
 
 def build(output: Path = LIBRARY, source: Path = SOURCE) -> Path:
-    """Compile ``source`` with the system's C compiler (``$CC``, else cc); the path of the library."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise CompiledError("no C compiler found (set CC, or install gcc): the pure-Python path needs none")
-    partial = output.with_suffix(f".{os.getpid()}.tmp")
-    result = subprocess.run([compiler, *_FLAGS, "-o", str(partial), str(source)], capture_output=True, text=True,
-                            check=False)
-    if result.returncode:
-        partial.unlink(missing_ok=True)
-        raise CompiledError(f"{compiler} failed on {source}:\n{result.stderr.strip()}")
-    partial.replace(output)  # atomic: a rank that loads it meanwhile sees the old library or the new one
+    """Compile ``source`` with the system's C compiler (``$CC``, else cc); the path of the library.
+
+    Raises:
+        CompiledError: no compiler, or it failed (its message).
+    """
+    problem = compile_library(output, source)
+    if problem is not None:
+        raise CompiledError(f"{problem}: the pure-Python path needs none" if "no C compiler" in problem else problem)
     return output
 
 
