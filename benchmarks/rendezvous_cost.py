@@ -26,7 +26,7 @@ from hvdrun.protocol.sockets import listen  # noqa: E402
 from hvdrun.runtime.peers import Peer, ring_neighbours  # noqa: E402
 from hvdrun.runtime.rendezvous.common import reserve_listener  # noqa: E402
 from hvdrun.runtime.rendezvous.server import RootServer  # noqa: E402
-from hvdrun.runtime.transport.base import AbortFlag  # noqa: E402
+from hvdrun.runtime.transport.channels import AbortFlag  # noqa: E402
 
 LEADER = textwrap.dedent("""
     import socket, sys, time

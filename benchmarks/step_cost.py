@@ -44,7 +44,7 @@ from hvdrun.runtime.collectives.streams import swap_small  # noqa: E402
 from hvdrun.runtime.compiled import load  # noqa: E402
 from hvdrun.runtime.negotiation import Request  # noqa: E402
 from hvdrun.runtime.reduce import padded  # noqa: E402
-from hvdrun.runtime.transport.base import AbortFlag, RxChannel, TxChannel, Waiter  # noqa: E402
+from hvdrun.runtime.transport.channels import AbortFlag, RxChannel, TxChannel, Waiter  # noqa: E402
 from hvdrun.runtime.transport.tcp import tune  # noqa: E402
 
 RANK = textwrap.dedent("""

@@ -544,8 +544,8 @@ def check(timeout_s: float, as_json: bool, min_disk_gb: float, latency_bytes: in
     from rich.console import Console
 
     from hvdrun.health.check import CheckOptions, check_targets, plan_check, run_check
+    from hvdrun.health.check_view import HostProgress, print_check
     from hvdrun.health.excludes import check_writable, describe_written, write_excludes
-    from hvdrun.health.report import HostProgress, print_check
     from hvdrun.launch.plan import RunOptions
 
     health = _health_from(options)
@@ -816,8 +816,8 @@ def chain_link(step: str, chain_file: str, number: int, exit_code: int | None, s
     """Inside a job of a chain (its script's first and last lines): begin exits 3 where the chain has ended, end
     decides whether it goes on, from the job's exit code and the stop signal its script got, if any
     (jobs/chain.py)."""
-    from hvdrun.jobs.base import CHAIN_ENDED
     from hvdrun.jobs.chain import link_begins, link_ends, load_chain
+    from hvdrun.jobs.scheduler import CHAIN_ENDED
 
     chain = load_chain(chain_file)
     if step == "begin":

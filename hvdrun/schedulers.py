@@ -7,7 +7,7 @@ imports nothing, so every floor of the package can read it.
 
 from __future__ import annotations
 
-# name -> "module:class" of its back-end (a hvdrun.jobs.base.Scheduler)
+# name -> "module:class" of its back-end (a hvdrun.jobs.scheduler.Scheduler)
 PBS, COBALT, SLURM = "pbs", "cobalt", "slurm"
 BACKENDS: dict[str, str] = {
     PBS: "hvdrun.jobs.pbs:Pbs",

@@ -3,7 +3,7 @@
 - :mod:`spec` turns the command line and the cluster YAML into a validated :class:`JobSpec`;
 - :mod:`render` fills a Jinja2 template from ``templates/`` (layout only; every value is quoted here)
   and checks the script against the scheduler's directive rules;
-- :mod:`pbs`, :mod:`cobalt`, :mod:`slurm`: one :class:`~hvdrun.jobs.base.Scheduler` each (directives,
+- :mod:`pbs`, :mod:`cobalt`, :mod:`slurm`: one :class:`~hvdrun.jobs.scheduler.Scheduler` each (directives,
   submit, status, cancel);
 - :mod:`follow`: submit, wait and the job registry behind ``hvdrun qstat`` / ``hvdrun qdel``.
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from hvdrun.schedulers import BACKENDS, DEFAULT_SCHEDULER, SCHEDULERS
 
 if TYPE_CHECKING:
-    from hvdrun.jobs.base import Scheduler
+    from hvdrun.jobs.scheduler import Scheduler
 
 __all__ = ["DEFAULT_SCHEDULER", "SCHEDULERS", "scheduler_class", "scheduler_for"]
 

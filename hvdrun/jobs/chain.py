@@ -29,8 +29,8 @@ from hvdrun.atomic_files import write_text_atomically
 from hvdrun.envvars import jobs_dir
 from hvdrun.errors import JobError, JobInterrupted, UsageError
 from hvdrun.jobs import scheduler_for
-from hvdrun.jobs.base import ChainLink, JobSpec
 from hvdrun.jobs.follow import SubmittedJob, current_status, follow, read_exit_file, submit
+from hvdrun.jobs.scheduler import ChainLink, JobSpec
 from hvdrun.walltime import JobEvents
 
 CHAIN_PREFIX = "chain-"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from hvdrun.errors import JobError
-from hvdrun.jobs.base import (
+from hvdrun.jobs.scheduler import (
     EXITING,
     FINISHED,
     HELD,

@@ -19,7 +19,7 @@ from pathlib import Path
 from hvdrun.envvars import jobs_dir
 from hvdrun.errors import JobError, JobInterrupted, UsageError
 from hvdrun.jobs import DEFAULT_SCHEDULER, SCHEDULERS, scheduler_for
-from hvdrun.jobs.base import FINISHED, UNKNOWN, JobSpec, JobStatus, Scheduler
+from hvdrun.jobs.scheduler import FINISHED, UNKNOWN, JobSpec, JobStatus, Scheduler
 from hvdrun.schedulers import SLURM
 
 _FIRST_POLL_S, _MAX_POLL_S = 0.25, 30.0  # polls every tenth of the job's age: quick for short jobs, gentle on

@@ -17,7 +17,8 @@ from dataclasses import replace
 
 from hvdrun.config import QueueLimits, QueueRoute
 from hvdrun.errors import JobError
-from hvdrun.jobs.base import (
+from hvdrun.jobs.queue_limits import ServerQueue, ServerQueues
+from hvdrun.jobs.scheduler import (
     EXITING,
     FINISHED,
     HELD,
@@ -33,7 +34,6 @@ from hvdrun.jobs.base import (
     quote,
     run_scheduler_command,
 )
-from hvdrun.jobs.queue_limits import ServerQueue, ServerQueues
 from hvdrun.schedulers import PBS
 from hvdrun.walltime import pbs_duration_s
 

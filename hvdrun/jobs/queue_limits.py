@@ -4,7 +4,7 @@
 knows its queues; the cluster YAML (``scheduler.queues``) holds facts that go stale. So:
 
 1. When the scheduler's command is on PATH, the server is asked once, with a short timeout, for every queue
-   and its limits (:meth:`~hvdrun.jobs.base.Scheduler.ask_queues`: PBS ``qstat -Qf -F json``, Slurm ``scontrol
+   and its limits (:meth:`~hvdrun.jobs.scheduler.Scheduler.ask_queues`: PBS ``qstat -Qf -F json``, Slurm ``scontrol
    show partition``). A laptop without them is not asked and the YAML decides, silently.
 2. A limit the server states decides; one it does not state (a PBS queue without ``resources_max.walltime``,
    Sophia's by-gpu sizes, which a hook enforces) is the YAML's. A server that does not answer, or answers in a

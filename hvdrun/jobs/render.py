@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hvdrun.errors import UsageError
 from hvdrun.jobs import SCHEDULERS, scheduler_for
-from hvdrun.jobs.base import CHAIN_ENDED, JobSpec, Scheduler, ScriptRules, quote
+from hvdrun.jobs.scheduler import CHAIN_ENDED, JobSpec, Scheduler, ScriptRules, quote
 from hvdrun.resources import data_dir
 
 

@@ -13,7 +13,8 @@ import re
 
 from hvdrun.config import QueueLimits
 from hvdrun.errors import JobError, UsageError
-from hvdrun.jobs.base import (
+from hvdrun.jobs.queue_limits import ServerQueue, ServerQueues
+from hvdrun.jobs.scheduler import (
     EXITING,
     FINISHED,
     HELD,
@@ -29,7 +30,6 @@ from hvdrun.jobs.base import (
     quote,
     run_scheduler_command,
 )
-from hvdrun.jobs.queue_limits import ServerQueue, ServerQueues
 from hvdrun.schedulers import SLURM
 from hvdrun.walltime import slurm_duration_s
 

@@ -29,7 +29,7 @@ from hvdrun.config import (
 )
 from hvdrun.errors import UsageError
 from hvdrun.jobs import SCHEDULERS, queue_limits, scheduler_class
-from hvdrun.jobs.base import JobSpec, quote
+from hvdrun.jobs.scheduler import JobSpec, quote
 from hvdrun.launch.remote.cpubind import CpuBindError, parse_cpu_bind
 from hvdrun.schedulers import SLURM
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hvdrun.envvars import guard_options, remote_env
-from hvdrun.launch.base import Worker, WorkerSpec
+from hvdrun.launch.launcher import Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.remote.connections import SshTarget
 from hvdrun.launch.remote.guard import KILL, TERMINATE, forward_byte
@@ -133,7 +133,7 @@ def lost_note(host: str, lost: dict[str, Any]) -> str:
 
 
 class AgentForest:
-    """The agents of the hosts of one :meth:`prepare <hvdrun.launch.base.Launcher.prepare>`: those hvdrun reaches
+    """The agents of the hosts of one :meth:`prepare <hvdrun.launch.launcher.Launcher.prepare>`: those hvdrun reaches
     itself (the roots) and, through them, every other.
 
     Args:

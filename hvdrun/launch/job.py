@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, TextIO
 from hvdrun.envvars import ELASTIC_ADDR, ELASTIC_PORT, Rendezvous, shm_files_glob
 from hvdrun.hosts import Host
 from hvdrun.interrupts import interrupted_before_ranks
-from hvdrun.launch.base import Launcher, WorkerSpec
+from hvdrun.launch.launcher import Launcher, WorkerSpec
 from hvdrun.launch.observation import Observation, observed
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.plan import ElasticPlan, JobPlan, start_timeout_s

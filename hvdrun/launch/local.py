@@ -20,7 +20,7 @@ from dataclasses import replace
 from hvdrun.envvars import guard_options, start_timeout_s
 from hvdrun.errors import LaunchError, StartCancelled
 from hvdrun.hosts import Host
-from hvdrun.launch.base import GUARD_SCRIPT, Endpoint, Launcher, Worker, WorkerSpec
+from hvdrun.launch.launcher import GUARD_SCRIPT, Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.remote.forkserver import ForkServer, GuardPipes, GuardStatus, describe_status
 from hvdrun.launch.remote.guard import forward_byte

@@ -32,7 +32,7 @@ from pathlib import Path
 from hvdrun import envvars
 from hvdrun.errors import LaunchError, UsageError
 from hvdrun.hosts import Host, is_local_host
-from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
+from hvdrun.launch.launcher import Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.local import LOOPBACK, LocalLauncher, LocalWorker
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.pals_faults import PalsLines, SickNode, job_host

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from hvdrun.envvars import CPU_BIND, OMP_NUM_THREADS, Rendezvous
 from hvdrun.errors import HvdrunError, JobInterrupted
 from hvdrun.interrupts import interrupted_before_ranks
-from hvdrun.launch.base import WorkerSpec
+from hvdrun.launch.launcher import WorkerSpec
 from hvdrun.protocol.inspection import STACKS_HEADER
 
 if TYPE_CHECKING:

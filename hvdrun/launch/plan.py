@@ -45,7 +45,6 @@ from hvdrun.hosts import (
     parse_hostfile,
     without_excluded,
 )
-from hvdrun.launch.base import WorkerSpec
 from hvdrun.launch.elastic.discovery import FixedHosts, ScriptDiscovery, make_discovery
 from hvdrun.launch.elastic.worker_pool import (
     DEFAULT_COOLDOWN_S,
@@ -53,6 +52,7 @@ from hvdrun.launch.elastic.worker_pool import (
     ElasticSettings,
     check_settings,
 )
+from hvdrun.launch.launcher import WorkerSpec
 from hvdrun.launch.remote.preload import AUTO, choose_modules, rank_source
 from hvdrun.launch.staging import DEFAULT_STAGE_DIR, StagePlan, check_stage_dir, plan_staging, staged_env
 from hvdrun.launch.supervision import DEFAULT_FORWARD_SIGNALS, parse_signal_list

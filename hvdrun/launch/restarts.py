@@ -114,7 +114,7 @@ def run_with_restarts(plan: P, max_restarts: int, replan: Callable[[tuple[Host, 
         run_attempt: runs one attempt of a plan (its number given: 0 is the first).
         log: where the one-line announcements go.
         probe: checks hosts before an attempt starts there; returns those that failed, each name with why
-            (the launcher's :meth:`hvdrun.launch.base.Launcher.probe_hosts`; by default none is checked).
+            (the launcher's :meth:`hvdrun.launch.launcher.Launcher.probe_hosts`; by default none is checked).
 
     Raises:
         WorkerFailed: the last attempt's failure (its exit code is the job's), or an early stop.

@@ -57,8 +57,8 @@ from hvdrun.launch.agent_forest import (
     rank_env,
     tree_nodes,
 )
-from hvdrun.launch.base import Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.hostprobe import explain_probe_failure, module_command, probe_command
+from hvdrun.launch.launcher import Endpoint, Launcher, Worker, WorkerSpec
 from hvdrun.launch.local import LOOPBACK, LocalLauncher
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.remote.connections import (

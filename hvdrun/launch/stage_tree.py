@@ -6,7 +6,7 @@ staging token to each other. Then, in rounds until every host has its copy:
 
 1. Hosts whose staging directory is one directory (the same boot id, device and inode: containers or network
    namespaces of one machine) are grouped: the first of each group checks, the others wait for a later round.
-2. Each checking host runs the unpack line (:mod:`hvdrun.launch.envcopy`) and answers HAVE (a copy is there),
+2. Each checking host runs the unpack line (:mod:`hvdrun.launch.stage_unpack`) and answers HAVE (a copy is there),
    BUSY (another job holds the copy's lock: in the first round nobody waits for a lock, so two jobs never wait
    on each other), or NEED. The hosts that NEED form a tree in host order, ``fanout`` children a host
    (``HVDRUN_STAGE_FANOUT``, default :data:`DEFAULT_FANOUT`; :func:`tree_depth` levels). Ten hosts, fan-out 3::
@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hvdrun.errors import LaunchError, UsageError
-from hvdrun.launch.envcopy import Environment, HostStaged, unpack_command, unpack_failure
 from hvdrun.launch.remote import stage_relay
 from hvdrun.launch.remote.stage_relay import (
     AuthError,
@@ -51,6 +50,7 @@ from hvdrun.launch.remote.stage_relay import (
     keep_alive,
     send_json,
 )
+from hvdrun.launch.stage_unpack import Environment, HostStaged, unpack_command, unpack_failure
 from hvdrun.protocol.tree import parent_of
 
 FANOUT_VARIABLE = "HVDRUN_STAGE_FANOUT"

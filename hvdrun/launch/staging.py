@@ -9,7 +9,7 @@ disk turns that into one tar stream per node. The flow:
    (``pyvenv.cfg`` beside ``bin/``) or a conda environment (``conda-meta/``) on this machine; its
    fingerprint is the path and the modification times of its top-level and site-packages entries.
 2. After the launcher reached the hosts (:func:`stage`), each host runs one ``sh`` line
-   (:mod:`hvdrun.launch.envcopy`) that takes a lock and answers ``HAVE PATH`` when a complete copy is there,
+   (:mod:`hvdrun.launch.stage_unpack`) that takes a lock and answers ``HAVE PATH`` when a complete copy is there,
    else ``NEED PATH``. This machine copies the environment itself (``tar | tar``); the remote hosts that need
    it get it down a tree (:mod:`hvdrun.launch.stage_tree`): one host reads the environment from the shared file
    system, once for the whole job, and every host passes the stream on to its children while it unpacks. The
@@ -45,8 +45,8 @@ from typing import Protocol
 
 from hvdrun.errors import UsageError
 from hvdrun.hosts import Host
-from hvdrun.launch.envcopy import Environment, HostStaged, copy_here, stop_local_copies
 from hvdrun.launch.stage_tree import RelayStarter, StageTree, TreeReport, stage_fanout
+from hvdrun.launch.stage_unpack import Environment, HostStaged, copy_here, stop_local_copies
 
 DEFAULT_STAGE_DIR = "/tmp"  # noqa: S108 - node-local by default; the copy lives in a private hvdrun-UID/ below it
 

@@ -1,4 +1,4 @@
-"""Supervision of one job's workers (:mod:`hvdrun.launch.base` starts them).
+"""Supervision of one job's workers (:mod:`hvdrun.launch.launcher` starts them).
 
 A :class:`WorkerGroup` watches the workers of one job: when one fails, every other one gets
 SIGTERM and, after a grace period, SIGKILL of its whole process group; the first failure
@@ -27,7 +27,7 @@ from hvdrun.errors import (
     WorkerFailed,
 )
 from hvdrun.interrupts import Wakeup
-from hvdrun.launch.base import Launcher, Worker, WorkerSpec
+from hvdrun.launch.launcher import Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.remote.forkserver import describe_status
 from hvdrun.ranks import Slot, format_ranks

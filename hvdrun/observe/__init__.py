@@ -1,5 +1,5 @@
 """Seeing a running job from outside its ranks: their vitals sampled from rank 0 and turned into rates
-(:mod:`~hvdrun.observe.vitals`), the live view ``hvdrun top`` (:mod:`~hvdrun.observe.top`), metrics for tools
+(:mod:`~hvdrun.observe.rates`), the live view ``hvdrun top`` (:mod:`~hvdrun.observe.top`), metrics for tools
 (:mod:`~hvdrun.observe.metrics`), the launcher's sampling while a job runs (:mod:`~hvdrun.observe.sampler`) and
 the report written when it ends (:mod:`~hvdrun.observe.report`, drawn by :mod:`~hvdrun.observe.charts`).
 

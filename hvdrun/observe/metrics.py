@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hvdrun.errors import UsageError
-from hvdrun.observe.vitals import RankRates, Sample, fold_hosts
+from hvdrun.observe.rates import RankRates, Sample, fold_hosts
 
 DEFAULT_ADDR = "127.0.0.1"
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hvdrun.errors import RendezvousError
-from hvdrun.observe.vitals import RankRates, Sample, fold_hosts, rates, take_sample
+from hvdrun.observe.rates import RankRates, Sample, fold_hosts, rates, take_sample
 
 DEFAULT_INTERVAL_S = 5.0
 MAX_POINTS = 600  # points kept per series: past it, every other one is dropped (the report's plots stay light)

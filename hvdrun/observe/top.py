@@ -1,6 +1,6 @@
 """``hvdrun top [JOB]``: every rank's progress, live, from any shell that can reach the job's rank 0.
 
-Two samples of every rank's vitals (:mod:`hvdrun.observe.vitals`) a second apart give each rank's collectives and
+Two samples of every rank's vitals (:mod:`hvdrun.observe.rates`) a second apart give each rank's collectives and
 bytes per second, the share of its time spent waiting for collectives, its optimizer steps per second, the
 collective it waits in, its memory and rank 0's straggler marks. A job of more than 16 ranks is folded into one row
 per host plus the ten worst ranks. ``--once`` prints one view; ``--json`` prints it as JSON (schema ``hvdrun-top/1``).
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hvdrun.observe.vitals import FOLD_ABOVE, HostRates, RankRates, Sample, fold_hosts, rates, take_sample, worst
+from hvdrun.observe.rates import FOLD_ABOVE, HostRates, RankRates, Sample, fold_hosts, rates, take_sample, worst
 
 SCHEMA = "hvdrun-top/1"
 STRAGGLER_MARK = "<< straggler"

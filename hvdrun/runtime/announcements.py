@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hvdrun.runtime.backends.base import Backend
+from hvdrun.runtime.backends.backend import Backend
 from hvdrun.runtime.collectives.hierarchical import MergedPath
 from hvdrun.runtime.collectives.streams import frame_length
 from hvdrun.runtime.compiled import (
@@ -61,7 +61,7 @@ from hvdrun.runtime.compiled import (
 )
 from hvdrun.runtime.negotiation import Request
 from hvdrun.runtime.reduce import REDUCE_FNS
-from hvdrun.runtime.transport.base import (
+from hvdrun.runtime.transport.channels import (
     Codec,
     DoublingStep,
     Message,

@@ -18,7 +18,7 @@ from hvdrun.errors import CollectiveError, NotInitializedError, RendezvousError,
 from hvdrun.protocol.inspection import VITALS, format_reports
 from hvdrun.protocol.rounds import Assignment
 from hvdrun.protocol.tree import tree_place
-from hvdrun.runtime.backends.base import Backend, World
+from hvdrun.runtime.backends.backend import Backend, World
 from hvdrun.runtime.backends.torchdist import open_store
 from hvdrun.runtime.collectives.hierarchical import (
     DEFAULT_DOUBLING_MAX_BYTES,
@@ -32,7 +32,7 @@ from hvdrun.runtime.membership import is_elastic, join_round
 from hvdrun.runtime.negotiation import DEFAULT_CACHE_CAPACITY
 from hvdrun.runtime.rendezvous import Rendezvous
 from hvdrun.runtime.timeline import Timeline
-from hvdrun.runtime.transport.base import AbortFlag
+from hvdrun.runtime.transport.channels import AbortFlag
 from hvdrun.runtime.vitals import rank_vitals
 
 BACKENDS = ("ring", "mpi", "gloo")

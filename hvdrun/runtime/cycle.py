@@ -23,7 +23,7 @@ import numpy as np
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime import compiled, verdicts
 from hvdrun.runtime.announcements import WHOLE, Agreement, Announcements, Tally, Uniform, last_ranks
-from hvdrun.runtime.backends.base import Backend
+from hvdrun.runtime.backends.backend import Backend
 from hvdrun.runtime.device import DeviceCollectives
 from hvdrun.runtime.executors import EXECUTORS, allreduce_flat, reduce_contributions, stand_in
 from hvdrun.runtime.handles import LocalOp
@@ -41,7 +41,7 @@ from hvdrun.runtime.negotiation import (
 from hvdrun.runtime.reduce import final_factor, scale
 from hvdrun.runtime.stragglers import Arrival, StragglerWatch, tally_arrival
 from hvdrun.runtime.timeline import Timeline
-from hvdrun.runtime.transport.base import Message
+from hvdrun.runtime.transport.channels import Message
 
 _HELD_KINDS = ("allreduce", "broadcast")  # identical on every rank by construction: held alike, ready alike
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from hvdrun.errors import CollectiveError, PeerLostError
-from hvdrun.runtime.backends.base import Backend
+from hvdrun.runtime.backends.backend import Backend
 from hvdrun.runtime.compiled import UniformSteps
 from hvdrun.runtime.cycle import Cycle
 from hvdrun.runtime.device import DeviceCollectives

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hvdrun.runtime.backends.base import Backend, World
+from hvdrun.runtime.backends.backend import Backend, World
 from hvdrun.runtime.handles import Handle, LocalOp
 from hvdrun.runtime.negotiation import Entry, Request, Table
 from hvdrun.runtime.reduce import (
@@ -25,7 +25,7 @@ from hvdrun.runtime.reduce import (
     reduce_in_rank_order,
     scale,
 )
-from hvdrun.runtime.transport.base import Message
+from hvdrun.runtime.transport.channels import Message
 
 
 class ExecutorHost(Protocol):

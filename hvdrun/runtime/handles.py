@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from hvdrun.errors import CollectiveError
 from hvdrun.runtime.forensics import Flight
 from hvdrun.runtime.negotiation import Request
-from hvdrun.runtime.transport.base import Message
+from hvdrun.runtime.transport.channels import Message
 
 
 class EngineLike(Protocol):

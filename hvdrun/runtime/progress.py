@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from hvdrun.errors import CollectiveError
-from hvdrun.runtime.backends.base import Backend
+from hvdrun.runtime.backends.backend import Backend
 from hvdrun.runtime.cycle import Cycle
 from hvdrun.runtime.handles import Handle
 from hvdrun.runtime.readiness import readable

@@ -28,7 +28,7 @@ from hvdrun.errors import CollectiveError
 from hvdrun.runtime.handles import EngineLike, Handle, LocalOp
 from hvdrun.runtime.negotiation import Request
 from hvdrun.runtime.reduce import as_bytes, scale
-from hvdrun.runtime.transport.base import Message
+from hvdrun.runtime.transport.channels import Message
 
 _NO_DATA = np.empty(0, np.uint8)
 # eager ops carry at most this much data from all the ranks whose data every rank receives whole (the job's, or with

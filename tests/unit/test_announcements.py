@@ -10,7 +10,7 @@ from hvdrun.runtime.announcements import CODEC, LAST_RANGES, Announcements, Unif
 from hvdrun.runtime.collectives.streams import swap_small
 from hvdrun.runtime.negotiation import Request
 from hvdrun.runtime.reduce import SUM
-from hvdrun.runtime.transport.base import AbortFlag, RxChannel, TxChannel, Waiter
+from hvdrun.runtime.transport.channels import AbortFlag, RxChannel, TxChannel, Waiter
 
 WIRE = Request("grad", "allreduce", "float32", (3,), SUM).wire()
 

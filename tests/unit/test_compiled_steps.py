@@ -21,7 +21,7 @@ from hvdrun.runtime.collectives.hierarchical import MergedPath
 from hvdrun.runtime.collectives.pairwise import Link, Pairwise, core_index, partners
 from hvdrun.runtime.negotiation import Request
 from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM, scale
-from hvdrun.runtime.transport.base import AbortFlag, Waiter
+from hvdrun.runtime.transport.channels import AbortFlag, Waiter
 from hvdrun.runtime.transport.posts import PostBoard
 from hvdrun.runtime.transport.shm import shm_supported
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx, tune

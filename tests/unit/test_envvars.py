@@ -100,7 +100,7 @@ def test_the_frontier_like_config_gives_each_rank_the_gcd_next_to_its_cores():
                          [("auto", 2, 2, True), ("auto", 3, 2, False), ("active", 8, 2, True),
                           ("passive", 1, 64, False)])
 def test_the_wait_policy_decides_whether_waits_spin(policy, host_ranks, cores, spins):
-    from hvdrun.runtime.transport.base import DEFAULT_SPIN_S, spin_seconds
+    from hvdrun.runtime.transport.channels import DEFAULT_SPIN_S, spin_seconds
 
     envvars.check_tuning({"HVDRUN_WAIT_POLICY": policy})
     assert spin_seconds(policy, host_ranks, cores) == (DEFAULT_SPIN_S if spins else 0.0)

@@ -10,7 +10,7 @@ import pytest
 
 from hvdrun.hosts import Host
 from hvdrun.launch.agent_forest import AgentHost, agent_tree, lost_note, plan_entry, tree_nodes
-from hvdrun.launch.base import WorkerSpec
+from hvdrun.launch.launcher import WorkerSpec
 from hvdrun.launch.remote.connections import SshTarget
 from hvdrun.launch.remote.host_agent.messages import MAX_FRAME_BYTES, frame, read_frame, subtree
 from hvdrun.launch.remote.lines import tag, untag

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from hvdrun.cli import cli
 from hvdrun.config import available_clusters, format_hms, parse_walltime
 from hvdrun.errors import ConfigError, UsageError
-from hvdrun.jobs.base import ScriptRules
 from hvdrun.jobs.render import check_script, render_script
+from hvdrun.jobs.scheduler import ScriptRules
 from hvdrun.jobs.spec import JobRequest, build_spec
 
 GOLDEN = Path(__file__).parent / "golden"

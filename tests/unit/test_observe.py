@@ -16,11 +16,11 @@ import hvdrun.torch as hvd
 from hvdrun.errors import UsageError
 from hvdrun.observe.charts import line_chart, phase_bars
 from hvdrun.observe.metrics import _Collector, parse_address
+from hvdrun.observe.rates import Sample, fold_hosts, rates, worst
 from hvdrun.observe.report import Binding, JobRecord, StartupTimes, render
 from hvdrun.observe.sampler import MAX_POINTS, History
 from hvdrun.observe.top import STRAGGLER_MARK, view
 from hvdrun.observe.top import render as render_top
-from hvdrun.observe.vitals import Sample, fold_hosts, rates, worst
 from hvdrun.runtime import context
 from hvdrun.runtime.forensics import FlightRecorder
 

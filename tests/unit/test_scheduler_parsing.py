@@ -8,9 +8,9 @@ import pytest
 
 from hvdrun.errors import JobError
 from hvdrun.jobs import SCHEDULERS, pbs, scheduler_for, slurm
-from hvdrun.jobs.base import FINISHED, HELD, QUEUED, RUNNING, JobStatus
 from hvdrun.jobs.cobalt import Cobalt
 from hvdrun.jobs.pbs import Pbs
+from hvdrun.jobs.scheduler import FINISHED, HELD, QUEUED, RUNNING, JobStatus
 from hvdrun.jobs.slurm import Slurm
 
 

@@ -13,7 +13,7 @@ from hvdrun.errors import RendezvousError
 from hvdrun.protocol.wire import recv_frame, send_frame
 from hvdrun.runtime.peers import Peer
 from hvdrun.runtime.rendezvous.server import RootServer, _Conn
-from hvdrun.runtime.transport.base import AbortFlag
+from hvdrun.runtime.transport.channels import AbortFlag
 
 HOSTS = {1: "nodeB", 2: "nodeB", 3: "nodeC", 4: "nodeD", 5: "nodeD"}
 

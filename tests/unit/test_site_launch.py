@@ -16,7 +16,7 @@ from rich.console import Console
 from hvdrun.envvars import Rendezvous
 from hvdrun.errors import LaunchError
 from hvdrun.health.check import CheckReport, JobReport, interface_of
-from hvdrun.health.report import network_line
+from hvdrun.health.check_view import network_line
 from hvdrun.hosts import Host
 from hvdrun.launch.job import make_launcher
 from hvdrun.launch.mpiexec import MpiexecCommand, MpiexecLauncher, detect_flavour, openmpi_major

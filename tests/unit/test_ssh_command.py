@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 from hvdrun.hosts import Host
-from hvdrun.launch.base import WorkerSpec
 from hvdrun.launch.hostprobe import module_command
+from hvdrun.launch.launcher import WorkerSpec
 from hvdrun.launch.ssh import stdin_preamble, worker_command
 from hvdrun.ranks import Slot
 

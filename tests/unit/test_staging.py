@@ -1,4 +1,4 @@
-"""Environment staging (hvdrun/launch/staging.py, envcopy.py): fingerprints, the plan's checks, and the unpack
+"""Environment staging (hvdrun/launch/staging.py, stage_unpack.py): fingerprints, the plan's checks, and the unpack
 line's marker logic, run for real in ``sh`` (no launcher, no ranks)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 from hvdrun.config import load_config
 from hvdrun.errors import ConfigError, UsageError
 from hvdrun.hosts import Host
-from hvdrun.launch.envcopy import MARKER, Environment, HostStaged, unpack_command, unpack_failure
 from hvdrun.launch.plan import RunOptions, plan_job
 from hvdrun.launch.stage_tree import TreeReport
+from hvdrun.launch.stage_unpack import MARKER, Environment, HostStaged, unpack_command, unpack_failure
 from hvdrun.launch.staging import (
     StagePlan,
     ThisMachine,

@@ -11,7 +11,7 @@ import pytest
 
 from hvdrun.errors import PeerLostError
 from hvdrun.runtime.collectives.streams import CopySink, move
-from hvdrun.runtime.transport.base import AbortFlag, Waiter
+from hvdrun.runtime.transport.channels import AbortFlag, Waiter
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx, tune
 
 
@@ -115,7 +115,7 @@ class _Board:
 def test_one_poll_asks_every_socket_and_staged_bytes_and_other_channels_count_too():
     """``any_ready``: the sockets' readability with one poll, bytes already staged (the socket itself empty), and
     channels no poll sees, each of which alone makes the answer yes."""
-    from hvdrun.runtime.transport.base import any_ready
+    from hvdrun.runtime.transport.channels import any_ready
 
     links = []
     with socket.create_server(("127.0.0.1", 0)) as listener:
@@ -155,7 +155,7 @@ def wait_for(condition, timeout_s: float = 5.0) -> bool:
 def test_a_waiter_with_bytes_staged_does_not_sleep(pair, monkeypatch):
     """The socket is empty but the channel holds bytes already read: the waiter must not go to its poll (it would
     sleep until its timeout, as nothing more arrives)."""
-    import hvdrun.runtime.transport.base as base
+    import hvdrun.runtime.transport.channels as base
 
     tx_a, _, _, rx_b = pair
     tx_a.sock.setblocking(True)

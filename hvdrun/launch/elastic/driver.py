@@ -31,10 +31,10 @@ from collections.abc import Callable
 from hvdrun.errors import JobInterrupted, WorkerFailed
 from hvdrun.hosts import Host
 from hvdrun.interrupts import Wakeup
-from hvdrun.launch.base import Launcher, WorkerSpec
 from hvdrun.launch.elastic.discovery import FixedHosts, ScriptDiscovery
 from hvdrun.launch.elastic.membership_service import MembershipService
 from hvdrun.launch.elastic.worker_pool import ElasticSettings, Member, WorkerPool
+from hvdrun.launch.launcher import Launcher, WorkerSpec
 from hvdrun.launch.output import OutputRouter
 from hvdrun.launch.supervision import Failure, stop_signals_handled, stop_workers
 from hvdrun.ranks import GpuLayout, Slot

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from hvdrun import envvars
 from hvdrun.errors import LaunchError, UsageError
 from hvdrun.hosts import Host
-from hvdrun.launch.base import Launcher, Worker, WorkerSpec
 from hvdrun.launch.elastic.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
+from hvdrun.launch.launcher import Launcher, Worker, WorkerSpec
 from hvdrun.launch.output import OutputRouter
 from hvdrun.ranks import GpuLayout, Slot, Topology, slot_on
 

@@ -19,7 +19,7 @@ from hvdrun.errors import RendezvousError
 from hvdrun.protocol.wire import AuthError, authenticate_client, authenticate_server, recv_frame, send_frame
 from hvdrun.runtime.collectives.pairwise import Link
 from hvdrun.runtime.peers import Peer
-from hvdrun.runtime.transport.base import AbortFlag
+from hvdrun.runtime.transport.channels import AbortFlag
 from hvdrun.runtime.transport.shm import ShmRx, ShmSegment, ShmTx
 from hvdrun.runtime.transport.tcp import TcpRx, TcpTx, tune
 

@@ -9,9 +9,9 @@ import numpy as np
 
 from hvdrun.envvars import BACKEND
 from hvdrun.errors import UsageError
-from hvdrun.runtime.backends.base import Backend, World
+from hvdrun.runtime.backends.backend import Backend, World
 from hvdrun.runtime.reduce import ReduceFn
-from hvdrun.runtime.transport.base import Message
+from hvdrun.runtime.transport.channels import Message
 
 
 def _mpi():  # noqa: ANN202 - imported lazily: mpi4py initialises MPI on import

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hvdrun.protocol.sockets import bind_host
-from hvdrun.runtime.backends.base import Backend, World, topology
+from hvdrun.runtime.backends.backend import Backend, World, topology
 from hvdrun.runtime.backends.links import LINK, RING, Acceptor, dial, dial_all, shm_link, tcp_link, time_left
 from hvdrun.runtime.collectives import Ring
 from hvdrun.runtime.collectives.hierarchical import (
@@ -38,7 +38,7 @@ from hvdrun.runtime.peers import Layout, NeedsPlan, Peer
 from hvdrun.runtime.readiness import readable
 from hvdrun.runtime.reduce import ReduceFn
 from hvdrun.runtime.rendezvous import Rendezvous
-from hvdrun.runtime.transport.base import (
+from hvdrun.runtime.transport.channels import (
     MARSHAL,
     AbortFlag,
     Codec,
@@ -91,7 +91,7 @@ class NativeBackend(Backend):
         """Join the rendezvous and build this rank's channels to its ring neighbours (and its hierarchy's links).
 
         ``store_port`` (rank 0) announces the device process group's store in the table. ``wait_policy``: how waits
-        for a peer spend their core (:func:`~hvdrun.runtime.transport.base.spin_seconds`).
+        for a peer spend their core (:func:`~hvdrun.runtime.transport.channels.spin_seconds`).
         """
         rank, size = rendezvous.rank, rendezvous.size
         choice = choice or AlgorithmChoice()

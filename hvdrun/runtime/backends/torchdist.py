@@ -17,12 +17,12 @@ import numpy as np
 
 from hvdrun.envvars import LaunchInfo
 from hvdrun.protocol.sockets import bind_host, listen
-from hvdrun.runtime.backends.base import Backend, World, topology
+from hvdrun.runtime.backends.backend import Backend, World, topology
 from hvdrun.runtime.device import TorchGroup
 from hvdrun.runtime.peers import Peer
 from hvdrun.runtime.reduce import MAX, MIN, PRODUCT, SUM, ReduceFn
 from hvdrun.runtime.rendezvous import Rendezvous
-from hvdrun.runtime.transport.base import AbortFlag, Message
+from hvdrun.runtime.transport.channels import AbortFlag, Message
 
 _OP_OF: dict[Any, int] = {np.add: SUM, np.minimum: MIN, np.maximum: MAX, np.multiply: PRODUCT}
 

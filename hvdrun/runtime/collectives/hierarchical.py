@@ -40,7 +40,7 @@ from hvdrun.runtime import compiled
 from hvdrun.runtime.collectives.pairwise import Link, Pairwise, partners
 from hvdrun.runtime.collectives.ring import Ring
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
-from hvdrun.runtime.transport.base import MARSHAL, MAX_SLEEP_S, Codec, Message
+from hvdrun.runtime.transport.channels import MARSHAL, MAX_SLEEP_S, Codec, Message
 from hvdrun.runtime.transport.posts import SLOT_BYTES, PostBoard
 
 DEFAULT_DOUBLING_MAX_BYTES = 64 << 10

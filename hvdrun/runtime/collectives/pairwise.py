@@ -38,7 +38,7 @@ from hvdrun.runtime.collectives.streams import (
 )
 from hvdrun.runtime.compiled import StepLink, UniformSteps, step_links
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
-from hvdrun.runtime.transport.base import (
+from hvdrun.runtime.transport.channels import (
     DISCARD,
     MARSHAL,
     MERGE_LOWER,

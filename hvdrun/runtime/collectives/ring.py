@@ -38,7 +38,7 @@ from hvdrun.runtime.collectives.streams import (
     swap_message,
 )
 from hvdrun.runtime.reduce import ReduceFn, as_bytes, chunk_bounds
-from hvdrun.runtime.transport.base import Message, RxChannel, TxChannel, Waiter
+from hvdrun.runtime.transport.channels import Message, RxChannel, TxChannel, Waiter
 
 
 class Ring:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hvdrun.runtime.reduce import ReduceFn, padded
-from hvdrun.runtime.transport.base import Message, RxChannel, TxChannel, Waiter
+from hvdrun.runtime.transport.channels import Message, RxChannel, TxChannel, Waiter
 
 SEGMENT_BYTES = 1 << 19
 # larger messages go through move() into one buffer (swap_small() receives into one buffer too, allocated once the

@@ -31,7 +31,7 @@ from hvdrun import envvars
 from hvdrun.errors import CollectiveError, PeerLostError, UsageError
 from hvdrun.runtime.compiled.toolchain import LIBRARY_NAME, SOURCE_NAME, compile_library
 from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM, ReduceFn, padded
-from hvdrun.runtime.transport.base import MAX_SLEEP_S, TAKE_VALUE, DoublingStep, Waiter
+from hvdrun.runtime.transport.channels import MAX_SLEEP_S, TAKE_VALUE, DoublingStep, Waiter
 from hvdrun.runtime.transport.posts import SLOT_BYTES, PostBoard
 
 SOURCE = Path(__file__).with_name(SOURCE_NAME)
@@ -134,7 +134,7 @@ def load(environ: Mapping[str, str] = os.environ, path: Path = LIBRARY) -> ctype
 
 class StepLink(NamedTuple):
     """One step of the doubling, as the compiled module takes it: the sockets to and from the partner, the step's
-    mode (:data:`hvdrun.runtime.transport.base.MERGE_UPPER` ...), and the partner's name (for errors)."""
+    mode (:data:`hvdrun.runtime.transport.channels.MERGE_UPPER` ...), and the partner's name (for errors)."""
 
     tx_fd: int
     rx_fd: int

@@ -41,7 +41,7 @@ from hvdrun.errors import CollectiveError
 from hvdrun.runtime.forensics import FlightRecorder
 from hvdrun.runtime.lane.attempt import LANE_OPS, SPINS_BEFORE_YIELD, FastLane
 from hvdrun.runtime.lane.board import CAPACITY, Board
-from hvdrun.runtime.transport.base import AbortFlag
+from hvdrun.runtime.transport.channels import AbortFlag
 
 __all__ = ["CAPACITY", "LANE_OPS", "Board", "FastLane", "LaneHost", "create_board", "lane_enabled", "open_lane",
            "try_allreduce"]

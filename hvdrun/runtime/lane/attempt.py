@@ -30,7 +30,7 @@ from hvdrun.runtime.lane.board import (
     signature,
 )
 from hvdrun.runtime.reduce import AVERAGE, MAX, MIN, PRODUCT, REDUCE_FNS, SUM, final_factor, scale
-from hvdrun.runtime.transport.base import AbortFlag, fence
+from hvdrun.runtime.transport.channels import AbortFlag, fence
 
 SPINS_BEFORE_YIELD = 200
 _MAX_PLANS = 4096  # layouts (and names per layout) remembered

@@ -39,7 +39,7 @@ from hvdrun.runtime.rendezvous.common import (
 )
 from hvdrun.runtime.rendezvous.leader import HostLeader
 from hvdrun.runtime.rendezvous.server import RootServer
-from hvdrun.runtime.transport.base import AbortFlag
+from hvdrun.runtime.transport.channels import AbortFlag
 
 __all__ = ["Peer", "PeerTable", "Rendezvous", "reserve_listener"]
 

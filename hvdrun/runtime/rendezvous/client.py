@@ -21,7 +21,7 @@ from hvdrun.runtime.rendezvous.common import (
     report_request,
     signal_self,
 )
-from hvdrun.runtime.transport.base import AbortFlag
+from hvdrun.runtime.transport.channels import AbortFlag
 
 
 class Client:

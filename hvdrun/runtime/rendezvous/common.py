@@ -19,7 +19,7 @@ from hvdrun.errors import RendezvousError
 from hvdrun.protocol.inspection import REPORT_TIMEOUT_S, STACKS
 from hvdrun.protocol.sockets import MIN_BACKLOG, listen
 from hvdrun.runtime.peers import Peer
-from hvdrun.runtime.transport.base import AbortFlag
+from hvdrun.runtime.transport.channels import AbortFlag
 
 HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection is dropped after this, whatever it sends
 Reporter = Callable[[str], dict[str, Any]]  # what (STACKS or VITALS) -> this rank's report

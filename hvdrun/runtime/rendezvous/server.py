@@ -27,7 +27,7 @@ from hvdrun.runtime.rendezvous.common import (
     same_user,
     signal_self,
 )
-from hvdrun.runtime.transport.base import AbortFlag
+from hvdrun.runtime.transport.channels import AbortFlag
 
 
 class _Conn:

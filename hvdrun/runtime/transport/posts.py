@@ -26,7 +26,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from hvdrun.runtime.transport.base import Doorbell, Message, fence
+from hvdrun.runtime.transport.channels import Doorbell, Message, fence
 from hvdrun.runtime.transport.shmfile import map_shared, shm_file, unlink_names
 
 SLOT_BYTES = 256 << 10  # one post; a longer message takes the host's ring in that round, on every rank

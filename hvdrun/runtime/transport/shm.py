@@ -22,7 +22,7 @@ import platform
 from pathlib import Path
 
 from hvdrun import envvars
-from hvdrun.runtime.transport.base import Doorbell, RxChannel, TxChannel
+from hvdrun.runtime.transport.channels import Doorbell, RxChannel, TxChannel
 from hvdrun.runtime.transport.shmfile import map_shared, shm_file, unlink_names
 
 _HEADER = 256

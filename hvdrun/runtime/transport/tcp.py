@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from hvdrun.errors import PeerLostError
-from hvdrun.runtime.transport.base import RxChannel, TxChannel
+from hvdrun.runtime.transport.channels import RxChannel, TxChannel
 
 STAGING_BYTES = 4 << 20
 SOCKET_BUFFER_BYTES = 4 << 20

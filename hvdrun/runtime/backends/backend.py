@@ -12,7 +12,7 @@ import numpy as np
 from hvdrun.ranks import Topology, topologies
 from hvdrun.runtime.lane import FastLane
 from hvdrun.runtime.reduce import ReduceFn
-from hvdrun.runtime.transport.base import MARSHAL, Codec, Message
+from hvdrun.runtime.transport.channels import MARSHAL, Codec, Message
 
 if TYPE_CHECKING:
     from hvdrun.runtime.collectives.hierarchical import MergedPath
