@@ -4,16 +4,15 @@
 its parameter groups, so ``isinstance(hvd_opt, torch.optim.SGD)`` holds. Every parameter gets a
 hook that fires when its gradient has been accumulated; after ``backward_passes_per_step`` such
 firings the gradient's allreduce starts asynchronously, overlapping the rest of backward.
-``step()`` waits for all of them (``synchronize()``) and then runs the wrapped optimizer's step.
+``step()`` waits for all of them (``synchronize()``) and then runs the wrapped optimizer's step. Without
+overlap (CPU), the gradients go out at ``step()`` instead, flattened (:mod:`hvdrun.torch.flat_step`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import warnings
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
@@ -23,6 +22,7 @@ from hvdrun.envvars import OVERLAP
 from hvdrun.runtime import context
 from hvdrun.torch import buckets
 from hvdrun.torch.compression import Compression
+from hvdrun.torch.flat_step import FlatStep
 from hvdrun.torch.ops import (
     Adasum,
     Average,
@@ -69,7 +69,6 @@ def _overlap_policy(params: list[torch.Tensor]) -> bool:
 
 
 _ALONE = -1  # a bucket whose members went out one by one (a sparse gradient among them)
-_Flat = tuple[list[int], str, torch.Tensor, list[torch.Tensor]]  # positions, name, buffer, views of the positions
 
 
 def _split_groups(params: list[torch.Tensor], groups: Any) -> list[list[torch.Tensor]]:
@@ -101,11 +100,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._ungrouped = sorted(set(all_params) - set(self._group_of), key=self._parameter_names.__getitem__)
         self._position = {p: i for i, p in enumerate(all_params)}
         self._fired = [0] * len(all_params)  # backward passes that reached each parameter since synchronize()
-        self._layouts: dict[tuple[int, ...], list[_Flat]] = {}  # see _layout
         self._handles: dict[torch.Tensor, tuple[int | None, Any]] = {}
         self._group_handles: dict[int, tuple[int, list[Any]]] = {}
-        # submitted at step() without overlap: (handle, params, (compressed, ctx) pairs, views into the flat buffer)
-        self._together: list[tuple[Any, list[torch.Tensor], list[Any], list[torch.Tensor] | None]] = []
+        self._flat = FlatStep(compression, self._dense_grad)  # submitted at step() without overlap
         self._synchronized = False
         self._should_synchronize = True
         self._process_set = process_set
@@ -201,64 +198,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles[param] = (handle, (compressed, ctx))
 
     def _submit_together(self, params: list[torch.Tensor]) -> None:
-        """Without overlap (CPU), every gradient waits for ``step()``: they go out flattened into one buffer per
-        dtype, one allreduce each (per-op overhead paid once, not per tensor); sparse ones keep their allgather.
-
-        The name carries a digest of the shapes, so ranks whose models differ wait on different names and the
-        deadlock check names them, instead of summing mismatched layouts. Adasum combines tensor by tensor: it
-        goes as a grouped allreduce.
-        """
-        dense, grads = [], []
-        for param in params:
-            grad = cast(torch.Tensor, param.grad)
-            if grad.is_sparse:
-                if not self.sparse_as_dense:
-                    self._handles[param] = (None, "sparse")
-                    continue
-                grad = self._dense_grad(param)
-            dense.append(param)
-            grads.append(grad)
-        if not dense:
-            return
-        if self._compression is Compression.none:
-            compressed: list[Any] = [(grad, None) for grad in grads]
-        else:
-            compressed = [self._compression.compress(grad) for grad in grads]
+        """Without overlap (CPU), every gradient waits for ``step()``: they go out flattened into one buffer per dtype
+        and device, one allreduce each (:mod:`hvdrun.torch.flat_step`); sparse ones keep their allgather."""
         prescale, postscale = self._scales()
         options = {"op": self.op, "prescale_factor": prescale, "postscale_factor": postscale,
                    "process_set": self._process_set, "_progress_now": False}
-        if self.op == Adasum:
-            handle = grouped_allreduce_async_([c for c, _ in compressed], name="allreduce.step", **options)
-            self._together = [(handle, dense, compressed, None)]
-            return
-        self._together = []
-        for members, name, buffer, views in self._layout(dense, [c for c, _ in compressed]):
-            tensors = [compressed[i][0] for i in members]
-            torch._foreach_copy_(views, tensors)  # into this layout's buffer: one allreduce for all of them
-            handle = allreduce_async_(buffer, name=name, **options)
-            self._together.append((handle, [dense[i] for i in members], [compressed[i] for i in members], views))
-
-    def _layout(self, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[_Flat]:
-        """One flat buffer per dtype and device of ``tensors``: the positions of its members, its name, the
-        buffer and the members' views into it. Worked out once for a given set of parameters (their gradients'
-        shapes, dtypes and devices follow theirs; compression maps a dtype the same way every step)."""
-        key = tuple(map(id, params))
-        known = self._layouts.get(key)
-        if known is not None:
-            return known
-        layout: list[_Flat] = []
-        for kind in dict.fromkeys((t.dtype, t.device) for t in tensors):
-            members = [i for i, t in enumerate(tensors) if (t.dtype, t.device) == kind]
-            shapes = [tuple(tensors[i].shape) for i in members]
-            sizes = [math.prod(shape) for shape in shapes]
-            digest = zlib.crc32(repr(tuple(shapes)).encode())
-            buffer = torch.empty(sum(sizes), dtype=kind[0], device=kind[1])
-            views = buckets.shaped_views(buffer, shapes)
-            layout.append((members, f"allreduce.step.{str(kind[0]).replace('torch.', '')}.{digest:08x}", buffer, views))
-        if len(self._layouts) > 16:
-            self._layouts.clear()
-        self._layouts[key] = layout
-        return layout
+        for param in self._flat.submit(params, options, self.sparse_as_dense):
+            self._handles[param] = (None, "sparse")
 
     def _submit_group_if_complete(self, index: int, force: bool = False) -> None:
         group = self._groups[index]
@@ -304,9 +250,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if bucket.handle is not None and bucket.handle != _ALONE:
                 synchronize(bucket.handle)
                 bucket.drain([cast(torch.Tensor, p.grad) for p in bucket.params])
-        for handle, params, compressed, views in self._together:
-            self._take_results(synchronize(handle), params, compressed, views)
-        self._together = []
+        self._flat.finish()
         for index, (handle, compressed) in self._group_handles.items():
             for param, output, (_, ctx) in zip(self._groups[index], synchronize(handle), compressed, strict=True):
                 if output is not param.grad:
@@ -337,22 +281,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._submit_group_if_complete(index, force=True)
         self._buckets.start_rest()
 
-    def _take_results(self, output: Any, params: list[torch.Tensor], compressed: list[Any],
-                      views: list[torch.Tensor] | None) -> None:
-        """Write the reduced gradients of one submission back into ``param.grad``."""
-        outputs = output if views is None else views
-        if views is not None and self._compression is Compression.none:  # one copy for all of them
-            torch._foreach_copy_([c for c, _ in compressed], views)  # uncompressed, these are the grads
-            return
-        for param, piece, (_, ctx) in zip(params, outputs, compressed, strict=True):
-            if piece is not param.grad:
-                self._dense_grad(param).copy_(self._compression.decompress(piece, ctx))
-
     def reset_pending(self) -> None:
         """Forget gradients submitted to a runtime that failed (elastic reset): the next backward starts afresh."""
         self._handles.clear()
         self._group_handles.clear()
-        self._together = []
+        self._flat.forget()
         for param in self._densified:
             if param.grad is not None and not param.grad.is_sparse:
                 param.grad = param.grad.to_sparse()

@@ -1,12 +1,12 @@
 """A host's leader (its local rank 0, when it is not rank 0): one connection to rank 0 for the whole host.
 
-The host's other ranks join the leader on a local socket (authenticated with the job's secret, as rank 0's
-TCP socket is). The leader joins rank 0 with its own record, then sends each local rank's record as it
-arrives (so rank 0 still names exactly the ranks that never came), hands its ranks the table rank 0 sent for
-the host, and from then on relays:
+The host's other ranks join the leader on a local socket (:mod:`.host_ranks`; authenticated with the job's
+secret, as rank 0's TCP socket is). The leader joins rank 0 with its own record, then sends each local rank's
+record as it arrives (so rank 0 still names exactly the ranks that never came), hands its ranks the table rank 0
+sent for the host, and from then on relays:
 
 * down, from rank 0: aborts, signals, goodbyes and report requests (answered with every local rank's report,
-  and why some have none, in one message);
+  and why some have none, in one message: :mod:`.report_requests`);
 * up, from its ranks: aborts, and a rank that disconnects without a goodbye, named as rank 0 would name it.
 
 If rank 0 goes, the leader tells its ranks with the words every rank used when it watched rank 0 itself.
@@ -27,7 +27,7 @@ from typing import Any
 
 from hvdrun.errors import RendezvousError
 from hvdrun.protocol.inspection import SIGNAL
-from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
+from hvdrun.protocol.wire import recv_frame, send_frame
 from hvdrun.runtime.peers import Peer, PeerTable
 from hvdrun.runtime.readiness import readable
 from hvdrun.runtime.rendezvous.children import Child, Children
@@ -39,24 +39,10 @@ from hvdrun.runtime.rendezvous.common import (
     disconnected,
     report_or_none,
     report_request,
-    same_user,
     signal_self,
 )
-
-_LOCAL_HANDSHAKE_S = 2.0  # a local rank's handshake; a connection that stalls longer is dropped
-
-
-class _Pending:
-    """A report request of rank 0 that the leader's ranks are answering."""
-
-    def __init__(self, request: int, expected: set[int], timeout_s: float) -> None:
-        self.request, self.expected, self.timeout_s = request, expected, timeout_s
-        self.deadline = time.monotonic() + timeout_s
-        self.reports: dict[int, Any] = {}
-        self.absent: dict[int, str] = {}
-
-    def done(self) -> bool:
-        return not self.expected - set(self.reports) - set(self.absent) or time.monotonic() >= self.deadline
+from hvdrun.runtime.rendezvous.host_ranks import HostRanks
+from hvdrun.runtime.rendezvous.report_requests import RelayedReports
 
 
 class HostLeader:
@@ -70,11 +56,9 @@ class HostLeader:
 
     def __init__(self, up: Client, listener: socket.socket, children: Children | None = None) -> None:
         self.up, self.abort = up, up.abort
-        self.listener, self.children = listener, children
-        self.locals: dict[socket.socket, Peer] = {}
-        self._said_bye: set[socket.socket] = set()
-        self._pending: dict[int, _Pending] = {}
+        self.host_ranks, self.children = HostRanks(listener, up.secret, up.generation), children
         self._send_lock = threading.Lock()
+        self.reports = RelayedReports(self.host_ranks, children, self._own_report, self._send, self._up_send)
         self._closing = False
         self._wake_read, self._wake_write = os.pipe()
         self._watcher: threading.Thread | None = None
@@ -103,8 +87,8 @@ class HostLeader:
                 self._fail_locals(f"{self.up.upstream.describe()} did not answer the rendezvous in time")
                 raise RendezvousError(f"{self.up.upstream.describe()} did not answer the rendezvous in time")
             below = self.children.gather_fds() if self.children is not None else []
-            ready = readable([self.listener, sock, *below], min(remaining, 0.5))
-            joined = [self._admit_local()] if self.listener in ready else []
+            ready = readable([self.host_ranks.listener, sock, *below], min(remaining, 0.5))
+            joined = [self.host_ranks.admit()] if self.host_ranks.listener in ready else []
             joined += self._children_rows(ready)
             for peer in joined:
                 if peer is not None:
@@ -153,7 +137,7 @@ class HostLeader:
         assert self.me is not None and self.up.sock is not None
         if len(message) > 3:  # from its parent's leader: name it if it goes
             self.up.lost = self.up.upstream.lost(message[3])
-        for sock in list(self.locals):
+        for sock in list(self.host_ranks.by_sock):
             try:
                 self._send(sock, ("table", message[1], message[2], self.me.describe()))
             except OSError:  # it died waiting: the watch reports it, named
@@ -168,33 +152,8 @@ class HostLeader:
         self._watcher.start()
         return PeerTable.decode(message[1], message[2])
 
-    def _admit_local(self) -> Peer | None:
-        """One local rank's handshake and record; None for a connection that is not one."""
-        try:
-            sock, _ = self.listener.accept()
-        except OSError:
-            return None
-        if not same_user(sock):
-            sock.close()
-            return None
-        sock.settimeout(_LOCAL_HANDSHAKE_S)
-        try:
-            authenticate_client(sock, self.up.secret)
-            generation, row = recv_frame(sock)
-            peer = Peer(*row)
-            if generation != self.up.generation or any(p.rank == peer.rank for p in self.locals.values()):
-                send_frame(sock, ("error", f"rank {peer.rank} is not expected by this host's leader"))
-                sock.close()
-                return None
-        except (OSError, ValueError, TypeError, EOFError, AuthError, ConnectionError):
-            sock.close()
-            return None
-        sock.settimeout(None)
-        self.locals[sock] = peer
-        return peer
-
     def _fail_locals(self, why: str) -> None:
-        for sock in [*self.locals, *(self.children.by_sock if self.children is not None else ())]:
+        for sock in [*self.host_ranks.by_sock, *(self.children.by_sock if self.children is not None else ())]:
             try:
                 send_frame(sock, ("error", why))
             except OSError:
@@ -205,11 +164,10 @@ class HostLeader:
         up = self.up.sock
         assert up is not None
         while not self._closing:
-            live = [sock for sock in self.locals if sock not in self._said_bye]
             below = [self.children.listener, self.children.wake_fd, *self.children.live()] if self.children else []
-            watched: list[Any] = [up, self._wake_read, *live, *below]
+            watched: list[Any] = [up, self._wake_read, *self.host_ranks.live(), *below]
             try:
-                ready = readable(watched, self._next_timeout())
+                ready = readable(watched, self.reports.next_timeout())
             except (OSError, ValueError):
                 return
             if self._wake_read in ready:
@@ -217,11 +175,11 @@ class HostLeader:
             if up in ready and not self._from_rank0(up):
                 return
             for sock in ready:
-                if sock in self.locals:
+                if sock in self.host_ranks.by_sock:
                     self._from_local(sock)
                 elif self.children is not None:
                     self._from_below(self.children, sock)
-            self._answer_reports()
+            self.reports.answer_due()
 
     def _from_below(self, children: Children, ready: Any) -> None:
         """After the table: a child's message, or a late connection (refused once its handshake is done)."""
@@ -231,11 +189,6 @@ class HostLeader:
             children.accept()
         elif ready == children.wake_fd:
             children.take_admitted()
-
-    def _next_timeout(self) -> float:
-        if not self._pending:
-            return 0.5
-        return max(min(p.deadline for p in self._pending.values()) - time.monotonic(), 0.0)
 
     def _from_rank0(self, up: socket.socket) -> bool:
         """Relay one message of rank 0; False when watching rank 0 is over."""
@@ -255,31 +208,29 @@ class HostLeader:
             self._to_locals(message)
             signal_self(message[1])
         elif kind == "report?":
-            self._ask_reports(*report_request(message))
+            self.reports.ask(*report_request(message))
         elif kind == "go":
             self._to_locals(message)
             self.barriers.release(message[1])
         return True
 
     def _from_local(self, sock: socket.socket) -> None:
-        peer = self.locals[sock]
+        peer = self.host_ranks.by_sock[sock]
         try:
             message = recv_frame(sock)
             kind = message[0]
         except (OSError, ConnectionError, EOFError, ValueError, IndexError, TypeError):
             message, kind = None, None
         if kind == "bye":
-            self._said_bye.add(sock)
+            self.host_ranks.said_bye.add(sock)
         elif kind == "report":
-            pending = self._pending.get(message[1])
-            if pending is not None:
-                pending.reports[peer.rank] = message[2]
+            self.reports.take(message[1], peer.rank, message[2])
         elif kind == "abort":  # this host and the subtree at once, without waiting for rank 0 (which may be gone)
             self.report_failure(str(message[1]))
         elif kind == "ready":
             self._reached(message[1], message[2])
         elif not self._closing:
-            self._said_bye.add(sock)  # no longer watched
+            self.host_ranks.said_bye.add(sock)  # no longer watched
             self.report_failure(disconnected(peer))
 
     def _from_child(self, child: Child, message: tuple[Any, ...] | None) -> None:
@@ -306,46 +257,10 @@ class HostLeader:
                 child.said_bye = True  # no longer watched
                 self.report_failure(disconnected(child.first))
 
-    def _ask_reports(self, request: int, timeout_s: float, what: str) -> None:
-        live = {sock: peer for sock, peer in self.locals.items() if sock not in self._said_bye}
-        # answer before the asker's own wait ends (shorter a level down the tree)
-        pending = _Pending(request, {peer.rank for peer in live.values()}, timeout_s * 0.8)
-        pending.absent.update({peer.rank: "it left the job" for sock, peer in self.locals.items()
-                               if sock in self._said_bye})
-        self._ask_children(pending, timeout_s * 0.8, what)
+    def _own_report(self, what: str) -> tuple[int, dict[str, Any]] | None:
+        """This rank's own report of ``what``, with its rank (None: it has none), for :attr:`reports`."""
         own = report_or_none(self.reporter, what)
-        if own is not None and self.me is not None:
-            pending.reports[self.me.rank] = own
-        for sock, peer in live.items():
-            try:
-                self._send(sock, ("report?", request, timeout_s, what))
-            except OSError as e:
-                pending.absent[peer.rank] = f"its control connection failed: {e}"
-        self._pending[request] = pending
-
-    def _ask_children(self, pending: _Pending, timeout_s: float, what: str) -> None:
-        """Forward a report request to the child hosts (each answers up on its own, :meth:`_from_child`); why the
-        ones that cannot answer have no report goes in ``pending``."""
-        if self.children is None:
-            return
-        for child in self.children.by_sock.values():
-            ranks = {peer.rank for peer in child.peers}
-            if child.said_bye or child.lost:
-                pending.absent.update({rank: "it left the job" for rank in ranks})
-                continue
-            try:
-                self._send(child.sock, ("report?", pending.request, timeout_s, what))
-            except OSError as e:
-                pending.absent.update({rank: f"its control connection failed: {e}" for rank in ranks})
-
-    def _answer_reports(self) -> None:
-        for request, pending in list(self._pending.items()):
-            if pending.done():
-                del self._pending[request]
-                for rank in pending.expected - set(pending.reports) - set(pending.absent):
-                    pending.absent[rank] = (f"did not answer within {pending.timeout_s:.2g} s (busy in code "
-                                           "that holds Python's lock?)")
-                self._up_send(("reports", request, pending.reports, pending.absent))
+        return (self.me.rank, own) if own is not None and self.me is not None else None
 
     def _abort_all(self, reason: str) -> None:
         self.abort.set(reason)
@@ -353,11 +268,7 @@ class HostLeader:
 
     def _to_locals(self, message: Any) -> None:
         """``message`` to this host's ranks and to its child hosts."""
-        for sock in [s for s in self.locals if s not in self._said_bye]:
-            try:
-                self._send(sock, message)
-            except OSError:
-                pass
+        self.host_ranks.send_all(message, self._send)
         if self.children is not None:
             self.children.send_all(message, self._send)
 
@@ -377,7 +288,7 @@ class HostLeader:
         self.barriers.wait(number, deadline)
 
     def _reached(self, number: int, count: int) -> None:
-        behind = len(self.locals) + 1 + (len(self.children.ranks()) if self.children is not None else 0)
+        behind = len(self.host_ranks.by_sock) + 1 + (len(self.children.ranks()) if self.children is not None else 0)
         if self.barriers.add(number, count) == behind:
             self._up_send(("ready", number, behind))
 
@@ -399,9 +310,7 @@ class HostLeader:
         os.close(self._wake_read)
         os.close(self._wake_write)
         self._to_locals(("bye",))
-        for sock in self.locals:
-            sock.close()
+        self.host_ranks.close()
         if self.children is not None:
             self.children.close()
-        self.listener.close()
         self.up.close()

@@ -27,6 +27,7 @@ from hvdrun.runtime.rendezvous.common import (
     same_user,
     signal_self,
 )
+from hvdrun.runtime.rendezvous.report_requests import ReportBook, Reports, every_rank
 from hvdrun.runtime.transport.channels import AbortFlag
 
 
@@ -57,22 +58,15 @@ class RootServer:
         self._wake_read, self._wake_write = os.pipe()
         self.reporter: Reporter | None = None  # rank 0's own report (set by the runtime)
         self._send_lock = threading.Lock()
-        self._reports: dict[int, dict[int, Any]] = {}  # request id -> rank -> report
-        self._absent: dict[int, dict[int, str]] = {}  # request id -> rank -> why a leader has no report for it
-        self._reported = threading.Condition()
-        self._requests = 0
+        self._report_book = ReportBook()  # the report requests waiting for answers
         self.barriers = Barriers(abort)
 
     def _live(self) -> list[_Conn]:
         return [conn for conn in list(self.conns.values()) if not conn.said_bye]
 
-    def gather_reports(self, timeout_s: float = REPORT_TIMEOUT_S, what: str = STACKS
-                       ) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    def gather_reports(self, timeout_s: float = REPORT_TIMEOUT_S, what: str = STACKS) -> Reports:
         """Every rank's report of ``what`` (stacks or vitals; rank 0's own included) and why the others have none."""
-        with self._reported:
-            self._requests += 1
-            request = self._requests
-            self._reports[request], self._absent[request] = {}, {}
+        request = self._report_book.open()
         live = self._live()
         absent = {rank: "it left the job" for conn in self.conns.values() if conn.said_bye for rank in conn.ranks}
         if self._monitor is None:  # the rendezvous is still gathering: joined ranks wait for the table
@@ -84,27 +78,10 @@ class RootServer:
             except OSError as e:
                 absent.update({rank: f"its control connection failed: {e}" for rank in conn.ranks})
         expected = {rank for conn in live for rank in conn.ranks} - set(absent)
-        deadline = time.monotonic() + timeout_s
-        with self._reported:
-            while expected - set(self._reports[request]) - set(self._absent[request]) and time.monotonic() < deadline:
-                self._reported.wait(deadline - time.monotonic())
-            replies, absent_there = self._reports.pop(request), self._absent.pop(request)
+        replies, absent_there = self._report_book.wait(request, expected, time.monotonic() + timeout_s)
         absent.update(absent_there)
-        return self._reports_and_absent(replies, absent, expected, timeout_s, what)
-
-    def _reports_and_absent(self, replies: dict[int, Any], absent: dict[int, str], expected: set[int],
-                            timeout_s: float, what: str) -> tuple[list[dict[str, Any]], dict[int, str]]:
-        for rank in [rank for rank, report in replies.items() if "rank" not in report]:
-            del replies[rank]
-            absent[rank] = "its runtime had no report to give"
-        for rank in expected - set(replies) - set(absent):
-            absent[rank] = f"did not answer within {timeout_s:g} s (busy in code that holds Python's lock?)"
-        for rank in set(range(1, self.size)) - set(self.members) - set(absent):
-            absent[rank] = "has not joined rank 0 (not in init() yet, or cannot reach rank 0)"
-        own = report_or_none(self.reporter, what)
-        if own is None:
-            absent[0] = "its report failed"
-        return sorted([*replies.values(), *([own] if own else [])], key=lambda r: r["rank"]), absent
+        not_joined = set(range(1, self.size)) - set(self.members)
+        return every_rank(replies, absent, expected, timeout_s, not_joined, report_or_none(self.reporter, what))
 
     def signal_ranks(self, signum: int) -> int:
         """Send ``signum`` to every other rank's process; the number of ranks it reaches with rank 0's own."""
@@ -271,7 +248,7 @@ class RootServer:
             return
         kind = message[0] if isinstance(message, tuple) and message else None
         if kind in ("report", "reports"):
-            self._take_reports(conn, message)
+            self._report_book.take(conn.ranks, message)
         elif kind == "ready":
             with self._lock:
                 self._reached.setdefault(message[1], set()).update(conn.ranks)
@@ -280,19 +257,6 @@ class RootServer:
             self.broadcast_abort(str(message[1]))
         else:
             self.broadcast_abort(disconnected(conn.first))
-
-    def _take_reports(self, conn: _Conn, message: tuple[Any, ...]) -> None:
-        """A rank's report, or a host leader's reports for its ranks and why some have none."""
-        with self._reported:
-            request = message[1]
-            if request not in self._reports:
-                return
-            if message[0] == "report":
-                self._reports[request][conn.ranks[0]] = message[2]
-            else:
-                self._reports[request].update(message[2])
-                self._absent[request].update(message[3])
-            self._reported.notify_all()
 
     def barrier(self, number: int, deadline: float) -> None:
         """Set-up barrier ``number``: wait until every other rank reached it (a leader counts for its host), then
