@@ -384,22 +384,6 @@ _HOROVODRUN_NAMES = ("fusion_threshold_mb", "cycle_time_ms", "cache_capacity", "
                      "check_build")
 
 
-def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[str | None, dict[str, str]]:
-    """(launcher, worker variables) from horovodrun's options, over its --config-file."""
-    from hvdrun.horovodrun import HorovodTuning, check_controller, load_config_file
-
-    config_file = values.pop("horovod_config_file")
-    values.pop("disable_cache")
-    if values["log_level"]:
-        values["log_level"] = values["log_level"].upper()
-    tuning = HorovodTuning(**values)
-    if config_file:
-        tuning = tuning.overlaid(load_config_file(config_file))
-    launcher, controller_env = check_controller(tuning.controller, launcher)
-    return launcher, {**tuning.worker_env(), **controller_env}
-
-
-
 @cli.command(context_settings={"allow_interspersed_args": False})
 @_host_options()
 @click.option("-m", "--module", is_flag=True, help="COMMAND is a module: every rank runs 'python -m COMMAND'.")
@@ -441,6 +425,7 @@ def _horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(command: tuple[str, ...], no_prefix: bool, preflight: bool, **options: Any) -> None:
     """Run COMMAND on every rank (a .py file runs under this Python)."""
+    from hvdrun.horovodrun import horovodrun_settings
     from hvdrun.launch.job import run_job
     from hvdrun.launch.plan import RunOptions, describe_plan, plan_job
 
@@ -450,7 +435,7 @@ def run(command: tuple[str, ...], no_prefix: bool, preflight: bool, **options: A
 
         click.echo(check_build())
         return
-    launcher, extra_env = _horovodrun_settings(horovod, options["launcher"])
+    launcher, extra_env = horovodrun_settings(horovod, options["launcher"])
     options.update(launcher=launcher, extra_env=tuple(extra_env.items()))
     plan = plan_job(RunOptions(command=command, prefix_output=not no_prefix, **options), os.environ)
     for note in plan.notes:

@@ -196,3 +196,21 @@ def check_build() -> str:
         "Available Tensor Operations:", f"    [{mark(nccl)}] NCCL (torch.distributed)", "    [ ] DDL",
         "    [ ] CCL", f"    [{mark(has_mpi)}] MPI", f"    [{mark(gloo)}] Gloo",
     ])
+
+
+def horovodrun_settings(values: dict[str, Any], launcher: str | None) -> tuple[str | None, dict[str, str]]:
+    """(launcher, worker variables) from horovodrun's options as ``hvdrun run`` received them (its tuning flags,
+    ``horovod_config_file``, ``disable_cache``), over its ``--config-file``; ``values`` is consumed.
+
+    Raises:
+        UsageError: a controller that cannot apply with ``launcher``; ConfigError: a bad config file.
+    """
+    config_file = values.pop("horovod_config_file")
+    values.pop("disable_cache")
+    if values["log_level"]:
+        values["log_level"] = values["log_level"].upper()
+    tuning = HorovodTuning(**values)
+    if config_file:
+        tuning = tuning.overlaid(load_config_file(config_file))
+    launcher, controller_env = check_controller(tuning.controller, launcher)
+    return launcher, {**tuning.worker_env(), **controller_env}
