@@ -310,8 +310,8 @@ def _elastic_options(command: Any) -> Any:
 
 _STAGE_ENV_HELP = ("Copy the ranks' Python environment (a venv or conda env) once to every host's own disk and run "
                    "the ranks from the copy, not from the shared file system; the copy stays there for the next "
-                   "job (DIR/hvdrun-UID/env-FINGERPRINT; a changed environment gets a new one). Local and ssh "
-                   "launchers.")
+                   "job (DIR/hvdrun-UID/env-FINGERPRINT; a changed environment gets a new one). One host reads it "
+                   "from the shared file system, the others get it host to host (a tree); every launcher.")
 _STAGE_DIR_HELP = ("Where --stage-env copies it on each host (implies --stage-env; default: the cluster's local_dir, "
                    "else /tmp).")
 
