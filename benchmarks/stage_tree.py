@@ -43,6 +43,7 @@ options = SshOptions(identity_file=key, known_hosts=known_hosts)
 clients = dict(zip(addrs, connect_all(resolve_targets(hosts, options), options, time.monotonic() + 60)))
 
 class Over:
+    network_interface = None
     def is_remote(self, host): return True
     def connection(self, host): return contextlib.nullcontext(clients[host.name])
     def relays(self, members, directory):

@@ -153,8 +153,10 @@ class TreeReport:
 class StageTree:
     """The coordinator of one job's staging tree over ``names`` (the remote hosts, in host order)."""
 
-    def __init__(self, names: Sequence[str], environment: Environment, directory: str, fanout: int) -> None:
+    def __init__(self, names: Sequence[str], environment: Environment, directory: str, fanout: int,
+                 interface: str | None = None) -> None:
         self.names, self.environment, self.directory, self.fanout = list(names), environment, directory, fanout
+        self.interface = interface  # --network-interface: where the relays listen for their children
         self.token = secrets.token_hex(16)
         self._listener = socket.create_server(("0.0.0.0", 0), backlog=min(len(names), 1024))  # noqa: S104
         self.port = self._listener.getsockname()[1]
@@ -250,7 +252,7 @@ class StageTree:
         for peer in peers:
             peer.answer, peer.end = {}, {}
             peer.send({"do": "check", "argv": argv, "prefix": self.environment.prefix, "peer": addr,
-                       "lock_wait": lock_wait})
+                       "lock_wait": lock_wait, "interface": self.interface})
         for peer in peers:
             message = self._read(peer, starter)
             if "end" in message:

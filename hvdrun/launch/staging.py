@@ -162,6 +162,11 @@ class Reach(Protocol):
         """This machine's address as ``hosts`` reach it."""
         ...
 
+    @property
+    def network_interface(self) -> str | None:
+        """The job's network interface (``--network-interface``), where the relays listen; None: the route's."""
+        ...
+
 
 class ThisMachine:
     """Every host is this machine (the local launcher)."""
@@ -177,6 +182,11 @@ class ThisMachine:
     def callback_address(self, hosts: Sequence[Host]) -> str:
         """Loopback."""
         return "127.0.0.1"
+
+    @property
+    def network_interface(self) -> str | None:
+        """None: no remote host listens."""
+        return None
 
 
 def stage(plan: StagePlan, hosts: Sequence[tuple[Host, str]], reach: Reach) -> tuple[dict[str, HostStaged], str]:
@@ -206,7 +216,7 @@ def stage(plan: StagePlan, hosts: Sequence[tuple[Host, str]], reach: Reach) -> t
             for python in dict.fromkeys(python for _, python in remote):  # meanwhile, the remote hosts' trees
                 members = [(host, p) for host, p in remote if p == python]
                 tree = StageTree([host.name for host, _ in members], plan.environments[python], plan.directory,
-                                 stage_fanout(os.environ))
+                                 stage_fanout(os.environ), reach.network_interface)
                 report = tree.run(reach.relays(members, plan.directory),
                                   reach.callback_address([host for host, _ in members]))
                 trees.append(report)

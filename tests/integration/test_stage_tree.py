@@ -73,7 +73,7 @@ def _left_behind(token_dir: str) -> list[str]:
 
 def test_seven_hosts_get_the_copy_down_a_tree_with_one_read_of_the_source(small_env, tmp_path):
     environment = find_environment(f"{small_env}/bin/python")
-    tree = StageTree(_names(7), environment, STAGE_DIR, fanout=2)
+    tree = StageTree(_names(7), environment, STAGE_DIR, fanout=2, interface="lo")  # children dial the relays on lo
     report = tree.run(ProcessRelays(Hosts(7, tmp_path)), "127.0.0.1")
     assert report.source_host == "host0" and report.source_bytes == _tar_size(small_env)
     assert (report.fanout, report.depth) == (2, 2)

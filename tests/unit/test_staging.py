@@ -278,3 +278,11 @@ def test_a_first_check_answers_busy_while_another_job_holds_the_copys_lock(tmp_p
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_relay_listens_on_the_jobs_network_interface_else_on_the_route_to_hvdrun():
+    from hvdrun.launch.remote.stage_relay import interface_ipv4, own_address
+
+    assert interface_ipv4("lo") == "127.0.0.1" and interface_ipv4("hvd-none0") is None
+    assert own_address("lo", "127.0.0.1") == "127.0.0.1"
+    assert own_address("hvd-none0", "127.0.0.1") == own_address(None, "127.0.0.1") == "127.0.0.1"  # the route's

@@ -49,6 +49,7 @@ IO_TIMEOUT_S = 120.0  # no byte moving for this long: the peer is taken as dead
 HANDSHAKE_TIMEOUT_S = 10.0  # a peer proves the token within this, or is not one
 CHILDREN_WAIT_S = 60.0  # children reach their parent as soon as they are fed; one not there by then failed
 _FRAME = struct.Struct("!I")
+_SIOCGIFADDR = 0x8915
 
 
 class AuthError(Exception):
@@ -186,6 +187,24 @@ def address_towards(addr: str) -> str:
         return str(probe.getsockname()[0])
 
 
+def interface_ipv4(name: str) -> str | None:
+    """The IPv4 address of network interface ``name`` on this host (Linux's SIOCGIFADDR), or None without one."""
+    import fcntl
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(answer[20:24])
+
+
+def own_address(interface: str | None, coordinator: str) -> str:
+    """Where this relay's children reach it: its address on the job's network interface (``--network-interface``)
+    when it has one, else on the route to hvdrun."""
+    return (interface_ipv4(interface) if interface else None) or address_towards(coordinator)
+
+
 class Unpack:
     """The unpack line (``sh -c SCRIPT hvdrun-stage DIR FP``) of this host, fed through its stdin."""
 
@@ -292,7 +311,8 @@ class Relay:
         self.listener.listen(64)
         prefix = str(message["prefix"])  # a venv's or a conda environment's root, as hvdrun's machine sees it
         sees = os.path.isfile(os.path.join(prefix, "pyvenv.cfg")) or os.path.isdir(os.path.join(prefix, "conda-meta"))
-        send_json(self.coordinator, {"answer": self.unpack.answer, "addr": address_towards(message["peer"]),
+        addr = own_address(message.get("interface"), str(message["peer"]))
+        send_json(self.coordinator, {"answer": self.unpack.answer, "addr": addr,
                                      "port": self.listener.getsockname()[1], "sees_source": sees})
 
     def feed(self, message: dict) -> None:
