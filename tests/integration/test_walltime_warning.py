@@ -65,8 +65,8 @@ def test_a_script_without_a_handler_outlives_the_warning(run_hvdrun, cobalt_job,
     assert done.returncode == 0, done.stderr
     assert re.search(r"hvdrun: note: the allocation ends at .* from COBALT_ENDTIME of the job's environment",
                      done.stderr), done.stderr
-    assert re.search(r"hvdrun: the allocation ends in 0:00:(19|20|21) \(--warn-before 20\): warning every rank "
-                     r"with SIGUSR1", done.stderr), done.stderr
+    assert re.search(r"hvdrun: the allocation ends in 0:00:(1\d|20|21) \(--warn-before 20\): warning every rank "
+                     r"with SIGUSR1", done.stderr), done.stderr  # 22 s less hvdrun's start (18 s seen under load)
     assert "passed SIGUSR1 to 2 running workers" in done.stderr
     assert sorted(re.findall(r"rank (\d) still here", done.stdout)) == ["0", "1"], done.stdout
     lefts = [int(n) for n in re.findall(r"starts with (\d+) s left", done.stdout)]
