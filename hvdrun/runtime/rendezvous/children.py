@@ -18,7 +18,7 @@ from typing import Any
 
 from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
 from hvdrun.runtime.peers import Peer
-from hvdrun.runtime.rendezvous.common import HANDSHAKE_TIMEOUT_S, handshake_on_thread
+from hvdrun.runtime.rendezvous.common import HANDSHAKE_TIMEOUT_S, handshake_on_thread, send_to_each
 
 _HANDSHAKES = 64  # unauthenticated connections handled at once; more are refused (a flood cannot stall the gather)
 
@@ -162,11 +162,7 @@ class Children:
 
     def send_all(self, message: Any, send: Any = send_frame) -> None:
         """``message`` to every child still watched (one that cannot take it is found by the watch)."""
-        for sock in self.live():
-            try:
-                send(sock, message)
-            except OSError:
-                pass
+        send_to_each(self.live(), message, send)
 
     def close(self) -> None:
         """Close every connection, the endpoint and the wake pipe."""

@@ -10,7 +10,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from hvdrun import envvars
 from hvdrun.errors import RendezvousError
 from hvdrun.protocol.inspection import REPORT_TIMEOUT_S, STACKS
 from hvdrun.protocol.sockets import MIN_BACKLOG, listen
+from hvdrun.protocol.wire import send_frame
 from hvdrun.runtime.peers import Peer
 from hvdrun.runtime.transport.channels import AbortFlag
 
@@ -70,6 +71,16 @@ def signal_self(signum: Any) -> None:
         os.kill(os.getpid(), int(signum))
     except (OSError, ValueError, TypeError):
         pass
+
+
+def send_to_each(socks: Iterable[socket.socket], message: Any,
+                 send: Callable[[socket.socket, Any], None] = send_frame) -> None:
+    """``message`` to every one of ``socks``; one that cannot take it is left to whatever watches it."""
+    for sock in socks:
+        try:
+            send(sock, message)
+        except OSError:
+            pass
 
 
 def disconnected(peer: Peer) -> str:

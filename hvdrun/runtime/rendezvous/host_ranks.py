@@ -10,7 +10,7 @@ from typing import Any
 
 from hvdrun.protocol.wire import AuthError, authenticate_client, recv_frame, send_frame
 from hvdrun.runtime.peers import Peer
-from hvdrun.runtime.rendezvous.common import same_user
+from hvdrun.runtime.rendezvous.common import same_user, send_to_each
 
 _LOCAL_HANDSHAKE_S = 2.0  # a local rank's handshake; a connection that stalls longer is dropped
 
@@ -64,11 +64,7 @@ class HostRanks:
 
     def send_all(self, message: Any, send: Callable[[socket.socket, Any], None] = send_frame) -> None:
         """``message`` to every rank still watched (one that cannot take it is found by the watch)."""
-        for sock in self.live():
-            try:
-                send(sock, message)
-            except OSError:
-                pass
+        send_to_each(self.live(), message, send)
 
     def close(self) -> None:
         """Close every rank's connection and the local socket."""

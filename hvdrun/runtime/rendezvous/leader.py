@@ -39,6 +39,7 @@ from hvdrun.runtime.rendezvous.common import (
     disconnected,
     report_or_none,
     report_request,
+    send_to_each,
     signal_self,
 )
 from hvdrun.runtime.rendezvous.host_ranks import HostRanks
@@ -153,11 +154,8 @@ class HostLeader:
         return PeerTable.decode(message[1], message[2])
 
     def _fail_locals(self, why: str) -> None:
-        for sock in [*self.host_ranks.by_sock, *(self.children.by_sock if self.children is not None else ())]:
-            try:
-                send_frame(sock, ("error", why))
-            except OSError:
-                pass
+        send_to_each([*self.host_ranks.by_sock, *(self.children.by_sock if self.children is not None else ())],
+                     ("error", why))
 
     # -- relaying -----------------------------------------------------------------------------------------
     def _watch(self) -> None:
