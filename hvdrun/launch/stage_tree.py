@@ -43,6 +43,7 @@ from typing import Any, Protocol
 from hvdrun.errors import LaunchError, UsageError
 from hvdrun.launch.remote import stage_relay
 from hvdrun.launch.remote.stage_relay import (
+    LOCK_WAIT_S,
     AuthError,
     LineReader,
     frame_header,
@@ -57,7 +58,6 @@ FANOUT_VARIABLE = "HVDRUN_STAGE_FANOUT"
 DEFAULT_FANOUT = 4
 RELAY_PATH = Path(stage_relay.__file__)
 REPORT_TIMEOUT_S = 120.0  # for every relay to call back after it was started
-LOCK_WAIT_S = 600  # a later round's wait for another job's lock on a copy (the unpack line's flock -w)
 STOP_WAIT_S = 10.0  # for the relays to end once their connections closed
 
 

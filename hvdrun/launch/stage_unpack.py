@@ -11,12 +11,11 @@ import contextlib
 import os
 import signal
 import subprocess
-import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hvdrun.errors import LaunchError, UsageError
+from hvdrun.launch.remote.stage_relay import Unpack
 
 MARKER = ".hvdrun-staged"
 _DIR_EXIT, _UNPACK_EXIT, _SPACE_EXIT = 3, 4, 5  # the unpack line's exit codes (see _SCRIPT)
@@ -115,39 +114,6 @@ def stop_local_copies() -> int:
     return len(running)
 
 
-class _LocalSession:
-    """The unpack line on this machine, in ``sh``, in a session of its own (stopped with hvdrun: see
-    :func:`stop_local_copies`)."""
-
-    def __init__(self, argv: Sequence[str]) -> None:
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in finish()
-        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                        start_new_session=True)
-        _RUNNING.add(self.process)
-
-    def read_line(self) -> str:
-        assert self.process.stdout is not None
-        return self.process.stdout.readline().decode(errors="replace")
-
-    def write(self, data: bytes) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(data)
-
-    def finish(self) -> tuple[int, str, str]:
-        assert self.process.stdin is not None and self.process.stdout is not None
-        try:
-            self.process.stdin.close()
-        except BrokenPipeError:
-            pass
-        rest = self.process.stdout.read().decode(errors="replace")
-        status = self.process.wait()
-        _RUNNING.discard(self.process)
-        self._stderr.seek(0)
-        error = self._stderr.read().decode(errors="replace")
-        self._stderr.close()
-        return status, rest, error
-
-
 def copy_here(directory: str, environment: Environment) -> HostStaged:
     """Check for, and if needed make, the copy of ``environment`` under ``directory`` on this machine (which
     copies the environment itself).
@@ -157,12 +123,16 @@ def copy_here(directory: str, environment: Environment) -> HostStaged:
         LaunchError: the copy could not be made (disk full, ...).
     """
     started, name = time.monotonic(), "this machine"
-    try:
-        session = _LocalSession(unpack_command(directory, environment, copy=True))
+    try:  # in a session of its own, stopped with hvdrun: see stop_local_copies
+        session = Unpack(unpack_command(directory, environment, copy=True), new_session=True)
     except OSError as e:
         raise LaunchError(f"--stage-env: cannot start the unpack on {name}: {e}", name) from e
-    answer = session.read_line().strip()
-    status, rest, error = session.finish()
+    _RUNNING.add(session.process)
+    try:
+        answer = session.answer
+        status, rest, error = session.finish()
+    finally:
+        _RUNNING.discard(session.process)
     if status != 0 or not answer.startswith(("HAVE ", "NEED ")):
         raise unpack_failure(name, directory, status, error)
     copy, via = answer.split(" ", 1)[1], "copy" if answer.startswith("NEED ") else ""

@@ -27,6 +27,7 @@ A relay whose coordinator goes away stops at once (it watches the connection bet
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -42,6 +43,7 @@ from collections.abc import Iterator
 
 TOKEN_VARIABLE = "HVDRUN_STAGE_TOKEN"  # hvdrun.envvars.STAGE_TOKEN (this file imports nothing of hvdrun)
 LOCK_WAIT_VARIABLE = "HVDRUN_STAGE_LOCK_WAIT"  # the unpack line's flock wait: 0 answers BUSY at once
+LOCK_WAIT_S = 600  # the wait for another job's lock on a copy, but in a tree's first round (the unpack line's -w)
 CHUNK = 1 << 20
 MAX_FRAME = 4 * CHUNK  # a longer frame is no relay's
 MAX_LINE = 1 << 16  # a longer line is no relay's (the unpack line's text is the longest, about 3 kB)
@@ -208,12 +210,16 @@ def own_address(interface: str | None, coordinator: str) -> str:
 class Unpack:
     """The unpack line (``sh -c SCRIPT hvdrun-stage DIR FP``) of this host, fed through its stdin."""
 
-    def __init__(self, argv: list[str], lock_wait_s: int) -> None:
-        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - read in finish()
+    def __init__(self, argv: list[str], lock_wait_s: int = LOCK_WAIT_S, new_session: bool = False) -> None:
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - read and closed in finish()
         env = {**os.environ, LOCK_WAIT_VARIABLE: str(lock_wait_s)}
         self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                                        env=env)
-        self.answer = self.read_line()
+                                        env=env, start_new_session=new_session)
+
+    @functools.cached_property
+    def answer(self) -> str:
+        """Its first line: HAVE, BUSY or NEED and the copy's path ('' when it failed before saying one)."""
+        return self.read_line()
 
     def write(self, data: bytes | bytearray) -> bool:
         """Feed ``data``; False once the unpack stopped reading (it ended)."""
@@ -248,7 +254,9 @@ class Unpack:
         rest = self.process.stdout.read().decode(errors="replace")
         status = self.process.wait()
         self.stderr.seek(0)
-        return status, rest, self.stderr.read().decode(errors="replace")
+        error = self.stderr.read().decode(errors="replace")
+        self.stderr.close()
+        return status, rest, error
 
     def kill(self) -> None:
         self.process.kill()
